@@ -1,0 +1,111 @@
+"""Validated configuration dataclasses shared by every layer of the engine.
+
+Each field is checked in ``__post_init__`` so a bad value fails at construction with a message that
+names the field and the allowed range (the Triton model turns these into load errors).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_SPEC_METHODS = ("none", "ngram", "mtp")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass
+class ModelConfig:
+    """Which checkpoint to load and how."""
+
+    model: str = ""  # GGUF file or Hugging Face directory; "" = the bundled SmolLM2-135M-Instruct GGUF
+    dtype: str = "float32"
+    max_model_len: int = 2048  # prompt + output tokens of one request (or session) at most
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _require(self.max_model_len >= 16, f"max_model_len must be >= 16, got {self.max_model_len}")
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache geometry."""
+
+    block_size: int = 16
+    num_blocks: int = 0  # 0 = derive from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+                 f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        _require(self.num_blocks >= 0, f"num_blocks must be >= 0 (0 = auto), got {self.num_blocks}")
+        _require(self.kv_cache_memory_gb > 0, f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 32  # running requests at once
+    max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _require(1 <= self.max_num_seqs <= 1024, f"max_num_seqs must be in [1, 1024], got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens >= 1,
+                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass
+class SpecConfig:
+    """Speculative decoding (drafts verified by the rejection sampler)."""
+
+    method: str = "none"
+    num_speculative_tokens: int = 0
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        _require(self.method in _SPEC_METHODS, f"spec method must be one of {_SPEC_METHODS}, got {self.method!r}")
+        _require(0 <= self.num_speculative_tokens <= 16,
+                 f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
+        _require(1 <= self.ngram_min <= self.ngram_max,
+                 f"ngram range must satisfy 1 <= ngram_min <= ngram_max, got [{self.ngram_min}, {self.ngram_max}]")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    session_idle_timeout_s: float = 600.0
+    seed: int = 0  # seeds the per-request seeds of unseeded sampled requests
+    num_threads: int = 0  # torch intra-op threads; 0 = all cores
+
+    def __post_init__(self) -> None:
+        _require(self.session_idle_timeout_s > 0,
+                 f"session_idle_timeout_s must be > 0, got {self.session_idle_timeout_s}")
+        _require(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")
+
+    @classmethod
+    def from_flat(cls, values: dict[str, Any]) -> "EngineConfig":
+        """Build from flat ``name -> value`` pairs (Triton parameters, CLI flags); unknown names are errors."""
+        sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig}
+        owner = {f.name: section for section, klass in sections.items() for f in fields(klass)}
+        top = {f.name for f in fields(cls)} - set(sections)
+        grouped: dict[str, dict[str, Any]] = {name: {} for name in sections}
+        top_values: dict[str, Any] = {}
+        for name, value in values.items():
+            if name in owner:
+                grouped[owner[name]][name] = value
+            elif name in top:
+                top_values[name] = value
+            else:
+                raise ValueError(f"unknown engine setting {name!r}")
+        return cls(**{name: sections[name](**kw) for name, kw in grouped.items()}, **top_values)
