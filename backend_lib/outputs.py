@@ -101,3 +101,12 @@ class EngineStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass
+class SessionControl:
+    """Triton's sequence protocol for one request: correlation id plus START / END flags."""
+
+    session_id: str
+    start: bool = False
+    end: bool = False
