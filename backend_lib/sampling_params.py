@@ -1,0 +1,185 @@
+"""SamplingParams: vLLM's per-request sampling knobs, validated at construction.
+
+Every bad value raises ValueError naming the field, the allowed range and the value, because these
+messages go back to clients verbatim (a Triton request error) and must say what to fix.
+Vocabulary-dependent checks (stop_token_ids < vocab size) belong to the engine, which knows the model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_LOGPROBS = 20
+_SEED_LIMIT = 2**31
+
+
+def _is_int(value: Any) -> bool:
+    # bool is a subclass of int: JSON true must not silently become 1.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_float(name: str, value: Any) -> float:
+    """Accept JSON ints where floats are expected (1 -> 1.0), never bools or strings."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    result = float(value)
+    if not math.isfinite(result):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return result
+
+
+def _as_int(name: str, value: Any) -> int:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a boolean (true/false), got {type(value).__name__} {value!r}")
+    return value
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top alternatives to return, 0..20; None = no logprobs
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    speculative: bool = True  # per-request opt-out of speculative decoding
+
+    def __post_init__(self) -> None:
+        self.max_tokens = _as_int("max_tokens", self.max_tokens)
+        _require(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+
+        self.temperature = _as_float("temperature", self.temperature)
+        _require(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature:g}")
+
+        self.top_p = _as_float("top_p", self.top_p)
+        _require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p:g}")
+
+        self.top_k = _as_int("top_k", self.top_k)
+        _require(self.top_k == -1 or self.top_k >= 1,
+                 f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+
+        self.min_p = _as_float("min_p", self.min_p)
+        _require(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p:g}")
+
+        self.repetition_penalty = _as_float("repetition_penalty", self.repetition_penalty)
+        _require(self.repetition_penalty > 0,
+                 f"repetition_penalty must be > 0, got {self.repetition_penalty:g}")
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _as_float(name, getattr(self, name))
+            _require(-2 <= value <= 2, f"{name} must be in [-2, 2], got {value:g}")
+            setattr(self, name, value)
+
+        if self.seed is not None:
+            self.seed = _as_int("seed", self.seed)
+            _require(0 <= self.seed < _SEED_LIMIT,
+                     f"seed must be in [0, {_SEED_LIMIT - 1}] (or null), got {self.seed}")
+
+        self.stop = self._check_stop(self.stop)
+        self.stop_token_ids = self._check_stop_token_ids(self.stop_token_ids)
+
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative"):
+            _as_bool(name, getattr(self, name))
+
+        self.min_tokens = _as_int("min_tokens", self.min_tokens)
+        _require(0 <= self.min_tokens <= self.max_tokens,
+                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+
+        if self.logprobs is not None:
+            self.logprobs = _as_int("logprobs", self.logprobs)
+            _require(0 <= self.logprobs <= MAX_LOGPROBS,
+                     f"logprobs must be in [0, {MAX_LOGPROBS}] (or null), got {self.logprobs}")
+
+    @staticmethod
+    def _check_stop(stop: Any) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__} {stop!r}")
+        for item in stop:
+            if not isinstance(item, str) or not item:
+                raise ValueError(f"stop must contain only non-empty strings, got {item!r}")
+        return list(stop)
+
+    @staticmethod
+    def _check_stop_token_ids(ids: Any) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {type(ids).__name__} {ids!r}")
+        for item in ids:
+            if not _is_int(item) or item < 0:
+                raise ValueError(f"stop_token_ids must contain only integers >= 0, got {item!r}")
+        return [int(i) for i in ids]
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
+        if not isinstance(values, dict):
+            raise ValueError(f"sampling parameters must be an object, got {type(values).__name__}")
+        allowed = cls.field_names()
+        for name in values:
+            if name not in allowed:
+                raise ValueError(f"unknown sampling field {name!r} (allowed: {', '.join(allowed)})")
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "SamplingParams":
+        try:
+            values = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
+            raise ValueError(f"sampling_parameters is not valid JSON: {exc}") from exc
+        if not isinstance(values, dict):
+            raise ValueError(
+                f"sampling_parameters is not valid JSON: expected an object, got {type(values).__name__}")
+        return cls.from_dict(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: (list(v) if isinstance(v, list) else v)
+                for name, v in ((f, getattr(self, f)) for f in self.field_names())}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    def clone(self, **overrides: Any) -> "SamplingParams":
+        """A validated copy with ``overrides`` applied; lists are copied so the clone owns them."""
+        values = self.to_dict()
+        allowed = self.field_names()
+        for name in overrides:
+            if name not in allowed:
+                raise ValueError(f"unknown sampling field {name!r} (allowed: {', '.join(allowed)})")
+        values.update(overrides)
+        return SamplingParams(**values)
