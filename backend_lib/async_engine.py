@@ -1,0 +1,120 @@
+"""AsyncEngine: the LLMEngine step loop on a background thread, with a thread-safe output stream per request.
+
+The Triton model calls add_request / abort from its own threads and reads each RequestStream from a response
+thread. One lock guards the engine: add_request and abort wait for the current step at most.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from backend_lib.config import EngineConfig
+from backend_lib.engine import LLMEngine, Prompt
+from backend_lib.outputs import EngineStats, RequestOutput, SessionControl
+from backend_lib.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RequestStream:
+    """The outputs of one request, in order; the last one has ``finished=True``."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._queue: queue.Queue[RequestOutput] = queue.Queue()
+
+    def put(self, output: RequestOutput) -> None:
+        self._queue.put(output)
+
+    def get(self, timeout: float | None = None) -> RequestOutput:
+        """Blocks for the next output; raises TimeoutError after ``timeout`` seconds."""
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no output for request {self.request_id} within {timeout} s") from None
+
+    def __iter__(self):
+        while True:
+            output = self.get()
+            yield output
+            if output.finished:
+                return
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, idle_poll_s: float = 1.0) -> None:
+        self.engine = LLMEngine(config)
+        self._idle_poll_s = idle_poll_s
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._streams: dict[str, RequestStream] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="deepinfer-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    session: SessionControl | None = None) -> RequestStream:
+        """Raises ValueError (nothing queued) for bad input; RuntimeError after shutdown."""
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the engine is shut down")
+            self.engine.add_request(request_id, prompt, params, session)
+            stream = RequestStream(request_id)
+            self._streams[request_id] = stream
+            self._work.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            output = self.engine.abort(request_id)
+            if output is not None:
+                self._deliver([output])
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return self.engine.stats()
+
+    def shutdown(self) -> None:
+        """Stops the loop; every live request gets a final "abort" output."""
+        with self._lock:
+            self._stopped = True
+            self._work.notify()
+        self._thread.join()
+        with self._lock:
+            for request_id in list(self._streams):
+                output = self.engine.abort(request_id)
+                if output is not None:
+                    self._deliver([output])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            stream.put(output)
+            if output.finished:
+                del self._streams[output.request_id]
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopped and not self.engine.has_unfinished_requests():
+                    self._work.wait(timeout=self._idle_poll_s)
+                    self.engine.close_idle_sessions()
+                if self._stopped:
+                    return
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # the step failed: end every request with the error, keep serving
+                    logger.exception("engine step failed")
+                    outputs = self.engine.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+                self._deliver(outputs)
