@@ -1,0 +1,161 @@
+"""Paged attention over a slot-addressed KV cache (decode and prefill), with a dense reference.
+
+Cache tensors of one layer are ``[num_slots, num_kv_heads, head_dim]`` with
+``num_slots = num_blocks_total * block_size``; block ``b`` holds slots ``[b * block_size, (b + 1) * block_size)``.
+A query at position ``p`` sees the keys at positions ``0..p`` of its own request.
+
+GQA: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (transformers' ``repeat_kv`` order);
+the kernels group the query heads by KV head instead of repeating K/V.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention_metadata import AttentionMetadata
+
+
+def write_kv(
+    cache: torch.Tensor,  # [num_slots, ...]
+    values: torch.Tensor,  # [T, ...]
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    """Store every token's K or V at its slot (in place)."""
+    cache.index_copy_(0, slot_mapping, values.to(cache.dtype))
+
+
+def _gather_blocks(
+    cache: torch.Tensor,  # [num_slots, Hkv, D]
+    block_tables: torch.Tensor,  # [B, nb] int
+    block_size: int,
+) -> torch.Tensor:  # [B, Hkv, nb * block_size, D]
+    blocks = cache.view(-1, block_size, *cache.shape[1:])
+    gathered = blocks[block_tables.long()]  # [B, nb, block_size, Hkv, D]
+    b, nb = block_tables.shape
+    return gathered.view(b, nb * block_size, *cache.shape[1:]).transpose(1, 2)
+
+
+def _grouped_attention(
+    q: torch.Tensor,  # [B, Q, H, D]
+    k: torch.Tensor,  # [B, Hkv, S, D]
+    v: torch.Tensor,  # [B, Hkv, S, D]
+    visible: torch.Tensor,  # [B, Q, S] bool: query i may read key j
+    scale: float,
+) -> torch.Tensor:  # [B, Q, H, D]
+    b, nq, h, d = q.shape
+    hkv = k.shape[1]
+    group = h // hkv
+    # Rows ordered (query, group member) inside each KV head, so one mask row per query serves the whole group.
+    qg = q.view(b, nq, hkv, group, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, nq * group, d)
+    mask = visible[:, None, :, None, :].expand(b, 1, nq, group, visible.shape[-1]).reshape(b, 1, nq * group, -1)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # [B, Hkv, Q*G, D]
+    return out.view(b, hkv, nq, group, d).permute(0, 2, 1, 3, 4).reshape(b, nq, h, d)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B*Q, H, D]
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    block_tables: torch.Tensor,  # [B, nb] int32
+    seq_lens: torch.Tensor,  # [B] int32, context length including the Q query tokens
+    query_len: int,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:  # [B*Q, H, D]
+    """Decode (Q >= 1 tokens per request, causal among them); shapes depend only on [B, nb] and Q.
+
+    Query ``i`` of a request sits at position ``seq_len - Q + i``. A padded row (seq_len 0) still sees key 0 so
+    its softmax stays finite; its output is garbage that the runner discards.
+    """
+    num_reqs = block_tables.shape[0]
+    k = _gather_blocks(k_cache, block_tables, block_size)
+    v = _gather_blocks(v_cache, block_tables, block_size)
+    key_pos = torch.arange(k.shape[2], device=q.device)
+    offsets = torch.arange(query_len, device=q.device) - query_len
+    query_pos = (seq_lens.to(torch.int64)[:, None] + offsets[None, :]).clamp_min(0)  # [B, Q]
+    visible = key_pos[None, None, :] <= query_pos[:, :, None]
+    out = _grouped_attention(q.view(num_reqs, query_len, *q.shape[1:]), k, v, visible, scale)
+    return out.reshape(num_reqs * query_len, *q.shape[1:])
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [sum(query_lens), H, D]
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    block_tables: torch.Tensor,  # [P, nb] int32
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:  # [sum(query_lens), H, D]
+    """Prefill chunks, one request at a time (host ints): a chunk's queries are the last positions of its context."""
+    outputs = []
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+        if not 1 <= q_len <= seq_len:
+            raise ValueError(f"prefill request {i}: query_len must be in [1, seq_len={seq_len}], got {q_len}")
+        num_blocks = -(-seq_len // block_size)
+        table = block_tables[i : i + 1, :num_blocks]
+        k = _gather_blocks(k_cache, table, block_size)[:, :, :seq_len]
+        v = _gather_blocks(v_cache, table, block_size)[:, :, :seq_len]
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
+        outputs.append(_grouped_attention(q[None, start : start + q_len], k, v, visible[None], scale)[0])
+        start += q_len
+    if start != q.shape[0]:
+        raise ValueError(f"prefill query tokens: q has {q.shape[0]} rows but query_lens sum to {start}")
+    return torch.cat(outputs) if outputs else q.new_empty((0, *q.shape[1:]))
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D], this step's K already written
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    """Decode tokens first, then prefill chunks, as laid out by ``AttentionMetadata``."""
+    num_decode_tokens = meta.num_decode_tokens
+    parts = []
+    if meta.num_decodes:
+        parts.append(paged_decode_attention(
+            q[:num_decode_tokens], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+            meta.decode_query_len, meta.block_size, scale))
+    if meta.num_prefills:
+        parts.append(paged_prefill_attention(
+            q[num_decode_tokens:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_lens,
+            meta.prefill_seq_lens, meta.block_size, scale))
+    if not parts:
+        raise ValueError("attention metadata has no decode and no prefill requests")
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def reference_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    """Dense loops: for each request, read its keys slot by slot, then each query attends to positions <= its own."""
+    requests: list[tuple[list[int], int, int]] = []  # (block ids, query_len, seq_len)
+    for i in range(meta.num_decodes):
+        requests.append((meta.decode_block_tables[i].tolist(), meta.decode_query_len,
+                         int(meta.decode_seq_lens[i])))
+    for i in range(meta.num_prefills):
+        requests.append((meta.prefill_block_tables[i].tolist(), meta.prefill_query_lens[i],
+                         meta.prefill_seq_lens[i]))
+    group = q.shape[1] // k_cache.shape[1]
+    out = torch.empty_like(q)
+    row = 0
+    for blocks, q_len, seq_len in requests:
+        slots = [blocks[p // meta.block_size] * meta.block_size + p % meta.block_size for p in range(seq_len)]
+        keys = k_cache[slots].repeat_interleave(group, dim=1)  # [seq_len, H, D]
+        values = v_cache[slots].repeat_interleave(group, dim=1)
+        for i in range(q_len):
+            position = seq_len - q_len + i
+            scores = torch.einsum("hd,shd->hs", q[row], keys[: position + 1]).float() * scale
+            probs = scores.softmax(dim=-1).to(q.dtype)
+            out[row] = torch.einsum("hs,shd->hd", probs, values[: position + 1])
+            row += 1
+    return out

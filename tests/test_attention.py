@@ -1,0 +1,155 @@
+"""Paged attention, RoPE and RMSNorm kernels against their plain references (and transformers where it applies)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.attention import (
+    paged_attention,
+    paged_decode_attention,
+    reference_attention,
+    write_kv,
+)
+from kernels.attention_metadata import AttentionMetadata
+from kernels.norm import rms_norm, rms_norm_reference
+from kernels.rope import RopeScaling, apply_rope, apply_rope_reference, rope_cos_sin_cache, rope_inv_freq
+
+TOL = 1e-5
+
+
+def _block_tables(tables: list[list[int]], width: int, pad: int) -> torch.Tensor:  # [n, width] int32
+    rows = [t + [pad] * (width - len(t)) for t in tables]
+    return torch.tensor(rows, dtype=torch.int32).reshape(len(tables), width)
+
+
+def _mixed_batch(
+    decode_seq_lens: list[int], decode_query_len: int, prefill: list[tuple[int, int]], block_size: int,
+    num_blocks: int, seed: int = 0,
+) -> tuple[AttentionMetadata, int]:
+    """Random, non-contiguous block tables for decodes and prefill chunks (query_len, seq_len); the scratch block is
+    the last one. Returns the metadata and the number of tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    scratch = num_blocks
+    seqs = [(decode_query_len, s) for s in decode_seq_lens] + prefill
+    tables, slots = [], []
+    for q_len, seq_len in seqs:
+        table = [free.pop() for _ in range(-(-seq_len // block_size))]
+        tables.append(table)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(seq_len - q_len, seq_len)]
+    width = max(len(t) for t in tables) + 1  # one extra padding column, as the runner pads
+    nd = len(decode_seq_lens)
+    meta = AttentionMetadata(
+        block_size=block_size,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        num_decodes=nd,
+        decode_query_len=decode_query_len,
+        decode_block_tables=_block_tables(tables[:nd], width, scratch),
+        decode_seq_lens=torch.tensor(decode_seq_lens, dtype=torch.int32),
+        num_prefills=len(prefill),
+        prefill_query_lens=[q for q, _ in prefill],
+        prefill_seq_lens=[s for _, s in prefill],
+        prefill_block_tables=_block_tables(tables[nd:], width, scratch),
+    )
+    return meta, len(slots)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,decode_seq_lens,decode_q,prefill",
+    [
+        (4, 4, [5, 17, 1], 1, [(7, 7), (3, 12), (1, 9)]),  # MHA; plain prefill, prefix continuation, 1-token chunk
+        (6, 2, [9, 33], 3, [(16, 16)]),  # GQA, Q=3 decode (drafts)
+        (9, 3, [4, 40, 23, 8], 1, []),  # decode only (SmolLM2 head layout)
+        (8, 1, [], 2, [(5, 21), (11, 11)]),  # MQA, prefill only
+    ],
+)
+def test_paged_attention_matches_reference(heads, kv_heads, decode_seq_lens, decode_q, prefill):
+    block_size, num_blocks, head_dim = 4, 64, 16
+    meta, num_tokens = _mixed_batch(decode_seq_lens, decode_q, prefill, block_size, num_blocks)
+    gen = torch.Generator().manual_seed(1)
+    num_slots = (num_blocks + 1) * block_size
+    # Stale random data everywhere in the cache: any read outside a request's context would show up.
+    k_cache = torch.randn(num_slots, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_slots, kv_heads, head_dim, generator=gen)
+    q = torch.randn(num_tokens, heads, head_dim, generator=gen)
+    k_new = torch.randn(num_tokens, kv_heads, head_dim, generator=gen)
+    v_new = torch.randn(num_tokens, kv_heads, head_dim, generator=gen)
+    write_kv(k_cache, k_new, meta.slot_mapping)
+    write_kv(v_cache, v_new, meta.slot_mapping)
+    assert torch.equal(k_cache[meta.slot_mapping], k_new)
+
+    scale = head_dim ** -0.5
+    got = paged_attention(q, k_cache, v_cache, meta, scale)
+    want = reference_attention(q, k_cache, v_cache, meta, scale)
+    assert got.shape == q.shape
+    assert (got - want).abs().max().item() <= TOL
+
+
+def test_decode_ignores_keys_past_seq_len_and_padded_rows_stay_finite():
+    block_size, num_blocks, heads, head_dim = 4, 8, 2, 8
+    meta, num_tokens = _mixed_batch([6], 1, [], block_size, num_blocks)
+    k_cache = torch.randn((num_blocks + 1) * block_size, heads, head_dim)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(num_tokens, heads, head_dim)
+    before = paged_attention(q, k_cache, v_cache, meta, 1.0)
+    # Slots 6 and 7 of the request's second block lie past seq_len: changing them must change nothing.
+    second_block = int(meta.decode_block_tables[0, 1])
+    k_cache[second_block * block_size + 2 :second_block * block_size + 4] = 1e4
+    after = paged_attention(q, k_cache, v_cache, meta, 1.0)
+    assert torch.equal(before, after)
+
+    padded = paged_decode_attention(q, k_cache, v_cache, torch.full((1, 2), num_blocks, dtype=torch.int32),
+                                    torch.zeros(1, dtype=torch.int32), 1, block_size, 1.0)
+    assert torch.isfinite(padded).all()
+
+
+@pytest.mark.parametrize("scaling", [
+    None,
+    RopeScaling("linear", factor=4.0),
+    RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64),
+])
+def test_rope_matches_reference_and_transformers(scaling):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    head_dim, theta, max_pos = 32, 10000.0, 512
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)
+    cos, sin = rope_cos_sin_cache(inv_freq, max_pos)
+    positions = torch.tensor([0, 1, 7, 63, 64, 200, 511])
+    x = torch.randn(len(positions), 3, head_dim)
+    got = apply_rope(x, cos, sin, positions)
+    assert (got - apply_rope_reference(x, inv_freq, positions)).abs().max().item() <= TOL
+
+    rope_parameters = {"rope_type": "default", "rope_theta": theta}
+    if scaling is not None:
+        rope_parameters = {"rope_theta": theta, "rope_type": scaling.rope_type, "factor": scaling.factor}
+        if scaling.rope_type == "llama3":
+            rope_parameters.update(low_freq_factor=scaling.low_freq_factor, high_freq_factor=scaling.high_freq_factor,
+                                   original_max_position_embeddings=scaling.original_max_position_embeddings)
+    config = LlamaConfig(hidden_size=head_dim * 3, num_attention_heads=3, max_position_embeddings=max_pos,
+                         rope_parameters=rope_parameters)
+    hf_rope = LlamaRotaryEmbedding(config)
+    assert torch.equal(hf_rope.inv_freq, inv_freq)
+    hf_cos, hf_sin = hf_rope(x, positions[None])
+    hf_q, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], hf_cos, hf_sin)
+    assert torch.equal(hf_q[0].transpose(0, 1), got)
+
+
+def test_rope_rejects_unknown_type():
+    with pytest.raises(ValueError, match="rope_scaling type"):
+        RopeScaling("yarn", factor=2.0)
+
+
+def test_rms_norm_matches_reference_and_transformers():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    x = torch.randn(5, 48) * 3
+    weight = torch.randn(48)
+    got = rms_norm(x, weight, 1e-5)
+    assert (got - rms_norm_reference(x, weight, 1e-5)).abs().max().item() <= TOL
+    hf = LlamaRMSNorm(48, eps=1e-5)
+    hf.weight.data.copy_(weight)
+    assert torch.equal(hf(x), got)
+    bf16 = rms_norm(x.bfloat16(), weight.bfloat16(), 1e-5)
+    assert bf16.dtype == torch.bfloat16
+    assert torch.equal(hf.bfloat16()(x.bfloat16()), bf16)
