@@ -1,0 +1,61 @@
+"""Shared fixtures: the real SmolLM2 GGUF, transformers as the oracle, a tiny random Llama written by transformers."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from backend_lib.models.loader import default_model_path
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    """(model, tokenizer) from transformers, loading the same GGUF file in fp32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    directory, name = os.path.split(smollm2_path)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_path) -> Path:
+    """A tiny random Llama (HF directory) written by transformers, with SmolLM2's tokenizer files."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    out = tmp_path_factory.mktemp("tiny_llama")
+    directory, name = os.path.split(smollm2_path)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.2,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def hf_greedy(model, input_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers greedy decoding with EOS ignored; returns the tokens and each one's logprob."""
+    ids = torch.tensor([input_ids])
+    past = None
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            out = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+            token = int(torch.argmax(logp))
+            tokens.append(token)
+            logprobs.append(float(logp[token]))
+            ids = torch.tensor([[token]])
+    return tokens, logprobs

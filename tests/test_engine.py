@@ -1,0 +1,164 @@
+"""Engine behaviour: seeded sampling, stop strings, streaming, prefix caching, aborts and preemption, bad input."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from backend_lib.async_engine import AsyncEngine
+from backend_lib.config import EngineConfig
+from backend_lib.engine import LLMEngine
+from backend_lib.offline import LLM
+from backend_lib.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path):
+    return LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 512, "max_num_seqs": 16}))
+
+
+def _tiny_engine(path, **settings) -> LLMEngine:
+    return LLMEngine(EngineConfig.from_flat({"model": str(path), "max_model_len": 256, **settings}))
+
+
+def test_seeded_sampling_is_batch_invariant(smollm2):
+    prompt = "Write a sentence about the sea."
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = smollm2.generate([prompt], params)[0].token_ids
+    others = [SamplingParams(max_tokens=24, temperature=t, top_k=k, seed=s, ignore_eos=True)
+              for t, k, s in [(0.0, -1, None), (1.2, 50, 7), (0.5, 5, 8), (1.0, -1, None)] * 2]
+    batch = smollm2.generate([f"Other prompt {i}: tell me about bread." for i in range(8)] + [prompt],
+                             others + [params])
+    assert batch[-1].token_ids == alone
+    different = smollm2.generate([prompt], params.clone(seed=4321))[0].token_ids
+    assert different != alone
+
+
+def test_stop_string_spanning_tokens_is_cut_and_deltas_concatenate(smollm2):
+    prompt = [{"role": "user", "content": "What is the capital of France?"}]
+    free = smollm2.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0))[0].text
+    assert "capital of France" in free
+    stop = "of Fra"  # spans at least two tokens (" of", " France")
+    engine = smollm2.engine
+    engine.add_request("stop-test", prompt, SamplingParams(max_tokens=32, temperature=0.0, stop=[stop]))
+    deltas, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.append(out.new_text)
+            final = out if out.finished else final
+    text = "".join(deltas)
+    assert final.finish_reason == "stop" and final.stop_reason == stop
+    assert text == free[:free.index(stop)]
+    assert stop not in text
+
+
+def test_prefix_cache_computes_only_new_tokens(smollm2_path):
+    llm = LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 256}))
+    engine = llm.engine
+    shared = " ".join(f"word{i}" for i in range(120))  # well over 200 tokens
+    first, second = shared + " The end.", shared + " Another ending here."
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    cold = LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 256,
+                                              "enable_prefix_caching": False})).generate([second], params)[0]
+    llm.generate([first], params)
+    before = engine.stats()
+    warm = llm.generate([second], params)[0]
+    after = engine.stats()
+    prefix_len = len(engine.tokenize(shared))
+    assert prefix_len >= 200
+    computed = after.num_computed_prompt_tokens - before.num_computed_prompt_tokens
+    assert warm.num_cached_tokens >= prefix_len - engine.config.cache.block_size
+    assert computed == warm.num_prompt_tokens - warm.num_cached_tokens
+    assert computed <= warm.num_prompt_tokens - prefix_len + engine.config.cache.block_size
+    assert warm.token_ids == cold.token_ids
+
+
+def _random_workload(rng: random.Random, n: int, vocab: int):
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 60))] for _ in range(n)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 20), temperature=0.0, ignore_eos=True) for _ in range(n)]
+    return prompts, params
+
+
+def test_random_requests_aborts_and_preemption_return_every_block(tiny_llama_dir):
+    rng = random.Random(0)
+    reference = _tiny_engine(tiny_llama_dir, num_blocks=512, max_num_seqs=64)
+    vocab = reference.vocab_size
+    prompts, params = _random_workload(rng, 300, vocab)
+    expected = LLM.__new__(LLM)
+    expected.engine = reference
+    want = [r.token_ids for r in expected.generate(prompts, params)]
+
+    engine = _tiny_engine(tiny_llama_dir, num_blocks=12, max_num_seqs=16, max_num_batched_tokens=48)
+    pending = list(range(300))
+    live: set[str] = set()
+    got: dict[str, list[int]] = {}
+    finish: dict[str, str] = {}
+    while pending or engine.has_unfinished_requests():
+        for _ in range(rng.randint(0, 6)):
+            if pending:
+                i = pending.pop(0)
+                engine.add_request(str(i), prompts[i], params[i])
+                live.add(str(i))
+                got[str(i)] = []
+        if live and rng.random() < 0.15:
+            victim = rng.choice(sorted(live))
+            out = engine.abort(victim)
+            assert out is not None and out.finish_reason == "abort"
+            live.discard(victim)
+            finish[victim] = "abort"
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+            if out.finished:
+                live.discard(out.request_id)
+                finish[out.request_id] = out.finish_reason
+    stats = engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.kv_blocks_used == 0
+    engine.scheduler.kv_cache.check_integrity()
+    completed = [rid for rid, reason in finish.items() if reason == "length"]
+    assert len(completed) > 150
+    for rid in completed:
+        assert got[rid] == want[int(rid)], rid
+
+
+def test_bad_input_is_rejected_with_the_field_name(tiny_llama_dir):
+    engine = _tiny_engine(tiny_llama_dir, num_blocks=32)
+    cases = [
+        ("", SamplingParams(), "prompt is empty"),
+        ([], SamplingParams(), "prompt is empty"),
+        (list(range(300)), SamplingParams(), "max_model_len"),
+        ([engine.vocab_size], SamplingParams(), "outside the vocabulary"),
+        ([-1], SamplingParams(), "outside the vocabulary"),
+        ("hi", SamplingParams(stop_token_ids=[engine.vocab_size + 5]), "stop_token_ids"),
+    ]
+    for prompt, params, message in cases:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request("bad", prompt, params)
+    assert not engine.has_unfinished_requests()
+    for field, value, message in [("temperature", -1, "temperature"), ("top_p", 0.0, "top_p"),
+                                  ("top_p", 1.5, "top_p"), ("top_k", 0, "top_k"), ("top_k", -2, "top_k"),
+                                  ("max_tokens", 0, "max_tokens")]:
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**{field: value})
+    with pytest.raises(ValueError, match="unknown sampling field 'foo'"):
+        SamplingParams.from_dict({"foo": 1})
+
+
+def test_async_engine_streams_and_aborts(tiny_llama_dir):
+    engine = AsyncEngine(EngineConfig.from_flat({"model": str(tiny_llama_dir), "num_blocks": 128,
+                                                 "max_model_len": 1024}))
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        streams = [engine.add_request(f"r{i}", [3 + i, 5, 7], params) for i in range(4)]
+        long = engine.add_request("long", [9, 9, 9], SamplingParams(max_tokens=900, temperature=0.0,
+                                                                    ignore_eos=True))
+        outs = [list(s) for s in streams]
+        for out in outs:
+            assert out[-1].finished and out[-1].finish_reason == "length"
+            assert sum(len(o.new_token_ids) for o in out) == 12
+        engine.abort("long")
+        last = list(long)[-1]
+        assert last.finished and last.finish_reason == "abort"
+        assert engine.stats().kv_blocks_used == 0
+    finally:
+        engine.shutdown()
