@@ -125,13 +125,18 @@ class ModelRunner:
         out = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
         # The one host sync of the step.
         token_ids = out.token_ids.tolist()
+        for row, i in enumerate(inputs.sampling_chunks):
+            sampled[i] = [token_ids[row]]
+        if out.logprobs is None:
+            return RunnerOutput(sampled_token_ids=sampled)
         token_logprobs = out.logprobs.tolist()
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_logprobs = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         logprobs: list[list[TokenLogprob]] = [[] for _ in chunks]
         for row, i in enumerate(inputs.sampling_chunks):
-            sampled[i] = [token_ids[row]]
-            wanted = chunks[i].request.sampling_params.logprobs or 0
+            wanted = chunks[i].request.sampling_params.logprobs
+            if wanted is None:
+                continue
             top = list(zip(top_ids[row][:wanted], top_logprobs[row][:wanted])) if top_ids and wanted else []
             logprobs[i] = [TokenLogprob(token_ids[row], token_logprobs[row], top)]
         return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)

@@ -59,12 +59,12 @@ def _check(results, oracle):
 
 
 def test_greedy_one_at_a_time_matches_transformers(smollm2_llm, oracle):
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
     _check([smollm2_llm.generate([ids], params)[0] for ids, _, _ in oracle], oracle)
 
 
 def test_greedy_concurrent_chunked_batch_matches_transformers(smollm2_llm, oracle):
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
     results = smollm2_llm.generate([ids for ids, _, _ in oracle], params)
     _check(results, oracle)
 
