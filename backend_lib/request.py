@@ -44,7 +44,6 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
-    error: str | None = None  # why a FINISHED_ERROR request ended, for RequestOutput.error
     error: str | None = None  # why the request ended with FINISHED_ERROR
     num_preemptions: int = 0
     # The session history this turn continues (prompt_token_ids starts with it); its KV may be reused.
