@@ -1,0 +1,359 @@
+"""Triton-free codec between the Triton tensor API and the engine.
+
+model.py only moves numpy arrays and strings in and out of ``pb_utils``; every decision about what a
+request means (prompt source, sampling fields, session controls, which outputs to return) and how an
+engine output becomes response tensors lives here, so it is unit-tested without a server.
+
+The tensor API follows Triton's vLLM backend (text_input, stream, sampling_parameters,
+exclude_input_in_output, return_* flags; text_output, finish_reason, cumulative_logprob, logprobs,
+num_input_tokens, num_output_tokens) so its clients and ``genai-perf --backend vllm`` work unchanged.
+Ours besides: input_ids (INT32) or messages (BYTES, JSON chat) instead of text, and output_ids.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+import numpy as np
+
+from backend_lib.config import EngineConfig
+from backend_lib.outputs import RequestOutput, SessionControl, TokenLogprob
+from backend_lib.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from backend_lib.async_engine import AsyncEngine
+
+# Triton's request flags (tritonserver.h): the sequence protocol on gRPC.
+FLAG_SEQUENCE_START = 1
+FLAG_SEQUENCE_END = 2
+
+PROMPT_INPUTS = ("text_input", "input_ids", "messages")
+BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob",
+               "return_logprobs", "return_num_input_tokens", "return_num_output_tokens")
+INPUT_NAMES = PROMPT_INPUTS + ("sampling_parameters",) + BOOL_INPUTS
+SESSION_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
+
+# Engine settings accepted as config.pbtxt parameters: name -> (EngineConfig flat name, converter name).
+_ENGINE_PARAMETERS: dict[str, tuple[str, type]] = {
+    "model": ("model", str),
+    "dtype": ("dtype", str),
+    "device": ("device", str),
+    "max_num_seqs": ("max_num_seqs", int),
+    "max_model_len": ("max_model_len", int),
+    "block_size": ("block_size", int),
+    "num_blocks": ("num_blocks", int),
+    "kv_cache_memory_gb": ("kv_cache_memory_gb", float),
+    "enable_prefix_caching": ("enable_prefix_caching", bool),
+    "max_num_batched_tokens": ("max_num_batched_tokens", int),
+    "enable_chunked_prefill": ("enable_chunked_prefill", bool),
+    "session_idle_timeout_s": ("session_idle_timeout_s", float),
+    "spec_method": ("method", str),
+    "num_speculative_tokens": ("num_speculative_tokens", int),
+    "seed": ("seed", int),
+    "num_threads": ("num_threads", int),
+}
+ENGINE_PARAMETER_NAMES = tuple(_ENGINE_PARAMETERS)
+
+# Sampling fields by type, for values that arrive as strings (HTTP parameters, vLLM-style clients
+# that send {"temperature": "0.1"}). Everything else goes to SamplingParams unchanged.
+_INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "min_tokens", "logprobs"})
+_FLOAT_FIELDS = frozenset({"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                           "frequency_penalty"})
+_BOOL_FIELDS = frozenset({"ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative"})
+
+
+def _parse_bool(name: str, text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be true or false, got {text!r}")
+
+
+def engine_config_from_parameters(parameters: Mapping[str, str]) -> EngineConfig:
+    """config.pbtxt ``parameters`` (all strings) -> a validated EngineConfig.
+
+    An empty string means "not set" (the EngineConfig default). A bad name or value raises ValueError
+    naming the parameter, which Triton reports as the model's load error.
+    """
+    flat: dict[str, Any] = {}
+    for name, text in parameters.items():
+        if name not in _ENGINE_PARAMETERS:
+            raise ValueError(f"unknown model parameter {name!r} (allowed: {', '.join(ENGINE_PARAMETER_NAMES)})")
+        if text == "":
+            continue
+        target, kind = _ENGINE_PARAMETERS[name]
+        if kind is bool:
+            value: Any = _parse_bool(f"model parameter {name}", text)
+        elif kind is str:
+            value = text
+        else:
+            try:
+                value = kind(text.strip())
+            except ValueError:
+                raise ValueError(f"model parameter {name} must be {'an integer' if kind is int else 'a number'}, "
+                                 f"got {text!r}") from None
+        flat[target] = value
+    try:
+        return EngineConfig.from_flat(flat)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"invalid model parameters: {exc}") from exc
+
+
+def build_engine(parameters: Mapping[str, str]) -> "AsyncEngine":
+    """The one factory the Triton model uses: parameters -> running AsyncEngine."""
+    from backend_lib.async_engine import AsyncEngine  # deferred: torch and the model load only here
+
+    return AsyncEngine(engine_config_from_parameters(parameters))
+
+
+@dataclass
+class OutputOptions:
+    """Which optional outputs the client asked for (the vLLM backend's return_* inputs)."""
+
+    finish_reason: bool = False
+    cumulative_logprob: bool = False
+    logprobs: bool = False
+    num_input_tokens: bool = False
+    num_output_tokens: bool = False
+
+
+@dataclass
+class DecodedRequest:
+    prompt: str | list[int] | list[dict[str, str]]
+    params: SamplingParams
+    stream: bool = False
+    prepend_text: str = ""  # the prompt text put before a non-streamed output ("" when excluded)
+    session: SessionControl | None = None
+    options: OutputOptions = field(default_factory=OutputOptions)
+
+
+def _scalar(name: str, array: np.ndarray) -> Any:
+    flat = np.asarray(array).reshape(-1)
+    if flat.size != 1:
+        raise ValueError(f"input {name} must hold exactly one element, got shape {list(np.shape(array))}")
+    return flat[0]
+
+
+def _text(name: str, array: np.ndarray) -> str:
+    value = _scalar(name, array)
+    if isinstance(value, (bytes, np.bytes_)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"input {name} is not valid UTF-8: {exc}") from None
+    if isinstance(value, str):
+        return value
+    raise ValueError(f"input {name} must be BYTES (a string), got {np.asarray(array).dtype}")
+
+
+def _bool_input(name: str, array: np.ndarray) -> bool:
+    value = _scalar(name, array)
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ValueError(f"input {name} must be BOOL, got {np.asarray(array).dtype}")
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Strings for typed sampling fields become numbers / booleans; anything else is left to SamplingParams."""
+    if not isinstance(value, str):
+        return value
+    try:
+        if name in _INT_FIELDS:
+            return int(value.strip())
+        if name in _FLOAT_FIELDS:
+            return float(value.strip())
+    except ValueError:
+        kind = "an integer" if name in _INT_FIELDS else "a number"
+        raise ValueError(f"{name} must be {kind}, got {value!r}") from None
+    if name in _BOOL_FIELDS:
+        return _parse_bool(name, value)
+    return value
+
+
+def _decode_prompt(inputs: Mapping[str, np.ndarray]) -> str | list[int] | list[dict[str, str]]:
+    given = [name for name in PROMPT_INPUTS if name in inputs]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of the inputs {', '.join(PROMPT_INPUTS)}; got "
+                         f"{', '.join(given) if given else 'none'}")
+    name = given[0]
+    if name == "text_input":
+        text = _text(name, inputs[name])
+        if not text:
+            raise ValueError("text_input is empty: the prompt must have at least one character")
+        return text
+    if name == "input_ids":
+        ids = np.asarray(inputs[name])
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"input_ids must be INT32, got {ids.dtype}")
+        flat = [int(i) for i in ids.reshape(-1)]
+        if not flat:
+            raise ValueError("input_ids is empty: the prompt must have at least one token")
+        negative = [i for i in flat if i < 0]
+        if negative:
+            raise ValueError(f"input_ids must be >= 0, got {negative[0]}")
+        return flat
+    text = _text(name, inputs[name])
+    try:
+        messages = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"messages is not valid JSON: {exc}") from None
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty JSON list of {\"role\": ..., \"content\": ...} objects")
+    for i, message in enumerate(messages):
+        if (not isinstance(message, dict) or not isinstance(message.get("role"), str)
+                or not isinstance(message.get("content"), str)):
+            raise ValueError(f"messages[{i}] must be an object with string fields role and content, got {message!r}")
+    return messages
+
+
+def _decode_session(extra: dict[str, Any], correlation_id: int | str, flags: int) -> SessionControl | None:
+    sequence_id: Any = extra.get("sequence_id", correlation_id)
+    start = bool(flags & FLAG_SEQUENCE_START)
+    end = bool(flags & FLAG_SEQUENCE_END)
+    for name in ("sequence_start", "sequence_end"):
+        if name in extra:
+            value = extra[name]
+            value = _parse_bool(name, value) if isinstance(value, str) else value
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a boolean, got {value!r}")
+            if name == "sequence_start":
+                start = start or value
+            else:
+                end = end or value
+    if isinstance(sequence_id, bool) or not isinstance(sequence_id, (int, str)):
+        raise ValueError(f"sequence_id must be an integer or a string, got {sequence_id!r}")
+    if sequence_id in (0, ""):
+        if start or end:
+            raise ValueError("sequence_start / sequence_end need a non-zero sequence_id")
+        return None
+    return SessionControl(session_id=str(sequence_id), start=start, end=end)
+
+
+def decode_request(inputs: Mapping[str, np.ndarray], parameters_json: str = "{}",
+                   correlation_id: int | str = 0, flags: int = 0) -> DecodedRequest:
+    """Input tensors + request parameters (+ gRPC sequence controls) -> what the engine needs.
+
+    ``inputs`` holds the numpy arrays of the inputs the request carries. Sampling fields come from the
+    ``sampling_parameters`` JSON and/or request parameters (the JSON wins on a clash). Raises
+    ValueError with a message naming the problem; nothing is queued before this succeeds.
+    """
+    unknown_inputs = [name for name in inputs if name not in INPUT_NAMES]
+    if unknown_inputs:
+        raise ValueError(f"unknown input {unknown_inputs[0]!r} (allowed: {', '.join(INPUT_NAMES)})")
+    prompt = _decode_prompt(inputs)
+
+    try:
+        request_parameters = json.loads(parameters_json or "{}")
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"request parameters are not valid JSON: {exc}") from None
+    if not isinstance(request_parameters, dict):
+        raise ValueError("request parameters must be a JSON object")
+    extra = {k: v for k, v in request_parameters.items() if k in SESSION_PARAMETERS}
+    sampling = {k: v for k, v in request_parameters.items() if k not in SESSION_PARAMETERS}
+    allowed = SamplingParams.field_names()
+    for name in sampling:
+        if name not in allowed:
+            raise ValueError(f"unknown request parameter {name!r} (allowed: {', '.join(allowed + SESSION_PARAMETERS)})")
+
+    if "sampling_parameters" in inputs:
+        text = _text("sampling_parameters", inputs["sampling_parameters"])
+        try:
+            from_json = json.loads(text) if text.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"sampling_parameters is not valid JSON: {exc}") from None
+        if not isinstance(from_json, dict):
+            raise ValueError(f"sampling_parameters must be a JSON object, got {type(from_json).__name__}")
+        # vLLM clients send null for "use the default".
+        sampling.update({k: v for k, v in from_json.items() if v is not None})
+    params = SamplingParams.from_dict({name: _coerce(name, value) for name, value in sampling.items()})
+
+    bools = {name: _bool_input(name, inputs[name]) for name in BOOL_INPUTS if name in inputs}
+    stream = bools.get("stream", False)
+    if "exclude_input_in_output" in bools:
+        prepend = not bools["exclude_input_in_output"]
+    else:
+        prepend = not stream  # the vLLM backend's default: prompt + output unless streaming
+    if prepend and stream:
+        raise ValueError("exclude_input_in_output=false is not allowed when streaming")
+    options = OutputOptions(**{name[len("return_"):]: bools.get(name, False)
+                               for name in BOOL_INPUTS if name.startswith("return_")})
+    return DecodedRequest(
+        prompt=prompt,
+        params=params,
+        stream=stream,
+        # Only a text prompt has a text to repeat; ids and chat messages have none (documented choice).
+        prepend_text=prompt if (prepend and isinstance(prompt, str)) else "",
+        session=_decode_session(extra, correlation_id, flags),
+        options=options,
+    )
+
+
+def _logprobs_json(logprobs: list[TokenLogprob] | None, decode_token: Callable[[int], str] | None) -> bytes:
+    """vLLM's per-token layout: [{token_id: {logprob, rank, decoded_token}}, ...] (sampled token + top-n)."""
+    if logprobs is None:
+        return b"null"
+    entries = []
+    for item in logprobs:
+        ranked = {token_id: (rank, lp) for rank, (token_id, lp) in enumerate(item.top, start=1)}
+        entry = {}
+        sampled_rank = ranked.get(item.token_id, (None, item.logprob))[0]
+        for token_id, (rank, lp) in [(item.token_id, (sampled_rank, item.logprob))] + list(ranked.items()):
+            entry[str(token_id)] = {"logprob": lp, "rank": rank,
+                                    "decoded_token": decode_token(token_id) if decode_token else None}
+        entries.append(entry)
+    return json.dumps(entries).encode("utf-8")
+
+
+class ResponseEncoder:
+    """Turns one request's stream of RequestOutput deltas into response tensors.
+
+    Streaming: one response per delta carrying only the new text (empty non-final deltas are skipped).
+    Non-streaming: the deltas are gathered and one response with the whole text is produced at the end.
+    ``encode`` returns ``None`` when nothing is to be sent for this output.
+    """
+
+    def __init__(self, request: DecodedRequest, decode_token: Callable[[int], str] | None = None) -> None:
+        self._request = request
+        self._decode_token = decode_token
+        self._text: list[str] = []
+        self._ids: list[int] = []
+        self._logprobs: list[TokenLogprob] | None = None
+
+    def encode(self, output: RequestOutput) -> dict[str, np.ndarray] | None:
+        if self._request.stream:
+            if not (output.finished or output.new_token_ids or output.new_text):
+                return None
+            return self._tensors(output, output.new_text, output.new_token_ids, output.new_logprobs)
+        self._text.append(output.new_text)
+        self._ids.extend(output.new_token_ids)
+        if output.new_logprobs is not None:
+            self._logprobs = (self._logprobs or []) + list(output.new_logprobs)
+        if not output.finished:
+            return None
+        text = self._request.prepend_text + "".join(self._text)
+        return self._tensors(output, text, self._ids, self._logprobs)
+
+    def _tensors(self, output: RequestOutput, text: str, ids: list[int],
+                 logprobs: list[TokenLogprob] | None) -> dict[str, np.ndarray]:
+        options = self._request.options
+        tensors = {
+            "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
+            "output_ids": np.array(ids, dtype=np.int32),
+        }
+        if options.finish_reason:
+            # str(None) for unfinished deltas, as the vLLM backend sends.
+            tensors["finish_reason"] = np.array([str(output.finish_reason).encode("utf-8")], dtype=np.object_)
+        if options.cumulative_logprob:
+            tensors["cumulative_logprob"] = np.array([output.cumulative_logprob], dtype=np.float32)
+        if options.logprobs:
+            wanted = self._request.params.logprobs is not None
+            tensors["logprobs"] = np.array([_logprobs_json(logprobs if wanted else None, self._decode_token)],
+                                           dtype=np.object_)
+        if options.num_input_tokens:
+            tensors["num_input_tokens"] = np.array([output.num_prompt_tokens], dtype=np.uint32)
+        if options.num_output_tokens:
+            tensors["num_output_tokens"] = np.array([len(ids)], dtype=np.uint32)
+        return tensors

@@ -1,0 +1,193 @@
+"""Triton Python-backend model: lifecycle and translation only.
+
+Lifecycle: initialize builds the engine through ``serving.build_engine``; execute decodes each request
+with ``serving.decode_request`` and hands it to the engine (returning None: decoupled); one response
+thread drains every request's stream, sends the deltas, polls cancellation (-> engine.abort) and ends
+every request, errors included, with TRITONSERVER_RESPONSE_COMPLETE_FINAL; finalize shuts the engine
+down (each stream then ends) and joins the thread, so unload never hangs.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+from backend_lib import serving
+from backend_lib.triton_metrics import TritonMetrics
+
+_IDLE_WAIT_S = 0.002  # the response thread's poll period when no stream had output
+_CANCEL_POLL_S = 0.05
+_STATS_POLL_S = 0.5
+_JOIN_TIMEOUT_S = 60.0
+
+
+@dataclass
+class _Active:
+    request_id: str
+    request: Any  # pb_utils.InferenceRequest, kept for is_cancelled()
+    sender: Any  # its response sender
+    stream: Any  # backend_lib.async_engine.RequestStream
+    encoder: serving.ResponseEncoder
+    cancel_checked: float = 0.0
+    cancelled: bool = False
+    done: bool = field(default=False)
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        self._logger = pb_utils.Logger
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise ValueError("deepinfer needs model_transaction_policy { decoupled: true } in config.pbtxt")
+        parameters = {name: value["string_value"] for name, value in config.get("parameters", {}).items()}
+        self._engine = serving.build_engine(parameters)
+        tokenizer = self._engine.tokenizer
+        self._decode_token = lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+        self._metrics = self._make_metrics(args)
+        self._prefix = f"{args['model_name']}-{args['model_instance_name']}-"
+        self._ids = itertools.count()
+        self._incoming: queue.Queue[_Active] = queue.Queue()
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._response_loop, name="deepinfer-responses", daemon=True)
+        self._thread.start()
+
+    def _make_metrics(self, args: dict[str, str]) -> TritonMetrics | None:
+        try:
+            return TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
+        except pb_utils.TritonModelException as exc:
+            if "metrics not supported" not in str(exc):
+                raise
+            self._logger.log_warn("[deepinfer] Triton metrics are disabled on this server; no engine metrics")
+            return None
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            request_id = f"{self._prefix}{next(self._ids)}"
+            try:
+                if self._closing.is_set():
+                    raise RuntimeError("the model is shutting down")
+                decoded = self._decode(request)
+                stream = self._engine.add_request(request_id, decoded.prompt, decoded.params, decoded.session)
+            except ValueError as exc:  # the client's fault: report it and keep serving
+                self._send_error(sender, str(exc))
+                continue
+            except Exception as exc:
+                self._logger.log_error(f"[deepinfer] request {request_id} failed: {traceback.format_exc()}")
+                self._send_error(sender, f"internal error: {exc}")
+                continue
+            encoder = serving.ResponseEncoder(decoded, self._decode_token)
+            self._incoming.put(_Active(request_id, request, sender, stream, encoder))
+        return None
+
+    @staticmethod
+    def _decode(request: Any) -> serving.DecodedRequest:
+        inputs = {}
+        for name in serving.INPUT_NAMES:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                inputs[name] = tensor.as_numpy()
+        return serving.decode_request(inputs, request.parameters(), request.correlation_id(), request.flags())
+
+    def _send_error(self, sender: Any, message: str, code: Any = None) -> None:
+        error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+        sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    # -- the response thread ------------------------------------------------------------------------
+
+    def _response_loop(self) -> None:
+        active: dict[str, _Active] = {}
+        stats_at = 0.0
+        while not (self._closing.is_set() and not active and self._incoming.empty()):
+            try:
+                item = self._incoming.get(timeout=_STATS_POLL_S if not active else 0)
+                active[item.request_id] = item
+            except queue.Empty:
+                pass
+            progressed = False
+            now = time.monotonic()
+            for item in list(active.values()):
+                try:
+                    progressed |= self._pump(item, now)
+                except Exception as exc:
+                    self._fail(item, exc)
+                if item.done:
+                    del active[item.request_id]
+            if self._metrics is not None and (now - stats_at >= _STATS_POLL_S or progressed and not active):
+                stats_at = now
+                self._refresh_metrics()
+            if active and not progressed:
+                time.sleep(_IDLE_WAIT_S)
+
+    def _pump(self, item: _Active, now: float) -> bool:
+        """Send what the stream has ready; True when something arrived."""
+        if not item.cancelled and now - item.cancel_checked >= _CANCEL_POLL_S:
+            item.cancel_checked = now
+            if item.request.is_cancelled():
+                item.cancelled = True
+                self._engine.abort(item.request_id)  # the stream then ends with finish_reason "abort"
+        progressed = False
+        while not item.done:
+            try:
+                output = item.stream.get(timeout=0)
+            except (queue.Empty, TimeoutError):
+                break
+            progressed = True
+            if output.finished:
+                item.done = True
+                if self._metrics is not None:
+                    self._metrics.on_finished(output)
+                self._send_final(item, output)
+                break
+            tensors = item.encoder.encode(output)
+            if tensors is not None:
+                item.sender.send(self._response(tensors), flags=0)
+        return progressed
+
+    def _send_final(self, item: _Active, output: Any) -> None:
+        if item.cancelled:
+            self._send_error(item.sender, "request cancelled", pb_utils.TritonError.CANCELLED)
+        elif output.finish_reason == "error":
+            self._send_error(item.sender, output.error or "the engine failed this request")
+        else:
+            tensors = item.encoder.encode(output)
+            response = self._response(tensors) if tensors is not None else None
+            item.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    @staticmethod
+    def _response(tensors: dict[str, Any]) -> Any:
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(n, a) for n, a in tensors.items()])
+
+    def _fail(self, item: _Active, exc: Exception) -> None:
+        """A send or encode failed: log it, stop the engine work, and still close the client's stream."""
+        self._logger.log_error(f"[deepinfer] response for {item.request_id} failed: {traceback.format_exc()}")
+        if not item.done:
+            item.done = True
+            self._engine.abort(item.request_id)
+            try:
+                self._send_error(item.sender, f"internal error: {exc}")
+            except Exception:
+                self._logger.log_error(f"[deepinfer] could not send the final error: {traceback.format_exc()}")
+
+    def _refresh_metrics(self) -> None:
+        try:
+            self._metrics.refresh(self._engine.stats())
+        except Exception:
+            self._logger.log_error(f"[deepinfer] metrics refresh failed: {traceback.format_exc()}")
+
+    def finalize(self) -> None:
+        self._logger.log_info("[deepinfer] finalize: aborting in-flight requests")
+        self._closing.set()
+        self._engine.shutdown()  # every stream gets a final output, which the thread sends as FINAL
+        self._thread.join(timeout=_JOIN_TIMEOUT_S)
+        if self._thread.is_alive():
+            self._logger.log_error("[deepinfer] response thread did not stop within "
+                                   f"{_JOIN_TIMEOUT_S:.0f} s; unloading anyway")
+        self._logger.log_info("[deepinfer] finalize: done")

@@ -1,0 +1,212 @@
+"""The Triton-free codec: config parameters -> EngineConfig, request tensors -> engine inputs, outputs -> tensors."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from backend_lib import serving
+from backend_lib.outputs import RequestOutput, SessionControl, TokenLogprob
+
+
+def _bytes(text: str) -> np.ndarray:
+    return np.array([text.encode("utf-8")], dtype=np.object_)
+
+
+def _bool(value: bool) -> np.ndarray:
+    return np.array([value], dtype=bool)
+
+
+def _out(text: str, ids: list[int], finished: bool = False, reason: str | None = None, n_out: int = 0,
+         logprobs: list[TokenLogprob] | None = None, cum: float = 0.0) -> RequestOutput:
+    return RequestOutput(request_id="r", new_token_ids=ids, new_text=text, finished=finished,
+                         finish_reason=reason, num_prompt_tokens=7, num_output_tokens=n_out,
+                         cumulative_logprob=cum, new_logprobs=logprobs)
+
+
+# ---- engine configuration from config.pbtxt parameters -------------------------------------------
+
+def test_engine_config_typed_conversion_and_defaults():
+    config = serving.engine_config_from_parameters({
+        "model": "", "dtype": "float32", "max_num_seqs": "8", "max_model_len": "256", "block_size": "16",
+        "num_blocks": "64", "max_num_batched_tokens": "128", "session_idle_timeout_s": "2.5",
+        "spec_method": "ngram", "num_speculative_tokens": "3", "enable_prefix_caching": "false"})
+    assert config.scheduler.max_num_seqs == 8
+    assert config.model.max_model_len == 256 and config.model.model == ""
+    assert config.cache.num_blocks == 64 and config.cache.enable_prefix_caching is False
+    assert config.session_idle_timeout_s == 2.5
+    assert config.spec.method == "ngram" and config.spec.num_speculative_tokens == 3
+    # "" means "use the default", also for numbers
+    assert serving.engine_config_from_parameters({"num_blocks": ""}).cache.num_blocks == 0
+
+
+def test_shipped_config_pbtxt_parameters_are_valid():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "model_repository/deepinfer/config.pbtxt").read_text()
+    params = dict(re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}', text))
+    assert {"model", "max_num_seqs", "max_model_len", "num_blocks", "spec_method"} <= set(params)
+    serving.engine_config_from_parameters(params)
+    assert "decoupled: true" in text and "max_batch_size: 0" in text
+
+
+@pytest.mark.parametrize("params, needle", [
+    ({"max_num_seqs": "eight"}, "max_num_seqs must be an integer"),
+    ({"max_num_seqs": "0"}, "max_num_seqs must be in [1, 1024]"),
+    ({"session_idle_timeout_s": "soon"}, "session_idle_timeout_s must be a number"),
+    ({"dtype": "int4"}, "dtype must be one of"),
+    ({"enable_prefix_caching": "maybe"}, "enable_prefix_caching must be true or false"),
+    ({"max_tokens": "3"}, "unknown model parameter 'max_tokens'"),
+])
+def test_engine_config_bad_values_name_the_parameter(params, needle):
+    with pytest.raises(ValueError) as info:
+        serving.engine_config_from_parameters(params)
+    assert needle in str(info.value)
+
+
+# ---- request decoding ----------------------------------------------------------------------------
+
+def test_text_request_defaults_follow_the_vllm_backend():
+    req = serving.decode_request({"text_input": _bytes("Hello")})
+    assert req.prompt == "Hello" and req.stream is False
+    assert req.prepend_text == "Hello"  # non-streaming, exclude_input_in_output absent -> prompt prepended
+    assert req.params.max_tokens == 16 and req.session is None
+    assert req.options == serving.OutputOptions()
+
+    streamed = serving.decode_request({"text_input": _bytes("Hello"), "stream": _bool(True)})
+    assert streamed.stream and streamed.prepend_text == ""
+    excluded = serving.decode_request({"text_input": _bytes("Hello"), "exclude_input_in_output": _bool(True)})
+    assert excluded.prepend_text == ""
+    with pytest.raises(ValueError, match="exclude_input_in_output=false is not allowed when streaming"):
+        serving.decode_request({"text_input": _bytes("x"), "stream": _bool(True),
+                                "exclude_input_in_output": _bool(False)})
+
+
+def test_sampling_from_json_and_request_parameters_json_wins():
+    req = serving.decode_request(
+        {"text_input": _bytes("x"), "sampling_parameters": _bytes('{"max_tokens": 5, "temperature": "0"}')},
+        parameters_json=json.dumps({"max_tokens": 9, "top_k": "4", "ignore_eos": "true", "stop": "\n"}))
+    assert req.params.max_tokens == 5  # the JSON input wins
+    assert req.params.temperature == 0.0 and req.params.top_k == 4 and req.params.ignore_eos is True
+    assert req.params.stop == ["\n"]
+    # vLLM clients send null for "default"
+    assert serving.decode_request({"text_input": _bytes("x"),
+                                   "sampling_parameters": _bytes('{"seed": null}')}).params.seed is None
+
+
+@pytest.mark.parametrize("inputs, params, needle", [
+    ({"sampling_parameters": _bytes("{max_tokens: 3")}, "{}", "sampling_parameters is not valid JSON"),
+    ({"sampling_parameters": _bytes("[1]")}, "{}", "sampling_parameters must be a JSON object"),
+    ({"sampling_parameters": _bytes('{"max_tokenz": 3}')}, "{}", "unknown sampling field 'max_tokenz'"),
+    ({"sampling_parameters": _bytes('{"max_tokens": -1}')}, "{}", "max_tokens must be >= 1"),
+    ({"sampling_parameters": _bytes('{"top_p": 2}')}, "{}", "top_p must be in (0, 1]"),
+    ({"sampling_parameters": _bytes('{"max_tokens": "lots"}')}, "{}", "max_tokens must be an integer"),
+    ({}, '{"colour": "blue"}', "unknown request parameter 'colour'"),
+    ({}, '{"temperature": -1}', "temperature must be >= 0"),
+])
+def test_bad_sampling_input_names_the_problem(inputs, params, needle):
+    with pytest.raises(ValueError) as info:
+        serving.decode_request({"text_input": _bytes("hi"), **inputs}, parameters_json=params)
+    assert needle in str(info.value)
+
+
+def test_prompt_sources():
+    ids = serving.decode_request({"input_ids": np.array([1, 2, 3], dtype=np.int32)})
+    assert ids.prompt == [1, 2, 3] and ids.prepend_text == ""  # ids have no text to repeat
+    chat = [{"role": "user", "content": "Hi"}]
+    msg = serving.decode_request({"messages": _bytes(json.dumps(chat))})
+    assert msg.prompt == chat and msg.prepend_text == ""
+
+
+@pytest.mark.parametrize("inputs, needle", [
+    ({}, "give exactly one of the inputs text_input, input_ids, messages; got none"),
+    ({"text_input": _bytes("a"), "input_ids": np.array([1], dtype=np.int32)}, "got text_input, input_ids"),
+    ({"text_input": _bytes("")}, "text_input is empty"),
+    ({"text_input": np.array([b"\xff\xfe"], dtype=np.object_)}, "text_input is not valid UTF-8"),
+    ({"text_input": np.array([b"a", b"b"], dtype=np.object_)}, "text_input must hold exactly one element"),
+    ({"input_ids": np.array([], dtype=np.int32)}, "input_ids is empty"),
+    ({"input_ids": np.array([5, -2], dtype=np.int32)}, "input_ids must be >= 0, got -2"),
+    ({"input_ids": np.array([1.5], dtype=np.float32)}, "input_ids must be INT32"),
+    ({"messages": _bytes("not json")}, "messages is not valid JSON"),
+    ({"messages": _bytes("[]")}, "messages must be a non-empty JSON list"),
+    ({"messages": _bytes('[{"role": "user"}]')}, "messages[0] must be an object with string fields role and content"),
+    ({"text_input": _bytes("a"), "stream": np.array([1], dtype=np.int32)}, "input stream must be BOOL"),
+    ({"text_input": _bytes("a"), "image": _bytes("x")}, "unknown input 'image'"),
+])
+def test_bad_prompts_name_the_problem(inputs, needle):
+    with pytest.raises(ValueError) as info:
+        serving.decode_request(inputs)
+    assert needle in str(info.value)
+
+
+def test_sessions_from_grpc_flags_and_http_parameters():
+    text = {"text_input": _bytes("turn")}
+    assert serving.decode_request(text, correlation_id=0, flags=0).session is None
+    first = serving.decode_request(text, correlation_id=42, flags=serving.FLAG_SEQUENCE_START)
+    assert first.session == SessionControl("42", start=True, end=False)
+    middle = serving.decode_request(text, correlation_id="chat-1", flags=0)
+    assert middle.session == SessionControl("chat-1", start=False, end=False)
+    last = serving.decode_request(text, correlation_id=42, flags=serving.FLAG_SEQUENCE_END)
+    assert last.session == SessionControl("42", start=False, end=True)
+    http = serving.decode_request(text, parameters_json=json.dumps(
+        {"sequence_id": 7, "sequence_start": True, "sequence_end": "false", "max_tokens": 3}))
+    assert http.session == SessionControl("7", start=True, end=False) and http.params.max_tokens == 3
+    with pytest.raises(ValueError, match="need a non-zero sequence_id"):
+        serving.decode_request(text, parameters_json='{"sequence_start": true}')
+    with pytest.raises(ValueError, match="sequence_id must be an integer or a string"):
+        serving.decode_request(text, parameters_json='{"sequence_id": 1.5}')
+
+
+def test_return_flags():
+    req = serving.decode_request({"text_input": _bytes("x"), "return_finish_reason": _bool(True),
+                                  "return_num_output_tokens": _bool(True), "return_logprobs": _bool(False)})
+    assert req.options == serving.OutputOptions(finish_reason=True, num_output_tokens=True)
+
+
+# ---- response encoding ---------------------------------------------------------------------------
+
+def _all_flags(stream: bool, **extra) -> serving.DecodedRequest:
+    inputs = {"text_input": _bytes("Q: "), "stream": _bool(stream)}
+    for name in serving.BOOL_INPUTS:
+        if name.startswith("return_"):
+            inputs[name] = _bool(True)
+    return serving.decode_request(inputs, parameters_json=json.dumps(extra))
+
+
+def test_streaming_sends_deltas_and_skips_empty_ones():
+    encoder = serving.ResponseEncoder(_all_flags(stream=True))
+    first = encoder.encode(_out("Par", [10], n_out=1, cum=-0.5))
+    assert first["text_output"].tolist() == [b"Par"] and first["output_ids"].tolist() == [10]
+    assert first["finish_reason"].tolist() == [b"None"]
+    assert first["num_output_tokens"].tolist() == [1] and first["num_input_tokens"].tolist() == [7]
+    assert first["cumulative_logprob"].dtype == np.float32
+    assert first["logprobs"].tolist() == [b"null"]  # the request did not ask for logprobs
+    assert encoder.encode(_out("", [], n_out=1)) is None
+    last = encoder.encode(_out("is.", [11, 12], finished=True, reason="stop", n_out=3, cum=-1.0))
+    assert last["text_output"].tolist() == [b"is."] and last["finish_reason"].tolist() == [b"stop"]
+    assert last["num_output_tokens"].tolist() == [2]  # a delta count, like the vLLM backend
+    assert last["cumulative_logprob"].tolist() == [-1.0]
+
+
+def test_non_streaming_gathers_everything_and_prepends_the_prompt():
+    encoder = serving.ResponseEncoder(_all_flags(stream=False, logprobs=1), decode_token=lambda t: f"<{t}>")
+    lp1 = TokenLogprob(10, -0.1, top=[(10, -0.1)])
+    lp2 = TokenLogprob(11, -2.0, top=[(12, -0.5)])
+    assert encoder.encode(_out("Par", [10], n_out=1, logprobs=[lp1])) is None
+    final = encoder.encode(_out("is", [11], finished=True, reason="length", n_out=2, logprobs=[lp2]))
+    assert final["text_output"].tolist() == ["Q: Paris".encode()]
+    assert final["output_ids"].tolist() == [10, 11] and final["num_output_tokens"].tolist() == [2]
+    assert final["finish_reason"].tolist() == [b"length"]
+    logprobs = json.loads(final["logprobs"][0])
+    assert logprobs[0] == {"10": {"logprob": -0.1, "rank": 1, "decoded_token": "<10>"}}
+    assert logprobs[1]["11"] == {"logprob": -2.0, "rank": None, "decoded_token": "<11>"}
+    assert logprobs[1]["12"]["rank"] == 1
+
+
+def test_minimal_response_has_only_text_and_ids():
+    encoder = serving.ResponseEncoder(serving.decode_request({"text_input": _bytes("a"),
+                                                              "exclude_input_in_output": _bool(True)}))
+    final = encoder.encode(_out("b", [3], finished=True, reason="stop", n_out=1))
+    assert set(final) == {"text_output", "output_ids"} and final["text_output"].tolist() == [b"b"]
