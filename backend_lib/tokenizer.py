@@ -137,14 +137,8 @@ class Tokenizer:
             text = _token_text(config.get(name, special_map.get(name)))
             if text is not None:
                 special_tokens[name] = text
-        # Like transformers: explicit add_bos_token / add_eos_token (or a missing post-processor) override
-        # tokenizer.json's post-processor; otherwise tokenizer.json decides which specials encode() adds.
-        if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
-            _set_post_processor(
-                backend,
-                special_tokens.get("bos_token") if config.get("add_bos_token", False) else None,
-                special_tokens.get("eos_token") if config.get("add_eos_token", False) else None,
-            )
+        # As in transformers 5, tokenizer.json's post-processor alone decides which specials encode() adds:
+        # tokenizer_config.json's add_bos_token / add_eos_token are ignored when tokenizer.json exists.
         bos_id = _token_id(backend, special_tokens.get("bos_token"))
         eos_id = _token_id(backend, special_tokens.get("eos_token"))
         generation = _read_json(os.path.join(directory, "generation_config.json"))
