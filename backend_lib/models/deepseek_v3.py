@@ -1,0 +1,267 @@
+"""DeepSeek-V3 (and V2-style MLA + MoE) causal LM over a latent paged KV cache.
+
+One cache tensor, layer-major: ``[num_layers, num_slots, kv_lora_rank + qk_rope_head_dim]`` holding each
+token's normalized latent and post-rope shared key. Decode attends in the absorbed form, prefill expands
+K/V from the cached latents (``kernels/mla.py``). MoE layers use the grouped sigmoid router
+(``kernels/moe.py``); fp8 block-quantized checkpoints keep their weights fp8 and dequantize inside the linear
+op, or dequantize once at load (``LoadOptions.dequantize_fp8_at_load``).
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from backend_lib.models.deepseek_layers import (
+    MOE_IMPLS, BlockLinear, DecoderLayer, DenseMLP, MLADims, MLAttention, MoE, MTPLayer, RMSNorm,
+    RoutedExperts, WeightSlot, build_rope, rope_cos_sin,
+)
+from kernels.attention_metadata import AttentionMetadata
+from kernels.moe import RouterConfig
+from kernels.quant import DEFAULT_BLOCK
+
+if TYPE_CHECKING:
+    from backend_lib.models.loader import LoadOptions
+
+
+@dataclass(frozen=True)
+class DeepseekV3Args:
+    """The DeepseekV3Config fields that change the math (defaults: transformers' DeepseekV3Config)."""
+
+    vocab_size: int = 129280
+    hidden_size: int = 7168
+    intermediate_size: int = 18432
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 61
+    num_attention_heads: int = 128
+    n_shared_experts: int = 1
+    n_routed_experts: int = 256
+    routed_scaling_factor: float = 2.5
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = 1536
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    qk_nope_head_dim: int = 128
+    n_group: int = 8
+    topk_group: int = 4
+    num_experts_per_tok: int = 8
+    first_k_dense_replace: int = 3
+    norm_topk_prob: bool = True
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rope_interleave: bool = True
+    attention_bias: bool = False
+    num_nextn_predict_layers: int = 0
+    fp8_block_size: tuple[int, int] = DEFAULT_BLOCK
+    fp8_scale_fmt: str | None = None  # "float" / "ue8m0" for fp8 checkpoints, None otherwise
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> "DeepseekV3Args":
+        names = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in config.items() if k in names and v is not None}
+        # rope: new format ``rope_parameters`` (transformers 5) or old ``rope_theta`` + ``rope_scaling``
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        kw["rope_theta"] = float(rope.pop("rope_theta", config.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        kw["rope_scaling"] = rope if rope_type != "default" else None
+        if kw["rope_scaling"] is not None:
+            kw["rope_scaling"].setdefault("original_max_position_embeddings",
+                                          config.get("max_position_embeddings", 4096))
+        kw["num_nextn_predict_layers"] = int(config.get("num_nextn_predict_layers",
+                                                        config.get("num_mtp_layers", 0)) or 0)
+        quant = config.get("quantization_config")
+        if quant:
+            if quant.get("quant_method") != "fp8":
+                raise ValueError(f"quantization_config.quant_method must be 'fp8', got {quant.get('quant_method')!r}")
+            kw["fp8_block_size"] = tuple(quant.get("weight_block_size") or DEFAULT_BLOCK)
+            kw["fp8_scale_fmt"] = quant.get("scale_fmt", "float")
+        args = cls(**kw)
+        args.validate()
+        return args
+
+    def validate(self) -> None:
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act must be 'silu', got {self.hidden_act!r}")
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            raise ValueError(f"first_k_dense_replace must be in [0, {self.num_hidden_layers}], "
+                             f"got {self.first_k_dense_replace}")
+        if self.fp8_scale_fmt not in (None, "float", "ue8m0"):
+            raise ValueError(f"quantization_config.scale_fmt must be 'float' or 'ue8m0', got {self.fp8_scale_fmt!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def router(self) -> RouterConfig:
+        return RouterConfig(top_k=self.num_experts_per_tok, num_experts=self.n_routed_experts,
+                            n_group=self.n_group or 1, topk_group=self.topk_group or 1,
+                            norm_topk_prob=self.norm_topk_prob, routed_scaling_factor=self.routed_scaling_factor)
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, args: DeepseekV3Args, dtype: torch.dtype = torch.float32,
+                 dequantize_fp8_at_load: bool = False, moe_impl: str = "dynamic") -> None:
+        super().__init__()
+        if moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
+        self.args, self.dtype, self.dequantize_fp8_at_load = args, dtype, dequantize_fp8_at_load
+        self.rope = build_rope(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling,
+                               args.max_position_embeddings, args.rope_interleave)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(self._layer(i, moe_impl) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = BlockLinear(args.hidden_size, args.vocab_size)
+        n = args.num_hidden_layers
+        self.mtp = nn.ModuleList(self._layer(n + j, moe_impl, mtp=True) for j in range(args.num_nextn_predict_layers))
+        self.to(dtype)
+        for module in self.modules():  # routing stays fp32 in every dtype
+            if isinstance(module, MoE):
+                module.gate.float()
+
+    def _layer(self, index: int, moe_impl: str, mtp: bool = False) -> DecoderLayer:
+        a, bs = self.args, self.args.fp8_block_size
+        dims = MLADims(a.hidden_size, a.num_attention_heads, a.q_lora_rank, a.kv_lora_rank, a.qk_nope_head_dim,
+                       a.qk_rope_head_dim, a.v_head_dim, a.attention_bias, a.rms_norm_eps)
+        attn = MLAttention(dims, self.rope, bs)
+        if index >= a.first_k_dense_replace:
+            mlp: nn.Module = MoE(a.hidden_size, a.moe_intermediate_size, a.n_shared_experts, a.router(), bs, moe_impl)
+        else:
+            mlp = DenseMLP(a.hidden_size, a.intermediate_size, bs)
+        if mtp:
+            return MTPLayer(attn, mlp, a.hidden_size, a.rms_norm_eps, bs)
+        return DecoderLayer(attn, mlp, a.hidden_size, a.rms_norm_eps)
+
+    @classmethod
+    def from_hf_config(cls, config: dict, dtype: torch.dtype,
+                       options: "LoadOptions | None" = None) -> "DeepseekV3ForCausalLM":
+        dequantize = bool(getattr(options, "dequantize_fp8_at_load", False))
+        return cls(DeepseekV3Args.from_hf_config(config), dtype=dtype, dequantize_fp8_at_load=dequantize)
+
+    def set_moe_impl(self, impl: str) -> None:
+        """"dynamic" (grouped dispatch, eager) or "static" (fixed shapes, for compiled regions)."""
+        if impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {impl!r}")
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.impl = impl
+
+    # ---- the model-runner contract -------------------------------------------------------------------
+    def kv_cache_shapes(self, num_slots: int) -> list[tuple[int, ...]]:
+        return [(self.args.num_hidden_layers, num_slots, self.args.latent_dim)]
+
+    def forward(self, input_ids: torch.Tensor,  # [T] int64
+                positions: torch.Tensor,  # [T] int64
+                kv_caches: list[torch.Tensor],  # [[num_layers, num_slots, R + P]]
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] (what compute_logits and the MTP proposer consume)."""
+        h = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(self.rope, positions, h.dtype)
+        cache = kv_caches[0]
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, cache[i], meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
+        return self.lm_head(hidden).float()
+
+    # ---- weights -------------------------------------------------------------------------------------
+    def _internal_name(self, name: str) -> str:
+        if name.startswith("model.embed_tokens.") or name.startswith("model.norm."):
+            return name[len("model."):]
+        match = _LAYER.match(name)
+        if match:
+            index, rest = int(match.group(1)), match.group(2)
+            n = self.args.num_hidden_layers
+            if index < n:
+                return f"layers.{index}.{rest}"
+            if index - n < len(self.mtp):
+                return f"mtp.{index - n}.{rest}"
+            raise ValueError(f"checkpoint weight {name!r}: layer {index} is beyond num_hidden_layers={n} "
+                             f"+ num_nextn_predict_layers={len(self.mtp)}")
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors; fp8 weights pair up with their ``weight_scale_inv``."""
+        pending: dict[str, dict[str, torch.Tensor]] = {}  # linear name -> {"weight", "weight_scale_inv"}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # derived from the config, never loaded
+            internal = self._internal_name(name)
+            owner, _, leaf = internal.rpartition(".")
+            expert = _EXPERT.match(internal)
+            target = None if expert else self.get_submodule(owner)
+            if expert or isinstance(target, BlockLinear):
+                if leaf not in ("weight", "weight_scale_inv", "bias"):
+                    raise ValueError(f"unexpected checkpoint tensor {name!r}")
+                if leaf == "bias":
+                    target.bias = tensor.to(self.dtype)
+                    continue
+                entry = pending.setdefault(owner, {})
+                entry[leaf] = tensor
+                weight = entry.get("weight")
+                if weight is not None and (weight.dtype != torch.float8_e4m3fn or "weight_scale_inv" in entry):
+                    self._set_linear(owner, pending.pop(owner))
+                    loaded.add(owner)
+                continue
+            if isinstance(target, WeightSlot) and leaf == "weight":
+                target.weight = tensor.to(self.dtype)
+                loaded.add(internal)
+                continue
+            param = getattr(target, leaf, None)
+            if not isinstance(param, torch.Tensor):
+                raise ValueError(f"unexpected checkpoint tensor {name!r}")
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor.to(param.dtype))
+            loaded.add(internal)
+        if pending:
+            raise ValueError(f"fp8 weights without weight_scale_inv (or scales without weights): {sorted(pending)}")
+        if "lm_head" not in loaded:
+            if not self.args.tie_word_embeddings:
+                raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+            self.lm_head.weight = self.embed_tokens.weight
+        self._check_complete()
+
+    def _set_linear(self, owner: str, entry: dict[str, torch.Tensor]) -> None:
+        weight, scale = entry["weight"], entry.get("weight_scale_inv")
+        if scale is not None and self.args.fp8_scale_fmt == "ue8m0":
+            from kernels.quant import is_power_of_two_grid
+            if not is_power_of_two_grid(scale):
+                raise ValueError(f"{owner}.weight_scale_inv: scale_fmt is ue8m0 but the scales are not powers of two")
+        expert = _EXPERT.match(owner + ".weight")
+        if expert:
+            experts = self.get_submodule(expert.group(1))
+            assert isinstance(experts, RoutedExperts)
+            experts.set_expert(int(expert.group(2)), expert.group(3), weight, scale, self.dtype,
+                               self.dequantize_fp8_at_load)
+        else:
+            self.get_submodule(owner).set_weight(weight, scale, self.dtype, self.dequantize_fp8_at_load)
+
+    def _check_complete(self) -> None:
+        missing = [name for name, m in self.named_modules()
+                   if isinstance(m, BlockLinear) and m.weight is None and not name.startswith("mtp.")]
+        missing += [f"{name}.{p}" for name, m in self.named_modules() if isinstance(m, RoutedExperts)
+                    and not name.startswith("mtp.") for p in RoutedExperts.PROJS if getattr(m, p) is None]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+    @property
+    def has_mtp_weights(self) -> bool:
+        return len(self.mtp) > 0 and all(m.eh_proj.weight is not None for m in self.mtp)

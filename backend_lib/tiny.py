@@ -1,0 +1,212 @@
+"""`deepinfer make-tiny`: small random checkpoints (config.json, sharded safetensors + index, byte-level BPE
+tokenizer.json) that load in transformers and in our engine, for tests, demos and benchmarks.
+
+Weights come from transformers' own random init with ``initializer_range`` 0.2 (0.02 makes greedy output
+collapse to one token), with the router correction bias and the norm weights perturbed so that every term of
+the math is exercised. ``fp8=True`` quantizes every projection inside the decoder layers to float8_e4m3fn with
+128x128 blocks (``scale_fmt`` "float" or "ue8m0"); the default DeepSeek-V3 dimensions are all <= 128 or
+multiples of 128, because transformers' fp8 dequantizer derives the block size from the scale grid.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from kernels.quant import DEFAULT_BLOCK, quantize_block_fp8
+
+ARCHS = ("deepseek_v3", "llama")
+TOKENIZER_VOCAB = 320
+SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. ",
+    "DeepInfer serves large language models through Triton on AWS Neuron. ",
+    "What is the capital of France? The capital of France is Paris. ",
+    "Once upon a time there was a tiny model that predicted the next token. ",
+    "Mixture of experts routes every token to a few experts; latent attention caches a small vector. ",
+    "0123456789 + - * / = ( ) [ ] { } < > , . ; : ! ? ' \" \n",
+)
+
+DEEPSEEK_V3_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=TOKENIZER_VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+    routed_scaling_factor=2.5, kv_lora_rank=96, q_lora_rank=128, qk_rope_head_dim=32, v_head_dim=32,
+    qk_nope_head_dim=32, n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
+    norm_topk_prob=True, max_position_embeddings=1024, rope_interleave=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+LLAMA_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=TOKENIZER_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int = TOKENIZER_VOCAB) -> int:
+    """Train a byte-level BPE on a fixed corpus; write tokenizer.json + tokenizer_config.json. Returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(_CORPUS) * 4, trainer)
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|eos|>",
+        "pad_token": "<|pad|>", "model_max_length": 1024, "clean_up_tokenization_spaces": False,
+        "chat_template": ("{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>\n{% endfor %}"
+                          "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"),
+    }, indent=2))
+    return tok.get_vocab_size()
+
+
+def _perturb(model: torch.nn.Module, gen: torch.Generator) -> None:
+    """Non-trivial norm weights and router correction bias (transformers initializes them to 1 and 0)."""
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name.endswith("norm.weight"):
+                tensor.add_(0.1 * torch.randn(tensor.shape, generator=gen))
+            elif name.endswith("e_score_correction_bias"):
+                tensor.copy_(0.05 * torch.randn(tensor.shape, generator=gen))
+
+
+def _mtp_tensors(config: Any, index: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random weights of one DeepSeek MTP module at checkpoint layer ``index`` (a MoE decoder layer + extras)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM
+
+    one = type(config).from_dict({**config.to_dict(), "num_hidden_layers": 1, "first_k_dense_replace": 0})
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    layer_model = DeepseekV3ForCausalLM(one)
+    _perturb(layer_model, gen)
+    with torch.no_grad():
+        tensors = _hf_named_tensors(layer_model)
+    out = {name.replace("model.layers.0.", f"model.layers.{index}."): t
+           for name, t in tensors.items() if name.startswith("model.layers.0.")}
+    h, std = config.hidden_size, config.initializer_range
+    prefix = f"model.layers.{index}."
+    out[prefix + "enorm.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
+    out[prefix + "hnorm.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
+    out[prefix + "eh_proj.weight"] = std * torch.randn(h, 2 * h, generator=gen)
+    out[prefix + "shared_head.norm.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
+    out[prefix + "shared_head.head.weight"] = std * torch.randn(config.vocab_size, h, generator=gen)
+    out[prefix + "embed_tokens.weight"] = std * torch.randn(config.vocab_size, h, generator=gen)
+    return out
+
+
+def _hf_named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Checkpoint-named tensors of a transformers model (per-expert names, as save_pretrained writes them)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base = name[: -len("gate_up_proj")]
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = t[e, :inter].clone()
+                out[f"{base}{e}.up_proj.weight"] = t[e, inter:].clone()
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = t[e].clone()
+        else:
+            out[name] = t.detach().clone().contiguous()
+    return out
+
+
+def _is_quantized(name: str) -> bool:
+    """DeepSeek-V3 fp8 checkpoints quantize the projections inside decoder layers, not router/norms/MTP glue."""
+    return (name.startswith("model.layers.") and name.endswith("_proj.weight")
+            and not name.endswith("eh_proj.weight"))
+
+
+def _write_shards(tensors: dict[str, torch.Tensor], out_dir: Path, num_shards: int) -> None:
+    names = sorted(tensors)
+    per = math.ceil(len(names) / num_shards)
+    weight_map: dict[str, str] = {}
+    for i in range(num_shards):
+        chunk = names[i * per:(i + 1) * per]
+        if not chunk:
+            continue
+        file = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        save_file({n: tensors[n].contiguous() for n in chunk}, str(out_dir / file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in chunk})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int = 0, seed: int = 0,
+              scale_fmt: str = "float", num_shards: int = 2, initializer_range: float = 0.2,
+              overrides: dict[str, Any] | None = None) -> Path:
+    """Write a tiny random ``arch`` model to ``out_dir``; ``overrides`` replaces config fields."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if fp8 and arch != "deepseek_v3":
+        raise ValueError("fp8 is only supported for arch 'deepseek_v3'")
+    if mtp_layers < 0 or (mtp_layers and arch != "deepseek_v3"):
+        raise ValueError(f"mtp_layers must be >= 0 and only set for deepseek_v3, got {mtp_layers} for {arch}")
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    import transformers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok_vocab = build_tokenizer(out)
+    defaults = DEEPSEEK_V3_DEFAULTS if arch == "deepseek_v3" else LLAMA_DEFAULTS
+    kwargs = {**defaults, **(overrides or {}), "initializer_range": initializer_range,
+              "eos_token_id": None, "bos_token_id": None, "pad_token_id": None}
+    if kwargs["vocab_size"] < tok_vocab:
+        raise ValueError(f"vocab_size must be >= the tokenizer's {tok_vocab}, got {kwargs['vocab_size']}")
+    if arch == "deepseek_v3":
+        kwargs["num_mtp_layers"] = mtp_layers
+        config = transformers.DeepseekV3Config(**kwargs)
+        model_cls = transformers.DeepseekV3ForCausalLM
+    else:
+        config = transformers.LlamaConfig(**kwargs)
+        model_cls = transformers.LlamaForCausalLM
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    _perturb(model, gen)
+    tensors = _hf_named_tensors(model)
+    for j in range(mtp_layers):
+        tensors.update(_mtp_tensors(config, config.num_hidden_layers + j, gen))
+    if fp8:
+        for name in [n for n in tensors if _is_quantized(n)]:
+            q, scale = quantize_block_fp8(tensors[name], DEFAULT_BLOCK, scale_fmt)
+            tensors[name] = q
+            tensors[name + "_scale_inv"] = scale
+    config.save_pretrained(str(out))
+    cfg = json.loads((out / "config.json").read_text())
+    if fp8:
+        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                      "weight_block_size": list(DEFAULT_BLOCK), "scale_fmt": scale_fmt}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    _write_shards(tensors, out, num_shards)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="deepinfer make-tiny", description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=ARCHS, required=True)
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--fp8", action="store_true", help="float8_e4m3fn weights with 128x128 block scales")
+    parser.add_argument("--scale-fmt", choices=("float", "ue8m0"), default="float")
+    parser.add_argument("--mtp-layers", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = make_tiny(args.arch, args.out, fp8=args.fp8, mtp_layers=args.mtp_layers, seed=args.seed,
+                     scale_fmt=args.scale_fmt)
+    print(f"wrote a tiny {args.arch} model to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

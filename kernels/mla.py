@@ -1,0 +1,121 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a paged latent cache.
+
+Per token and layer the cache holds ``C = kv_lora_rank + qk_rope_head_dim`` values: the normalized latent
+``c`` (after kv_a_layernorm) and the post-rope shared key ``k_rope``; never expanded K/V. With
+``kv_b_proj.weight`` viewed as ``[H, Dn + Dv, R]`` = ``[W_UK | W_UV]`` per head:
+
+  k_nope[s, h] = W_UK[h] @ c[s]          v[s, h] = W_UV[h] @ c[s]
+  score[h, s]  = q_nope[h] . k_nope[s, h] + q_rope[h] . k_rope[s]
+               = (W_UK[h]^T q_nope[h]) . c[s] + q_rope[h] . k_rope[s]      (absorbed)
+  out[h]       = sum_s p[h, s] v[s, h] = W_UV[h] @ (sum_s p[h, s] c[s])      (absorbed)
+
+Decode uses the absorbed form (fixed shapes, scratch-padded block tables, no host syncs); prefill expands
+K/V from the cached latents (cheaper when many queries share the context); ``mla_decode_expanded`` is the
+plain reference for the absorbed kernel.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_latent_cache(cache: torch.Tensor,  # [num_slots, R + P] one layer
+                       slot_mapping: torch.Tensor,  # [T] int64
+                       latent: torch.Tensor,  # [T, R] normalized
+                       k_rope: torch.Tensor) -> None:  # [T, P] post-rope
+    cache.index_copy_(0, slot_mapping, torch.cat([latent, k_rope], dim=-1).to(cache.dtype))
+
+
+def gather_context(cache_blocks: torch.Tensor,  # [num_blocks + 1, block_size, C]
+                   block_tables: torch.Tensor) -> torch.Tensor:  # [B, max_blocks] int32
+    """[B, max_blocks * block_size, C]: each request's cache rows in position order (padding included)."""
+    b, max_blocks = block_tables.shape
+    rows = cache_blocks.index_select(0, block_tables.reshape(-1).long())
+    return rows.view(b, max_blocks * cache_blocks.shape[1], cache_blocks.shape[2])
+
+
+def split_kv_b(kv_b_weight: torch.Tensor,  # [H * (Dn + Dv), R]
+               num_heads: int, qk_nope_head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W_UK [H, Dn, R], W_UV [H, Dv, R]) from kv_b_proj's weight."""
+    w = kv_b_weight.view(num_heads, -1, kv_b_weight.shape[-1])
+    return w[:, :qk_nope_head_dim], w[:, qk_nope_head_dim:]
+
+
+def _decode_mask(seq_lens: torch.Tensor,  # [B] int32
+                 query_len: int, num_keys: int) -> torch.Tensor:
+    """[B, Q, S] bool: query i of a request sits at position seq_len - Q + i and sees keys up to it."""
+    q_pos = seq_lens.long()[:, None] - query_len + torch.arange(query_len, device=seq_lens.device)[None, :]
+    k_pos = torch.arange(num_keys, device=seq_lens.device)
+    return k_pos[None, None, :] <= q_pos[:, :, None]
+
+
+def mla_decode_absorbed(q_nope: torch.Tensor,  # [B, Q, H, Dn]
+                        q_rope: torch.Tensor,  # [B, Q, H, P] post-rope
+                        cache_blocks: torch.Tensor,  # [num_blocks + 1, block_size, R + P]
+                        block_tables: torch.Tensor,  # [B, max_blocks] int32
+                        seq_lens: torch.Tensor,  # [B] int32, including this step's Q tokens
+                        w_uk: torch.Tensor,  # [H, Dn, R]
+                        w_uv: torch.Tensor,  # [H, Dv, R]
+                        scale: float) -> torch.Tensor:
+    """Absorbed MLA decode -> [B, Q, H, Dv]. Scores and the weighted sum run in the latent space."""
+    rank = w_uk.shape[-1]
+    ctx = gather_context(cache_blocks, block_tables).to(q_nope.dtype)  # [B, S, C]
+    latent, k_rope = ctx[..., :rank], ctx[..., rank:]
+    q_latent = torch.einsum("bqhd,hdr->bqhr", q_nope, w_uk)
+    scores = (torch.einsum("bqhr,bsr->bqhs", q_latent, latent)
+              + torch.einsum("bqhp,bsp->bqhs", q_rope, k_rope)) * scale
+    mask = _decode_mask(seq_lens, q_nope.shape[1], ctx.shape[1])[:, :, None, :]
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32).to(q_nope.dtype)
+    out_latent = torch.einsum("bqhs,bsr->bqhr", probs, latent)
+    return torch.einsum("bqhr,hvr->bqhv", out_latent, w_uv)
+
+
+def _expand(latent: torch.Tensor,  # [..., S, R]
+            kv_b_weight: torch.Tensor,  # [H * (Dn + Dv), R]
+            num_heads: int, qk_nope_head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    kv = F.linear(latent, kv_b_weight).unflatten(-1, (num_heads, -1))  # [..., S, H, Dn + Dv]
+    return kv[..., :qk_nope_head_dim], kv[..., qk_nope_head_dim:]
+
+
+def mla_decode_expanded(q_nope: torch.Tensor,  # [B, Q, H, Dn]
+                        q_rope: torch.Tensor,  # [B, Q, H, P]
+                        cache_blocks: torch.Tensor,  # [num_blocks + 1, block_size, R + P]
+                        block_tables: torch.Tensor,  # [B, max_blocks] int32
+                        seq_lens: torch.Tensor,  # [B] int32
+                        kv_b_weight: torch.Tensor,  # [H * (Dn + Dv), R]
+                        scale: float) -> torch.Tensor:
+    """Reference decode that expands K/V per head from the latent cache -> [B, Q, H, Dv]."""
+    num_heads, dn = q_nope.shape[2], q_nope.shape[3]
+    rank = kv_b_weight.shape[-1]
+    ctx = gather_context(cache_blocks, block_tables).to(q_nope.dtype)
+    k_nope, v = _expand(ctx[..., :rank], kv_b_weight, num_heads, dn)  # [B, S, H, *]
+    k_rope = ctx[..., rank:]
+    scores = (torch.einsum("bqhd,bshd->bqhs", q_nope, k_nope)
+              + torch.einsum("bqhp,bsp->bqhs", q_rope, k_rope)) * scale
+    mask = _decode_mask(seq_lens, q_nope.shape[1], ctx.shape[1])[:, :, None, :]
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32).to(q_nope.dtype)
+    return torch.einsum("bqhs,bshv->bqhv", probs, v)
+
+
+def mla_prefill(q_nope: torch.Tensor,  # [L, H, Dn] one request's chunk
+                q_rope: torch.Tensor,  # [L, H, P]
+                cache_blocks: torch.Tensor,  # [num_blocks + 1, block_size, R + P]
+                block_table: torch.Tensor,  # [max_blocks] int32
+                seq_len: int,  # host int: context length including this chunk
+                kv_b_weight: torch.Tensor,  # [H * (Dn + Dv), R]
+                scale: float) -> torch.Tensor:
+    """Expanded MLA for one prefill chunk (which may continue a cached prefix) -> [L, H, Dv]."""
+    num_q, num_heads, dn = q_nope.shape
+    block_size = cache_blocks.shape[1]
+    rank = kv_b_weight.shape[-1]
+    num_blocks = -(-seq_len // block_size)
+    ctx = cache_blocks.index_select(0, block_table[:num_blocks].long()).flatten(0, 1)[:seq_len]
+    ctx = ctx.to(q_nope.dtype)
+    k_nope, v = _expand(ctx[:, :rank], kv_b_weight, num_heads, dn)  # [S, H, *]
+    k_rope = ctx[:, rank:]
+    scores = (torch.einsum("lhd,shd->hls", q_nope, k_nope)
+              + torch.einsum("lhp,sp->hls", q_rope, k_rope)) * scale
+    q_pos = torch.arange(seq_len - num_q, seq_len, device=q_nope.device)
+    mask = torch.arange(seq_len, device=q_nope.device)[None, :] <= q_pos[:, None]  # [L, S]
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32).to(q_nope.dtype)
+    return torch.einsum("hls,shv->lhv", probs, v)

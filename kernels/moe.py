@@ -1,0 +1,141 @@
+"""Mixture of experts: the DeepSeek-V3 grouped router and two expert formulations with the same result.
+
+* ``moe_dynamic``: eager grouped dispatch, each expert runs only over the tokens routed to it (data-dependent
+  shapes; for eager runs). Experts are visited in ascending id and accumulated with ``index_add_``, which is
+  the order transformers uses, so fp32 results match it bit for bit in practice.
+* ``moe_static``: fixed shapes for compiled regions: every expert runs over every token and the outputs are
+  combined through a dense ``[T, E]`` routing-weight matrix that is zero off each token's top-k.
+
+Expert weights are stacked per projection (``[E, out, in]``); when a projection carries a block scale grid
+(``[E, ceil(out/128), ceil(in/128)]``) its weights are float8_e4m3fn and are dequantized block-wise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.quant import DEFAULT_BLOCK, block_fp8_linear, dequantize_block_fp8
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    top_k: int
+    num_experts: int
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ValueError(f"n_group must be >= 1 and divide num_experts={self.num_experts}, got {self.n_group}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
+        if self.n_group > 1 and self.num_experts // self.n_group < 2:
+            raise ValueError("group scores sum the top-2 experts of a group: experts per group must be >= 2, "
+                             f"got {self.num_experts // self.n_group}")
+
+
+def grouped_topk(router_logits: torch.Tensor,  # [T, E] float32
+                 correction_bias: torch.Tensor,  # [E] float32, used for the choice only
+                 cfg: RouterConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing -> (weights [T, k] float32, expert ids [T, k] int64).
+
+    Sigmoid scores; the correction bias shifts which experts are chosen but the weights come from the raw
+    scores; only the ``topk_group`` groups with the largest sum of their top-2 biased scores compete.
+    """
+    scores = router_logits.float().sigmoid()
+    choice = scores + correction_bias.float()
+    if cfg.n_group > 1:
+        per_group = cfg.num_experts // cfg.n_group
+        group_scores = choice.view(-1, cfg.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+        expert_mask = group_mask.unsqueeze(-1).expand(-1, cfg.n_group, per_group).reshape(-1, cfg.num_experts)
+        choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+    topk_ids = torch.topk(choice, k=cfg.top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_ids)
+    if cfg.norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_weights * cfg.routed_scaling_factor, topk_ids
+
+
+@dataclass
+class ExpertWeights:
+    """Stacked routed-expert weights; a ``*_scale`` grid marks that projection as block fp8."""
+
+    gate: torch.Tensor  # [E, I, H]
+    up: torch.Tensor  # [E, I, H]
+    down: torch.Tensor  # [E, H, I]
+    gate_scale: torch.Tensor | None = None  # [E, ceil(I/b0), ceil(H/b1)]
+    up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+    block_size: tuple[int, int] = DEFAULT_BLOCK
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate.shape[0]
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+            block_size: tuple[int, int]) -> torch.Tensor:
+    if scale is None:
+        return F.linear(x, weight)
+    return block_fp8_linear(x, weight, scale, block_size)
+
+
+def _dense(weight: torch.Tensor, scale: torch.Tensor | None, block_size: tuple[int, int],
+           dtype: torch.dtype) -> torch.Tensor:
+    if scale is None:
+        return weight.to(dtype)
+    return dequantize_block_fp8(weight, scale, block_size, dtype=dtype)
+
+
+def moe_dynamic(x: torch.Tensor,  # [T, H]
+                topk_weights: torch.Tensor,  # [T, k]
+                topk_ids: torch.Tensor,  # [T, k] int64
+                experts: ExpertWeights) -> torch.Tensor:
+    """Grouped dispatch: each expert runs over its own tokens only. Returns [T, H] in x.dtype."""
+    out = torch.zeros_like(x)
+    num_experts = experts.num_experts
+    # [E, k, T]: which (slot, token) pairs picked each expert
+    expert_mask = F.one_hot(topk_ids, num_classes=num_experts).permute(2, 1, 0)
+    hit = (expert_mask.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist()
+    bs = experts.block_size
+    for e in hit:
+        slot, token = torch.where(expert_mask[e])
+        h = x[token]
+        gate = _linear(h, experts.gate[e], None if experts.gate_scale is None else experts.gate_scale[e], bs)
+        up = _linear(h, experts.up[e], None if experts.up_scale is None else experts.up_scale[e], bs)
+        y = _linear(F.silu(gate) * up, experts.down[e],
+                    None if experts.down_scale is None else experts.down_scale[e], bs)
+        out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(out.dtype))
+    return out
+
+
+def routing_matrix(topk_weights: torch.Tensor,  # [T, k]
+                   topk_ids: torch.Tensor,  # [T, k] int64
+                   num_experts: int) -> torch.Tensor:
+    """Dense [T, E] routing weights, zero off each token's top-k."""
+    dense = torch.zeros(topk_ids.shape[0], num_experts, dtype=topk_weights.dtype, device=topk_weights.device)
+    return dense.scatter_add_(1, topk_ids, topk_weights)
+
+
+def moe_static(x: torch.Tensor,  # [T, H]
+               topk_weights: torch.Tensor,  # [T, k]
+               topk_ids: torch.Tensor,  # [T, k] int64
+               experts: ExpertWeights) -> torch.Tensor:
+    """Fixed-shape MoE: all experts over all tokens, masked combine. No data-dependent shapes or host syncs."""
+    bs = experts.block_size
+    gate_w = _dense(experts.gate, experts.gate_scale, bs, x.dtype)  # [E, I, H]
+    up_w = _dense(experts.up, experts.up_scale, bs, x.dtype)
+    down_w = _dense(experts.down, experts.down_scale, bs, x.dtype)  # [E, H, I]
+    gate = torch.einsum("th,eih->eti", x, gate_w)
+    up = torch.einsum("th,eih->eti", x, up_w)
+    y = torch.einsum("eti,ehi->eth", F.silu(gate) * up, down_w)  # [E, T, H]
+    weights = routing_matrix(topk_weights, topk_ids, experts.num_experts).to(x.dtype)  # [T, E]
+    return torch.einsum("eth,te->th", y, weights)
