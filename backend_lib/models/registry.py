@@ -11,6 +11,7 @@ from types import MappingProxyType
 _ARCHITECTURES = MappingProxyType({
     "LlamaForCausalLM": ("backend_lib.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("backend_lib.models.llama", "LlamaForCausalLM"),
+    "DeepseekV3ForCausalLM": ("backend_lib.models.deepseek_v3", "DeepseekV3ForCausalLM"),
 })
 
 _GGUF_ARCHITECTURES = MappingProxyType({
