@@ -19,8 +19,28 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from backend_lib import serving
-from backend_lib.triton_metrics import TritonMetrics
+
+def _use_site_dirs() -> None:
+    """Put DEEPINFER_SITE_DIRS (set by `deepinfer serve`: the project's venv) first on sys.path.
+
+    The stub's interpreter runs isolated (PYTHONPATH is ignored) with its own site-packages; addsitedir also
+    reads the venv's .pth files, which is how an editable install of backend_lib is found.
+    """
+    import os
+    import site
+    import sys
+
+    before = list(sys.path)
+    for path in os.environ.get("DEEPINFER_SITE_DIRS", "").split(os.pathsep):
+        if path:
+            site.addsitedir(path)
+    sys.path[:] = [p for p in sys.path if p not in before] + before
+
+
+_use_site_dirs()
+
+from backend_lib import serving  # noqa: E402  (after the path set-up above)
+from backend_lib.triton_metrics import TritonMetrics  # noqa: E402
 
 _IDLE_WAIT_S = 0.002  # the response thread's poll period when no stream had output
 _CANCEL_POLL_S = 0.05
