@@ -180,7 +180,13 @@ class Tokenizer:
         # Templates test for missing keys, so None values (as OpenAI-style clients send) are dropped.
         cleaned = [{key: value for key, value in message.items() if value is not None} for message in messages]
         return self._compiled_template.render(
-            messages=cleaned, add_generation_prompt=add_generation_prompt, **self._special_tokens)
+            messages=cleaned, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+            **self._special_tokens)  # tools / documents are defined (as None) exactly as transformers passes them
+
+    def with_chat_template(self, chat_template: str | None) -> "Tokenizer":
+        """The same tokenizer with another chat template (a deployment's override); the backend is shared."""
+        specials = _Specials(self._special_tokens, self.bos_token_id, self.eos_token_id, self.eos_token_ids)
+        return Tokenizer(self._backend, specials, chat_template)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         # The template writes BOS itself where the model wants one, so no specials are added on encode.

@@ -102,26 +102,47 @@ def test_chat_template_matches_transformers(ours, oracle, conversation, add_gene
     assert ours.apply_chat_template(messages, add_generation_prompt).count(1) == expected_text.count("<|im_start|>")
 
 
+RICH_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}"
+    "{% if tools is defined and tools is not none %}TOOLS{% endif %}"
+    "{% for m in messages %}"
+    "  {% if m['role'] == 'system' %}{% set ns.system = m['content'] %}{% continue %}{% endif %}\n"
+    "  <|im_start|>{{ m['role'] }}{% if ns.system %} [{{ ns.system | trim }}]{% endif %}\n"
+    "  {{ m['content'] | tojson }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}{{ eos_token | length }}"
+)
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_rich_chat_template_matches_transformers(ours, oracle, add_generation_prompt):
+    templated = ours.with_chat_template(RICH_TEMPLATE)
+    messages = CONVERSATIONS[2] + [{"role": "assistant", "content": "caf\u00e9 <tag> \"q\"", "tool_calls": None}]
+    expected = oracle.apply_chat_template(messages, chat_template=RICH_TEMPLATE, tokenize=False,
+                                          add_generation_prompt=add_generation_prompt)
+    assert templated.render_chat(messages, add_generation_prompt) == expected
+    assert templated.apply_chat_template(messages, add_generation_prompt) == oracle.apply_chat_template(
+        messages, chat_template=RICH_TEMPLATE, add_generation_prompt=add_generation_prompt, return_dict=False)
+    assert "TOOLS" not in expected and "caf\u00e9" in expected  # tojson keeps non-ASCII as is
+
+
 def test_chat_template_errors(ours):
     with pytest.raises(ValueError, match="messages"):
         ours.render_chat([])
     with pytest.raises(ValueError, match="role"):
         ours.render_chat([{"content": "no role"}])
-    strict = Tokenizer(ours._backend, _specials_of(ours),
-                       "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}"
-                       "{{ bos_token }}{{ strftime_now('%Y') | length }}")
+    strict = ours.with_chat_template(
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}"
+        "{{ bos_token }}{{ strftime_now('%Y') | length }}")
     with pytest.raises(jinja2.exceptions.TemplateError, match="first must be user"):
         strict.render_chat([{"role": "assistant", "content": "x"}])
     assert strict.render_chat([{"role": "user", "content": "x"}]) == "<|im_start|>4"
-    no_template = Tokenizer(ours._backend, _specials_of(ours), None)
+    assert (strict.eos_token_ids, strict.bos_token_id, strict.vocab_size) == (
+        ours.eos_token_ids, ours.bos_token_id, ours.vocab_size)
+    assert ours.chat_template is not None and strict.chat_template != ours.chat_template
+    no_template = ours.with_chat_template(None)
     with pytest.raises(ValueError, match="chat_template"):
         no_template.render_chat([{"role": "user", "content": "x"}])
-
-
-def _specials_of(tokenizer: Tokenizer):
-    from backend_lib.tokenizer import _Specials
-
-    return _Specials(tokenizer._special_tokens, tokenizer.bos_token_id, tokenizer.eos_token_id)
 
 
 # ---------------------------------------------------------------------- HF directory
