@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import MappingProxyType
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -41,11 +42,11 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_PRE_TOKENIZER_SPLITS = {
+_PRE_TOKENIZER_SPLITS = MappingProxyType({
     "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
     "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT, "pixtral": _LLAMA3_SPLIT,
     "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
-}
+})
 _SUPPORTED_GGUF_MODELS = ("gpt2", "llama")
 
 
