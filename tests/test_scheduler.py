@@ -399,3 +399,59 @@ def test_stats_counters_fill_engine_stats():
     owned = {f.name for f in fields(EngineStats)} - {"num_running", "num_waiting", "kv_blocks_total",
                                                      "num_sessions", "spec_draft_tokens", "spec_accepted_tokens"}
     assert set(counters) == owned
+
+
+def test_random_sessions_with_aborts_preemption_and_eviction_stay_exact():
+    """Sessions, plain requests, aborts and a tiny pool mixed: every finished turn's tokens equal a fresh run
+    of its full prompt, aborted turns leave the history alone, and closing every session frees every block."""
+    rng = random.Random(3)
+    sched, model = make(num_blocks=16, block_size=4, budget=12, max_seqs=6, max_model_len=200), FakeModel(4)
+    sessions = {f"s{i}": None for i in range(5)}  # session id -> turn request in flight
+    for sid in sessions:
+        sched.open_session(sid)
+    histories = {sid: [] for sid in sessions}
+    plain: dict[str, tuple[list[int], int]] = {}
+    n_turns = n_aborted = 0
+    for i in range(400):
+        for sid, turn in sessions.items():
+            if turn is None and len(histories[sid]) >= 40:  # turns stay under the 64-slot pool: start over
+                sched.close_session(sid)
+                sched.open_session(sid)
+                histories[sid] = []
+            if turn is None and rng.random() < 0.3:
+                new = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 8))]
+                turn = req(f"{sid}-{i}", histories[sid] + new, rng.randint(1, 6), session_id=sid)
+                turn.num_history_tokens = len(histories[sid])
+                sched.add_request(turn)
+                sessions[sid] = turn
+        if rng.random() < 0.3:
+            prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 20))]
+            plain[f"p{i}"] = (prompt, rng.randint(1, 8))
+            sched.add_request(req(f"p{i}", prompt, plain[f"p{i}"][1]))
+        if rng.random() < 0.1:
+            busy = [t for t in sessions.values() if t is not None]
+            if busy:
+                victim = rng.choice(busy)
+                sched.abort_request(victim.request_id)
+                sessions[victim.session_id] = None
+                n_aborted += 1
+                assert sched.session_history(victim.session_id) == histories[victim.session_id]
+        for r in step(sched, model)[1]:
+            if not r.is_finished:
+                continue
+            if r.session_id is not None:
+                assert r.output_token_ids == expected_tokens(r.prompt_token_ids, r.sampling_params.max_tokens)
+                histories[r.session_id] = r.all_token_ids
+                assert sched.session_history(r.session_id) == r.all_token_ids
+                sessions[r.session_id] = None
+                n_turns += 1
+            else:
+                assert r.output_token_ids == expected_tokens(*plain[r.request_id])
+    run(sched, model)
+    assert n_turns > 30 and n_aborted > 3
+    assert sched.num_preemptions > 0 and sched.num_session_evictions > 0
+    assert sched.kv_cache.num_used_blocks > 0  # sessions still pin their history
+    for sid in sessions:
+        sched.close_session(sid)
+    assert sched.kv_cache.num_used_blocks == 0
+    sched.check_integrity()
