@@ -185,6 +185,7 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
             tensors[name + "_scale_inv"] = scale
     config.save_pretrained(str(out))
     cfg = json.loads((out / "config.json").read_text())
+    cfg["architectures"] = [model_cls.__name__]
     if fp8:
         cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                       "weight_block_size": list(DEFAULT_BLOCK), "scale_fmt": scale_fmt}

@@ -67,6 +67,8 @@ class DeepseekV3Args:
     def from_hf_config(cls, config: dict[str, Any]) -> "DeepseekV3Args":
         names = {f.name for f in fields(cls)}
         kw = {k: v for k, v in config.items() if k in names and v is not None}
+        if "q_lora_rank" in config:  # None is meaningful: a plain q_proj
+            kw["q_lora_rank"] = config["q_lora_rank"]
         # rope: new format ``rope_parameters`` (transformers 5) or old ``rope_theta`` + ``rope_scaling``
         rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
         kw["rope_theta"] = float(rope.pop("rope_theta", config.get("rope_theta", 10000.0)))
