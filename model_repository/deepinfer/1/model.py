@@ -17,14 +17,13 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-import triton_python_backend_utils as pb_utils
-
 
 def _use_site_dirs() -> None:
     """Put DEEPINFER_SITE_DIRS (set by `deepinfer serve`: the project's venv) first on sys.path.
 
     The stub's interpreter runs isolated (PYTHONPATH is ignored) with its own site-packages; addsitedir also
-    reads the venv's .pth files, which is how an editable install of backend_lib is found.
+    reads the venv's .pth files, which is how an editable install of backend_lib is found. This must run
+    before anything imports numpy (pb_utils does): the 2.51 stub mis-reads BYTES tensors with numpy 2.
     """
     import os
     import site
@@ -39,6 +38,7 @@ def _use_site_dirs() -> None:
 
 _use_site_dirs()
 
+import triton_python_backend_utils as pb_utils  # noqa: E402
 from backend_lib import serving  # noqa: E402  (after the path set-up above)
 from backend_lib.triton_metrics import TritonMetrics  # noqa: E402
 
