@@ -1,0 +1,27 @@
+"""One real tritonserver per test module, on free ports, small KV cache and context (fast load); always stopped."""
+from __future__ import annotations
+
+import pytest
+
+from backend_lib.server import TritonServer, free_port
+
+# Small enough to load fast, large enough for 16 concurrent streams of the tests' requests.
+SERVER_PARAMETERS = {
+    "max_model_len": "512",
+    "num_blocks": "256",
+    "block_size": "16",
+    "max_num_seqs": "16",
+    "max_num_batched_tokens": "256",
+    "session_idle_timeout_s": "600",
+}
+
+
+@pytest.fixture(scope="module")
+def triton(tmp_path_factory) -> TritonServer:
+    server = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                          overrides=dict(SERVER_PARAMETERS), workdir=tmp_path_factory.mktemp("triton"))
+    try:
+        server.start(timeout_s=600)
+        yield server
+    finally:
+        server.stop()

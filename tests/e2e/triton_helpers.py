@@ -1,0 +1,175 @@
+"""Client-side helpers for the e2e tests: gRPC streaming, HTTP generate, /metrics parsing."""
+from __future__ import annotations
+
+import json
+import queue
+import re
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+MODEL = "deepinfer"
+_DTYPES = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "FP32": np.float32}
+
+
+def make_inputs(values: dict[str, Any], dtypes: dict[str, str] | None = None) -> list[grpcclient.InferInput]:
+    """Strings -> BYTES [1], bools -> BOOL [1], int lists -> INT32 [n]; ``dtypes`` overrides the Triton type."""
+    inputs = []
+    for name, value in values.items():
+        dtype = (dtypes or {}).get(name)
+        if dtype is None:
+            dtype = "BYTES" if isinstance(value, str) else "BOOL" if isinstance(value, bool) else "INT32"
+        if dtype == "BYTES":
+            array = np.array([value.encode("utf-8")], dtype=np.object_)
+        elif isinstance(value, list):
+            array = np.array(value, dtype=_DTYPES[dtype])
+        else:
+            array = np.array([value], dtype=_DTYPES[dtype])
+        item = grpcclient.InferInput(name, list(array.shape), dtype)
+        item.set_data_from_numpy(array)
+        inputs.append(item)
+    return inputs
+
+
+@dataclass
+class Result:
+    """Everything one request received: one entry per response."""
+
+    texts: list[str] = field(default_factory=list)
+    ids: list[list[int]] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+    num_output_tokens: list[int] = field(default_factory=list)
+    num_input_tokens: int | None = None
+    error: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return [i for chunk in self.ids for i in chunk]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.finish_reasons[-1] if self.finish_reasons else None
+
+
+def _absorb(result: Result, response: Any) -> None:
+    text = response.as_numpy("text_output")
+    if text is not None:
+        result.texts.append(text.reshape(-1)[0].decode("utf-8"))
+    ids = response.as_numpy("output_ids")
+    if ids is not None:
+        result.ids.append([int(i) for i in ids.reshape(-1)])
+    reason = response.as_numpy("finish_reason")
+    if reason is not None:
+        result.finish_reasons.append(reason.reshape(-1)[0].decode())
+    count = response.as_numpy("num_output_tokens")
+    if count is not None:
+        result.num_output_tokens.append(int(count.reshape(-1)[0]))
+    n_in = response.as_numpy("num_input_tokens")
+    if n_in is not None:
+        result.num_input_tokens = int(n_in.reshape(-1)[0])
+
+
+class StreamClient:
+    """One gRPC bidirectional stream; requests are told apart by request id."""
+
+    def __init__(self, url: str) -> None:
+        self.client = grpcclient.InferenceServerClient(url=url)
+        self._responses: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self._responses.put((result, error)))
+        self._counter = 0
+
+    def send(self, values: dict[str, Any], dtypes: dict[str, str] | None = None, **kwargs: Any) -> str:
+        self._counter += 1
+        request_id = f"req-{self._counter}"
+        self.client.async_stream_infer(MODEL, make_inputs(values, dtypes), request_id=request_id,
+                                       enable_empty_final_response=True, **kwargs)
+        return request_id
+
+    def collect(self, request_ids: list[str], timeout_s: float = 300.0) -> dict[str, Result]:
+        results = {rid: Result() for rid in request_ids}
+        pending = set(request_ids)
+        while pending:
+            response, error = self._responses.get(timeout=timeout_s)
+            if error is not None:
+                # A request's error arrives without its id when it fails early; attribute it to the oldest one.
+                rid = getattr(error, "request_id", None) or sorted(pending)[0]
+                results[rid].error = str(error)
+                pending.discard(rid)
+                continue
+            rid = response.get_response().id
+            _absorb(results[rid], response)
+            if response.get_response().parameters["triton_final_response"].bool_param:
+                pending.discard(rid)
+        return results
+
+    def next_response(self, timeout_s: float = 60.0) -> tuple[Any, Any]:
+        return self._responses.get(timeout=timeout_s)
+
+    def generate(self, values: dict[str, Any], dtypes: dict[str, str] | None = None, **kwargs: Any) -> Result:
+        request_id = self.send(values, dtypes, **kwargs)
+        return self.collect([request_id])[request_id]
+
+    def close(self, cancel: bool = False) -> None:
+        self.client.stop_stream(cancel_requests=cancel)
+        self.client.close()
+
+
+def http_generate(http_url: str, body: dict[str, Any], stream: bool = False,
+                  timeout_s: float = 300.0) -> tuple[int, list[dict[str, Any]]]:
+    """POST /generate (or /generate_stream): (status, list of JSON responses)."""
+    endpoint = "generate_stream" if stream else "generate"
+    request = urllib.request.Request(f"http://{http_url}/v2/models/{MODEL}/{endpoint}",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            payload = response.read().decode()
+            status = response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code, [json.loads(exc.read().decode() or "{}")]
+    if not stream:
+        return status, [json.loads(payload)]
+    events = [json.loads(line[len("data: "):]) for line in payload.splitlines() if line.startswith("data: ")]
+    return status, events
+
+
+def metrics(metrics_url: str) -> dict[str, float]:
+    """Prometheus text -> {"name{labels}": value} (label order as the server prints it)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        match = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?)\s+(\S+)$", line)
+        if match:
+            values[match.group(1)] = float(match.group(2))
+    return values
+
+
+def metric(values: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of the series of ``name`` whose labels include ``labels``."""
+    total, found = 0.0, False
+    for key, value in values.items():
+        base, _, rest = key.partition("{")
+        if base != name:
+            continue
+        if all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += value
+            found = True
+    if not found:
+        raise KeyError(f"metric {name} {labels} not exported")
+    return total
+
+
+def server_ready(http_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{http_url}/v2/models/{MODEL}/ready", timeout=5) as response:
+            return response.status == 200
+    except urllib.error.URLError:
+        return False
