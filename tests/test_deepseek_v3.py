@@ -226,3 +226,18 @@ def test_make_tiny_loads_in_transformers_and_ours(arch, tmp_path):
         assert (run.step([], [("r", ids)]) - ref).abs().max() <= 1e-4
     else:
         assert type(ours).__name__ == "LlamaForCausalLM"
+
+
+def test_engine_greedy_concurrent_matches_transformers(tmp_path):
+    """Through LLMEngine: scheduler, paged blocks, chunked prefill (budget 8) and the model runner."""
+    from transformers import AutoModelForCausalLM
+    from backend_lib.config import EngineConfig
+    from backend_lib.offline import LLM
+    from backend_lib.sampling_params import SamplingParams
+    path = make_tiny("deepseek_v3", tmp_path, seed=4, overrides=CONFIGS["yarn_groups"])
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    llm = LLM(config=EngineConfig.from_flat({"model": str(path), "max_num_batched_tokens": 8, "max_num_seqs": 4,
+                                             "num_blocks": 64, "block_size": 4}))
+    prompts = [_tokens(n, 60 + n) for n in (5, 19, 11, 2)]
+    results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [r.token_ids for r in results] == [_hf_generate(hf, p) for p in prompts]

@@ -265,5 +265,10 @@ class DeepseekV3ForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
     @property
+    def arch(self) -> DeepseekV3Args:
+        """The engine reads ``model.arch.vocab_size`` (same attribute name as the Llama model)."""
+        return self.args
+
+    @property
     def has_mtp_weights(self) -> bool:
         return len(self.mtp) > 0 and all(m.eh_proj.weight is not None for m in self.mtp)
