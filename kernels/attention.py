@@ -29,8 +29,9 @@ def _gather_blocks(
     block_tables: torch.Tensor,  # [B, nb] int
     block_size: int,
 ) -> torch.Tensor:  # [B, Hkv, nb * block_size, D]
-    blocks = cache.view(-1, block_size, *cache.shape[1:])
-    gathered = blocks[block_tables.long()]  # [B, nb, block_size, Hkv, D]
+    # One row per block and index_select: several times faster on CPU than advanced indexing on a 4-D view.
+    blocks = cache.view(-1, block_size * cache[0].numel())
+    gathered = blocks.index_select(0, block_tables.reshape(-1).long())  # [B * nb, block_size * Hkv * D]
     b, nb = block_tables.shape
     return gathered.view(b, nb * block_size, *cache.shape[1:]).transpose(1, 2)
 
