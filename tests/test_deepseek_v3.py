@@ -59,6 +59,11 @@ class PagedRunner:
         self.computed[rid] = start + n
         return positions, [blocks[p // self.bs] * self.bs + p % self.bs for p in positions]
 
+    def share_prefix(self, src: str, dst: str, num_blocks: int) -> None:
+        """Prefix caching: ``dst`` starts with ``src``'s first full blocks, already computed."""
+        self.blocks[dst] = list(self.blocks[src][:num_blocks])
+        self.computed[dst] = num_blocks * self.bs
+
     def _table(self, rids: list[str], width: int) -> torch.Tensor:
         rows = [self.blocks[r] + [self.scratch] * (width - len(self.blocks[r])) for r in rids]
         return torch.tensor(rows, dtype=torch.int32).view(len(rids), width)
@@ -115,6 +120,19 @@ def test_mixed_batch_logits_match_transformers(pair):
             ref = hf(torch.tensor([full[rid]])).logits[0]
         assert ours_logits.shape == ref.shape
         assert (ours_logits - ref).abs().max() <= 1e-4, rid
+
+
+def test_prefix_cached_blocks_are_reused(pair):
+    ours, hf = pair
+    run = PagedRunner(ours)
+    shared = _tokens(8, 30)  # two full blocks of 4
+    run.step([], [("a", shared + _tokens(3, 31))])
+    run.share_prefix("a", "b", 2)
+    tail = _tokens(5, 32)
+    out = run.step([], [("b", tail)])
+    with torch.inference_mode():
+        ref = hf(torch.tensor([shared + tail])).logits[0, 8:]
+    assert (out - ref).abs().max() <= 1e-4
 
 
 def _hf_generate(hf, prompt: list[int]) -> list[int]:
