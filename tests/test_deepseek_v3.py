@@ -259,3 +259,30 @@ def test_engine_greedy_concurrent_matches_transformers(tmp_path):
     prompts = [_tokens(n, 60 + n) for n in (5, 19, 11, 2)]
     results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     assert [r.token_ids for r in results] == [_hf_generate(hf, p) for p in prompts]
+
+
+def test_real_deepseek_v3_config_parses_with_transformers_yarn():
+    """DeepSeek-V3's own config.json (old ``rope_scaling`` format, fp8): rope and softmax scale as transformers."""
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+    from backend_lib.models.deepseek_layers import build_rope
+    from backend_lib.models.deepseek_v3 import DeepseekV3Args
+    real = {"architectures": ["DeepseekV3ForCausalLM"], "max_position_embeddings": 163840, "rope_theta": 10000,
+            "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                             "original_max_position_embeddings": 4096, "type": "yarn"},
+            "q_lora_rank": 1536, "num_nextn_predict_layers": 1,
+            "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                    "weight_block_size": [128, 128]}}
+    args = DeepseekV3Args.from_hf_config(real)
+    assert (args.latent_dim, args.fp8_scale_fmt, args.num_nextn_predict_layers) == (576, "float", 1)
+    rope = build_rope(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings,
+                      args.rope_interleave)
+    hf_config = DeepseekV3Config(**{k: v for k, v in real.items() if k != "quantization_config"})
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config)
+    assert torch.equal(rope.inv_freq, inv_freq) and rope.attention_factor == attention_factor
+    scale = args.qk_nope_head_dim + args.qk_rope_head_dim
+    assert scale ** -0.5 * rope.softmax_mscale * rope.softmax_mscale == yarn_apply_mscale(
+        hf_config.rope_parameters, scale ** -0.5)
+    with pytest.raises(ValueError, match="hidden_act"):
+        DeepseekV3Args.from_hf_config({**real, "hidden_act": "gelu"})

@@ -28,7 +28,7 @@ class RopeSpec:
 
     inv_freq: torch.Tensor  # [P / 2] float32
     attention_factor: float  # multiplies cos and sin
-    softmax_mscale: float  # multiplies the softmax scale (mscale_all_dim), 1.0 without scaling
+    softmax_mscale: float  # the softmax scale is multiplied by it twice (mscale_all_dim); 1.0 without scaling
     interleave: bool
 
 
@@ -69,7 +69,7 @@ def build_rope(dim: int, theta: float, params: dict | None, max_position_embeddi
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     softmax_mscale = 1.0
     if params.get("mscale_all_dim"):
-        softmax_mscale = _yarn_mscale(params["factor"], params["mscale_all_dim"]) ** 2
+        softmax_mscale = _yarn_mscale(params["factor"], params["mscale_all_dim"])
     return RopeSpec(inv_freq, float(attention_factor), softmax_mscale, interleave)
 
 
@@ -249,7 +249,8 @@ class MLAttention(nn.Module):
     def __init__(self, d: MLADims, rope: RopeSpec, block_size: tuple[int, int]) -> None:
         super().__init__()
         self.d, self.rope = d, rope
-        self.scale = d.qk_head_dim ** -0.5 * rope.softmax_mscale
+        # same operation order as transformers (scale * m * m) for bit-identical scores
+        self.scale = d.qk_head_dim ** -0.5 * rope.softmax_mscale * rope.softmax_mscale
         if d.q_lora_rank is None:
             self.q_proj = BlockLinear(d.hidden, d.num_heads * d.qk_head_dim, block_size=block_size)
         else:

@@ -207,7 +207,10 @@ class DeepseekV3ForCausalLM(nn.Module):
             internal = self._internal_name(name)
             owner, _, leaf = internal.rpartition(".")
             expert = _EXPERT.match(internal)
-            target = None if expert else self.get_submodule(owner)
+            try:
+                target = None if expert else self.get_submodule(owner)
+            except AttributeError as err:
+                raise ValueError(f"unexpected checkpoint tensor {name!r}") from err
             if expert or isinstance(target, BlockLinear):
                 if leaf not in ("weight", "weight_scale_inv", "bias"):
                     raise ValueError(f"unexpected checkpoint tensor {name!r}")
@@ -257,8 +260,8 @@ class DeepseekV3ForCausalLM(nn.Module):
             self.get_submodule(owner).set_weight(weight, scale, self.dtype, self.dequantize_fp8_at_load)
 
     def _check_complete(self) -> None:
-        missing = [name for name, m in self.named_modules()
-                   if isinstance(m, BlockLinear) and m.weight is None and not name.startswith("mtp.")]
+        missing = [name for name, m in self.named_modules() if isinstance(m, BlockLinear)
+                   and (m.weight is None or (m.has_bias and m.bias is None)) and not name.startswith("mtp.")]
         missing += [f"{name}.{p}" for name, m in self.named_modules() if isinstance(m, RoutedExperts)
                     and not name.startswith("mtp.") for p in RoutedExperts.PROJS if getattr(m, p) is None]
         if missing:
