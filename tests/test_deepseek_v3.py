@@ -286,3 +286,23 @@ def test_real_deepseek_v3_config_parses_with_transformers_yarn():
         hf_config.rope_parameters, scale ** -0.5)
     with pytest.raises(ValueError, match="hidden_act"):
         DeepseekV3Args.from_hf_config({**real, "hidden_act": "gelu"})
+
+
+def test_decode_step_compiles_fullgraph_with_static_moe(tmp_path):
+    """The decode path (absorbed MLA, static MoE, kept-fp8 linears) has no graph breaks or host syncs."""
+    path = make_tiny("deepseek_v3", tmp_path, fp8=True, seed=2)
+    model = load_model(str(path), torch.float32, progress=False)
+    model.set_moe_impl("static")
+    run = PagedRunner(model)
+    for rid in "ab":
+        run.step([], [(rid, _tokens(5, ord(rid)))])
+    ids, pos = torch.tensor([7, 8]), torch.tensor([5, 5])
+    slots = torch.tensor([run.blocks[r][1] * 4 + 1 for r in "ab"])
+    meta = AttentionMetadata(4, slots, 2, 1, torch.tensor([run.blocks[r] + [run.scratch] * 2 for r in "ab"],
+                                                          dtype=torch.int32),
+                             torch.tensor([6, 6], dtype=torch.int32), 0, [], [], torch.zeros(0, 4, dtype=torch.int32))
+    with torch.inference_mode():
+        eager = model(ids, pos, run.caches, meta)
+        compiled = torch.compile(model, fullgraph=True, dynamic=False, backend="aot_eager")(
+            ids, pos, run.caches, meta)
+    assert torch.equal(compiled, eager)
