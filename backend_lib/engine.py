@@ -15,7 +15,8 @@ import torch
 from backend_lib.config import EngineConfig
 from backend_lib.model_runner import ModelRunner
 from backend_lib.models.loader import load_model, resolve_model_path
-from backend_lib.outputs import EngineStats, RequestMetrics, RequestOutput, SessionControl, TokenLogprob
+from backend_lib.outputs import (EngineStats, RequestMetrics, RequestOutput, RunnerOutput, SessionControl,
+                                 TokenLogprob)
 from backend_lib.request import Request, RequestStatus
 from backend_lib.sampling_params import SamplingParams
 from backend_lib.scheduler import Scheduler
@@ -179,7 +180,9 @@ class LLMEngine:
             metrics = self._states[chunk.request.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-        runner_output = self.runner.execute(scheduler_output)
+        # Nothing to run (e.g. every request waits for blocks, or errors found while scheduling).
+        runner_output = (RunnerOutput(sampled_token_ids=[]) if scheduler_output.is_empty
+                         else self.runner.execute(scheduler_output))
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         logprobs_by_id = {}
         if runner_output.logprobs is not None:
