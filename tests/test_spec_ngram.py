@@ -1,0 +1,28 @@
+"""N-gram prompt lookup: longest match wins, the most recent occurrence is used, limits are honoured."""
+from __future__ import annotations
+
+import pytest
+
+from backend_lib.spec_decode.ngram import NgramProposer
+
+
+def test_longest_then_most_recent_match():
+    p = NgramProposer(1, 3, 4)
+    assert p.propose([1, 2, 3, 4, 5, 1, 2, 3]) == [4, 5, 1, 2]
+    # the 2-gram [7, 8] occurs twice: the later occurrence is followed by 9
+    assert p.propose([7, 8, 1, 7, 8, 9, 0, 7, 8]) == [9, 0, 7, 8]
+    # a 3-gram match beats a more recent 1-gram match
+    assert p.propose([4, 5, 6, 11, 6, 12, 4, 5, 6]) == [11, 6, 12, 4]
+
+
+def test_no_match_limits_and_bad_config():
+    p = NgramProposer(2, 4, 3)
+    assert p.propose([1, 2, 3, 4]) == []
+    assert p.propose([1]) == []
+    assert p.propose([1, 2, 9, 1, 2], max_tokens=1) == [9]
+    assert p.propose([1, 2, 9, 1, 2], max_tokens=0) == []
+    assert p.propose([1, 2, 1, 2]) == [1, 2]  # proposals stop at the end of the sequence
+    with pytest.raises(ValueError, match="ngram range"):
+        NgramProposer(3, 2, 1)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        NgramProposer(1, 2, 0)
