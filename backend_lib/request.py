@@ -48,6 +48,9 @@ class Request:
     num_preemptions: int = 0
     # The session history this turn continues (prompt_token_ids starts with it); its KV may be reused.
     num_history_tokens: int = 0
+    # Speculative decoding: proposals for the tokens after the last one, verified by the next step (never part of
+    # all_token_ids until accepted).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:
