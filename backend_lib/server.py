@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MODEL_NAME = "deepinfer"
+_STOP_FILE_GRACE_S = 1.0  # the model polls the stop file every 0.5 s
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 MODEL_SOURCE = PROJECT_ROOT / "model_repository" / MODEL_NAME
 
@@ -136,8 +137,10 @@ class TritonServer:
     overrides: dict[str, str] = field(default_factory=dict)
     workdir: Path | None = None  # model repository + log; a temporary dir when None
     log_verbose: int = 0
+    exit_timeout_s: int = 30  # how long Triton lets in-flight requests finish on shutdown before unloading
     process: subprocess.Popen | None = None
     log_path: Path | None = None
+    stop_file: Path | None = None  # created on stop(): the model then aborts in-flight requests
 
     @property
     def http_url(self) -> str:
@@ -159,10 +162,15 @@ class TritonServer:
         command = [str(install.binary), f"--model-repository={repo}", f"--backend-directory={install.backends}",
                    f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}",
                    f"--metrics-port={self.metrics_port}", "--allow-metrics=true", "--allow-cpu-metrics=true",
-                   f"--log-verbose={self.log_verbose}", "--exit-on-error=true", "--strict-readiness=true"]
+                   f"--log-verbose={self.log_verbose}", f"--exit-timeout-secs={self.exit_timeout_s}",
+                   "--exit-on-error=true", "--strict-readiness=true"]
+        self.stop_file = work / "stopping"
+        self.stop_file.unlink(missing_ok=True)
+        env = server_env(install)
+        env["DEEPINFER_STOP_FILE"] = str(self.stop_file)
         with open(self.log_path, "ab") as log:
             # Own process group: stop() signals tritonserver and its Python stub together.
-            self.process = subprocess.Popen(command, env=server_env(install), stdout=log, stderr=subprocess.STDOUT,
+            self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             self._wait_ready(timeout_s)
@@ -197,11 +205,16 @@ class TritonServer:
                            f"{self.log_tail()}")
 
     def stop(self, timeout_s: float = 60.0) -> int | None:
-        """SIGINT (Triton unloads models, which aborts in-flight requests), then SIGKILL after ``timeout_s``."""
+        """Stop file (the model aborts in-flight requests), SIGINT (Triton unloads the model), SIGKILL after
+        ``timeout_s``."""
         process = self.process
         if process is None:
             return None
         if process.poll() is None:
+            if self.stop_file is not None:
+                # Triton unloads a decoupled model only after its streams end: let the model end them first.
+                self.stop_file.touch()
+                time.sleep(_STOP_FILE_GRACE_S)
             self._signal_group(process, signal.SIGINT)
             try:
                 process.wait(timeout=timeout_s)
@@ -238,17 +251,17 @@ def _parse_overrides(items: list[str]) -> dict[str, str]:
 
 
 def banner(server: TritonServer) -> str:
-    body = '{"text_input": "What is the capital of France?", "max_tokens": 32, "temperature": 0}'
     chat = ('{"messages": "[{\\"role\\": \\"user\\", \\"content\\": \\"What is the capital of France?\\"}]", '
-            '"max_tokens": 32, "temperature": 0, "exclude_input_in_output": true}')
+            '"max_tokens": 32, "temperature": 0}')
+    stream = '{"text_input": "Once upon a time", "max_tokens": 32, "temperature": 0.7, "stream": true}'
     return "\n".join([
         f"DeepInfer is serving model '{MODEL_NAME}'",
         f"  HTTP     http://{server.http_url}   (/v2/models/{MODEL_NAME}/generate, /generate_stream)",
         f"  gRPC     {server.grpc_url}        (streaming: tritonclient.grpc, `deepinfer chat --url {server.grpc_url}`)",
         f"  metrics  {server.metrics_url}",
         "Try:",
-        f"  curl -s http://{server.http_url}/v2/models/{MODEL_NAME}/generate -d '{body}'",
         f"  curl -s http://{server.http_url}/v2/models/{MODEL_NAME}/generate -d '{chat}'",
+        f"  curl -sN http://{server.http_url}/v2/models/{MODEL_NAME}/generate_stream -d '{stream}'",
         f"Log: {server.log_path}   Stop: Ctrl-C",
     ])
 

@@ -19,7 +19,8 @@ SERVER_PARAMETERS = {
 @pytest.fixture(scope="module")
 def triton(tmp_path_factory) -> TritonServer:
     server = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          overrides=dict(SERVER_PARAMETERS), workdir=tmp_path_factory.mktemp("triton"))
+                          overrides=dict(SERVER_PARAMETERS), workdir=tmp_path_factory.mktemp("triton"),
+                          exit_timeout_s=5)
     try:
         server.start(timeout_s=600)
         yield server

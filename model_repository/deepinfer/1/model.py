@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import queue
 import threading
 import time
@@ -25,7 +26,6 @@ def _use_site_dirs() -> None:
     reads the venv's .pth files, which is how an editable install of backend_lib is found. This must run
     before anything imports numpy (pb_utils does): the 2.51 stub mis-reads BYTES tensors with numpy 2.
     """
-    import os
     import site
     import sys
 
@@ -72,6 +72,7 @@ class TritonPythonModel:
         self._decode_token = lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
         self._metrics = self._make_metrics(args)
         self._prefix = f"{args['model_name']}-{args['model_instance_name']}-"
+        self._stop_file = os.environ.get("DEEPINFER_STOP_FILE", "")
         self._ids = itertools.count()
         self._incoming: queue.Queue[_Active] = queue.Queue()
         self._closing = threading.Event()
@@ -92,8 +93,8 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             request_id = f"{self._prefix}{next(self._ids)}"
             try:
-                if self._closing.is_set():
-                    raise RuntimeError("the model is shutting down")
+                if self._closing.is_set() or self._server_stopping():
+                    raise ValueError("the server is shutting down")
                 decoded = self._decode(request)
                 stream = self._engine.add_request(request_id, decoded.prompt, decoded.params, decoded.session)
             except ValueError as exc:  # the client's fault: report it and keep serving
@@ -140,9 +141,12 @@ class TritonPythonModel:
                     self._fail(item, exc)
                 if item.done:
                     del active[item.request_id]
-            if self._metrics is not None and (now - stats_at >= _STATS_POLL_S or progressed and not active):
+            if now - stats_at >= _STATS_POLL_S or (progressed and not active):
                 stats_at = now
-                self._refresh_metrics()
+                if self._metrics is not None:
+                    self._refresh_metrics()
+                if active and self._server_stopping():
+                    self._abort_for_unload(active)
             if active and not progressed:
                 time.sleep(_IDLE_WAIT_S)
 
@@ -195,6 +199,20 @@ class TritonPythonModel:
                 self._send_error(item.sender, f"internal error: {exc}")
             except Exception:
                 self._logger.log_error(f"[deepinfer] could not send the final error: {traceback.format_exc()}")
+
+    def _server_stopping(self) -> bool:
+        """`deepinfer serve` creates DEEPINFER_STOP_FILE before it signals tritonserver to stop.
+
+        Triton calls finalize only after every decoupled request has sent FINAL, so without this signal a
+        shutdown lets in-flight requests run on (to max_tokens or Triton's exit timeout). Asking Triton
+        (pb_utils.is_model_ready) is no substitute: during shutdown that call can block forever.
+        """
+        return bool(self._stop_file) and os.path.exists(self._stop_file)
+
+    def _abort_for_unload(self, active: dict[str, _Active]) -> None:
+        self._logger.log_info(f"[deepinfer] server is stopping: aborting {len(active)} in-flight requests")
+        for item in active.values():
+            self._engine.abort(item.request_id)
 
     def _refresh_metrics(self) -> None:
         try:
