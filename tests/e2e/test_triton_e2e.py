@@ -230,3 +230,18 @@ def test_concurrent_http_and_grpc_do_not_interfere(triton, grpc):
     result = _ask(grpc, stream=True)
     thread.join(timeout=300)
     assert answers == [result.text] and "Paris" in result.text
+
+
+def test_deepinfer_chat_keeps_the_conversation(triton):
+    """`deepinfer chat` (stdin piped): the second turn only makes sense with the first one's history."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "backend_lib.cli", "chat", "--url", triton.grpc_url,
+                          "--temperature", "0", "--max-tokens", "40"],
+                         input="What is the capital of France?\nAnd of Italy?\n", capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    replies = [line for line in run.stdout.splitlines() if line.startswith("assistant> ")]
+    assert len(replies) == 2, run.stdout
+    assert "Paris" in replies[0] and "Rome" in replies[1], run.stdout
