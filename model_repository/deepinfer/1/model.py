@@ -98,7 +98,7 @@ class TritonPythonModel:
                 decoded = self._decode(request)
                 stream = self._engine.add_request(request_id, decoded.prompt, decoded.params, decoded.session)
             except ValueError as exc:  # the client's fault: report it and keep serving
-                self._send_error(sender, str(exc))
+                self._send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
                 continue
             except Exception as exc:
                 self._logger.log_error(f"[deepinfer] request {request_id} failed: {traceback.format_exc()}")
@@ -165,10 +165,10 @@ class TritonPythonModel:
                 break
             progressed = True
             if output.finished:
+                self._send_final(item, output)  # if this raises, _fail still sends an error FINAL
                 item.done = True
                 if self._metrics is not None:
                     self._metrics.on_finished(output)
-                self._send_final(item, output)
                 break
             tensors = item.encoder.encode(output)
             if tensors is not None:
