@@ -64,8 +64,10 @@ class LLMEngine:
         num_blocks = config.cache.num_blocks or max(
             4, int(config.cache.kv_cache_memory_gb * 2**30
                    // ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype)))
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.model.max_model_len)
-        self.runner = ModelRunner(self.model, num_blocks, block_size, self.vocab_size, self.device, self.dtype)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, self.vocab_size, self.device, self.dtype,
+                                  spec=config.spec)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.model.max_model_len,
+                                   num_lookahead_slots=self.runner.num_lookahead_slots)
         self.num_blocks = num_blocks
         self._seeds = random.Random(config.seed)
         self._states: dict[str, _TextState] = {}

@@ -3,6 +3,13 @@
 Preparation turns the scheduler's chunks into one tensor per input (one host->device copy each); the model
 forward and the sampler consume only tensors, so the same step can later run as compiled regions with static
 shapes. The step syncs with the host once, when it reads the sampled ids.
+
+Speculative decoding (``SpecConfig.method`` ngram | mtp): a decode chunk carries its drafts. The decode group runs
+with ``decode_query_len = 1 + max drafts`` of the step; a request with fewer drafts is padded with rows that write
+into the scratch block and whose logits are never read, so padding cannot change its output (its real queries see
+exactly its own positions). ``_execute_spec`` verifies every sampling chunk's drafts with the rejection sampler
+(a chunk without drafts is plain sampling: the same seeded draw) and proposes the next drafts: n-gram on the host
+after the one sync, MTP on device before it.
 """
 from __future__ import annotations
 
@@ -11,8 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
+from backend_lib.config import SpecConfig
 from backend_lib.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput, TokenLogprob
 from backend_lib.sampler import Sampler, SamplingMetadata, SamplingRow
+from backend_lib.spec_decode.mtp import MTPProposer
+from backend_lib.spec_decode.ngram import NgramProposer
+from backend_lib.spec_decode.rejection import DraftLayout, num_accepted, rejection_sample
+from kernels import sampling as sampling_ops
 from kernels.attention_metadata import AttentionMetadata
 
 
@@ -21,16 +33,19 @@ class ModelInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] int64: the last token of every chunk that samples
+    logits_indices: torch.Tensor  # [S + drafts] int64: per sampling chunk, its draft rows then its last token
     order: list[int]  # chunk indices in token order (decode-like chunks first)
     sampling_chunks: list[int]  # chunk indices that sample, aligned with logits_indices
+    row_starts: list[int]  # per chunk index: its first row in the flattened tokens
 
 
 def chunk_token_ids(chunk: ScheduledChunk) -> list[int]:
     """The chunk's tokens without concatenating the whole history (decodes read one token)."""
     request = chunk.request
     num_prompt = request.num_prompt_tokens
-    start, end = chunk.start, chunk.start + chunk.num_tokens
+    start, end = chunk.start, chunk.start + chunk.num_tokens - chunk.num_draft_tokens
+    if chunk.draft_token_ids:
+        return request.all_token_ids[start:end] + chunk.draft_token_ids
     if start >= num_prompt:
         return request.output_token_ids[start - num_prompt:end - num_prompt]
     if end <= num_prompt:
@@ -40,7 +55,7 @@ def chunk_token_ids(chunk: ScheduledChunk) -> list[int]:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, vocab_size: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, spec: SpecConfig | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -51,38 +66,58 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                           for shape in model.kv_cache_shapes(num_slots)]
         self.sampler = Sampler()
+        spec = spec or SpecConfig()
+        k = spec.num_speculative_tokens
+        self.spec_method = spec.method if k > 0 else "none"
+        self.ngram = NgramProposer(spec.ngram_min, spec.ngram_max, k) if self.spec_method == "ngram" else None
+        self.mtp = MTPProposer(model, num_slots, k, device, dtype) if self.spec_method == "mtp" else None
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """Slots past a step's tokens that the proposer writes (the scheduler reserves them)."""
+        return self.mtp.num_lookahead_slots if self.mtp is not None else 0
 
     @staticmethod
     def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
         per_slot = sum(math.prod(shape) for shape in model.kv_cache_shapes(1))
         return per_slot * block_size * torch.empty((), dtype=dtype).element_size()
 
-    def _block_table(self, rows: list[list[int]]) -> torch.Tensor:
-        width = max((len(r) for r in rows), default=0)
+    def _block_table(self, rows: list[list[int]], min_width: int = 0) -> torch.Tensor:
+        width = max(max((len(r) for r in rows), default=0), min_width)
         padded = [r + [self.scratch_block] * (width - len(r)) for r in rows]
         return torch.tensor(padded, dtype=torch.int32).reshape(len(rows), width).to(self.device)
 
     def prepare(self, scheduler_output: SchedulerOutput) -> ModelInputs:
         chunks = scheduler_output.chunks
-        decodes = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
-        prefills = [i for i, c in enumerate(chunks) if c.num_tokens != 1]
+        decodes = [i for i, c in enumerate(chunks) if c.num_tokens - c.num_draft_tokens == 1]
+        prefills = [i for i, c in enumerate(chunks) if c.num_tokens - c.num_draft_tokens != 1]
         order = decodes + prefills
+        decode_len = 1 + max((chunks[i].num_draft_tokens for i in decodes), default=0)
         bs = self.block_size
+        scratch_slot = self.scratch_block * bs
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_indices: list[int] = []
         sampling_chunks: list[int] = []
-        for i in order:
+        row_starts = [0] * len(chunks)
+        for rank, i in enumerate(order):
             chunk = chunks[i]
             blocks = chunk.block_ids
             span = range(chunk.start, chunk.start + chunk.num_tokens)
+            row_starts[i] = len(input_ids)
             input_ids += chunk_token_ids(chunk)
             positions += span
             slots += [blocks[p // bs] * bs + p % bs for p in span]
             if chunk.samples:
-                logits_indices.append(len(input_ids) - 1)
+                last = len(input_ids) - 1
+                logits_indices += range(last - chunk.num_draft_tokens, last + 1)
                 sampling_chunks.append(i)
+            pad = decode_len - chunk.num_tokens if rank < len(decodes) else 0
+            if pad:  # rows nobody reads: KV goes to the scratch block
+                input_ids += [0] * pad
+                positions += range(chunk.start + chunk.num_tokens, chunk.start + chunk.num_tokens + pad)
+                slots += [scratch_slot] * pad
 
         def needed_blocks(chunk: ScheduledChunk) -> list[int]:
             return chunk.block_ids[:-(-(chunk.start + chunk.num_tokens) // bs)]
@@ -91,9 +126,11 @@ class ModelRunner:
             block_size=bs,
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
             num_decodes=len(decodes),
-            decode_query_len=1,
-            decode_block_tables=self._block_table([needed_blocks(chunks[i]) for i in decodes]),
-            decode_seq_lens=torch.tensor([chunks[i].start + 1 for i in decodes], dtype=torch.int32,
+            decode_query_len=decode_len,
+            decode_block_tables=self._block_table(
+                [needed_blocks(chunks[i]) for i in decodes],
+                max((-(-(chunks[i].start + decode_len) // bs) for i in decodes), default=0)),
+            decode_seq_lens=torch.tensor([chunks[i].start + decode_len for i in decodes], dtype=torch.int32,
                                          device=self.device),
             num_prefills=len(prefills),
             prefill_query_lens=[chunks[i].num_tokens for i in prefills],
@@ -107,6 +144,7 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
             order=order,
             sampling_chunks=sampling_chunks,
+            row_starts=row_starts,
         )
 
     @torch.inference_mode()
@@ -114,6 +152,8 @@ class ModelRunner:
         chunks = scheduler_output.chunks
         inputs = self.prepare(scheduler_output)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if self.spec_method != "none" or any(c.draft_token_ids for c in chunks):
+            return self._execute_spec(chunks, inputs, hidden)
         sampled: list[list[int]] = [[] for _ in chunks]
         if not inputs.sampling_chunks:
             return RunnerOutput(sampled_token_ids=sampled)
@@ -140,3 +180,111 @@ class ModelRunner:
             top = list(zip(top_ids[row][:wanted], top_logprobs[row][:wanted])) if top_ids and wanted else []
             logprobs[i] = [TokenLogprob(token_ids[row], token_logprobs[row], top)]
         return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    # ---- speculative decoding -------------------------------------------------------------------------
+    def _verify_rows(self, chunks: list[ScheduledChunk], inputs: ModelInputs) -> list[SamplingRow]:
+        """One sampling row per verified position: row j of a chunk sees the chunk's first j drafts as output
+        (so penalties and min_tokens treat them as if they had been sampled)."""
+        rows = []
+        for i in inputs.sampling_chunks:
+            chunk, r = chunks[i], chunks[i].request
+            for j in range(chunk.num_draft_tokens + 1):
+                output = r.output_token_ids + chunk.draft_token_ids[:j] if j else r.output_token_ids
+                rows.append(SamplingRow(params=r.sampling_params, seed=r.seed, output_position=r.num_output_tokens + j,
+                                        prompt_token_ids=r.prompt_token_ids, output_token_ids=output,
+                                        eos_token_ids=r.eos_token_ids))
+        return rows
+
+    def _execute_spec(self, chunks: list[ScheduledChunk], inputs: ModelInputs, hidden: torch.Tensor) -> RunnerOutput:
+        sampled: list[list[int]] = [[] for _ in chunks]
+        proposals: list[list[int]] = [[] for _ in chunks]
+        sampling = inputs.sampling_chunks
+        if not sampling:
+            if self.mtp is not None:  # keep the MTP cache complete for the prefill tokens
+                self._mtp_first_pass(chunks, inputs, hidden)
+            return RunnerOutput(sampled_token_ids=sampled, draft_token_ids=proposals)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        meta = SamplingMetadata.build(self._verify_rows(chunks, inputs), self.vocab_size, self.device)
+        layout = DraftLayout.build([chunks[i].draft_token_ids for i in sampling], self.device)
+        verified = rejection_sample(logits, layout, meta, sampler=self.sampler)
+        to_read = [verified.token_ids.flatten()]
+        if self.mtp is not None:
+            to_read.append(self._mtp_propose(chunks, inputs, hidden, verified.token_ids).flatten())
+        # The one host sync of the step: verified tokens (and MTP drafts) together.
+        flat = torch.cat(to_read).tolist()
+        width = verified.token_ids.shape[1]
+        row_offsets, offset = [], 0
+        for b, i in enumerate(sampling):
+            sampled[i] = [t for t in flat[b * width:(b + 1) * width] if t >= 0]
+            row_offsets.append(offset)
+            offset += chunks[i].num_draft_tokens + 1
+        drafts_at = len(sampling) * width
+        for b, i in enumerate(sampling):
+            request = chunks[i].request
+            if not request.sampling_params.speculative:
+                continue
+            if self.mtp is not None:
+                proposals[i] = flat[drafts_at + b * self.mtp.k:drafts_at + (b + 1) * self.mtp.k]
+            elif self.ngram is not None:
+                proposals[i] = self.ngram.propose(request.all_token_ids + sampled[i])
+        logprobs = None
+        if meta.max_num_logprobs is not None:
+            logprobs = self._spec_logprobs(chunks, sampling, logits, verified.row_token_ids, meta, sampled,
+                                           row_offsets)
+        return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, draft_token_ids=proposals)
+
+    def _spec_logprobs(self, chunks: list[ScheduledChunk], sampling: list[int], logits: torch.Tensor,
+                       row_tokens: torch.Tensor, meta: SamplingMetadata, sampled: list[list[int]],
+                       row_offsets: list[int]) -> list[list[TokenLogprob]]:
+        """Logprobs of each emitted token under its row's raw distribution (as the plain sampler reports)."""
+        lp, top_ids, top_lp = sampling_ops.compute_logprobs(logits, row_tokens, meta.max_num_logprobs)
+        lp = lp.tolist()
+        top_ids = top_ids.tolist() if top_ids is not None else None
+        top_lp = top_lp.tolist() if top_lp is not None else None
+        out: list[list[TokenLogprob]] = [[] for _ in chunks]
+        for b, i in enumerate(sampling):
+            wanted = chunks[i].request.sampling_params.logprobs
+            if wanted is None:
+                continue
+            for j, token in enumerate(sampled[i]):
+                row = row_offsets[b] + j
+                top = list(zip(top_ids[row][:wanted], top_lp[row][:wanted])) if top_ids and wanted else []
+                out[i].append(TokenLogprob(token, lp[row], top))
+        return out
+
+    def _next_token_ids(self, chunks: list[ScheduledChunk], inputs: ModelInputs) -> list[int]:
+        """Host part of the MTP input: for every row, the token at the next position when already known
+        (prompt tokens); 0 where the verifier decides (scattered in on device) and on padding rows."""
+        next_ids = [0] * int(inputs.input_ids.shape[0])
+        for i, chunk in enumerate(chunks):
+            end = chunk.start + chunk.num_tokens - chunk.num_draft_tokens
+            known_end = end - 1 if chunk.samples else end  # a sampling chunk's last next token is being sampled
+            if known_end <= chunk.start:
+                continue
+            tokens = chunk.request.all_token_ids
+            row = inputs.row_starts[i]
+            next_ids[row:row + known_end - chunk.start] = tokens[chunk.start + 1:known_end + 1]
+        return next_ids
+
+    def _mtp_first_pass(self, chunks: list[ScheduledChunk], inputs: ModelInputs, hidden: torch.Tensor) -> None:
+        next_ids = torch.tensor(self._next_token_ids(chunks, inputs), dtype=torch.int64, device=self.device)
+        self.mtp.step(next_ids, hidden, inputs.positions + 1, inputs.meta)
+
+    def _mtp_propose(self, chunks: list[ScheduledChunk], inputs: ModelInputs, hidden: torch.Tensor,
+                     verified: torch.Tensor,  # [S, W] rejection output
+                     ) -> torch.Tensor:  # [S, k]
+        sampling = inputs.sampling_chunks
+        # One spare element at the end takes the writes of padding columns (never read).
+        next_ids = torch.tensor(self._next_token_ids(chunks, inputs) + [0], dtype=torch.int64, device=self.device)
+        spare = int(next_ids.shape[0]) - 1
+        # Row of each sampling chunk's last token before its drafts; the verifier's output follows it.
+        first_rows = [inputs.row_starts[i] + chunks[i].num_tokens - chunks[i].num_draft_tokens - 1 for i in sampling]
+        width = verified.shape[1]
+        targets = torch.tensor([[r + j for j in range(width)] for r in first_rows], dtype=torch.int64,
+                               device=self.device).view(len(sampling), width)
+        valid = verified >= 0
+        targets = torch.where(valid, targets, torch.full_like(targets, spare))
+        next_ids = next_ids.index_put((targets.flatten(),), verified.flatten())[:spare]
+        select = torch.tensor(first_rows, dtype=torch.int64, device=self.device) + num_accepted(verified)
+        tables = self._block_table([chunks[i].block_ids for i in sampling])
+        return self.mtp.propose(hidden, next_ids, inputs.positions, inputs.meta, select, tables)

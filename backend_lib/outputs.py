@@ -8,17 +8,23 @@ from backend_lib.request import Request
 
 @dataclass
 class ScheduledChunk:
-    """One request's share of a step: tokens [start, start + num_tokens) of ``request.all_token_ids``."""
+    """One request's share of a step: tokens [start, start + num_tokens) of ``request.all_token_ids`` followed by
+    ``draft_token_ids`` (speculative decoding: ``num_tokens`` counts them; the runner verifies them)."""
 
     request: Request
     start: int  # == request.num_computed_tokens when scheduled
-    num_tokens: int
-    block_ids: list[int]  # the request's block table after allocation for this chunk
+    num_tokens: int  # drafts included
+    block_ids: list[int]  # the request's block table after allocation for this chunk (lookahead slots included)
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_token_ids)
 
     @property
     def samples(self) -> bool:
-        """True when the chunk reaches the sequence's last token, so the runner samples a new one."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        """True when the chunk reaches the sequence's last token, so the runner samples (or verifies) new ones."""
+        return self.start + self.num_tokens - self.num_draft_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -45,10 +51,13 @@ class TokenLogprob:
 
 @dataclass
 class RunnerOutput:
-    """Aligned with ``SchedulerOutput.chunks``: empty lists for chunks that did not sample."""
+    """Aligned with ``SchedulerOutput.chunks``: empty lists for chunks that did not sample. A chunk with drafts gets
+    its accepted drafts followed by the recovered or bonus token (so ``len - 1`` drafts were accepted)."""
 
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprob]] | None = None
+    # Proposals for each sampling chunk's next step (speculative decoding); None when the runner proposes nothing.
+    draft_token_ids: list[list[int]] | None = None
 
 
 @dataclass
@@ -91,8 +100,25 @@ class EngineStats:
     num_computed_prompt_tokens: int  # prompt tokens actually run through the model (cumulative)
     num_preemptions: int
     num_sessions: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
+    spec_draft_tokens: int = 0  # drafts verified (cumulative)
+    spec_accepted_tokens: int = 0  # of which accepted (cumulative)
+    spec_num_drafts: int = 0  # verifications of at least one draft, i.e. request-steps with drafts (cumulative)
+    # Per draft position j (0-based): drafts verified there, and accepted there (cumulative).
+    spec_drafts_per_position: list[int] = field(default_factory=list)
+    spec_accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_acceptance_rate_per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.spec_accepted_per_position, self.spec_drafts_per_position)]
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens emitted per verification step: accepted drafts + the recovered / bonus token (vLLM's definition)."""
+        return 1.0 + self.spec_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
     @property
     def kv_blocks_free(self) -> int:

@@ -9,6 +9,12 @@ A request's life (vLLM v1's one invariant: ``num_computed_tokens`` catches up wi
      blocks, checks stops; finished requests give their blocks back (a session turn pins them instead).
   5. Out of blocks: idle sessions' blocks go first (LRU), then the newest running request is preempted
      (blocks freed, ``num_computed_tokens = 0``, front of the queue) and recomputed later.
+
+Speculative decoding: a decode request with drafts (``request.draft_token_ids``, set from the runner's proposals)
+is scheduled with ``1 + k`` tokens; its blocks also cover ``num_lookahead_slots`` positions past them (the MTP
+proposer writes its draft chain there). After verification ``num_computed_tokens`` stops at the last accepted token
+(the rejected positions roll back: their KV is simply overwritten later) and only those computed tokens are hashed
+into the prefix cache.
 """
 from __future__ import annotations
 
@@ -23,6 +29,31 @@ from backend_lib.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput
 from backend_lib.request import Request, RequestStatus
 
 _KEEPS_SESSION = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+
+
+@dataclass
+class SpecCounters:
+    """Cumulative speculative-decoding counters (the EngineStats spec_* fields)."""
+
+    num_drafts: int = 0  # request-steps that verified at least one draft
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    drafts_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts == 0:
+            return
+        grow = num_drafts - len(self.drafts_per_position)
+        if grow > 0:
+            self.drafts_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        self.num_drafts += 1
+        self.draft_tokens += num_drafts
+        self.accepted_tokens += num_accepted
+        for j in range(num_drafts):
+            self.drafts_per_position[j] += 1
+            self.accepted_per_position[j] += j < num_accepted
 
 
 @dataclass
@@ -44,7 +75,8 @@ class Scheduler:
     recomputation included), ``num_session_evictions``; prefix-cache counters live on ``kv_cache``."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 max_model_len: int, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_model_len: int, clock: Callable[[], float] = time.monotonic,
+                 num_lookahead_slots: int = 0) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.config = scheduler_config
@@ -64,6 +96,10 @@ class Scheduler:
         self.num_generation_tokens = 0
         self.num_computed_prompt_tokens = 0
         self.num_session_evictions = 0
+        if num_lookahead_slots < 0:
+            raise ValueError(f"num_lookahead_slots must be >= 0, got {num_lookahead_slots}")
+        self.num_lookahead_slots = num_lookahead_slots
+        self.spec = SpecCounters()
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -139,9 +175,11 @@ class Scheduler:
                 if self._is_decode(request) != decode_pass:
                     continue
                 n = min(request.num_tokens - request.num_computed_tokens, budget)
-                if n <= 0 or not self._reserve(request, n, scheduled, preempted):
+                drafts = self._drafts(request, budget - n) if decode_pass else []
+                if n <= 0 or not self._reserve(request, n + len(drafts), scheduled, preempted):
                     continue
-                (decodes if decode_pass else prefills).append(self._chunk(request, n))
+                n += len(drafts)
+                (decodes if decode_pass else prefills).append(self._chunk(request, n, drafts))
                 scheduled.add(request.request_id)
                 budget -= n
         # After a preemption the pool is short: admitting now would only be preempted again (vLLM v1 rule).
@@ -163,26 +201,38 @@ class Scheduler:
         if len(runner_output.sampled_token_ids) != len(chunks):
             raise ValueError(f"runner returned {len(runner_output.sampled_token_ids)} sampled lists for "
                              f"{len(chunks)} scheduled chunks")
+        proposals = runner_output.draft_token_ids
+        if proposals is not None and len(proposals) != len(chunks):
+            raise ValueError(f"runner returned {len(proposals)} draft lists for {len(chunks)} scheduled chunks")
         changed, self._finished_in_schedule = self._finished_in_schedule, []
-        for chunk, sampled in zip(chunks, runner_output.sampled_token_ids):
+        for i, (chunk, sampled) in enumerate(zip(chunks, runner_output.sampled_token_ids)):
             request = chunk.request
             if request.status is not RequestStatus.RUNNING:
                 continue  # finished from outside since schedule()
             if chunk.start != request.num_computed_tokens:
                 raise ValueError(f"chunk of request {request.request_id!r} starts at {chunk.start}, but "
                                  f"{request.num_computed_tokens} tokens are computed")
-            end = chunk.start + chunk.num_tokens
             if chunk.samples and not sampled:
                 raise ValueError(f"runner sampled nothing for request {request.request_id!r}, whose chunk "
                                  f"reaches its last token")
+            num_drafts = chunk.num_draft_tokens
+            if len(sampled) > num_drafts + 1:
+                raise ValueError(f"runner returned {len(sampled)} tokens for request {request.request_id!r}, which "
+                                 f"had {num_drafts} drafts (at most {num_drafts + 1})")
+            # Rejected drafts roll back: only the accepted ones (len(sampled) - 1) count as computed.
+            accepted = max(0, len(sampled) - 1) if num_drafts else 0
+            end = chunk.start + chunk.num_tokens - num_drafts + accepted
+            self.spec.record(num_drafts, accepted)
             self.num_computed_prompt_tokens += max(0, min(end, request.num_prompt_tokens) - chunk.start)
-            request.num_computed_tokens = end
             for token in sampled:
                 request.output_token_ids.append(token)
                 self.num_generation_tokens += 1
                 if self._check_stop(request, token):
                     break
+            # A stop among the accepted drafts drops the tokens after it: their KV is no longer the request's.
+            request.num_computed_tokens = min(end, request.num_tokens - 1) if sampled else end
             self.kv_cache.cache_blocks(request, request.num_computed_tokens)
+            request.draft_token_ids = list(proposals[i]) if proposals is not None and sampled else []
             if request.is_finished:
                 self._remove_from_queues(request)
                 self._release(request)
@@ -208,14 +258,27 @@ class Scheduler:
                 and request.num_tokens - request.num_computed_tokens == 1)
 
     @staticmethod
-    def _chunk(request: Request, n: int) -> ScheduledChunk:
+    def _chunk(request: Request, n: int, drafts: list[int] | None = None) -> ScheduledChunk:
         return ScheduledChunk(request=request, start=request.num_computed_tokens, num_tokens=n,
-                              block_ids=list(request.block_ids))
+                              block_ids=list(request.block_ids), draft_token_ids=list(drafts or []))
+
+    def _drafts(self, request: Request, room: int) -> list[int]:
+        """The request's drafts that can still matter: within the step's remaining budget, max_model_len and
+        max_tokens (one token after the drafts is always emitted)."""
+        if not request.draft_token_ids or not request.sampling_params.speculative:
+            return []
+        limit = min(room, self.max_model_len - request.num_tokens - 1,
+                    request.sampling_params.max_tokens - request.num_output_tokens - 1)
+        return request.draft_token_ids[:max(0, limit)]
+
+    def _lookahead(self, request: Request) -> int:
+        return self.num_lookahead_slots if request.sampling_params.speculative else 0
 
     # ---- blocks for running requests ------------------------------------------------------------
     def _reserve(self, request: Request, n: int, scheduled: set[str], preempted: list[str]) -> bool:
         """Find blocks for ``n`` more tokens of a running request: evict session KV, then preempt the newest
         request not yet scheduled this step. False when the request itself was preempted or failed."""
+        n += self._lookahead(request)
         while not self.kv_cache.can_append(request, n):
             if self._evict_session_kv():
                 continue
@@ -234,6 +297,7 @@ class Scheduler:
     def _preempt(self, request: Request, preempted: list[str]) -> None:
         self.running = [r for r in self.running if r is not request]
         self.kv_cache.free(request)
+        request.draft_token_ids = []
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -265,22 +329,24 @@ class Scheduler:
             n = self._first_chunk(request.num_tokens - computed, budget)
             if n is None:
                 return None
-            while self.kv_cache.blocks_needed(computed + n) - len(session.block_ids) > self.kv_cache.num_free_blocks:
+            extra = self._lookahead(request)
+            while self.kv_cache.blocks_needed(computed + n + extra) - len(session.block_ids) > self.kv_cache.num_free_blocks:
                 if not self._evict_session_kv(exclude=exclude):
                     return None
             request.block_ids, session.block_ids = session.block_ids, []
             session.num_computed_tokens = 0
             request.num_computed_tokens = computed
-            self.kv_cache.append_slots(request, n)
+            self.kv_cache.append_slots(request, n + extra)
         else:
             computed_blocks, computed = self.kv_cache.get_computed_blocks(request)
             n = self._first_chunk(request.num_tokens - computed, budget)
             if n is None:
                 return None
-            while not self.kv_cache.can_allocate(request, n, computed_blocks):
+            extra = self._lookahead(request)
+            while not self.kv_cache.can_allocate(request, n + extra, computed_blocks):
                 if not self._evict_session_kv(exclude=exclude):
                     return None
-            self.kv_cache.allocate(request, n, computed_blocks)
+            self.kv_cache.allocate(request, n + extra, computed_blocks)
             request.num_computed_tokens = computed
         if request.status is RequestStatus.WAITING:  # first admission, not a return from preemption
             request.num_cached_tokens = computed
@@ -422,7 +488,7 @@ class Scheduler:
         return True
 
     # ---- introspection --------------------------------------------------------------------------
-    def stats_counters(self) -> dict[str, int]:
+    def stats_counters(self) -> dict[str, int | list[int]]:
         """The EngineStats fields the scheduler owns (the engine adds running/waiting/total/sessions)."""
         return dict(kv_blocks_used=self.kv_cache.num_used_blocks,
                     prefix_cache_queries=self.kv_cache.prefix_cache_queries,
@@ -430,7 +496,12 @@ class Scheduler:
                     num_prompt_tokens=self.num_prompt_tokens,
                     num_generation_tokens=self.num_generation_tokens,
                     num_computed_prompt_tokens=self.num_computed_prompt_tokens,
-                    num_preemptions=self.num_preemptions)
+                    num_preemptions=self.num_preemptions,
+                    spec_num_drafts=self.spec.num_drafts,
+                    spec_draft_tokens=self.spec.draft_tokens,
+                    spec_accepted_tokens=self.spec.accepted_tokens,
+                    spec_drafts_per_position=list(self.spec.drafts_per_position),
+                    spec_accepted_per_position=list(self.spec.accepted_per_position))
 
     def check_integrity(self) -> None:
         """Every block is held exactly as often as its ref count says (running requests and sessions are
