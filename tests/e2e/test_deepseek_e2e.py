@@ -1,0 +1,85 @@
+"""A tiny DeepSeek-V3 model served through a real tritonserver streams the same tokens as the offline engine."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from triton_helpers import StreamClient
+
+from backend_lib.offline import LLM
+from backend_lib.sampling_params import SamplingParams
+from backend_lib.server import TritonServer, free_port
+from backend_lib.tiny import make_tiny
+
+pytestmark = pytest.mark.e2e
+
+# Small KV and context: the tiny model loads in seconds and three 32-token requests fit many times over.
+ENGINE_SETTINGS = {"max_model_len": "256", "num_blocks": "64", "block_size": "16", "max_num_seqs": "4",
+                   "max_num_batched_tokens": "128"}
+GREEDY = {"temperature": 0, "max_tokens": 32, "ignore_eos": True}
+TEXT_PROMPTS = ("The quick brown fox", "Mixture of experts routes every token")
+ID_PROMPT = [5, 17, 42, 99, 150, 7, 211, 64]
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory) -> Path:
+    return make_tiny("deepseek_v3", tmp_path_factory.mktemp("tiny_deepseek_v3"))
+
+
+@pytest.fixture(scope="module")
+def deepseek_triton(tmp_path_factory, deepseek_dir) -> TritonServer:
+    server = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                          overrides={**ENGINE_SETTINGS, "model": str(deepseek_dir)},
+                          workdir=tmp_path_factory.mktemp("triton_deepseek"), exit_timeout_s=5)
+    try:
+        server.start(timeout_s=600)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(deepseek_dir):
+    """What the in-process engine gives for each prompt, with the server's engine settings."""
+    llm = LLM(str(deepseek_dir), **{k: int(v) for k, v in ENGINE_SETTINGS.items()})
+    prompts = [*TEXT_PROMPTS, ID_PROMPT]
+    results = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    return {repr(p): r for p, r in zip(prompts, results)}
+
+
+@pytest.fixture()
+def grpc(deepseek_triton):
+    client = StreamClient(deepseek_triton.grpc_url)
+    yield client
+    client.close()
+
+
+def _request(prompt: str | list[int]) -> dict:
+    key = "text_input" if isinstance(prompt, str) else "input_ids"
+    return {key: prompt, "sampling_parameters": json.dumps(GREEDY), "stream": True,
+            "exclude_input_in_output": True, "return_finish_reason": True, "return_num_output_tokens": True}
+
+
+def _assert_same(result, expected) -> None:
+    assert result.error is None, result.error
+    assert len(expected.token_ids) == 32 and expected.finish_reason == "length"
+    assert result.all_ids == expected.token_ids
+    assert result.text == expected.text
+    assert result.finish_reason == "length"
+    assert sum(result.num_output_tokens) == 32
+    assert len(result.ids) > 1  # really streamed, not one final response
+
+
+def test_text_prompt_streams_offline_tokens(grpc, offline):
+    prompt = TEXT_PROMPTS[0]
+    _assert_same(grpc.generate(_request(prompt)), offline[repr(prompt)])
+
+
+def test_concurrent_text_and_input_ids_stream_offline_tokens(grpc, offline):
+    prompts = [TEXT_PROMPTS[1], ID_PROMPT]
+    # Both sent before either is collected: the engine batches them in the same steps.
+    request_ids = [grpc.send(_request(p)) for p in prompts]
+    results = grpc.collect(request_ids)
+    for request_id, prompt in zip(request_ids, prompts):
+        _assert_same(results[request_id], offline[repr(prompt)])
