@@ -10,6 +10,7 @@ from typing import Any
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _SPEC_METHODS = ("none", "ngram", "mtp")
+_COMPILE_BACKENDS = ("none", "auto", "inductor", "aot_eager", "neuron")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -78,12 +79,44 @@ class SpecConfig:
                  f"ngram range must satisfy 1 <= ngram_min <= ngram_max, got [{self.ngram_min}, {self.ngram_max}]")
 
 
+def _int_tuple(name: str, value: Any) -> tuple[int, ...]:
+    """Bucket lists arrive as tuples/lists (Python) or comma-separated strings (Triton parameters, CLI flags)."""
+    if isinstance(value, str):
+        value = [v for v in value.replace(" ", "").split(",") if v]
+    try:
+        out = tuple(int(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a list of ints (or 'a,b,c'), got {value!r}") from None
+    _require(all(v >= 1 for v in out) and list(out) == sorted(set(out)),
+             f"{name} must be strictly increasing ints >= 1, got {out}")
+    return out
+
+
+@dataclass
+class CompileConfig:
+    """Compiled regions (backend_lib/neuron): static-shape graphs per bucket; "none" keeps the engine eager."""
+
+    compile_backend: str = "none"  # "auto" = neuron on Trainium, inductor on the host
+    batch_buckets: tuple[int, ...] = ()  # () = powers of two up to max_num_seqs
+    width_buckets: tuple[int, ...] = ()  # block-table widths; () = powers of two from 8 up to max_model_len's blocks
+    prefill_buckets: tuple[int, ...] = ()  # single-chunk prefill lengths; () = prefill stays eager
+    compile_progress: bool = True  # progress bar while the graphs compile at engine start
+
+    def __post_init__(self) -> None:
+        _require(self.compile_backend in _COMPILE_BACKENDS,
+                 f"compile_backend must be one of {_COMPILE_BACKENDS}, got {self.compile_backend!r}")
+        self.batch_buckets = _int_tuple("batch_buckets", self.batch_buckets)
+        self.width_buckets = _int_tuple("width_buckets", self.width_buckets)
+        self.prefill_buckets = _int_tuple("prefill_buckets", self.prefill_buckets)
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     session_idle_timeout_s: float = 600.0
     seed: int = 0  # seeds the per-request seeds of unseeded sampled requests
     num_threads: int = 0  # torch intra-op threads; 0 = all cores
@@ -96,7 +129,8 @@ class EngineConfig:
     @classmethod
     def from_flat(cls, values: dict[str, Any]) -> "EngineConfig":
         """Build from flat ``name -> value`` pairs (Triton parameters, CLI flags); unknown names are errors."""
-        sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig}
+        sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig,
+                    "compile": CompileConfig}
         owner = {f.name: section for section, klass in sections.items() for f in fields(klass)}
         top = {f.name for f in fields(cls)} - set(sections)
         grouped: dict[str, dict[str, Any]] = {name: {} for name in sections}
