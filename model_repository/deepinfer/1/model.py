@@ -42,8 +42,10 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 from backend_lib import serving  # noqa: E402  (after the path set-up above)
 from backend_lib.triton_metrics import TritonMetrics  # noqa: E402
 
-_IDLE_WAIT_S = 0.002  # the response thread's poll period when no stream had output
-_CANCEL_POLL_S = 0.05
+# Poll periods of the response thread. A step of the engine takes tens of ms or more, so a few ms of
+# polling latency is invisible; each is_cancelled() is a round trip to the Triton process, so it is rarer.
+_IDLE_WAIT_S = 0.005
+_CANCEL_POLL_S = 0.2
 _STATS_POLL_S = 0.5
 _JOIN_TIMEOUT_S = 60.0
 

@@ -1,0 +1,228 @@
+"""Serving benchmark: the shared workload through a real tritonserver, gRPC streaming, closed loop.
+
+For each concurrency C, C client workers each send their next prompt as soon as their previous request
+finished (like perf_analyzer --concurrency-range C). Per request: time to first token (first streamed
+response), time per output token after it, end-to-end latency. Per level: output tokens/s.
+Starts its own server (bundled SmolLM2, fp32) unless --url points at one. Writes
+benchmarks/results/serving.md and serving.png.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import queue
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from backend_lib.server import TritonServer, free_port  # noqa: E402
+
+MODEL = "deepinfer"
+
+
+@dataclass
+class Sample:
+    ttft: float
+    tpot: float | None
+    e2e: float
+    tokens: int
+
+
+@dataclass
+class Level:
+    concurrency: int
+    samples: list[Sample]
+    seconds: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.samples)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+    def pct(self, attr: str, q: float) -> float:
+        values = [getattr(s, attr) for s in self.samples if getattr(s, attr) is not None]
+        return float(np.percentile(values, q)) if values else float("nan")
+
+
+def load_workload(path: Path):
+    spec = importlib.util.spec_from_file_location("workload", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.prompts(), module.NEW_TOKENS
+
+
+def _inputs(messages: list[dict], new_tokens: int):
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name: str, value: object, dtype: str):
+        item = grpcclient.InferInput(name, [1], dtype)
+        item.set_data_from_numpy(np.array([value], dtype=np.object_ if dtype == "BYTES" else bool))
+        return item
+
+    params = {"max_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+    return [tensor("messages", json.dumps(messages).encode(), "BYTES"),
+            tensor("sampling_parameters", json.dumps(params).encode(), "BYTES"),
+            tensor("stream", True, "BOOL"), tensor("return_num_output_tokens", True, "BOOL")]
+
+
+class StreamWorker:
+    """One client = one gRPC stream, reused for its requests (as perf_analyzer's workers do)."""
+
+    def __init__(self, url: str) -> None:
+        import tritonclient.grpc as grpcclient
+
+        self.client = grpcclient.InferenceServerClient(url=url)
+        self.responses: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.responses.put((time.perf_counter(), result, error)))
+
+    def request(self, messages: list[dict], new_tokens: int) -> Sample:
+        start = time.perf_counter()
+        self.client.async_stream_infer(MODEL, _inputs(messages, new_tokens), enable_empty_final_response=True)
+        first, tokens = None, 0
+        while True:
+            at, result, error = self.responses.get(timeout=600)
+            if error is not None:
+                raise RuntimeError(f"request failed: {error}")
+            count = result.as_numpy("num_output_tokens")
+            if count is not None:
+                tokens += int(count.reshape(-1)[0])
+                if first is None and tokens:
+                    first = at
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                end = at
+                break
+        tpot = (end - first) / (tokens - 1) if first is not None and tokens > 1 else None
+        return Sample(ttft=(first or end) - start, tpot=tpot, e2e=end - start, tokens=tokens)
+
+    def close(self) -> None:
+        self.client.stop_stream()
+        self.client.close()
+
+
+def run_level(url: str, prompts: list, new_tokens: int, concurrency: int) -> Level:
+    work: queue.Queue = queue.Queue()
+    for p in prompts:
+        work.put(p)
+    samples: list[Sample] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    workers = [StreamWorker(url) for _ in range(concurrency)]
+
+    def loop(worker: StreamWorker) -> None:
+        while True:
+            try:
+                messages = work.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                sample = worker.request(messages, new_tokens)
+            except BaseException as exc:  # reported after the level; the level fails
+                with lock:
+                    errors.append(exc)
+                return
+            with lock:
+                samples.append(sample)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=loop, args=(w,)) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - start
+    for w in workers:
+        w.close()
+    if errors:
+        raise RuntimeError(f"concurrency {concurrency}: {len(errors)} request(s) failed") from errors[0]
+    return Level(concurrency, samples, seconds)
+
+
+def write_results(levels: list[Level], new_tokens: int, out_dir: Path) -> str:
+    import torch
+
+    lines = ["# Serving: shared workload through tritonserver (gRPC streaming, closed loop)", "",
+             f"Chat prompts from ../shared/bench/workload.py, {new_tokens} new tokens each, greedy, EOS ignored, "
+             f"fp32, SmolLM2-135M-Instruct (bundled GGUF), one Triton model instance (the engine batches). "
+             f"Machine: {platform.machine()}, cores shared with the client, torch {torch.__version__}.", "",
+             "| concurrency | requests | output tok/s | TTFT p50 (ms) | TTFT p90 (ms) | TPOT p50 (ms) | "
+             "TPOT p90 (ms) | e2e p50 (s) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for lv in levels:
+        lines.append(f"| {lv.concurrency} | {len(lv.samples)} | {lv.tok_s:.1f} | {1e3 * lv.pct('ttft', 50):.0f} | "
+                     f"{1e3 * lv.pct('ttft', 90):.0f} | {1e3 * lv.pct('tpot', 50):.1f} | "
+                     f"{1e3 * lv.pct('tpot', 90):.1f} | {lv.pct('e2e', 50):.2f} |")
+    text = "\n".join(lines) + "\n"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "serving.md").write_text(text)
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    xs = [lv.concurrency for lv in levels]
+    ax1.plot(xs, [lv.tok_s for lv in levels], marker="o")
+    ax1.set(xlabel="concurrency", ylabel="output tokens/s", title="Throughput", xscale="log")
+    ax2.plot(xs, [1e3 * lv.pct("ttft", 50) for lv in levels], marker="o", label="TTFT p50")
+    ax2.plot(xs, [1e3 * lv.pct("tpot", 50) for lv in levels], marker="o", label="TPOT p50")
+    ax2.set(xlabel="concurrency", ylabel="ms", title="Latency", xscale="log")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "serving.png", dpi=100)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default=None, help="gRPC url of a running server (default: start one)")
+    parser.add_argument("--concurrency", default="1,4,16,32")
+    parser.add_argument("--requests-per-stream", type=int, default=2,
+                        help="requests per level = concurrency x this, capped at the workload's 32 prompts")
+    parser.add_argument("--new-tokens", type=int, default=None, help="default: the workload's")
+    parser.add_argument("--workload", type=Path, default=ROOT.parent / "shared" / "bench" / "workload.py")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+
+    prompts, new_tokens = load_workload(args.workload)
+    new_tokens = args.new_tokens or new_tokens
+    server = None
+    url = args.url
+    if url is None:
+        server = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                              overrides={"max_num_seqs": "32", "max_model_len": "1024"})
+        server.start()
+        url = server.grpc_url
+    try:
+        warm = StreamWorker(url)
+        warm.request(prompts[0], 4)
+        warm.close()
+        levels = []
+        for c in (int(x) for x in args.concurrency.split(",")):
+            n = min(len(prompts), c * args.requests_per_stream)
+            level = run_level(url, prompts[:n], new_tokens, c)
+            print(f"concurrency {c}: {len(level.samples)} requests, {level.tok_s:.1f} tok/s, "
+                  f"TTFT p50 {1e3 * level.pct('ttft', 50):.0f} ms, "
+                  f"TPOT p50 {1e3 * statistics.median(s.tpot for s in level.samples if s.tpot):.1f} ms", flush=True)
+            levels.append(level)
+    finally:
+        if server is not None:
+            server.stop()
+    print(write_results(levels, new_tokens, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
