@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import platform
 import queue
 import statistics
@@ -150,13 +151,15 @@ def run_level(url: str, prompts: list, new_tokens: int, concurrency: int) -> Lev
     return Level(concurrency, samples, seconds)
 
 
-def write_results(levels: list[Level], new_tokens: int, out_dir: Path) -> str:
+def write_results(levels: list[Level], new_tokens: int, out_dir: Path, load: tuple[float, float]) -> str:
     import torch
 
     lines = ["# Serving: shared workload through tritonserver (gRPC streaming, closed loop)", "",
              f"Chat prompts from ../shared/bench/workload.py, {new_tokens} new tokens each, greedy, EOS ignored, "
              f"fp32, SmolLM2-135M-Instruct (bundled GGUF), one Triton model instance (the engine batches). "
-             f"Machine: {platform.machine()}, cores shared with the client, torch {torch.__version__}.", "",
+             f"Machine: {platform.machine()}, {os.cpu_count()} cores shared with the client, torch {torch.__version__}; "
+             f"1-min load average {load[0]:.1f} before, {load[1]:.1f} after (other work on the machine skews "
+             f"the numbers when it exceeds the core count).", "",
              "| concurrency | requests | output tok/s | TTFT p50 (ms) | TTFT p90 (ms) | TPOT p50 (ms) | "
              "TPOT p90 (ms) | e2e p50 (s) |",
              "|---|---|---|---|---|---|---|---|"]
@@ -196,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
 
+    load_before = os.getloadavg()[0]
     prompts, new_tokens = load_workload(args.workload)
     new_tokens = args.new_tokens or new_tokens
     server = None
@@ -220,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.stop()
-    print(write_results(levels, new_tokens, args.out))
+    print(write_results(levels, new_tokens, args.out, (load_before, os.getloadavg()[0])))
     return 0
 
 
