@@ -145,10 +145,7 @@ class TritonPythonModel:
                     del active[item.request_id]
             if now - stats_at >= _STATS_POLL_S or (progressed and not active):
                 stats_at = now
-                if self._metrics is not None:
-                    self._refresh_metrics()
-                if active and self._server_stopping():
-                    self._abort_for_unload(active)
+                self._housekeeping(active)
             if active and not progressed:
                 time.sleep(_IDLE_WAIT_S)
 
@@ -202,6 +199,18 @@ class TritonPythonModel:
             except Exception:
                 self._logger.log_error(f"[deepinfer] could not send the final error: {traceback.format_exc()}")
 
+    def _housekeeping(self, active: dict[str, _Active]) -> None:
+        # Logged, never raised: if this thread died, every client would wait forever.
+        try:
+            if self._metrics is not None:
+                self._metrics.refresh(self._engine.stats())
+            if active and self._server_stopping():
+                self._logger.log_info(f"[deepinfer] server is stopping: aborting {len(active)} requests")
+                for item in active.values():
+                    self._engine.abort(item.request_id)
+        except Exception:
+            self._logger.log_error(f"[deepinfer] response-thread housekeeping failed: {traceback.format_exc()}")
+
     def _server_stopping(self) -> bool:
         """`deepinfer serve` creates DEEPINFER_STOP_FILE before it signals tritonserver to stop.
 
@@ -210,17 +219,6 @@ class TritonPythonModel:
         (pb_utils.is_model_ready) is no substitute: during shutdown that call can block forever.
         """
         return bool(self._stop_file) and os.path.exists(self._stop_file)
-
-    def _abort_for_unload(self, active: dict[str, _Active]) -> None:
-        self._logger.log_info(f"[deepinfer] server is stopping: aborting {len(active)} in-flight requests")
-        for item in active.values():
-            self._engine.abort(item.request_id)
-
-    def _refresh_metrics(self) -> None:
-        try:
-            self._metrics.refresh(self._engine.stats())
-        except Exception:
-            self._logger.log_error(f"[deepinfer] metrics refresh failed: {traceback.format_exc()}")
 
     def finalize(self) -> None:
         self._logger.log_info("[deepinfer] finalize: aborting in-flight requests")

@@ -1,0 +1,21 @@
+"""A bad engine setting in config.pbtxt fails the model load with a message naming it (no server stays up)."""
+from __future__ import annotations
+
+import pytest
+
+from backend_lib.server import TritonServer, free_port
+
+pytestmark = pytest.mark.e2e
+
+
+def test_bad_parameter_fails_the_load_naming_it(tmp_path):
+    server = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                          overrides={"max_num_seqs": "lots"}, workdir=tmp_path)
+    try:
+        with pytest.raises(RuntimeError) as info:
+            server.start(timeout_s=120)
+        assert "exited with code" in str(info.value)
+        assert "model parameter max_num_seqs must be an integer, got 'lots'" in server.log_path.read_text()
+    finally:
+        server.stop()
+    assert server.process is None
