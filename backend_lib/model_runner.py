@@ -40,17 +40,17 @@ class ModelInputs:
 
 
 def chunk_token_ids(chunk: ScheduledChunk) -> list[int]:
-    """The chunk's tokens without concatenating the whole history (decodes read one token)."""
+    """The chunk's tokens (drafts last) without concatenating the whole history (decodes read one token)."""
     request = chunk.request
     num_prompt = request.num_prompt_tokens
     start, end = chunk.start, chunk.start + chunk.num_tokens - chunk.num_draft_tokens
-    if chunk.draft_token_ids:
-        return request.all_token_ids[start:end] + chunk.draft_token_ids
     if start >= num_prompt:
-        return request.output_token_ids[start - num_prompt:end - num_prompt]
-    if end <= num_prompt:
-        return request.prompt_token_ids[start:end]
-    return request.prompt_token_ids[start:] + request.output_token_ids[:end - num_prompt]
+        tokens = request.output_token_ids[start - num_prompt:end - num_prompt]
+    elif end <= num_prompt:
+        tokens = request.prompt_token_ids[start:end]
+    else:
+        tokens = request.prompt_token_ids[start:] + request.output_token_ids[:end - num_prompt]
+    return tokens + chunk.draft_token_ids if chunk.draft_token_ids else tokens
 
 
 class ModelRunner:
