@@ -26,3 +26,10 @@ def test_no_match_limits_and_bad_config():
         NgramProposer(3, 2, 1)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         NgramProposer(1, 2, 0)
+
+
+def test_spec_config_needs_drafts_for_a_method():
+    from backend_lib.config import SpecConfig
+    with pytest.raises(ValueError, match="num_speculative_tokens in \\[1, 16\\]"):
+        SpecConfig(method="ngram", num_speculative_tokens=0)
+    assert SpecConfig(method="none", num_speculative_tokens=0).method == "none"
