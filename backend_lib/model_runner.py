@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from backend_lib.config import SpecConfig
+from backend_lib.config import CompileConfig, SpecConfig
+from backend_lib.neuron.regions import build_regions
 from backend_lib.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput, TokenLogprob
 from backend_lib.sampler import Sampler, SamplingMetadata, SamplingRow
 from backend_lib.spec_decode.mtp import MTPProposer
@@ -55,7 +56,9 @@ def chunk_token_ids(chunk: ScheduledChunk) -> list[int]:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, vocab_size: int,
-                 device: torch.device, dtype: torch.dtype, spec: SpecConfig | None = None) -> None:
+                 device: torch.device, dtype: torch.dtype, spec: SpecConfig | None = None,
+                 compile_config: CompileConfig | None = None, max_num_seqs: int = 32,
+                 max_model_len: int | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -71,6 +74,10 @@ class ModelRunner:
         self.spec_method = spec.method if k > 0 else "none"
         self.ngram = NgramProposer(spec.ngram_min, spec.ngram_max, k) if self.spec_method == "ngram" else None
         self.mtp = MTPProposer(model, num_slots, k, device, dtype) if self.spec_method == "mtp" else None
+        # Compiled regions (backend_lib/neuron): same contracts, eager unless compile_config or
+        # DEEPINFER_COMPILE_BACKEND ask for graphs; DEEPINFER_ENFORCE_EAGER=1 keeps everything eager.
+        self.model, self.sampler = build_regions(model, self.sampler, self.kv_caches, num_blocks, block_size,
+                                                 vocab_size, compile_config, max_num_seqs, max_model_len)
 
     @property
     def num_lookahead_slots(self) -> int:
