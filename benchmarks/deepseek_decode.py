@@ -4,9 +4,10 @@ The model is written by make-tiny with "small but not toy" overrides (MLA with q
 router over 16 routed experts, one dense layer then MoE layers; fp32). For each batch size B in --batches:
   ours          LLM(max_num_seqs=B).generate(B prompts), greedy, ignore_eos, prefix caching off
   transformers  DeepseekV3ForCausalLM.generate on the same prompts, left-padded, min_new_tokens=max_new_tokens
-Both are timed with N new tokens and with 1 new token; "decode tokens/s" is B*(N-1) / (t_N - t_1) (the prefill
-and first token cancel out), "end-to-end tokens/s" is B*N / t_N. Prints a table, writes
-benchmarks/results/deepseek_decode.md and deepseek_decode.png, and counts identical greedy sequences.
+Both are timed (alternating run by run) with N new tokens and with 1 new token; "decode tokens/s" is
+B*(N-1) / (t_N - t_1) (the prefill and first token cancel out), "end-to-end tokens/s" is B*N / t_N.
+Prints a table, writes benchmarks/results/deepseek_decode.md and deepseek_decode.png, and counts identical greedy
+sequences. Run: `python benchmarks/deepseek_decode.py --threads 1` (how the committed results were made).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,58 +80,70 @@ def load_average() -> str:
     return f"{one:.2f} / {five:.2f} / {fifteen:.2f}"
 
 
-def run_ours(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, list[list[int]]]:
+def ours_runner(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> Callable[[int], list[list[int]]]:
+    """Builds the engine for this batch size and warms it up; returns ``generate(n) -> token ids per prompt``."""
     batch = len(prompts)
     longest = max(len(p) for p in prompts) + new_tokens
     llm = LLM(str(model_dir), max_num_seqs=batch, max_model_len=max(256, longest),
               max_num_batched_tokens=max(512, batch * 40), block_size=BLOCK_SIZE,
               num_blocks=batch * (-(-longest // BLOCK_SIZE) + 1) + 8, enable_prefix_caching=False)
-    # Warm-up on other token ids (allocator, thread pools); prefix caching is off, so nothing carries over.
-    llm.generate([[(t + 1) % 300 for t in p] for p in prompts], SamplingParams(max_tokens=4, temperature=0.0,
-                                                                              ignore_eos=True))
-    timings = []
-    for n in (1, new_tokens):
-        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        best = float("inf")
-        for _ in range(REPEATS[n == 1]):
-            start = time.perf_counter()
-            results = llm.generate(prompts, params)
-            best = min(best, time.perf_counter() - start)
-        timings.append(best)
+
+    def generate(n: int, ids: list[list[int]] = prompts) -> list[list[int]]:
+        results = llm.generate(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
         if not all(len(r.token_ids) == n for r in results):
             raise RuntimeError(f"our engine returned fewer than {n} tokens for a request")
-    return timings[0], timings[1], [r.token_ids for r in results]
+        return [r.token_ids for r in results]
+
+    # Warm-up on other token ids (allocator, thread pools); prefix caching is off, so nothing carries over.
+    generate(4, [[(t + 1) % 300 for t in p] for p in prompts])
+    return generate
 
 
-def run_transformers(model, pad_id: int, prompts: list[list[int]],
-                     new_tokens: int) -> tuple[float, float, list[list[int]]]:
+def transformers_runner(model, pad_id: int, prompts: list[list[int]]) -> Callable[[int], list[list[int]]]:
+    """Left-pads the batch and warms generate() up; returns ``generate(n) -> new token ids per prompt``."""
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
 
-    def generate(n: int, ids: torch.Tensor) -> torch.Tensor:
+    def run(n: int, ids: torch.Tensor) -> list[list[int]]:
         with torch.inference_mode():
-            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                  do_sample=False, pad_token_id=pad_id)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=pad_id)
+        return out[:, width:].tolist()
 
-    generate(4, (input_ids + 1) % 300)  # warm-up
-    timings = []
-    for n in (1, new_tokens):
-        best = float("inf")
-        for _ in range(REPEATS[n == 1]):
-            start = time.perf_counter()
-            out = generate(n, input_ids)
-            best = min(best, time.perf_counter() - start)
-        timings.append(best)
-    return timings[0], timings[1], out[:, width:].tolist()
+    run(4, (input_ids + 1) % 300)
+    return lambda n: run(n, input_ids)
+
+
+def time_alternating(runners: dict[str, Callable[[int], list[list[int]]]], new_tokens: int,
+                     ) -> tuple[dict[str, tuple[float, float]], dict[str, list[list[int]]]]:
+    """Best (1-token, N-token) seconds per engine; the engines alternate run by run so load shifts hit both."""
+    best = {name: [float("inf"), float("inf")] for name in runners}
+    ids: dict[str, list[list[int]]] = {}
+    for slot, (n, repeats) in enumerate(((1, REPEATS[1]), (new_tokens, REPEATS[0]))):
+        for _ in range(repeats):
+            for name, generate in runners.items():
+                start = time.perf_counter()
+                out = generate(n)
+                best[name][slot] = min(best[name][slot], time.perf_counter() - start)
+                if n == new_tokens:
+                    ids[name] = out
+    return {name: (first, full) for name, (first, full) in best.items()}, ids
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     parser.add_argument("--new-tokens", type=int, default=64)
+    # 1 is steadier on a shared machine: with 2 OpenMP threads on 2 busy cores, every op waits for a descheduled
+    # partner thread (seen: a 32-token MoE layer at 3 ms with 1 thread, 12 ms with 2).
+    parser.add_argument("--threads", type=int, default=0, help="torch threads for both engines; 0 = torch default")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     if any(b < 1 for b in batches) or args.new_tokens < 2:
         raise ValueError(f"batches must be >= 1 and new_tokens >= 2, got {batches} and {args.new_tokens}")
@@ -146,11 +160,12 @@ def main() -> None:
     agreement: dict[int, tuple[int, int]] = {}
     for batch in batches:
         prompts = make_prompts(tokenizer, batch, seed=batch)
-        first, full, ours_ids = run_ours(model_dir, prompts, args.new_tokens)
-        timings.append(Timing("deepinfer", batch, args.new_tokens, full, first))
-        first, full, hf_ids = run_transformers(hf_model, tokenizer.pad_token_id, prompts, args.new_tokens)
-        timings.append(Timing("transformers", batch, args.new_tokens, full, first))
-        agreement[batch] = (sum(a == b for a, b in zip(ours_ids, hf_ids)), batch)
+        runners = {"deepinfer": ours_runner(model_dir, prompts, args.new_tokens),
+                   "transformers": transformers_runner(hf_model, tokenizer.pad_token_id, prompts)}
+        best, ids = time_alternating(runners, args.new_tokens)
+        for name, (first, full) in best.items():
+            timings.append(Timing(name, batch, args.new_tokens, full, first))
+        agreement[batch] = (sum(a == b for a, b in zip(ids["deepinfer"], ids["transformers"])), batch)
         print(f"batch {batch}: done ({timings[-2].decode_tok_s:.1f} vs {timings[-1].decode_tok_s:.1f} decode tok/s)",
               flush=True)
     load_after = load_average()
@@ -171,12 +186,13 @@ def write_report(timings: list[Timing], agreement: dict[int, tuple[int, int]], n
         "`DeepseekV3ForCausalLM.generate`, left-padded batch, `min_new_tokens=max_new_tokens`.",
         f"Decode tokens/s = batch x {new_tokens - 1} / (t({new_tokens} tokens) - t(1 token)); end-to-end tokens/s "
         f"= batch x {new_tokens} / t({new_tokens} tokens), prefill included. One warm-up run each, then the best "
-        f"of {REPEATS[0]} timed runs of {new_tokens} tokens and of {REPEATS[1]} runs of 1 token.",
+        f"of {REPEATS[0]} timed runs of {new_tokens} tokens and of {REPEATS[1]} runs of 1 token, the two engines "
+        "alternating run by run.",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores **shared with ~7 other agents working at the same "
-        f"time** (numbers are noisy; compare the two engines within a row, both ran back to back), torch "
-        f"{torch.__version__}, {torch.get_num_threads()} threads. Load average (1/5/15 min) before: {load_before}; "
-        f"after: {load_after}.",
+        f"time** (numbers are noisy; compare the two engines within a row: their runs alternated), torch "
+        f"{torch.__version__}, {torch.get_num_threads()} torch thread(s) for both engines (`--threads`). "
+        f"Load average (1/5/15 min) before: {load_before}; after: {load_after}.",
         "",
         "| batch | deepinfer decode tok/s | transformers decode tok/s | ratio | deepinfer e2e tok/s | "
         "transformers e2e tok/s | ratio | greedy sequences identical |",
