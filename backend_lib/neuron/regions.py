@@ -67,6 +67,10 @@ class RegionStats:
 class CompiledModel(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, buckets: BucketSpec, backend: str, scratch_block: int) -> None:
         super().__init__()
+        if hasattr(model, "set_moe_impl"):
+            # The grouped-dispatch MoE has data-dependent shapes; the eager fallback shares the module, and
+            # switching per call would fail dynamo's guards, so the whole model takes the fixed-shape MoE.
+            model.set_moe_impl("static")
         self.model = model
         self.buckets = buckets
         self.backend = backend

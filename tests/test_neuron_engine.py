@@ -1,0 +1,80 @@
+"""The engine with compiled regions: greedy output equals the eager engine and transformers (SmolLM2 GGUF, a tiny
+DeepSeek-V3 with fp8 weights and static MoE), with and without speculative decoding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend_lib.config import EngineConfig
+from backend_lib.offline import LLM
+from backend_lib.sampling_params import SamplingParams
+from backend_lib.tiny import make_tiny
+from tests.conftest import hf_greedy
+from tests.test_neuron_regions import compiled_engine
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3, 4, 5,",
+           [{"role": "user", "content": "What is the capital of France?"}]]
+NEW_TOKENS = 24
+REGIONS = {"compile_backend": "aot_eager", "batch_buckets": "1,2,4", "width_buckets": "8",
+           "prefill_buckets": "32,64", "compile_progress": False}
+
+
+def _compiled_llm(flat: dict) -> LLM:
+    llm = LLM.__new__(LLM)
+    llm.engine = compiled_engine(EngineConfig.from_flat({**flat, **REGIONS}))
+    return llm
+
+
+def _ids(results) -> list[list[int]]:
+    return [r.token_ids for r in results]
+
+
+@pytest.fixture(scope="module")
+def smol_flat(smollm2_path) -> dict:
+    # max_model_len 128 = 8 blocks of 16: every decode fits the one width bucket.
+    return {"model": smollm2_path, "num_blocks": 64, "max_num_seqs": 4, "max_model_len": 128,
+            "max_num_batched_tokens": 64}
+
+
+def test_smollm2_compiled_greedy_equals_eager_and_transformers(smol_flat, hf_smollm2):
+    hf, tokenizer = hf_smollm2
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    compiled = _compiled_llm(smol_flat)
+    got = _ids(compiled.generate(PROMPTS, params))
+    assert got == _ids(LLM(config=EngineConfig.from_flat(smol_flat)).generate(PROMPTS, params))
+    for prompt, tokens in zip(PROMPTS, got):
+        ids = compiled.engine.tokenize(prompt)
+        assert tokens == hf_greedy(hf, ids, NEW_TOKENS)[0]
+    stats = compiled.engine.runner.model.stats
+    assert stats.compiled_steps > NEW_TOKENS  # decodes (and single prefills) really ran as graphs
+    # one at a time: every prefill is a single chunk (a prefill graph), every decode a batch-1 graph
+    before = stats.eager_steps
+    assert _ids(compiled.generate(PROMPTS[:1], params)) == got[:1]
+    assert stats.eager_steps == before
+
+
+def test_smollm2_compiled_with_ngram_speculation_equals_plain(smol_flat):
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    expected = _ids(_compiled_llm(smol_flat).generate(PROMPTS, params))
+    spec = _compiled_llm({**smol_flat, "method": "ngram", "num_speculative_tokens": 3})
+    assert _ids(spec.generate(PROMPTS, params)) == expected
+
+
+@pytest.fixture(scope="module")
+def tiny_ds(tmp_path_factory):
+    return make_tiny("deepseek_v3", tmp_path_factory.mktemp("ds_engine"), fp8=True, mtp_layers=1, seed=5)
+
+
+@pytest.mark.parametrize("spec", [{}, {"method": "mtp", "num_speculative_tokens": 2}])
+def test_tiny_deepseek_compiled_greedy_equals_eager_and_transformers(tiny_ds, spec):
+    from transformers import AutoModelForCausalLM
+    flat = {"model": str(tiny_ds), "num_blocks": 64, "max_num_seqs": 4, "max_model_len": 128,
+            "max_num_batched_tokens": 64, **spec}
+    prompts = [[5, 9, 200, 31, 7], [44, 3, 3, 3, 17, 90, 12], [300, 2, 77]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    compiled = _compiled_llm(flat)
+    got = _ids(compiled.generate(prompts, params))
+    assert got == _ids(LLM(config=EngineConfig.from_flat(flat)).generate(prompts, params))
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_ds), dtype=torch.float32).eval()
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == hf_greedy(hf, prompt, 12)[0]
