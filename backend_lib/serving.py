@@ -50,6 +50,13 @@ _ENGINE_PARAMETERS: dict[str, tuple[str, type]] = {
     "session_idle_timeout_s": ("session_idle_timeout_s", float),
     "spec_method": ("method", str),
     "num_speculative_tokens": ("num_speculative_tokens", int),
+    "ngram_min": ("ngram_min", int),
+    "ngram_max": ("ngram_max", int),
+    "compile_backend": ("compile_backend", str),
+    # Bucket lists stay strings ("1,2,4,8"): CompileConfig parses and validates them.
+    "batch_buckets": ("batch_buckets", str),
+    "width_buckets": ("width_buckets", str),
+    "prefill_buckets": ("prefill_buckets", str),
     "seed": ("seed", int),
     "num_threads": ("num_threads", int),
 }

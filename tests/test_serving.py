@@ -41,14 +41,30 @@ def test_engine_config_typed_conversion_and_defaults():
     assert serving.engine_config_from_parameters({"num_blocks": ""}).cache.num_blocks == 0
 
 
+def test_engine_config_spec_ngram_and_compile_parameters():
+    config = serving.engine_config_from_parameters({
+        "spec_method": "ngram", "num_speculative_tokens": "2", "ngram_min": "2", "ngram_max": "5",
+        "compile_backend": "aot_eager", "batch_buckets": "1,2,4", "width_buckets": "8, 16",
+        "prefill_buckets": ""})
+    assert (config.spec.ngram_min, config.spec.ngram_max) == (2, 5)
+    assert config.compile.compile_backend == "aot_eager"
+    assert config.compile.batch_buckets == (1, 2, 4) and config.compile.width_buckets == (8, 16)
+    assert config.compile.prefill_buckets == ()
+    defaults = serving.engine_config_from_parameters({"ngram_min": "", "ngram_max": "", "compile_backend": ""})
+    assert (defaults.spec.ngram_min, defaults.spec.ngram_max) == (1, 4)
+    assert defaults.compile.compile_backend == "none"
+
+
 def test_shipped_config_pbtxt_parameters_are_valid():
     import re
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[1] / "model_repository/deepinfer/config.pbtxt").read_text()
     params = dict(re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}', text))
-    assert {"model", "max_num_seqs", "max_model_len", "num_blocks", "spec_method"} <= set(params)
-    serving.engine_config_from_parameters(params)
+    # Every accepted parameter is listed (render_config can only set lines that exist), with a valid default.
+    assert set(params) == set(serving.ENGINE_PARAMETER_NAMES)
+    config = serving.engine_config_from_parameters(params)
+    assert config.spec.ngram_min == 1 and config.spec.ngram_max == 4 and config.compile.compile_backend == "none"
     assert "decoupled: true" in text and "max_batch_size: 0" in text
 
 
@@ -59,6 +75,12 @@ def test_shipped_config_pbtxt_parameters_are_valid():
     ({"dtype": "int4"}, "dtype must be one of"),
     ({"enable_prefix_caching": "maybe"}, "enable_prefix_caching must be true or false"),
     ({"max_tokens": "3"}, "unknown model parameter 'max_tokens'"),
+    ({"ngram_min": "two"}, "ngram_min must be an integer"),
+    ({"ngram_min": "5", "ngram_max": "3"}, "1 <= ngram_min <= ngram_max, got [5, 3]"),
+    ({"ngram_min": "0"}, "1 <= ngram_min <= ngram_max"),
+    ({"compile_backend": "tensorrt"}, "compile_backend must be one of"),
+    ({"batch_buckets": "4,2"}, "batch_buckets must be strictly increasing"),
+    ({"width_buckets": "8,x"}, "width_buckets must be a list of ints"),
 ])
 def test_engine_config_bad_values_name_the_parameter(params, needle):
     with pytest.raises(ValueError) as info:
