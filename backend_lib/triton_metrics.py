@@ -15,6 +15,23 @@ _LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _TOKEN_BUCKETS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
 
 
+class _CumulativeCounter:
+    """A Triton counter fed from an engine total: advances by the increase since the last total it saw.
+
+    Counters never go down; a total below the last one seen (an engine restart) adds nothing until it
+    passes that value again.
+    """
+
+    def __init__(self, metric: Any) -> None:
+        self.metric = metric
+        self._last = 0
+
+    def advance_to(self, total: int) -> None:
+        if total > self._last:
+            self.metric.increment(total - self._last)
+            self._last = total
+
+
 class TritonMetrics:
     """``pb_utils`` is passed in because it only exists inside the Python backend's stub."""
 
@@ -29,12 +46,16 @@ class TritonMetrics:
             return fam.Metric(labels=labels, **metric_kwargs)
 
         counter, gauge, histogram = family.COUNTER, family.GAUGE, family.HISTOGRAM
-        self.prompt_tokens = make(counter, "deepinfer_prompt_tokens_total", "Prompt tokens received")
-        self.generation_tokens = make(counter, "deepinfer_generation_tokens_total", "Tokens generated")
-        self.computed_prompt_tokens = make(
-            counter, "deepinfer_prompt_tokens_computed_total",
+
+        def cumulative(name: str, description: str) -> _CumulativeCounter:
+            return _CumulativeCounter(make(counter, name, description))
+
+        self.prompt_tokens = cumulative("deepinfer_prompt_tokens_total", "Prompt tokens received")
+        self.generation_tokens = cumulative("deepinfer_generation_tokens_total", "Tokens generated")
+        self.computed_prompt_tokens = cumulative(
+            "deepinfer_prompt_tokens_computed_total",
             "Prompt tokens run through the model (the rest came from the prefix cache or a session's KV)")
-        self.preemptions = make(counter, "deepinfer_preemptions_total", "Requests preempted to free KV blocks")
+        self.preemptions = cumulative("deepinfer_preemptions_total", "Requests preempted to free KV blocks")
         requests = family(name="deepinfer_requests_total", description="Finished requests by finish reason",
                           kind=counter)
         self._families.append(requests)
@@ -57,7 +78,23 @@ class TritonMetrics:
         self.prefix_hit_rate = make(gauge, "deepinfer_prefix_cache_hit_rate",
                                     "Prompt tokens found in the prefix cache / looked up (cumulative)")
         self.sessions = make(gauge, "deepinfer_num_sessions", "Open sessions (Triton sequences)")
-        self._last = {"prompt": 0, "generation": 0, "computed": 0, "preemptions": 0}
+        # Speculative decoding (zero while spec_method is none), named after vLLM's spec_decode metrics.
+        self.spec_draft_tokens = cumulative("deepinfer_spec_decode_draft_tokens_total",
+                                            "Draft tokens verified by the target model")
+        self.spec_accepted_tokens = cumulative("deepinfer_spec_decode_accepted_tokens_total", "Draft tokens accepted")
+        self.spec_num_drafts = cumulative("deepinfer_spec_decode_num_drafts_total",
+                                          "Verification steps with at least one draft token (request-steps)")
+        self.spec_acceptance_rate = make(gauge, "deepinfer_spec_decode_acceptance_rate",
+                                         "Accepted / verified draft tokens (cumulative)")
+        self.spec_mean_accepted_length = make(
+            gauge, "deepinfer_spec_decode_mean_accepted_length",
+            "Tokens emitted per verification step: 1 + accepted drafts / drafts (cumulative)")
+        self._position_family = family(name="deepinfer_spec_decode_acceptance_rate_per_position",
+                                       description="Accepted / verified drafts at draft position (0-based) "
+                                                   "(cumulative)", kind=gauge)
+        self._families.append(self._position_family)
+        # One gauge per draft position, created when the engine first reports that position.
+        self.spec_acceptance_per_position: list[Any] = []
 
     def on_finished(self, output: RequestOutput) -> None:
         """Per-request counters and histograms, once, from the request's final output."""
@@ -83,11 +120,19 @@ class TritonMetrics:
         self.blocks_free.set(stats.kv_blocks_free)
         self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
         self.sessions.set(stats.num_sessions)
-        for key, metric, total in (("prompt", self.prompt_tokens, stats.num_prompt_tokens),
-                                   ("generation", self.generation_tokens, stats.num_generation_tokens),
-                                   ("computed", self.computed_prompt_tokens, stats.num_computed_prompt_tokens),
-                                   ("preemptions", self.preemptions, stats.num_preemptions)):
-            delta = total - self._last[key]
-            if delta > 0:
-                metric.increment(delta)
-                self._last[key] = total
+        self.prompt_tokens.advance_to(stats.num_prompt_tokens)
+        self.generation_tokens.advance_to(stats.num_generation_tokens)
+        self.computed_prompt_tokens.advance_to(stats.num_computed_prompt_tokens)
+        self.preemptions.advance_to(stats.num_preemptions)
+        self.spec_draft_tokens.advance_to(stats.spec_draft_tokens)
+        self.spec_accepted_tokens.advance_to(stats.spec_accepted_tokens)
+        self.spec_num_drafts.advance_to(stats.spec_num_drafts)
+        self.spec_acceptance_rate.set(stats.spec_acceptance_rate)
+        self.spec_mean_accepted_length.set(stats.spec_mean_accepted_length)
+        rates = stats.spec_acceptance_rate_per_position
+        while len(self.spec_acceptance_per_position) < len(rates):
+            position = len(self.spec_acceptance_per_position)
+            self.spec_acceptance_per_position.append(
+                self._position_family.Metric(labels={**self._labels, "position": str(position)}))
+        for gauge, rate in zip(self.spec_acceptance_per_position, rates):
+            gauge.set(rate)

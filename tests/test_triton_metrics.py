@@ -1,0 +1,138 @@
+"""TritonMetrics: engine stats -> Triton metric families (the real /metrics is checked in tests/e2e).
+
+pb_utils only exists inside Triton's Python-backend stub, so these tests pass a recording stand-in with the
+same MetricFamily / Metric calls and the same rule Triton enforces: a counter never takes a negative step.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from backend_lib.outputs import EngineStats
+from backend_lib.triton_metrics import TritonMetrics
+
+LABELS = {"model": "deepinfer", "version": "1"}
+
+
+class _Metric:
+    def __init__(self, family: "_Family", labels: dict[str, str], buckets: list[float] | None = None) -> None:
+        self.family, self.labels, self.value, self.observed = family, labels, 0.0, []
+
+    def increment(self, value: float) -> None:
+        if self.family.kind == _Family.COUNTER and value < 0:
+            raise ValueError("counter increment must be non-negative")  # Triton rejects it too
+        self.value += value
+
+    def set(self, value: float) -> None:
+        assert self.family.kind == _Family.GAUGE, f"set() on non-gauge {self.family.name}"
+        self.value = value
+
+    def observe(self, value: float) -> None:
+        self.observed.append(value)
+
+
+class _Family:
+    COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+    created: list["_Family"] = []
+
+    def __init__(self, name: str, description: str, kind: str) -> None:
+        self.name, self.kind, self.metrics = name, kind, []
+        self.created.append(self)
+
+    def Metric(self, labels: dict[str, str], **kwargs) -> _Metric:  # noqa: N802 (pb_utils' name)
+        metric = _Metric(self, labels, **kwargs)
+        self.metrics.append(metric)
+        return metric
+
+
+class _PbUtils:
+    def __init__(self) -> None:
+        self.MetricFamily = type("MetricFamily", (_Family,), {"created": []})
+
+    def series(self, name: str) -> dict[tuple, tuple[str, float]]:
+        """Every metric of family ``name``: frozen labels -> (kind, value)."""
+        out = {}
+        for fam in self.MetricFamily.created:
+            if fam.name == name:
+                for m in fam.metrics:
+                    out[tuple(sorted(m.labels.items()))] = (fam.kind, m.value)
+        assert out, f"no family {name}"
+        return out
+
+    def value(self, name: str, **labels: str) -> float:
+        key = tuple(sorted({**LABELS, **labels}.items()))
+        return self.series(name)[key][1]
+
+    def kind(self, name: str) -> str:
+        return next(iter(self.series(name).values()))[0]
+
+
+def _stats(**spec) -> EngineStats:
+    base = EngineStats(num_running=1, num_waiting=0, kv_blocks_total=64, kv_blocks_used=8, prefix_cache_queries=0,
+                       prefix_cache_hits=0, num_prompt_tokens=10, num_generation_tokens=20,
+                       num_computed_prompt_tokens=10, num_preemptions=0)
+    return replace(base, **spec)
+
+
+@pytest.fixture()
+def pb() -> _PbUtils:
+    return _PbUtils()
+
+
+def test_spec_counters_and_gauges_follow_engine_stats(pb):
+    metrics = TritonMetrics(pb, LABELS)
+    metrics.refresh(_stats())  # no speculation yet: zeros, no per-position series
+    assert pb.kind("deepinfer_spec_decode_draft_tokens_total") == "counter"
+    assert pb.kind("deepinfer_spec_decode_accepted_tokens_total") == "counter"
+    assert pb.kind("deepinfer_spec_decode_num_drafts_total") == "counter"
+    assert pb.kind("deepinfer_spec_decode_acceptance_rate") == "gauge"
+    assert pb.kind("deepinfer_spec_decode_mean_accepted_length") == "gauge"
+    assert pb.value("deepinfer_spec_decode_draft_tokens_total") == 0
+    assert pb.value("deepinfer_spec_decode_mean_accepted_length") == 0
+    assert not [f for f in pb.MetricFamily.created
+                if f.name == "deepinfer_spec_decode_acceptance_rate_per_position" and f.metrics]
+
+    # 4 drafts of 3 tokens: 12 verified, 7 accepted (4 at position 0, 2 at 1, 1 at 2).
+    stats = _stats(spec_draft_tokens=12, spec_accepted_tokens=7, spec_num_drafts=4,
+                   spec_drafts_per_position=[4, 4, 4], spec_accepted_per_position=[4, 2, 1])
+    metrics.refresh(stats)
+    assert pb.value("deepinfer_spec_decode_draft_tokens_total") == 12
+    assert pb.value("deepinfer_spec_decode_accepted_tokens_total") == 7
+    assert pb.value("deepinfer_spec_decode_num_drafts_total") == 4
+    assert pb.value("deepinfer_spec_decode_acceptance_rate") == pytest.approx(7 / 12)
+    assert pb.value("deepinfer_spec_decode_mean_accepted_length") == pytest.approx(1 + 7 / 4)
+    family = "deepinfer_spec_decode_acceptance_rate_per_position"
+    assert pb.kind(family) == "gauge"
+    assert [pb.value(family, position=str(j)) for j in range(3)] == pytest.approx([1.0, 0.5, 0.25])
+
+    # Same snapshot again: counters do not double count.
+    metrics.refresh(stats)
+    assert pb.value("deepinfer_spec_decode_draft_tokens_total") == 12
+
+
+def test_counters_advance_by_deltas_and_never_go_down(pb):
+    metrics = TritonMetrics(pb, LABELS)
+    for drafts, generated in ((3, 20), (9, 25), (9, 25), (15, 40)):
+        metrics.refresh(_stats(spec_draft_tokens=drafts, num_generation_tokens=generated))
+    assert pb.value("deepinfer_spec_decode_draft_tokens_total") == 15
+    assert pb.value("deepinfer_generation_tokens_total") == 40
+
+    # A smaller total (a restarted engine) adds nothing and raises nothing; growth past the old total counts.
+    metrics.refresh(_stats(spec_draft_tokens=2, num_generation_tokens=5))
+    assert pb.value("deepinfer_spec_decode_draft_tokens_total") == 15
+    metrics.refresh(_stats(spec_draft_tokens=18, num_generation_tokens=41))
+    assert pb.value("deepinfer_spec_decode_draft_tokens_total") == 18
+    assert pb.value("deepinfer_generation_tokens_total") == 41
+
+
+def test_per_position_gauges_grow_with_the_positions_reported(pb):
+    metrics = TritonMetrics(pb, LABELS)
+    metrics.refresh(_stats(spec_draft_tokens=2, spec_accepted_tokens=1, spec_num_drafts=2,
+                           spec_drafts_per_position=[2], spec_accepted_per_position=[1]))
+    metrics.refresh(_stats(spec_draft_tokens=6, spec_accepted_tokens=3, spec_num_drafts=4,
+                           spec_drafts_per_position=[4, 2], spec_accepted_per_position=[3, 0]))
+    family = "deepinfer_spec_decode_acceptance_rate_per_position"
+    assert len(pb.series(family)) == 2  # one series per position, created once
+    assert pb.value(family, position="0") == pytest.approx(0.75)
+    assert pb.value(family, position="1") == 0.0
