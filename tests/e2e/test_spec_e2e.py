@@ -57,9 +57,10 @@ def spec_triton(request, tmp_path_factory) -> TritonServer:
         load_s = time.monotonic() - started
         if compiled:
             found = COMPILED_LINE.search(server.log_path.read_text(errors="replace"))
-            # Without this line the engine ran eager: compile_backend from config.pbtxt did not reach the runner.
-            assert found, f"no compiled-regions report in the server log (loaded in {load_s:.0f} s):\n" \
-                          f"{server.log_tail()}"
+            # regions.py prints this line after the warm-up (compile_progress); without it the engine ran eager.
+            assert found, ("compile_backend=aot_eager had no effect: no compiled-regions report in the server log "
+                           f"(loaded in {load_s:.0f} s); does LLMEngine pass config.compile to ModelRunner?\n"
+                           f"{server.log_tail()}")
             assert int(found.group(1)) > 0
         yield server
     finally:
