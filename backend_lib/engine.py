@@ -65,7 +65,9 @@ class LLMEngine:
             4, int(config.cache.kv_cache_memory_gb * 2**30
                    // ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype)))
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.vocab_size, self.device, self.dtype,
-                                  spec=config.spec)
+                                  spec=config.spec, compile_config=config.compile,
+                                  max_num_seqs=config.scheduler.max_num_seqs,
+                                  max_model_len=config.model.max_model_len)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.model.max_model_len,
                                    num_lookahead_slots=self.runner.num_lookahead_slots)
         self.num_blocks = num_blocks
