@@ -2,7 +2,10 @@
 
 For each concurrency C, C client workers each send their next prompt as soon as their previous request
 finished (like perf_analyzer --concurrency-range C). Per request: time to first token (first streamed
-response), time per output token after it, end-to-end latency. Per level: output tokens/s.
+response), time per output token after it, end-to-end latency (p50 / p90 / p99). Per level: output tokens/s,
+next to the offline engine (backend_lib.offline.LLM, max_num_seqs = C, the server's other engine settings) on
+the SAME prompts, run just before the level so both see similar machine load; the ratio Triton / offline is
+the serving overhead (target: >= 0.85 at concurrency 16).
 Starts its own server (bundled SmolLM2, fp32) unless --url points at one. Writes
 benchmarks/results/serving.md and serving.png.
 """
@@ -14,7 +17,6 @@ import json
 import os
 import platform
 import queue
-import statistics
 import sys
 import threading
 import time
@@ -29,6 +31,8 @@ sys.path.insert(0, str(ROOT))
 from backend_lib.server import TritonServer, free_port  # noqa: E402
 
 MODEL = "deepinfer"
+# The server's engine settings; the offline runs use the same, with max_num_seqs = the level's concurrency.
+ENGINE_SETTINGS = {"max_num_seqs": 32, "max_model_len": 1024}
 
 
 @dataclass
@@ -40,10 +44,23 @@ class Sample:
 
 
 @dataclass
+class Offline:
+    """The offline engine on a level's prompts: all submitted at once, max_num_seqs = concurrency."""
+
+    tokens: int
+    seconds: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+@dataclass
 class Level:
     concurrency: int
     samples: list[Sample]
     seconds: float
+    offline: Offline | None = None
 
     @property
     def tokens(self) -> int:
@@ -53,9 +70,36 @@ class Level:
     def tok_s(self) -> float:
         return self.tokens / self.seconds
 
+    @property
+    def ratio(self) -> float:
+        return self.tok_s / self.offline.tok_s if self.offline else float("nan")
+
     def pct(self, attr: str, q: float) -> float:
         values = [getattr(s, attr) for s in self.samples if getattr(s, attr) is not None]
         return float(np.percentile(values, q)) if values else float("nan")
+
+
+def run_offline(prompts: list, new_tokens: int, concurrency: int) -> Offline:
+    """Same prompts, sampling and engine settings through backend_lib.offline.LLM in this process.
+
+    Model load and a short warm-up are not timed (the server is warmed up the same way)."""
+    import gc
+
+    from backend_lib.offline import LLM
+    from backend_lib.sampling_params import SamplingParams
+
+    llm = LLM("", **{**ENGINE_SETTINGS, "max_num_seqs": concurrency})
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    results = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    errors = [r.error for r in results if r.error]
+    if errors:
+        raise RuntimeError(f"offline concurrency {concurrency}: {len(errors)} request(s) failed: {errors[0]}")
+    del llm
+    gc.collect()  # its KV cache goes before the next level's engine is built
+    return Offline(tokens=sum(len(r.token_ids) for r in results), seconds=seconds)
 
 
 def load_workload(path: Path):
@@ -160,13 +204,19 @@ def write_results(levels: list[Level], new_tokens: int, out_dir: Path, load: tup
              f"Machine: {platform.machine()}, {os.cpu_count()} cores shared with the client, torch {torch.__version__}; "
              f"1-min load average {load[0]:.1f} before, {load[1]:.1f} after (other work on the machine skews "
              f"the numbers when it exceeds the core count).", "",
-             "| concurrency | requests | output tok/s | TTFT p50 (ms) | TTFT p90 (ms) | TPOT p50 (ms) | "
-             "TPOT p90 (ms) | e2e p50 (s) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "Offline: backend_lib.offline.LLM on the same prompts with the same engine settings and max_num_seqs = "
+             "concurrency, all prompts submitted at once (the engine keeps at most that many running), run just "
+             "before the Triton level; ratio = Triton tok/s / offline tok/s. With 2 requests per stream, p99 is "
+             "close to the maximum.", "",
+             "| concurrency | requests | Triton tok/s | offline tok/s | ratio | TTFT p50 (ms) | TTFT p90 (ms) | "
+             "TTFT p99 (ms) | TPOT p50 (ms) | TPOT p90 (ms) | TPOT p99 (ms) | e2e p50 (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for lv in levels:
-        lines.append(f"| {lv.concurrency} | {len(lv.samples)} | {lv.tok_s:.1f} | {1e3 * lv.pct('ttft', 50):.0f} | "
-                     f"{1e3 * lv.pct('ttft', 90):.0f} | {1e3 * lv.pct('tpot', 50):.1f} | "
-                     f"{1e3 * lv.pct('tpot', 90):.1f} | {lv.pct('e2e', 50):.2f} |")
+        offline = f"{lv.offline.tok_s:.1f} | {lv.ratio:.2f}" if lv.offline else "- | -"
+        lines.append(f"| {lv.concurrency} | {len(lv.samples)} | {lv.tok_s:.1f} | {offline} | "
+                     f"{1e3 * lv.pct('ttft', 50):.0f} | {1e3 * lv.pct('ttft', 90):.0f} | "
+                     f"{1e3 * lv.pct('ttft', 99):.0f} | {1e3 * lv.pct('tpot', 50):.1f} | "
+                     f"{1e3 * lv.pct('tpot', 90):.1f} | {1e3 * lv.pct('tpot', 99):.1f} | {lv.pct('e2e', 50):.2f} |")
     text = "\n".join(lines) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "serving.md").write_text(text)
@@ -177,10 +227,16 @@ def write_results(levels: list[Level], new_tokens: int, out_dir: Path, load: tup
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     xs = [lv.concurrency for lv in levels]
-    ax1.plot(xs, [lv.tok_s for lv in levels], marker="o")
+    ax1.plot(xs, [lv.tok_s for lv in levels], marker="o", label="Triton (gRPC streaming)")
+    if any(lv.offline for lv in levels):
+        ax1.plot([lv.concurrency for lv in levels if lv.offline], [lv.offline.tok_s for lv in levels if lv.offline],
+                 marker="s", linestyle="--", label="offline engine")
+    ax1.legend()
     ax1.set(xlabel="concurrency", ylabel="output tokens/s", title="Throughput", xscale="log")
     ax2.plot(xs, [1e3 * lv.pct("ttft", 50) for lv in levels], marker="o", label="TTFT p50")
+    ax2.plot(xs, [1e3 * lv.pct("ttft", 99) for lv in levels], marker="o", linestyle="--", label="TTFT p99")
     ax2.plot(xs, [1e3 * lv.pct("tpot", 50) for lv in levels], marker="o", label="TPOT p50")
+    ax2.plot(xs, [1e3 * lv.pct("tpot", 99) for lv in levels], marker="o", linestyle="--", label="TPOT p99")
     ax2.set(xlabel="concurrency", ylabel="ms", title="Latency", xscale="log")
     ax2.legend()
     fig.tight_layout()
@@ -197,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=None, help="default: the workload's")
     parser.add_argument("--workload", type=Path, default=ROOT.parent / "shared" / "bench" / "workload.py")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the offline engine on each level's prompts (default: on)")
     args = parser.parse_args(argv)
 
     load_before = os.getloadavg()[0]
@@ -204,9 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     new_tokens = args.new_tokens or new_tokens
     server = None
     url = args.url
+    if url is not None and args.offline:
+        print(f"note: the offline runs use {ENGINE_SETTINGS} (max_num_seqs = concurrency); the server at {url} "
+              "should have the same settings for the ratio to mean anything", file=sys.stderr)
     if url is None:
         server = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                              overrides={"max_num_seqs": "32", "max_model_len": "1024"})
+                              overrides={k: str(v) for k, v in ENGINE_SETTINGS.items()})
         server.start()
         url = server.grpc_url
     try:
@@ -216,10 +277,14 @@ def main(argv: list[str] | None = None) -> int:
         levels = []
         for c in (int(x) for x in args.concurrency.split(",")):
             n = min(len(prompts), c * args.requests_per_stream)
+            # Offline first, while the server idles: the two never compete for the cores.
+            offline = run_offline(prompts[:n], new_tokens, c) if args.offline else None
             level = run_level(url, prompts[:n], new_tokens, c)
-            print(f"concurrency {c}: {len(level.samples)} requests, {level.tok_s:.1f} tok/s, "
-                  f"TTFT p50 {1e3 * level.pct('ttft', 50):.0f} ms, "
-                  f"TPOT p50 {1e3 * statistics.median(s.tpot for s in level.samples if s.tpot):.1f} ms", flush=True)
+            level.offline = offline
+            versus = f" (offline {offline.tok_s:.1f} tok/s, ratio {level.ratio:.2f})" if offline else ""
+            print(f"concurrency {c}: {len(level.samples)} requests, {level.tok_s:.1f} tok/s{versus}, "
+                  f"TTFT p50/p99 {1e3 * level.pct('ttft', 50):.0f}/{1e3 * level.pct('ttft', 99):.0f} ms, "
+                  f"TPOT p50/p99 {1e3 * level.pct('tpot', 50):.1f}/{1e3 * level.pct('tpot', 99):.1f} ms", flush=True)
             levels.append(level)
     finally:
         if server is not None:
