@@ -79,7 +79,7 @@ class Level:
         return float(np.percentile(values, q)) if values else float("nan")
 
 
-def run_offline(prompts: list, new_tokens: int, concurrency: int) -> Offline:
+def run_offline(prompts: list, new_tokens: int, concurrency: int, settings: dict[str, int]) -> Offline:
     """Same prompts, sampling and engine settings through backend_lib.offline.LLM in this process.
 
     Model load and a short warm-up are not timed (the server is warmed up the same way)."""
@@ -88,7 +88,7 @@ def run_offline(prompts: list, new_tokens: int, concurrency: int) -> Offline:
     from backend_lib.offline import LLM
     from backend_lib.sampling_params import SamplingParams
 
-    llm = LLM("", **{**ENGINE_SETTINGS, "max_num_seqs": concurrency})
+    llm = LLM("", **{**settings, "max_num_seqs": concurrency})
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
@@ -195,13 +195,15 @@ def run_level(url: str, prompts: list, new_tokens: int, concurrency: int) -> Lev
     return Level(concurrency, samples, seconds)
 
 
-def write_results(levels: list[Level], new_tokens: int, out_dir: Path, load: tuple[float, float]) -> str:
+def write_results(levels: list[Level], new_tokens: int, out_dir: Path, load: tuple[float, float],
+                  num_threads: int) -> str:
     import torch
 
     lines = ["# Serving: shared workload through tritonserver (gRPC streaming, closed loop)", "",
              f"Chat prompts from ../shared/bench/workload.py, {new_tokens} new tokens each, greedy, EOS ignored, "
              f"fp32, SmolLM2-135M-Instruct (bundled GGUF), one Triton model instance (the engine batches). "
-             f"Machine: {platform.machine()}, {os.cpu_count()} cores shared with the client, torch {torch.__version__}; "
+             f"Machine: {platform.machine()}, {os.cpu_count()} cores shared with the client, torch {torch.__version__}, "
+             f"{num_threads or 'all'} engine threads; "
              f"1-min load average {load[0]:.1f} before, {load[1]:.1f} after (other work on the machine skews "
              f"the numbers when it exceeds the core count).", "",
              "Offline: backend_lib.offline.LLM on the same prompts with the same engine settings and max_num_seqs = "
@@ -253,21 +255,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=None, help="default: the workload's")
     parser.add_argument("--workload", type=Path, default=ROOT.parent / "shared" / "bench" / "workload.py")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--num-threads", type=int, default=0,
+                        help="torch threads of the server's and the offline engine (0 = all cores); 1 avoids "
+                             "OpenMP stalls when other processes hold cores")
     parser.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the offline engine on each level's prompts (default: on)")
     args = parser.parse_args(argv)
 
     load_before = os.getloadavg()[0]
+    settings = {**ENGINE_SETTINGS, "num_threads": args.num_threads}
     prompts, new_tokens = load_workload(args.workload)
     new_tokens = args.new_tokens or new_tokens
     server = None
     url = args.url
     if url is not None and args.offline:
-        print(f"note: the offline runs use {ENGINE_SETTINGS} (max_num_seqs = concurrency); the server at {url} "
+        print(f"note: the offline runs use {settings} (max_num_seqs = concurrency); the server at {url} "
               "should have the same settings for the ratio to mean anything", file=sys.stderr)
     if url is None:
         server = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                              overrides={k: str(v) for k, v in ENGINE_SETTINGS.items()})
+                              overrides={k: str(v) for k, v in settings.items()})
         server.start()
         url = server.grpc_url
     try:
@@ -278,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in (int(x) for x in args.concurrency.split(",")):
             n = min(len(prompts), c * args.requests_per_stream)
             # Offline first, while the server idles: the two never compete for the cores.
-            offline = run_offline(prompts[:n], new_tokens, c) if args.offline else None
+            offline = run_offline(prompts[:n], new_tokens, c, settings) if args.offline else None
             level = run_level(url, prompts[:n], new_tokens, c)
             level.offline = offline
             versus = f" (offline {offline.tok_s:.1f} tok/s, ratio {level.ratio:.2f})" if offline else ""
@@ -289,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.stop()
-    print(write_results(levels, new_tokens, args.out, (load_before, os.getloadavg()[0])))
+    print(write_results(levels, new_tokens, args.out, (load_before, os.getloadavg()[0]), args.num_threads))
     return 0
 
 
