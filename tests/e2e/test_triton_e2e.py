@@ -19,7 +19,9 @@ FAMILIES = ["deepinfer_prompt_tokens_total", "deepinfer_generation_tokens_total"
             "deepinfer_e2e_request_latency_seconds_count", "deepinfer_request_prompt_tokens_count",
             "deepinfer_request_generation_tokens_count", "deepinfer_num_requests_running",
             "deepinfer_num_requests_waiting", "deepinfer_kv_blocks_used", "deepinfer_kv_blocks_free",
-            "deepinfer_prefix_cache_hit_rate"]
+            "deepinfer_prefix_cache_hit_rate", "deepinfer_spec_decode_draft_tokens_total",
+            "deepinfer_spec_decode_accepted_tokens_total", "deepinfer_spec_decode_num_drafts_total",
+            "deepinfer_spec_decode_acceptance_rate", "deepinfer_spec_decode_mean_accepted_length"]
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +217,9 @@ def test_metrics_families_present_and_moving(triton, grpc):
     assert metric(after, "deepinfer_requests_total", finish_reason="stop") > metric(
         before, "deepinfer_requests_total", finish_reason="stop")
     assert metric(after, "deepinfer_kv_blocks_used") + metric(after, "deepinfer_kv_blocks_free") == 256
+    # No speculation on this server: the spec families exist and stay at zero (tests/e2e/test_spec_e2e.py: > 0).
+    assert metric(after, "deepinfer_spec_decode_draft_tokens_total") == 0
+    assert metric(after, "deepinfer_spec_decode_mean_accepted_length") == 0
 
 
 def test_concurrent_http_and_grpc_do_not_interfere(triton, grpc):
