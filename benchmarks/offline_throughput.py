@@ -48,6 +48,22 @@ def load_workload(path: Path):
     return module.prompts(), module.NEW_TOKENS
 
 
+def compiled_llm(config: EngineConfig) -> LLM:
+    """LLM whose runner honours ``config.compile`` (built here until engine.py passes it to ModelRunner)."""
+    llm = LLM(config=config)
+    if config.compile.compile_backend == "none":
+        return llm
+    from backend_lib.model_runner import ModelRunner
+    engine = llm.engine
+    start = time.perf_counter()
+    engine.runner = ModelRunner(engine.model, engine.num_blocks, config.cache.block_size, engine.vocab_size,
+                                engine.device, engine.dtype, spec=config.spec, compile_config=config.compile,
+                                max_num_seqs=config.scheduler.max_num_seqs,
+                                max_model_len=config.model.max_model_len)
+    print(f"compiled regions ready in {time.perf_counter() - start:.0f} s", flush=True)
+    return llm
+
+
 def run_engine(llm: LLM, prompts, new_tokens: int, name: str) -> tuple[Run, list[list[int]]]:
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
@@ -78,19 +94,29 @@ def main() -> None:
     parser.add_argument("--single", type=int, default=4, help="prompts for the one-stream runs")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--compile", default="none", choices=["none", "inductor", "aot_eager"],
+                        help="run the engine with compiled regions (backend_lib/neuron/regions.py)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     prompts, new_tokens = load_workload(Path(args.workload))
     model_path = default_model_path()
     runs: list[Run] = []
 
-    llm = LLM(config=EngineConfig.from_flat({"model": model_path, "max_num_seqs": 32,
-                                             "max_num_batched_tokens": 512, "enable_prefix_caching": False}))
+    flat = {"model": model_path, "max_num_seqs": 32, "max_num_batched_tokens": 512, "enable_prefix_caching": False}
+    if args.compile != "none":
+        # Workload contexts stay below 256 tokens: widths 8 / 16 blocks; 32 streams or 1; one-chunk prefills.
+        flat.update(compile_backend=args.compile, max_model_len=256, batch_buckets="1,32", width_buckets="8,16",
+                    prefill_buckets="128")
+    llm = compiled_llm(EngineConfig.from_flat(flat))
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    run, engine_ids = run_engine(llm, prompts, new_tokens, "deepinfer, 32 streams")
+    label = "deepinfer" if args.compile == "none" else f"deepinfer compiled ({args.compile})"
+    run, engine_ids = run_engine(llm, prompts, new_tokens, f"{label}, 32 streams")
     runs.append(run)
     single = [run_engine(llm, [p], new_tokens, "")[0] for p in prompts[:args.single]]
-    runs.append(Run("deepinfer, 1 stream", sum(r.tokens for r in single), sum(r.seconds for r in single)))
+    runs.append(Run(f"{label}, 1 stream", sum(r.tokens for r in single), sum(r.seconds for r in single)))
     del llm
 
     agree = None
@@ -106,11 +132,12 @@ def main() -> None:
                         sum(r.seconds for r in single)))
         # Left padding changes fp32 rounding, so count identical sequences rather than assert them.
         agree = sum(a == b for a, b in zip(engine_ids, hf_ids))
-    write_report(runs, agree, len(prompts), new_tokens, args.single, Path(args.out))
+    write_report(runs, agree, len(prompts), new_tokens, args.single, Path(args.out),
+                 "offline" if args.compile == "none" else "offline_compiled")
 
 
 def write_report(runs: list[Run], agree: int | None, num_prompts: int, new_tokens: int, single: int,
-                 out: Path) -> None:
+                 out: Path, stem: str = "offline") -> None:
     by_name = {r.name: r for r in runs}
     hf_batch = by_name.get("transformers generate, batch 32")
     hf_single = by_name.get("transformers generate, 1 stream")
@@ -137,7 +164,7 @@ def write_report(runs: list[Run], agree: int | None, num_prompts: int, new_token
     text = "\n".join(lines) + "\n"
     print(text)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "offline.md").write_text(text)
+    (out / f"{stem}.md").write_text(text)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -147,7 +174,7 @@ def write_report(runs: list[Run], agree: int | None, num_prompts: int, new_token
     ax.set_xlabel("output tokens / s (higher is better)")
     ax.set_title("Shared offline workload, SmolLM2-135M fp32, 2 cores")
     fig.tight_layout()
-    fig.savefig(out / "offline.png", dpi=120)
+    fig.savefig(out / f"{stem}.png", dpi=120)
 
 
 if __name__ == "__main__":
