@@ -14,7 +14,6 @@ from torch._dynamo.utils import counters
 
 from backend_lib.config import CompileConfig, EngineConfig
 from backend_lib.engine import LLMEngine
-from backend_lib.model_runner import ModelRunner
 from backend_lib.models.loader import load_model
 from backend_lib.neuron.buckets import BucketSpec
 from backend_lib.neuron.platform import detect_platform
@@ -30,13 +29,8 @@ BS = 4
 
 
 def compiled_engine(config: EngineConfig) -> LLMEngine:
-    """An engine whose runner is built with the config's compiled regions (the engine passes the same config)."""
-    engine = LLMEngine(config)
-    engine.runner = ModelRunner(engine.model, engine.num_blocks, config.cache.block_size, engine.vocab_size,
-                                engine.device, engine.dtype, spec=config.spec, compile_config=config.compile,
-                                max_num_seqs=config.scheduler.max_num_seqs,
-                                max_model_len=config.model.max_model_len)
-    return engine
+    """An engine with the config's compiled regions (the engine hands config.compile to its ModelRunner)."""
+    return LLMEngine(config)
 
 
 def _paged_decode_inputs(num_blocks: int, lens: list[int], width: int, vocab: int, seed: int):
