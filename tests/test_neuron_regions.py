@@ -94,8 +94,9 @@ def test_decode_graphs_match_eager_at_each_bucket(arch, backend, tiny_llama, tin
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_prefill_graph_matches_eager(backend, tiny_llama):
-    model, num_blocks = tiny_llama, 16
+@pytest.mark.parametrize("arch", ["llama", "deepseek"])
+def test_prefill_graph_matches_eager(arch, backend, tiny_llama, tiny_deepseek):
+    model, num_blocks = (tiny_llama if arch == "llama" else tiny_deepseek), 16
     spec = BucketSpec(batch_sizes=(1,), block_table_widths=(4, 8), prefill_lengths=(8, 16), block_size=BS)
     compiled = CompiledModel(model, spec, backend, scratch_block=num_blocks)
     for start, q_len in ((0, 6), (4, 9)):  # buckets 8 and 16 (a continuation chunk: context 13 <= 4 blocks)
@@ -138,8 +139,9 @@ def test_sampler_graphs_match_eager(backend):
     assert sampler.stats.eager_steps == 0 and sampler.stats.compiled_steps == 5
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("greedy", [True, False])
-def test_verification_region_compiles_and_matches_eager(greedy):
+def test_verification_region_compiles_and_matches_eager(greedy, backend):
     vocab = 200
     drafts = [[5, 7], [], [9, 9, 1]]
     layout = DraftLayout.build(drafts, "cpu")
@@ -151,7 +153,7 @@ def test_verification_region_compiles_and_matches_eager(greedy):
     def verify(logits, layout, meta):
         return rejection_sample(logits, layout, meta).token_ids
 
-    got = compile_region(verify, "aot_eager")(logits, layout, meta)
+    got = compile_region(verify, backend)(logits, layout, meta)
     assert torch.equal(got, verify(logits, layout, meta))
 
 
