@@ -26,9 +26,13 @@ class ModelConfig:
     dtype: str = "float32"
     max_model_len: int = 2048  # prompt + output tokens of one request (or session) at most
     device: str = "cpu"
+    # Host fp32 GEMMs: "onednn" packs weights for oneDNN (about 2x MKL's sgemm at decode batch sizes here),
+    # "mkl" keeps torch's default F.linear (the same kernel transformers uses).
+    host_gemm: str = "onednn"
 
     def __post_init__(self) -> None:
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _require(self.host_gemm in ("onednn", "mkl"), f"host_gemm must be 'onednn' or 'mkl', got {self.host_gemm!r}")
         _require(self.max_model_len >= 16, f"max_model_len must be >= 16, got {self.max_model_len}")
 
 

@@ -14,6 +14,7 @@ import torch
 
 from backend_lib.config import EngineConfig
 from backend_lib.model_runner import ModelRunner
+from backend_lib.models.layers import onednn_packed_gemm_available
 from backend_lib.models.loader import load_model, resolve_model_path
 from backend_lib.outputs import (EngineStats, RequestMetrics, RequestOutput, RunnerOutput, SessionControl,
                                  TokenLogprob)
@@ -58,6 +59,9 @@ class LLMEngine:
         self.dtype = _DTYPES[config.model.dtype]
         path = resolve_model_path(config.model.model)
         self.model = load_model(path, dtype=self.dtype).to(self.device).eval()
+        if (config.model.host_gemm == "onednn" and hasattr(self.model, "pack_for_cpu")
+                and onednn_packed_gemm_available(self.device, self.dtype)):
+            self.model.pack_for_cpu()
         self.tokenizer = Tokenizer.load(path)
         self.vocab_size = self.model.arch.vocab_size
         block_size = config.cache.block_size

@@ -14,15 +14,37 @@ def _empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+def onednn_packed_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def pack_weight_onednn(weight: torch.Tensor) -> torch.Tensor:  # weight [out, in] -> opaque packed weight
+    # The batch hint only picks the blocked layout; any number of rows works with the packed weight.
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: torch.Tensor | None) -> torch.Tensor:  # x [T, in], weight [out, in] -> [T, out]
+    if packed is None:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = _empty_param(out_features, in_features, dtype=dtype)
         self.bias = _empty_param(out_features, dtype=dtype) if bias else None
+        self.packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> None:
+        """Use oneDNN's packed-weight GEMM on the host: about 2x MKL's sgemm at decode batch sizes on this
+        machine (same products, another summation order). Keeps ``weight`` for state dicts and tied heads."""
+        self.packed = pack_weight_onednn(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class RMSNorm(nn.Module):

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from backend_lib.models.layers import Linear, RMSNorm, RotaryEmbedding, VocabEmbedding, copy_into, silu_and_mul
+from backend_lib.models.layers import (Linear, RMSNorm, RotaryEmbedding, VocabEmbedding, copy_into, linear,
+                                      pack_weight_onednn, silu_and_mul)
 from kernels.attention import paged_attention, write_kv
 from kernels.attention_metadata import AttentionMetadata
 from kernels.rope import RopeScaling
@@ -197,6 +198,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, dtype) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, False, dtype)
+        self.packed_head: torch.Tensor | None = None
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings)
 
     @classmethod
@@ -222,8 +224,17 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [N, hidden] -> [N, vocab] float32
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return linear(hidden, self._head_weight(), None, self.packed_head).float()
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def pack_for_cpu(self) -> None:
+        """Every projection and the head on oneDNN's packed GEMM (see Linear.pack_for_cpu)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()
+        self.packed_head = pack_weight_onednn(self._head_weight())
 
     def _target(self, name: str) -> tuple[str, torch.Tensor] | None:
         """(loaded-key, destination view) for a checkpoint name; None for names that carry nothing to load."""
