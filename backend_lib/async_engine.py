@@ -1,13 +1,17 @@
 """AsyncEngine: the LLMEngine step loop on a background thread, with a thread-safe output stream per request.
 
 The Triton model calls add_request / abort from its own threads and reads each RequestStream from a response
-thread. One lock guards the engine: add_request and abort wait for the current step at most.
+thread. One lock guards the engine: add_request and abort wait for the current step at most. Python's
+locks are not fair, so the step loop lets waiting callers in before it takes the lock for the next step;
+otherwise a busy loop could starve an abort or a new request for a whole generation.
 """
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+import time
+from contextlib import contextmanager
 
 from backend_lib.config import EngineConfig
 from backend_lib.engine import LLMEngine, Prompt
@@ -48,6 +52,8 @@ class AsyncEngine:
         self._idle_poll_s = idle_poll_s
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
+        self._callers_lock = threading.Lock()
+        self._callers_waiting = 0
         self._streams: dict[str, RequestStream] = {}
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="deepinfer-engine", daemon=True)
@@ -64,7 +70,7 @@ class AsyncEngine:
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     session: SessionControl | None = None) -> RequestStream:
         """Raises ValueError (nothing queued) for bad input; RuntimeError after shutdown."""
-        with self._lock:
+        with self._caller():
             if self._stopped:
                 raise RuntimeError("the engine is shut down")
             self.engine.add_request(request_id, prompt, params, session)
@@ -74,26 +80,40 @@ class AsyncEngine:
         return stream
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
+        with self._caller():
             output = self.engine.abort(request_id)
             if output is not None:
                 self._deliver([output])
 
     def stats(self) -> EngineStats:
-        with self._lock:
+        with self._caller():
             return self.engine.stats()
 
     def shutdown(self) -> None:
         """Stops the loop; every live request gets a final "abort" output."""
-        with self._lock:
+        with self._caller():
             self._stopped = True
             self._work.notify()
         self._thread.join()
-        with self._lock:
+        with self._caller():
             for request_id in list(self._streams):
                 output = self.engine.abort(request_id)
                 if output is not None:
                     self._deliver([output])
+
+    @contextmanager
+    def _caller(self):
+        """The engine lock for a caller thread, announced so the step loop yields to it."""
+        with self._callers_lock:
+            self._callers_waiting += 1
+        with self._lock:
+            with self._callers_lock:
+                self._callers_waiting -= 1
+            yield
+
+    def _let_callers_in(self) -> None:
+        while self._callers_waiting:
+            time.sleep(0.0002)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -106,6 +126,7 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while True:
+            self._let_callers_in()
             with self._lock:
                 while not self._stopped and not self.engine.has_unfinished_requests():
                     self._work.wait(timeout=self._idle_poll_s)

@@ -20,7 +20,7 @@ SERVER_PARAMETERS = {
 def triton(tmp_path_factory) -> TritonServer:
     server = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                           overrides=dict(SERVER_PARAMETERS), workdir=tmp_path_factory.mktemp("triton"),
-                          exit_timeout_s=5)
+                          exit_timeout_s=15)
     try:
         server.start(timeout_s=600)
         yield server

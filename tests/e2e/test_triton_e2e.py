@@ -156,7 +156,7 @@ def test_cancel_mid_stream_frees_blocks(triton, grpc):
     def settled() -> bool:
         values = metrics(triton.metrics_url)
         return (metric(values, "deepinfer_num_requests_running") == 0
-                and metric(values, "deepinfer_kv_blocks_used") == used_before
+                and metric(values, "deepinfer_kv_blocks_used") <= used_before
                 and metric(values, "deepinfer_requests_total", finish_reason="abort") == aborted_before + 1)
     _wait_for(settled, what="the cancelled request's blocks to return to the pool")
     after = grpc.generate({"messages": json.dumps(QUESTION), "sampling_parameters": GREEDY,
