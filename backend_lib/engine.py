@@ -59,9 +59,6 @@ class LLMEngine:
         self.dtype = _DTYPES[config.model.dtype]
         path = resolve_model_path(config.model.model)
         self.model = load_model(path, dtype=self.dtype).to(self.device).eval()
-        if (config.model.host_gemm == "onednn" and hasattr(self.model, "pack_for_cpu")
-                and onednn_packed_gemm_available(self.device, self.dtype)):
-            self.model.pack_for_cpu()
         self.tokenizer = Tokenizer.load(path)
         self.vocab_size = self.model.arch.vocab_size
         block_size = config.cache.block_size
@@ -72,6 +69,11 @@ class LLMEngine:
                                   spec=config.spec, compile_config=config.compile,
                                   max_num_seqs=config.scheduler.max_num_seqs,
                                   max_model_len=config.model.max_model_len)
+        # Packed oneDNN weights are for the eager host path: inductor cannot lower them as graph inputs (it
+        # prepacks by itself with freezing), and compiled regions have already traced the plain weights.
+        if (config.model.host_gemm == "onednn" and self.runner.model is self.model
+                and hasattr(self.model, "pack_for_cpu") and onednn_packed_gemm_available(self.device, self.dtype)):
+            self.model.pack_for_cpu()
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.model.max_model_len,
                                    num_lookahead_slots=self.runner.num_lookahead_slots)
         self.num_blocks = num_blocks
