@@ -39,6 +39,7 @@ _ENGINE_PARAMETERS: dict[str, tuple[str, type]] = {
     "model": ("model", str),
     "dtype": ("dtype", str),
     "device": ("device", str),
+    "host_gemm": ("host_gemm", str),
     "max_num_seqs": ("max_num_seqs", int),
     "max_model_len": ("max_model_len", int),
     "block_size": ("block_size", int),
