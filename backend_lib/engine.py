@@ -14,7 +14,6 @@ import torch
 
 from backend_lib.config import EngineConfig
 from backend_lib.model_runner import ModelRunner
-from backend_lib.models.layers import onednn_packed_gemm_available
 from backend_lib.models.loader import load_model, resolve_model_path
 from backend_lib.outputs import (EngineStats, RequestMetrics, RequestOutput, RunnerOutput, SessionControl,
                                  TokenLogprob)
@@ -22,6 +21,7 @@ from backend_lib.request import Request, RequestStatus
 from backend_lib.sampling_params import SamplingParams
 from backend_lib.scheduler import Scheduler
 from backend_lib.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from kernels.onednn_gemm import onednn_gemm_available
 
 Prompt = str | list[int] | list[dict]
 
@@ -65,15 +65,14 @@ class LLMEngine:
         num_blocks = config.cache.num_blocks or max(
             4, int(config.cache.kv_cache_memory_gb * 2**30
                    // ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype)))
+        # Before the runner: compiled regions trace the packed GEMM (an opaque custom op) that eager steps call.
+        if (config.model.host_gemm == "onednn" and hasattr(self.model, "pack_for_cpu")
+                and onednn_gemm_available(self.device, self.dtype)):
+            self.model.pack_for_cpu()
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.vocab_size, self.device, self.dtype,
                                   spec=config.spec, compile_config=config.compile,
                                   max_num_seqs=config.scheduler.max_num_seqs,
                                   max_model_len=config.model.max_model_len)
-        # Packed oneDNN weights are for the eager host path: inductor cannot lower them as graph inputs (it
-        # prepacks by itself with freezing), and compiled regions have already traced the plain weights.
-        if (config.model.host_gemm == "onednn" and self.runner.model is self.model
-                and hasattr(self.model, "pack_for_cpu") and onednn_packed_gemm_available(self.device, self.dtype)):
-            self.model.pack_for_cpu()
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.model.max_model_len,
                                    num_lookahead_slots=self.runner.num_lookahead_slots)
         self.num_blocks = num_blocks

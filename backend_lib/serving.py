@@ -12,7 +12,7 @@ Ours besides: input_ids (INT32) or messages (BYTES, JSON chat) instead of text, 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
@@ -313,6 +313,19 @@ def _logprobs_json(logprobs: list[TokenLogprob] | None, decode_token: Callable[[
                                     "decoded_token": decode_token(token_id) if decode_token else None}
         entries.append(entry)
     return json.dumps(entries).encode("utf-8")
+
+
+def coalesce(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive deltas of one request as one: the text, ids and logprobs joined, the rest from the last.
+
+    Under load the response thread finds several steps' deltas waiting per request; one response for all of
+    them costs the stub, Triton and the client one round instead of several (the streamed text is the same)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    logprobs = [lp for o in outputs for lp in (o.new_logprobs or [])]
+    return replace(outputs[-1], new_token_ids=[t for o in outputs for t in o.new_token_ids],
+                   new_text="".join(o.new_text for o in outputs),
+                   new_logprobs=logprobs if any(o.new_logprobs is not None for o in outputs) else None)
 
 
 class ResponseEncoder:

@@ -61,6 +61,15 @@ def tiny_llama(tiny_llama_dir):
 
 
 @pytest.fixture(scope="module")
+def tiny_llama_onednn(tiny_llama_dir):
+    """The engine's host default: every projection and the head on oneDNN's packed GEMM, an opaque custom op
+    inside the graphs (kernels/onednn_gemm.py)."""
+    model = load_model(str(tiny_llama_dir), torch.float32).eval()
+    model.pack_for_cpu()
+    return model
+
+
+@pytest.fixture(scope="module")
 def tiny_deepseek(tmp_path_factory):
     path = make_tiny("deepseek_v3", tmp_path_factory.mktemp("ds"), fp8=True, seed=3)
     model = load_model(str(path), torch.float32, progress=False).eval()
@@ -69,9 +78,9 @@ def tiny_deepseek(tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("arch", ["llama", "deepseek"])
-def test_decode_graphs_match_eager_at_each_bucket(arch, backend, tiny_llama, tiny_deepseek):
-    model = tiny_llama if arch == "llama" else tiny_deepseek
+@pytest.mark.parametrize("arch", ["llama", "llama-onednn", "deepseek"])
+def test_decode_graphs_match_eager_at_each_bucket(arch, backend, tiny_llama, tiny_llama_onednn, tiny_deepseek):
+    model = {"llama": tiny_llama, "llama-onednn": tiny_llama_onednn, "deepseek": tiny_deepseek}[arch]
     num_blocks = 24
     spec = BucketSpec(batch_sizes=(1, 2, 4), block_table_widths=(2, 4), prefill_lengths=(8,), block_size=BS)
     compiled = CompiledModel(model, spec, backend, scratch_block=num_blocks)

@@ -227,6 +227,19 @@ def test_non_streaming_gathers_everything_and_prepends_the_prompt():
     assert logprobs[1]["12"]["rank"] == 1
 
 
+def test_coalesced_deltas_stream_as_one_response():
+    lp = [TokenLogprob(10, -0.1), TokenLogprob(11, -0.2), TokenLogprob(12, -0.3)]
+    parts = [_out("Pa", [10], n_out=1, logprobs=lp[:1]), _out("", [11], n_out=2, logprobs=lp[1:2]),
+             _out("ris", [12], finished=True, reason="stop", n_out=3, logprobs=lp[2:], cum=-0.6)]
+    merged = serving.coalesce(parts)
+    assert merged.new_text == "Paris" and merged.new_token_ids == [10, 11, 12] and merged.new_logprobs == lp
+    assert merged.finished and merged.finish_reason == "stop" and merged.cumulative_logprob == -0.6
+    assert serving.coalesce(parts[:1]) is parts[0]
+    assert serving.coalesce([_out("a", [1]), _out("b", [2])]).new_logprobs is None
+    tensors = serving.ResponseEncoder(_all_flags(stream=True)).encode(merged)
+    assert tensors["text_output"].tolist() == [b"Paris"] and tensors["num_output_tokens"].tolist() == [3]
+
+
 def test_minimal_response_has_only_text_and_ids():
     encoder = serving.ResponseEncoder(serving.decode_request({"text_input": _bytes("a"),
                                                               "exclude_input_in_output": _bool(True)}))

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.norm import rms_norm
+from kernels.onednn_gemm import PackedWeight, packed_linear
 from kernels.rope import RopeScaling, apply_rope, rope_cos_sin_cache, rope_inv_freq
 
 
@@ -14,20 +15,11 @@ def _empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-def onednn_packed_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-
-
-def pack_weight_onednn(weight: torch.Tensor) -> torch.Tensor:  # weight [out, in] -> opaque packed weight
-    # The batch hint only picks the blocked layout; any number of rows works with the packed weight.
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None) -> torch.Tensor:  # x [T, in], weight [out, in] -> [T, out]
+           packed: PackedWeight | None) -> torch.Tensor:  # x [T, in], weight [out, in] -> [T, out]
     if packed is None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return packed_linear(x, weight, bias, packed)
 
 
 class Linear(nn.Module):
@@ -36,12 +28,13 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = _empty_param(out_features, in_features, dtype=dtype)
         self.bias = _empty_param(out_features, dtype=dtype) if bias else None
-        self.packed: torch.Tensor | None = None
+        self.packed: PackedWeight | None = None
 
     def pack_for_cpu(self) -> None:
         """Use oneDNN's packed-weight GEMM on the host: about 2x MKL's sgemm at decode batch sizes on this
-        machine (same products, another summation order). Keeps ``weight`` for state dicts and tied heads."""
-        self.packed = pack_weight_onednn(self.weight)
+        machine (same products, another summation order), eagerly and in compiled regions. Keeps ``weight``
+        for state dicts and tied heads."""
+        self.packed = PackedWeight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
         return linear(x, self.weight, self.bias, self.packed)

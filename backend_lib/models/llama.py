@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from backend_lib.models.layers import (Linear, RMSNorm, RotaryEmbedding, VocabEmbedding, copy_into, linear,
-                                      pack_weight_onednn, silu_and_mul)
+from backend_lib.models.layers import Linear, RMSNorm, RotaryEmbedding, VocabEmbedding, copy_into, linear, silu_and_mul
 from kernels.attention import paged_attention, write_kv
 from kernels.attention_metadata import AttentionMetadata
+from kernels.onednn_gemm import PackedWeight
 from kernels.rope import RopeScaling
 
 if TYPE_CHECKING:
@@ -198,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, dtype) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, False, dtype)
-        self.packed_head: torch.Tensor | None = None
+        self.packed_head: PackedWeight | None = None
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings)
 
     @classmethod
@@ -234,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu()
-        self.packed_head = pack_weight_onednn(self._head_weight())
+        self.packed_head = PackedWeight(self._head_weight())
 
     def _target(self, name: str) -> tuple[str, torch.Tensor] | None:
         """(loaded-key, destination view) for a checkpoint name; None for names that carry nothing to load."""

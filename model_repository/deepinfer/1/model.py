@@ -150,29 +150,39 @@ class TritonPythonModel:
                 time.sleep(_IDLE_WAIT_S)
 
     def _pump(self, item: _Active, now: float) -> bool:
-        """Send what the stream has ready; True when something arrived."""
+        """Send what the stream has ready, as one response; True when something arrived."""
         if not item.cancelled and now - item.cancel_checked >= _CANCEL_POLL_S:
             item.cancel_checked = now
             if item.request.is_cancelled():
                 item.cancelled = True
                 self._engine.abort(item.request_id)  # the stream then ends with finish_reason "abort"
-        progressed = False
-        while not item.done:
+        ready = []
+        while True:
             try:
-                output = item.stream.get(timeout=0)
+                ready.append(item.stream.get(timeout=0))
             except (queue.Empty, TimeoutError):
                 break
-            progressed = True
-            if output.finished:
-                self._send_final(item, output)  # if this raises, _fail still sends an error FINAL
-                item.done = True
-                if self._metrics is not None:
-                    self._metrics.on_finished(output)
+            if ready[-1].finished:
                 break
-            tensors = item.encoder.encode(output)
-            if tensors is not None:
-                item.sender.send(self._response(tensors), flags=0)
-        return progressed
+        if not ready:
+            return False
+        if ready[-1].finished and len(ready) > 1 and (item.cancelled or ready[-1].finish_reason == "error"):
+            self._send_delta(item, serving.coalesce(ready[:-1]))  # the text before an error FINAL still goes
+            ready = ready[-1:]
+        output = serving.coalesce(ready)  # one response for every delta that is waiting
+        if output.finished:
+            self._send_final(item, output)  # if this raises, _fail still sends an error FINAL
+            item.done = True
+            if self._metrics is not None:
+                self._metrics.on_finished(output)
+        else:
+            self._send_delta(item, output)
+        return True
+
+    def _send_delta(self, item: _Active, output: Any) -> None:
+        tensors = item.encoder.encode(output)
+        if tensors is not None:
+            item.sender.send(self._response(tensors), flags=0)
 
     def _send_final(self, item: _Active, output: Any) -> None:
         if item.cancelled:
