@@ -62,6 +62,9 @@ _ENGINE_PARAMETERS: dict[str, tuple[str, type]] = {
     "num_threads": ("num_threads", int),
 }
 ENGINE_PARAMETER_NAMES = tuple(_ENGINE_PARAMETERS)
+# Parameters of the Triton model itself, not the engine.
+SERVING_PARAMETER_NAMES = ("stream_interval",)
+MAX_STREAM_INTERVAL = 1024
 
 # Sampling fields by type, for values that arrive as strings (HTTP parameters, vLLM-style clients
 # that send {"temperature": "0.1"}). Everything else goes to SamplingParams unchanged.
@@ -88,8 +91,11 @@ def engine_config_from_parameters(parameters: Mapping[str, str]) -> EngineConfig
     """
     flat: dict[str, Any] = {}
     for name, text in parameters.items():
+        if name in SERVING_PARAMETER_NAMES:
+            continue
         if name not in _ENGINE_PARAMETERS:
-            raise ValueError(f"unknown model parameter {name!r} (allowed: {', '.join(ENGINE_PARAMETER_NAMES)})")
+            allowed = ", ".join(ENGINE_PARAMETER_NAMES + SERVING_PARAMETER_NAMES)
+            raise ValueError(f"unknown model parameter {name!r} (allowed: {allowed})")
         if text == "":
             continue
         target, kind = _ENGINE_PARAMETERS[name]
@@ -108,6 +114,25 @@ def engine_config_from_parameters(parameters: Mapping[str, str]) -> EngineConfig
         return EngineConfig.from_flat(flat)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"invalid model parameters: {exc}") from exc
+
+
+@dataclass
+class ServingOptions:
+    """How the Triton model streams (config.pbtxt parameters that are not engine settings)."""
+
+    # Tokens per streamed response after the first: 1 = one response per token; n > 1 sends every n tokens
+    # (the first token and the final response always go at once), for fewer responses under load.
+    stream_interval: int = 1
+
+
+def serving_options_from_parameters(parameters: Mapping[str, str]) -> ServingOptions:
+    text = parameters.get("stream_interval", "").strip()
+    if not text:
+        return ServingOptions()
+    if not text.isdigit() or not 1 <= int(text) <= MAX_STREAM_INTERVAL:
+        raise ValueError(f"model parameter stream_interval must be an integer in [1, {MAX_STREAM_INTERVAL}], "
+                         f"got {text!r}")
+    return ServingOptions(stream_interval=int(text))
 
 
 def build_engine(parameters: Mapping[str, str]) -> "AsyncEngine":
@@ -326,6 +351,29 @@ def coalesce(outputs: list[RequestOutput]) -> RequestOutput:
     return replace(outputs[-1], new_token_ids=[t for o in outputs for t in o.new_token_ids],
                    new_text="".join(o.new_text for o in outputs),
                    new_logprobs=logprobs if any(o.new_logprobs is not None for o in outputs) else None)
+
+
+class DeltaCoalescer:
+    """Decides when one request's waiting deltas become a response: always for the first token (time to first
+    token is not delayed) and for the final output, otherwise once ``interval`` new tokens are waiting."""
+
+    def __init__(self, interval: int = 1) -> None:
+        self.interval = interval
+        self._held: list[RequestOutput] = []
+        self._sent_tokens = False
+
+    def push(self, outputs: list[RequestOutput], flush: bool = False) -> RequestOutput | None:
+        """Add the deltas that arrived; returns what to send now, coalesced, or None to hold them."""
+        held = self._held + outputs
+        if not held:
+            return None
+        tokens = sum(len(o.new_token_ids) for o in held)
+        if not (flush or held[-1].finished) and self._sent_tokens and tokens < self.interval:
+            self._held = held
+            return None
+        self._held = []
+        self._sent_tokens = self._sent_tokens or tokens > 0
+        return coalesce(held)
 
 
 class ResponseEncoder:

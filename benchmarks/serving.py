@@ -4,8 +4,8 @@ For each concurrency C, C client workers each send their next prompt as soon as 
 finished (like perf_analyzer --concurrency-range C). Per request: time to first token (first streamed
 response), time per output token after it, end-to-end latency (p50 / p90 / p99). Per level: output tokens/s,
 next to the offline engine (backend_lib.offline.LLM, max_num_seqs = C, the server's other engine settings) on
-the SAME prompts, run just before the level so both see similar machine load; the ratio Triton / offline is
-the serving overhead (target: >= 0.85 at concurrency 16).
+the SAME prompts, in alternating rounds (offline, Triton, offline, ...) so both see similar machine load, tok/s
+over all rounds; the ratio Triton / offline is the serving overhead (target: >= 0.85 at concurrency 16).
 Starts its own server (bundled SmolLM2, fp32) unless --url points at one. Writes
 benchmarks/results/serving.md and serving.png.
 """
@@ -61,6 +61,7 @@ class Level:
     samples: list[Sample]
     seconds: float
     offline: Offline | None = None
+    stream_interval: int = 1
 
     @property
     def tokens(self) -> int:
@@ -207,15 +208,17 @@ def write_results(levels: list[Level], new_tokens: int, out_dir: Path, load: tup
              f"1-min load average {load[0]:.1f} before, {load[1]:.1f} after (other work on the machine skews "
              f"the numbers when it exceeds the core count).", "",
              "Offline: backend_lib.offline.LLM on the same prompts with the same engine settings and max_num_seqs = "
-             "concurrency, all prompts submitted at once (the engine keeps at most that many running), run just "
-             "before the Triton level; ratio = Triton tok/s / offline tok/s. With 2 requests per stream, p99 is "
+             "concurrency, all prompts submitted at once (the engine keeps at most that many running), in rounds "
+             "alternating with the Triton runs (tok/s over all rounds); ratio = Triton tok/s / offline tok/s. With 2 "
+             "requests per stream and round, p99 is "
              "close to the maximum.", "",
-             "| concurrency | requests | Triton tok/s | offline tok/s | ratio | TTFT p50 (ms) | TTFT p90 (ms) | "
-             "TTFT p99 (ms) | TPOT p50 (ms) | TPOT p90 (ms) | TPOT p99 (ms) | e2e p50 (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "stream_interval: tokens per streamed response after the first (config.pbtxt; 1 = every token).", "",
+             "| stream_interval | concurrency | requests | Triton tok/s | offline tok/s | ratio | TTFT p50 (ms) | "
+             "TTFT p90 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p90 (ms) | TPOT p99 (ms) | e2e p50 (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for lv in levels:
         offline = f"{lv.offline.tok_s:.1f} | {lv.ratio:.2f}" if lv.offline else "- | -"
-        lines.append(f"| {lv.concurrency} | {len(lv.samples)} | {lv.tok_s:.1f} | {offline} | "
+        lines.append(f"| {lv.stream_interval} | {lv.concurrency} | {len(lv.samples)} | {lv.tok_s:.1f} | {offline} | "
                      f"{1e3 * lv.pct('ttft', 50):.0f} | {1e3 * lv.pct('ttft', 90):.0f} | "
                      f"{1e3 * lv.pct('ttft', 99):.0f} | {1e3 * lv.pct('tpot', 50):.1f} | "
                      f"{1e3 * lv.pct('tpot', 90):.1f} | {1e3 * lv.pct('tpot', 99):.1f} | {lv.pct('e2e', 50):.2f} |")
@@ -228,22 +231,62 @@ def write_results(levels: list[Level], new_tokens: int, out_dir: Path, load: tup
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    xs = [lv.concurrency for lv in levels]
-    ax1.plot(xs, [lv.tok_s for lv in levels], marker="o", label="Triton (gRPC streaming)")
-    if any(lv.offline for lv in levels):
-        ax1.plot([lv.concurrency for lv in levels if lv.offline], [lv.offline.tok_s for lv in levels if lv.offline],
-                 marker="s", linestyle="--", label="offline engine")
+    for interval in sorted({lv.stream_interval for lv in levels}):
+        group = [lv for lv in levels if lv.stream_interval == interval]
+        xs = [lv.concurrency for lv in group]
+        ax1.plot(xs, [lv.tok_s for lv in group], marker="o", label=f"Triton, stream_interval {interval}")
+        ax2.plot(xs, [1e3 * lv.pct("ttft", 50) for lv in group], marker="o", label=f"TTFT p50, interval {interval}")
+        ax2.plot(xs, [1e3 * lv.pct("tpot", 50) for lv in group], marker="s", label=f"TPOT p50, interval {interval}")
+    offline = {lv.concurrency: lv.offline.tok_s for lv in levels if lv.offline}
+    if offline:
+        ax1.plot(list(offline), list(offline.values()), marker="s", linestyle="--", label="offline engine")
     ax1.legend()
     ax1.set(xlabel="concurrency", ylabel="output tokens/s", title="Throughput", xscale="log")
-    ax2.plot(xs, [1e3 * lv.pct("ttft", 50) for lv in levels], marker="o", label="TTFT p50")
-    ax2.plot(xs, [1e3 * lv.pct("ttft", 99) for lv in levels], marker="o", linestyle="--", label="TTFT p99")
-    ax2.plot(xs, [1e3 * lv.pct("tpot", 50) for lv in levels], marker="o", label="TPOT p50")
-    ax2.plot(xs, [1e3 * lv.pct("tpot", 99) for lv in levels], marker="o", linestyle="--", label="TPOT p99")
     ax2.set(xlabel="concurrency", ylabel="ms", title="Latency", xscale="log")
-    ax2.legend()
+    ax2.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(out_dir / "serving.png", dpi=100)
     return text
+
+
+def run_levels(url: str | None, stream_interval: int, args: argparse.Namespace, prompts: list, new_tokens: int,
+               settings: dict[str, int]) -> list[Level]:
+    """Every concurrency level against one server (started here unless ``url`` is given)."""
+    server = None
+    if url is None:
+        overrides = {**{k: str(v) for k, v in settings.items()}, "stream_interval": str(stream_interval)}
+        server = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                              overrides=overrides)
+        server.start()
+        url = server.grpc_url
+    levels = []
+    try:
+        warm = StreamWorker(url)
+        warm.request(prompts[0], 4)
+        warm.close()
+        for c in (int(x) for x in args.concurrency.split(",")):
+            n = min(len(prompts), c * args.requests_per_stream)
+            # Offline first, while the server idles: the two never compete for the cores.
+            level = Level(c, [], 0.0, Offline(0, 0.0) if args.offline else None, stream_interval)
+            for _ in range(args.rounds):  # alternating rounds: a load change on the machine hits both sides
+                if level.offline:
+                    offline = run_offline(prompts[:n], new_tokens, c, settings)
+                    level.offline.tokens += offline.tokens
+                    level.offline.seconds += offline.seconds
+                served = run_level(url, prompts[:n], new_tokens, c)
+                level.samples += served.samples
+                level.seconds += served.seconds
+            offline = level.offline
+            versus = f" (offline {offline.tok_s:.1f} tok/s, ratio {level.ratio:.2f})" if offline else ""
+            print(f"stream_interval {stream_interval}, concurrency {c}: {len(level.samples)} requests, "
+                  f"{level.tok_s:.1f} tok/s{versus}, "
+                  f"TTFT p50/p99 {1e3 * level.pct('ttft', 50):.0f}/{1e3 * level.pct('ttft', 99):.0f} ms, "
+                  f"TPOT p50/p99 {1e3 * level.pct('tpot', 50):.1f}/{1e3 * level.pct('tpot', 99):.1f} ms", flush=True)
+            levels.append(level)
+    finally:
+        if server is not None:
+            server.stop()
+    return levels
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-threads", type=int, default=0,
                         help="torch threads of the server's and the offline engine (0 = all cores); 1 avoids "
                              "OpenMP stalls when other processes hold cores")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="alternating offline / Triton rounds per level; tok/s over all rounds")
+    parser.add_argument("--stream-intervals", default="1",
+                        help="the server's stream_interval values to run, each on its own server (e.g. 1,4)")
     parser.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the offline engine on each level's prompts (default: on)")
     args = parser.parse_args(argv)
@@ -266,35 +313,13 @@ def main(argv: list[str] | None = None) -> int:
     settings = {**ENGINE_SETTINGS, "num_threads": args.num_threads}
     prompts, new_tokens = load_workload(args.workload)
     new_tokens = args.new_tokens or new_tokens
-    server = None
     url = args.url
     if url is not None and args.offline:
         print(f"note: the offline runs use {settings} (max_num_seqs = concurrency); the server at {url} "
               "should have the same settings for the ratio to mean anything", file=sys.stderr)
-    if url is None:
-        server = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                              overrides={k: str(v) for k, v in settings.items()})
-        server.start()
-        url = server.grpc_url
-    try:
-        warm = StreamWorker(url)
-        warm.request(prompts[0], 4)
-        warm.close()
-        levels = []
-        for c in (int(x) for x in args.concurrency.split(",")):
-            n = min(len(prompts), c * args.requests_per_stream)
-            # Offline first, while the server idles: the two never compete for the cores.
-            offline = run_offline(prompts[:n], new_tokens, c, settings) if args.offline else None
-            level = run_level(url, prompts[:n], new_tokens, c)
-            level.offline = offline
-            versus = f" (offline {offline.tok_s:.1f} tok/s, ratio {level.ratio:.2f})" if offline else ""
-            print(f"concurrency {c}: {len(level.samples)} requests, {level.tok_s:.1f} tok/s{versus}, "
-                  f"TTFT p50/p99 {1e3 * level.pct('ttft', 50):.0f}/{1e3 * level.pct('ttft', 99):.0f} ms, "
-                  f"TPOT p50/p99 {1e3 * level.pct('tpot', 50):.1f}/{1e3 * level.pct('tpot', 99):.1f} ms", flush=True)
-            levels.append(level)
-    finally:
-        if server is not None:
-            server.stop()
+    levels = []
+    for interval in (int(x) for x in args.stream_intervals.split(",")):
+        levels += run_levels(url, interval, args, prompts, new_tokens, settings)
     print(write_results(levels, new_tokens, args.out, (load_before, os.getloadavg()[0]), args.num_threads))
     return 0
 

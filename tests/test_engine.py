@@ -162,3 +162,14 @@ def test_async_engine_streams_and_aborts(tiny_llama_dir):
         assert engine.stats().kv_blocks_used == 0
     finally:
         engine.shutdown()
+
+
+def test_async_engine_builds_on_its_step_thread_and_reraises_build_errors(tiny_llama_dir):
+    """The model loads on the step thread (one OpenMP pool: see async_engine.py); a failed build raises in the
+    caller and leaves no thread behind."""
+    import threading
+
+    before = threading.active_count()
+    with pytest.raises(FileNotFoundError):
+        AsyncEngine(EngineConfig.from_flat({"model": str(tiny_llama_dir / "missing.gguf")}))
+    assert threading.active_count() == before

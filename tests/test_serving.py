@@ -62,8 +62,9 @@ def test_shipped_config_pbtxt_parameters_are_valid():
     text = (Path(__file__).resolve().parents[1] / "model_repository/deepinfer/config.pbtxt").read_text()
     params = dict(re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}', text))
     # Every accepted parameter is listed (render_config can only set lines that exist), with a valid default.
-    assert set(params) == set(serving.ENGINE_PARAMETER_NAMES)
+    assert set(params) == set(serving.ENGINE_PARAMETER_NAMES + serving.SERVING_PARAMETER_NAMES)
     config = serving.engine_config_from_parameters(params)
+    assert serving.serving_options_from_parameters(params).stream_interval == 1
     assert config.spec.ngram_min == 1 and config.spec.ngram_max == 4 and config.compile.compile_backend == "none"
     assert "decoupled: true" in text and "max_batch_size: 0" in text
 
@@ -86,6 +87,12 @@ def test_engine_config_bad_values_name_the_parameter(params, needle):
     with pytest.raises(ValueError) as info:
         serving.engine_config_from_parameters(params)
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["0", "-2", "four", "1.5", "2000"])
+def test_bad_stream_interval_names_the_parameter(text):
+    with pytest.raises(ValueError, match=r"stream_interval must be an integer in \[1, 1024\]"):
+        serving.serving_options_from_parameters({"stream_interval": text})
 
 
 # ---- request decoding ----------------------------------------------------------------------------
@@ -238,6 +245,24 @@ def test_coalesced_deltas_stream_as_one_response():
     assert serving.coalesce([_out("a", [1]), _out("b", [2])]).new_logprobs is None
     tensors = serving.ResponseEncoder(_all_flags(stream=True)).encode(merged)
     assert tensors["text_output"].tolist() == [b"Paris"] and tensors["num_output_tokens"].tolist() == [3]
+
+
+def test_stream_interval_holds_deltas_but_never_the_first_token_or_the_end():
+    coalescer = serving.DeltaCoalescer(interval=3)
+    assert coalescer.push([]) is None
+    assert coalescer.push([_out("", [])]).new_text == ""  # no token yet: nothing held back
+    assert coalescer.push([_out("A", [1])]).new_token_ids == [1]  # the first token goes at once
+    assert coalescer.push([_out("b", [2])]) is None
+    assert coalescer.push([_out("c", [3])]) is None
+    sent = coalescer.push([_out("d", [4])])
+    assert sent.new_text == "bcd" and sent.new_token_ids == [2, 3, 4]
+    assert coalescer.push([_out("e", [5])]) is None
+    assert coalescer.push([_out("e", [5])], flush=True).new_token_ids == [5, 5]
+    assert coalescer.push([_out("f", [6])]) is None
+    final = coalescer.push([_out(".", [7], finished=True, reason="stop")])
+    assert final.finished and final.new_text == "f." and final.new_token_ids == [6, 7]
+    every_token = serving.DeltaCoalescer()
+    assert [every_token.push([_out(t, [i])]).new_text for i, t in enumerate("xyz")] == ["x", "y", "z"]
 
 
 def test_minimal_response_has_only_text_and_ids():

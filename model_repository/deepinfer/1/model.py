@@ -57,6 +57,7 @@ class _Active:
     sender: Any  # its response sender
     stream: Any  # backend_lib.async_engine.RequestStream
     encoder: serving.ResponseEncoder
+    coalescer: serving.DeltaCoalescer
     cancel_checked: float = 0.0
     cancelled: bool = False
     done: bool = field(default=False)
@@ -69,6 +70,7 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise ValueError("deepinfer needs model_transaction_policy { decoupled: true } in config.pbtxt")
         parameters = {name: value["string_value"] for name, value in config.get("parameters", {}).items()}
+        self._options = serving.serving_options_from_parameters(parameters)
         self._engine = serving.build_engine(parameters)
         tokenizer = self._engine.tokenizer
         self._decode_token = lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
@@ -107,7 +109,8 @@ class TritonPythonModel:
                 self._send_error(sender, f"internal error: {exc}")
                 continue
             encoder = serving.ResponseEncoder(decoded, self._decode_token)
-            self._incoming.put(_Active(request_id, request, sender, stream, encoder))
+            coalescer = serving.DeltaCoalescer(self._options.stream_interval if decoded.stream else 1)
+            self._incoming.put(_Active(request_id, request, sender, stream, encoder, coalescer))
         return None
 
     @staticmethod
@@ -157,19 +160,21 @@ class TritonPythonModel:
                 item.cancelled = True
                 self._engine.abort(item.request_id)  # the stream then ends with finish_reason "abort"
         ready = []
-        while True:
+        while not ready or not ready[-1].finished:
             try:
                 ready.append(item.stream.get(timeout=0))
             except (queue.Empty, TimeoutError):
                 break
-            if ready[-1].finished:
-                break
-        if not ready:
-            return False
-        if ready[-1].finished and len(ready) > 1 and (item.cancelled or ready[-1].finish_reason == "error"):
-            self._send_delta(item, serving.coalesce(ready[:-1]))  # the text before an error FINAL still goes
-            ready = ready[-1:]
-        output = serving.coalesce(ready)  # one response for every delta that is waiting
+        final = ready[-1] if ready and ready[-1].finished else None
+        if final is not None and (item.cancelled or final.finish_reason == "error"):
+            text_so_far = item.coalescer.push(ready[:-1], flush=True)  # the text before an error FINAL still goes
+            if text_so_far is not None:
+                self._send_delta(item, text_so_far)
+            output = final
+        else:
+            output = item.coalescer.push(ready)  # one response for every delta that is due
+        if output is None:
+            return bool(ready)
         if output.finished:
             self._send_final(item, output)  # if this raises, _fail still sends an error FINAL
             item.done = True
