@@ -354,8 +354,10 @@ def coalesce(outputs: list[RequestOutput]) -> RequestOutput:
 
 
 class DeltaCoalescer:
-    """Decides when one request's waiting deltas become a response: always for the first token (time to first
-    token is not delayed) and for the final output, otherwise once ``interval`` new tokens are waiting."""
+    """Decides when one request's waiting deltas become a response: the first token at once and alone (time to
+    first token is not delayed, and a stream always has it as its own response), the final output at once, the
+    rest once ``interval`` new tokens are waiting. ``push`` returns one response per call: a caller that got
+    one calls again (with no new outputs) for what is still held."""
 
     def __init__(self, interval: int = 1) -> None:
         self.interval = interval
@@ -367,6 +369,13 @@ class DeltaCoalescer:
         held = self._held + outputs
         if not held:
             return None
+        if not self._sent_tokens and not flush:
+            # The first token goes alone, even when later deltas already wait: it is the client's first token.
+            first = next((i for i, o in enumerate(held) if o.new_token_ids), None)
+            if first is not None and first + 1 < len(held):
+                self._held = held[first + 1:]
+                self._sent_tokens = True
+                return coalesce(held[:first + 1])
         tokens = sum(len(o.new_token_ids) for o in held)
         if not (flush or held[-1].finished) and self._sent_tokens and tokens < self.interval:
             self._held = held

