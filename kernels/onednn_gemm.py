@@ -9,8 +9,13 @@ same kernel on the same packed weight as the eager path: one copy, and the same 
 from __future__ import annotations
 
 import torch
-from torch._library.opaque_object import register_opaque_type
-from torch._opaque_base import OpaqueBase
+
+try:  # opaque objects for custom ops: torch >= 2.10
+    from torch._library.opaque_object import register_opaque_type
+    from torch._opaque_base import OpaqueBase
+except ImportError:  # older torch (e.g. torch-neuronx's): packed weights stay on the eager path
+    register_opaque_type = None
+    OpaqueBase = object
 
 
 class PackedWeight(OpaqueBase):
@@ -21,25 +26,30 @@ class PackedWeight(OpaqueBase):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
 
 
-register_opaque_type(PackedWeight, typ="reference")
+if register_opaque_type is not None:
+    register_opaque_type(PackedWeight, typ="reference")
 
 
 def onednn_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-@torch.library.custom_op("deepinfer::onednn_linear", mutates_args=())
-def onednn_linear(x: torch.Tensor,  # [T, in]
-                  weight: torch.Tensor,  # [out, in]: only its shape is read (by the fake kernel)
-                  bias: torch.Tensor | None,  # [out]
-                  packed: PackedWeight) -> torch.Tensor:  # [T, out]
-    return torch.ops.mkldnn._linear_pointwise(x, packed.packed, bias, "none", [], "")
+def _register_custom_op():
+    @torch.library.custom_op("deepinfer::onednn_linear", mutates_args=())
+    def onednn_linear(x: torch.Tensor,  # [T, in]
+                      weight: torch.Tensor,  # [out, in]: only its shape is read (by the fake kernel)
+                      bias: torch.Tensor | None,  # [out]
+                      packed: PackedWeight) -> torch.Tensor:  # [T, out]
+        return torch.ops.mkldnn._linear_pointwise(x, packed.packed, bias, "none", [], "")
+
+    @onednn_linear.register_fake
+    def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight) -> torch.Tensor:
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+    return onednn_linear
 
 
-@onednn_linear.register_fake
-def _onednn_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        packed: PackedWeight) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0])
+onednn_linear = _register_custom_op() if register_opaque_type is not None else None
 
 
 def packed_linear(x: torch.Tensor,  # [T, in]
@@ -49,5 +59,7 @@ def packed_linear(x: torch.Tensor,  # [T, in]
     """Eagerly the kernel itself (a custom op's Python dispatch costs ~10 us a call, ~1 ms a SmolLM2 step);
     under torch.compile the custom op, which the graph keeps as one opaque call."""
     if torch.compiler.is_compiling():
+        if onednn_linear is None:  # no opaque objects in this torch: the graph takes the plain weight
+            return torch.nn.functional.linear(x, weight, bias)
         return onednn_linear(x, weight, bias, packed)
     return torch.ops.mkldnn._linear_pointwise(x, packed.packed, bias, "none", [], "")
