@@ -8,14 +8,18 @@ from backend_lib.server import TritonServer, free_port
 pytestmark = pytest.mark.e2e
 
 
-def test_bad_parameter_fails_the_load_naming_it(tmp_path):
+@pytest.mark.parametrize("overrides, message", [
+    ({"max_num_seqs": "lots"}, "model parameter max_num_seqs must be an integer, got 'lots'"),
+    ({"stream_interval": "0"}, "model parameter stream_interval must be an integer in [1, 1024], got '0'"),
+])
+def test_bad_parameter_fails_the_load_naming_it(tmp_path, overrides, message):
     server = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          overrides={"max_num_seqs": "lots"}, workdir=tmp_path)
+                          overrides=overrides, workdir=tmp_path)
     try:
         with pytest.raises(RuntimeError) as info:
             server.start(timeout_s=120)
         assert "exited with code" in str(info.value)
-        assert "model parameter max_num_seqs must be an integer, got 'lots'" in server.log_path.read_text()
+        assert message in server.log_path.read_text()
     finally:
         server.stop()
     assert server.process is None
