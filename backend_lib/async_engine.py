@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 from backend_lib.config import EngineConfig
@@ -61,6 +62,9 @@ class AsyncEngine:
         self._callers_waiting = 0
         self._streams: dict[str, RequestStream] = {}
         self._stopped = False
+        # Called (on the engine's threads) after outputs were put on streams: lets a consumer block instead of
+        # polling every stream.
+        self.on_outputs: Callable[[], None] | None = None
         self._built = threading.Event()
         self._build_error: BaseException | None = None
         self.engine: LLMEngine | None = None
@@ -135,6 +139,8 @@ class AsyncEngine:
             stream.put(output)
             if output.finished:
                 del self._streams[output.request_id]
+        if outputs and self.on_outputs is not None:
+            self.on_outputs()
 
     def _run(self, config: EngineConfig | None) -> None:
         try:

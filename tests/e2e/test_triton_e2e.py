@@ -38,6 +38,18 @@ def grpc(triton):
     client.close()
 
 
+def _settled(metrics_url: str, name: str, timeout_s: float = 30.0) -> float:
+    """A metric's value once two reads a refresh period apart agree."""
+    value = metric(metrics(metrics_url), name)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.6)
+        value, previous = metric(metrics(metrics_url), name), value
+        if value == previous:
+            return value
+    raise AssertionError(f"{name} kept changing for {timeout_s} s")
+
+
 def _wait_for(condition, timeout_s: float = 30.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -114,7 +126,8 @@ def test_two_turn_session_prefills_only_new_tokens(triton, grpc, tokenizer):
                           sequence_id=sid, sequence_start=True)
     assert first.error is None and first.num_input_tokens == len(turn1)
 
-    before = metric(metrics(triton.metrics_url), "deepinfer_prompt_tokens_computed_total")
+    # The model refreshes engine counters just after it sends a FINAL (and every 0.5 s): let the first turn land.
+    before = _settled(triton.metrics_url, "deepinfer_prompt_tokens_computed_total")
     second = grpc.generate({"input_ids": turn2, "sampling_parameters": greedy, "stream": True, **RETURN_ALL},
                            sequence_id=sid, sequence_end=True)
     assert second.error is None and second.all_ids

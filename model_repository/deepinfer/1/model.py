@@ -42,9 +42,8 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 from backend_lib import serving  # noqa: E402  (after the path set-up above)
 from backend_lib.triton_metrics import TritonMetrics  # noqa: E402
 
-# Poll periods of the response thread. A step of the engine takes tens of ms or more, so a few ms of
-# polling latency is invisible; each is_cancelled() is a round trip to the Triton process, so it is rarer.
-_IDLE_WAIT_S = 0.005
+# Poll periods of the response thread (outputs and new requests wake it at once): each is_cancelled() is a round
+# trip to the Triton process, so it is polled rarely.
 _CANCEL_POLL_S = 0.2
 _STATS_POLL_S = 0.5
 _JOIN_TIMEOUT_S = 60.0
@@ -80,6 +79,9 @@ class TritonPythonModel:
         self._ids = itertools.count()
         self._incoming: queue.Queue[_Active] = queue.Queue()
         self._closing = threading.Event()
+        # Set when the engine delivered outputs or a request came in: the response thread sleeps until then.
+        self._wake = threading.Event()
+        self._engine.on_outputs = self._wake.set
         self._thread = threading.Thread(target=self._response_loop, name="deepinfer-responses", daemon=True)
         self._thread.start()
 
@@ -111,6 +113,7 @@ class TritonPythonModel:
             encoder = serving.ResponseEncoder(decoded, self._decode_token)
             coalescer = serving.DeltaCoalescer(self._options.stream_interval if decoded.stream else 1)
             self._incoming.put(_Active(request_id, request, sender, stream, encoder, coalescer))
+            self._wake.set()
         return None
 
     @staticmethod
@@ -132,11 +135,13 @@ class TritonPythonModel:
         active: dict[str, _Active] = {}
         stats_at = 0.0
         while not (self._closing.is_set() and not active and self._incoming.empty()):
-            try:
-                item = self._incoming.get(timeout=_STATS_POLL_S if not active else 0)
+            self._wake.clear()  # before draining: whatever arrives after this sets it again
+            while True:
+                try:
+                    item = self._incoming.get_nowait()
+                except queue.Empty:
+                    break
                 active[item.request_id] = item
-            except queue.Empty:
-                pass
             progressed = False
             now = time.monotonic()
             for item in list(active.values()):
@@ -149,8 +154,9 @@ class TritonPythonModel:
             if now - stats_at >= _STATS_POLL_S or (progressed and not active):
                 stats_at = now
                 self._housekeeping(active)
-            if active and not progressed:
-                time.sleep(_IDLE_WAIT_S)
+            if not progressed:
+                # Cancellation is polled, not signalled: wake at least that often while requests are active.
+                self._wake.wait(timeout=_CANCEL_POLL_S if active else _STATS_POLL_S)
 
     def _pump(self, item: _Active, now: float) -> bool:
         """Send what the stream has ready, as one response; True when something arrived."""
@@ -238,6 +244,7 @@ class TritonPythonModel:
     def finalize(self) -> None:
         self._logger.log_info("[deepinfer] finalize: aborting in-flight requests")
         self._closing.set()
+        self._wake.set()
         self._engine.shutdown()  # every stream gets a final output, which the thread sends as FINAL
         self._thread.join(timeout=_JOIN_TIMEOUT_S)
         if self._thread.is_alive():
