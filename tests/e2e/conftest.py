@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import pytest
+from triton_helpers import new_server
 
-from backend_lib.server import TritonServer, free_port
+from backend_lib.server import TritonServer
 
 # Small enough to load fast, large enough for 16 concurrent streams of the tests' requests.
 SERVER_PARAMETERS = {
@@ -18,11 +19,5 @@ SERVER_PARAMETERS = {
 
 @pytest.fixture(scope="module")
 def triton(tmp_path_factory) -> TritonServer:
-    server = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          overrides=dict(SERVER_PARAMETERS), workdir=tmp_path_factory.mktemp("triton"),
-                          exit_timeout_s=15)
-    try:
-        server.start(timeout_s=600)
+    with new_server(tmp_path_factory.mktemp("triton"), dict(SERVER_PARAMETERS)) as server:
         yield server
-    finally:
-        server.stop()

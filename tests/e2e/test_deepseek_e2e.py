@@ -5,11 +5,11 @@ import json
 from pathlib import Path
 
 import pytest
-from triton_helpers import StreamClient
+from triton_helpers import StreamClient, new_server
 
 from backend_lib.offline import LLM
 from backend_lib.sampling_params import SamplingParams
-from backend_lib.server import TritonServer, free_port
+from backend_lib.server import TritonServer
 from backend_lib.tiny import make_tiny
 
 pytestmark = pytest.mark.e2e
@@ -29,15 +29,9 @@ def deepseek_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def deepseek_triton(tmp_path_factory, deepseek_dir) -> TritonServer:
-    server = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          overrides={**ENGINE_SETTINGS, "model": str(deepseek_dir)},
-                          workdir=tmp_path_factory.mktemp("triton_deepseek"), exit_timeout_s=5)
-    try:
-        server.start(timeout_s=600)
+    overrides = {**ENGINE_SETTINGS, "model": str(deepseek_dir)}
+    with new_server(tmp_path_factory.mktemp("triton_deepseek"), overrides, exit_timeout_s=5) as server:
         yield server
-    finally:
-        server.stop()
-
 
 @pytest.fixture(scope="module")
 def offline(deepseek_dir):

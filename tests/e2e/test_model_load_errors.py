@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 import pytest
-
-from backend_lib.server import TritonServer, free_port
+from triton_helpers import new_server
 
 pytestmark = pytest.mark.e2e
 
@@ -13,8 +12,7 @@ pytestmark = pytest.mark.e2e
     ({"stream_interval": "0"}, "model parameter stream_interval must be an integer in [1, 1024], got '0'"),
 ])
 def test_bad_parameter_fails_the_load_naming_it(tmp_path, overrides, message):
-    server = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          overrides=overrides, workdir=tmp_path)
+    server = new_server(tmp_path, overrides)
     try:
         with pytest.raises(RuntimeError) as info:
             server.start(timeout_s=120)

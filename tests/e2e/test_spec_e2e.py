@@ -8,11 +8,11 @@ import re
 import time
 
 import pytest
-from triton_helpers import StreamClient, metric, metrics
+from triton_helpers import StreamClient, metric, metrics, new_server
 
 from backend_lib.offline import LLM
 from backend_lib.sampling_params import SamplingParams
-from backend_lib.server import TritonServer, free_port
+from backend_lib.server import TritonServer
 
 pytestmark = pytest.mark.e2e
 
@@ -48,12 +48,8 @@ def reference() -> list:
 def spec_triton(request, tmp_path_factory) -> TritonServer:
     compiled = request.param == "aot_eager"
     overrides = {**ENGINE_SETTINGS, **SPEC_SETTINGS, **(COMPILE_SETTINGS if compiled else {})}
-    server = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          overrides=overrides, workdir=tmp_path_factory.mktemp(f"triton_spec_{request.param}"),
-                          exit_timeout_s=5)
     started = time.monotonic()
-    try:
-        server.start(timeout_s=600)
+    with new_server(tmp_path_factory.mktemp(f"triton_spec_{request.param}"), overrides, exit_timeout_s=5) as server:
         load_s = time.monotonic() - started
         if compiled:
             found = COMPILED_LINE.search(server.log_path.read_text(errors="replace"))
@@ -63,9 +59,6 @@ def spec_triton(request, tmp_path_factory) -> TritonServer:
                            f"{server.log_tail()}")
             assert int(found.group(1)) > 0
         yield server
-    finally:
-        server.stop()
-
 
 @pytest.fixture()
 def grpc(spec_triton):

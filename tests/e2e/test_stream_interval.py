@@ -6,9 +6,9 @@ import json
 
 import pytest
 from conftest import SERVER_PARAMETERS
-from triton_helpers import StreamClient
+from triton_helpers import StreamClient, new_server
 
-from backend_lib.server import TritonServer, free_port
+from backend_lib.server import TritonServer
 
 pytestmark = pytest.mark.e2e
 
@@ -18,15 +18,9 @@ MAX_TOKENS = 21
 
 @pytest.fixture(scope="module")
 def chunky_triton(tmp_path_factory) -> TritonServer:
-    server = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          overrides={**SERVER_PARAMETERS, "stream_interval": str(INTERVAL)},
-                          workdir=tmp_path_factory.mktemp("triton_interval"), exit_timeout_s=15)
-    try:
-        server.start(timeout_s=600)
+    overrides = {**SERVER_PARAMETERS, "stream_interval": str(INTERVAL)}
+    with new_server(tmp_path_factory.mktemp("triton_interval"), overrides) as server:
         yield server
-    finally:
-        server.stop()
-
 
 def test_stream_interval_groups_tokens_after_the_first(chunky_triton):
     client = StreamClient(chunky_triton.grpc_url)
