@@ -29,10 +29,15 @@ class ModelConfig:
     # Host fp32 GEMMs: "onednn" packs weights for oneDNN (about 2x MKL's sgemm at decode batch sizes here),
     # "mkl" keeps torch's default F.linear (the same kernel transformers uses).
     host_gemm: str = "onednn"
+    # Host fp32 decode attention: "cpp" is the C++ kernel in kernels/csrc (built on first use; each KV row read
+    # once), "torch" the block gather + SDPA (eager) / fused torch form (compiled) that Neuron runs.
+    host_attention: str = "cpp"
 
     def __post_init__(self) -> None:
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         _require(self.host_gemm in ("onednn", "mkl"), f"host_gemm must be 'onednn' or 'mkl', got {self.host_gemm!r}")
+        _require(self.host_attention in ("cpp", "torch"),
+                 f"host_attention must be 'cpp' or 'torch', got {self.host_attention!r}")
         _require(self.max_model_len >= 16, f"max_model_len must be >= 16, got {self.max_model_len}")
 
 

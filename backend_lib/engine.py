@@ -21,6 +21,7 @@ from backend_lib.request import Request, RequestStatus
 from backend_lib.sampling_params import SamplingParams
 from backend_lib.scheduler import Scheduler
 from backend_lib.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from kernels.cpu_kernels import cpu_kernels_supported, load_cpu_kernels
 from kernels.onednn_gemm import onednn_gemm_available
 
 Prompt = str | list[int] | list[dict]
@@ -69,6 +70,9 @@ class LLMEngine:
         if (config.model.host_gemm == "onednn" and hasattr(self.model, "pack_for_cpu")
                 and onednn_gemm_available(self.device, self.dtype)):
             self.model.pack_for_cpu()
+        if (config.model.host_attention == "cpp" and hasattr(self.model, "use_cpu_attention")
+                and cpu_kernels_supported(self.device, self.dtype) and load_cpu_kernels()):
+            self.model.use_cpu_attention()
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.vocab_size, self.device, self.dtype,
                                   spec=config.spec, compile_config=config.compile,
                                   max_num_seqs=config.scheduler.max_num_seqs,

@@ -68,12 +68,17 @@ def paged_decode_attention(
     query_len: int,
     block_size: int,
     scale: float,
+    cpu_kernel: bool = False,
 ) -> torch.Tensor:  # [B*Q, H, D]
     """Decode (Q >= 1 tokens per request, causal among them); shapes depend only on [B, nb] and Q.
 
     Query ``i`` of a request sits at position ``seq_len - Q + i``. A padded row (seq_len 0) still sees key 0 so
-    its softmax stays finite; its output is garbage that the runner discards.
+    its softmax stays finite; its output is garbage that the runner discards. ``cpu_kernel``: the C++ host
+    kernel (kernels/cpu_kernels.py, loaded by the caller), eagerly and as one opaque op inside graphs.
     """
+    if cpu_kernel:
+        return torch.ops.deepinfer.cpu_paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                                              query_len, block_size, scale)
     num_reqs = block_tables.shape[0]
     if torch.compiler.is_compiling():
         return _fused_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_len, block_size, scale)
@@ -156,6 +161,7 @@ def paged_attention(
     v_cache: torch.Tensor,  # [num_slots, Hkv, D]
     meta: AttentionMetadata,
     scale: float,
+    cpu_kernel: bool = False,
 ) -> torch.Tensor:  # [T, H, D]
     """Decode tokens first, then prefill chunks, as laid out by ``AttentionMetadata``."""
     num_decode_tokens = meta.num_decode_tokens
@@ -163,7 +169,7 @@ def paged_attention(
     if meta.num_decodes:
         parts.append(paged_decode_attention(
             q[:num_decode_tokens], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-            meta.decode_query_len, meta.block_size, scale))
+            meta.decode_query_len, meta.block_size, scale, cpu_kernel))
     if meta.num_prefills:
         parts.append(paged_prefill_attention(
             q[num_decode_tokens:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_lens,

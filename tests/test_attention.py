@@ -12,10 +12,16 @@ from kernels.attention import (
     write_kv,
 )
 from kernels.attention_metadata import AttentionMetadata
+from kernels.cpu_kernels import load_cpu_kernels
 from kernels.norm import rms_norm, rms_norm_reference
 from kernels.rope import RopeScaling, apply_rope, apply_rope_reference, rope_cos_sin_cache, rope_inv_freq
 
 TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def cpu_kernels() -> None:
+    assert load_cpu_kernels(), "the C++ host kernels (kernels/csrc) did not build: see the warning logged above"
 
 
 def _block_tables(tables: list[list[int]], width: int, pad: int) -> torch.Tensor:  # [n, width] int32
@@ -64,8 +70,12 @@ def _mixed_batch(
         (8, 1, [], 2, [(5, 21), (11, 11)]),  # MQA, prefill only
     ],
 )
-def test_paged_attention_matches_reference(heads, kv_heads, decode_seq_lens, decode_q, prefill):
-    block_size, num_blocks, head_dim = 4, 64, 16
+@pytest.mark.parametrize("head_dim,cpu_kernel", [(16, False), (16, True), (8, True)])  # 8: the kernel's generic loops
+def test_paged_attention_matches_reference(heads, kv_heads, decode_seq_lens, decode_q, prefill, head_dim, cpu_kernel,
+                                           request):
+    if cpu_kernel:
+        request.getfixturevalue("cpu_kernels")
+    block_size, num_blocks = 4, 64
     meta, num_tokens = _mixed_batch(decode_seq_lens, decode_q, prefill, block_size, num_blocks)
     gen = torch.Generator().manual_seed(1)
     num_slots = (num_blocks + 1) * block_size
@@ -80,28 +90,55 @@ def test_paged_attention_matches_reference(heads, kv_heads, decode_seq_lens, dec
     assert torch.equal(k_cache[meta.slot_mapping], k_new)
 
     scale = head_dim ** -0.5
-    got = paged_attention(q, k_cache, v_cache, meta, scale)
+    got = paged_attention(q, k_cache, v_cache, meta, scale, cpu_kernel)
     want = reference_attention(q, k_cache, v_cache, meta, scale)
     assert got.shape == q.shape
     assert (got - want).abs().max().item() <= TOL
 
 
-def test_decode_ignores_keys_past_seq_len_and_padded_rows_stay_finite():
+@pytest.mark.parametrize("cpu_kernel", [False, True])
+def test_decode_ignores_keys_past_seq_len_and_padded_rows_stay_finite(cpu_kernel, request):
+    if cpu_kernel:
+        request.getfixturevalue("cpu_kernels")
     block_size, num_blocks, heads, head_dim = 4, 8, 2, 8
     meta, num_tokens = _mixed_batch([6], 1, [], block_size, num_blocks)
     k_cache = torch.randn((num_blocks + 1) * block_size, heads, head_dim)
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(num_tokens, heads, head_dim)
-    before = paged_attention(q, k_cache, v_cache, meta, 1.0)
+    before = paged_attention(q, k_cache, v_cache, meta, 1.0, cpu_kernel)
     # Slots 6 and 7 of the request's second block lie past seq_len: changing them must change nothing.
     second_block = int(meta.decode_block_tables[0, 1])
     k_cache[second_block * block_size + 2 :second_block * block_size + 4] = 1e4
-    after = paged_attention(q, k_cache, v_cache, meta, 1.0)
+    after = paged_attention(q, k_cache, v_cache, meta, 1.0, cpu_kernel)
     assert torch.equal(before, after)
 
     padded = paged_decode_attention(q, k_cache, v_cache, torch.full((1, 2), num_blocks, dtype=torch.int32),
-                                    torch.zeros(1, dtype=torch.int32), 1, block_size, 1.0)
+                                    torch.zeros(1, dtype=torch.int32), 1, block_size, 1.0, cpu_kernel)
     assert torch.isfinite(padded).all()
+
+
+def test_cpu_decode_kernel_is_one_opaque_op_in_a_compiled_graph(cpu_kernels):
+    block_size, num_blocks, heads, kv_heads, head_dim = 4, 64, 9, 3, 64
+    meta, num_tokens = _mixed_batch([5, 17, 3, 30], 1, [], block_size, num_blocks, seed=5)
+    k_cache = torch.randn((num_blocks + 1) * block_size, kv_heads, head_dim)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(num_tokens, heads, head_dim)
+
+    def attend(q, k_cache, v_cache, tables, seq_lens):
+        return paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 1, block_size, 0.125, True)
+
+    eager = attend(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens)
+    compiled = torch.compile(attend, fullgraph=True, dynamic=False, backend="inductor")
+    assert torch.equal(compiled(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens), eager)
+    assert (eager - reference_attention(q, k_cache, v_cache, meta, 0.125)).abs().max().item() <= TOL
+
+
+def test_cpu_decode_kernel_rejects_block_ids_outside_the_cache(cpu_kernels):
+    k_cache = torch.randn(8 * 4, 2, 16)
+    q = torch.randn(1, 2, 16)
+    with pytest.raises(RuntimeError, match="block_tables holds a block id outside the cache"):
+        paged_decode_attention(q, k_cache, k_cache, torch.tensor([[0, 8]], dtype=torch.int32),
+                               torch.tensor([5], dtype=torch.int32), 1, 4, 1.0, True)
 
 
 @pytest.mark.parametrize("heads,kv_heads,decode_q", [(4, 4, 1), (9, 3, 1), (6, 2, 3), (8, 1, 2)])

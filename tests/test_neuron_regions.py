@@ -24,6 +24,7 @@ from backend_lib.sampling_params import SamplingParams
 from backend_lib.spec_decode.rejection import DraftLayout, rejection_sample
 from backend_lib.tiny import make_tiny
 from kernels.attention_metadata import AttentionMetadata
+from kernels.cpu_kernels import load_cpu_kernels
 
 BS = 4
 
@@ -62,10 +63,12 @@ def tiny_llama(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def tiny_llama_onednn(tiny_llama_dir):
-    """The engine's host default: every projection and the head on oneDNN's packed GEMM, an opaque custom op
-    inside the graphs (kernels/onednn_gemm.py)."""
+    """The engine's host default: every projection and the head on oneDNN's packed GEMM and decode attention on
+    the C++ kernel, each an opaque custom op inside the graphs (kernels/onednn_gemm.py, kernels/cpu_kernels.py)."""
     model = load_model(str(tiny_llama_dir), torch.float32).eval()
     model.pack_for_cpu()
+    assert load_cpu_kernels()
+    model.use_cpu_attention()
     return model
 
 

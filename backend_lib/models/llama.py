@@ -117,6 +117,7 @@ class LlamaAttention(nn.Module):
         self.scale = arch.head_dim ** -0.5
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, arch.attention_bias, dtype)
         self.o_proj = Linear(self.q_size, arch.hidden_size, arch.attention_bias, dtype)
+        self.cpu_decode_kernel = False  # the C++ decode attention (kernels/cpu_kernels.py), set by the engine
 
     def shard_rows(self, shard: str) -> slice:
         """Rows of the fused qkv_proj that hold the checkpoint's q_proj, k_proj or v_proj."""
@@ -141,7 +142,7 @@ class LlamaAttention(nn.Module):
         q, k = rotary(positions, q, k)
         write_kv(k_cache, k, meta.slot_mapping)
         write_kv(v_cache, v.view(num_tokens, self.num_kv_heads, self.head_dim), meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.cpu_decode_kernel)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -235,6 +236,11 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack_for_cpu()
         self.packed_head = PackedWeight(self._head_weight())
+
+    def use_cpu_attention(self) -> None:
+        """Decode attention on the C++ host kernel; the caller has loaded it (kernels.cpu_kernels)."""
+        for layer in self.layers:
+            layer.self_attn.cpu_decode_kernel = True
 
     def _target(self, name: str) -> tuple[str, torch.Tensor] | None:
         """(loaded-key, destination view) for a checkpoint name; None for names that carry nothing to load."""

@@ -1,0 +1,43 @@
+"""Host CPU kernels written in C++ (kernels/csrc), built as a torch extension on first use.
+
+torch compiles the sources with the machine's own instruction set (-march=native) and caches the library under
+~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR), so only the first engine start on a machine pays the ~30 s
+build. The ops are registered with the dispatcher (``torch.ops.deepinfer.*``) and have fake kernels, so
+compiled regions keep each as one opaque call, as they do the packed GEMM.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = ("paged_decode_attention.cpp",)
+
+
+def cpu_kernels_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32
+
+
+@functools.cache
+def load_cpu_kernels() -> bool:
+    """Builds (once per machine) and loads the C++ ops; False, with the reason logged, when that fails."""
+    from torch.utils import cpp_extension
+
+    sources = [str(Path(__file__).parent / "csrc" / name) for name in _SOURCES]
+    try:
+        cpp_extension.load(name="deepinfer_cpu_kernels", sources=sources, is_python_module=False,
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler, no ninja, ...: the torch forms of the same ops still work
+        logger.warning("deepinfer: could not build the C++ CPU kernels, using the torch forms instead: %s", exc)
+        return False
+
+    @torch.library.register_fake("deepinfer::cpu_paged_decode_attention")
+    def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+          seq_lens: torch.Tensor, query_len: int, block_size: int, scale: float) -> torch.Tensor:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    return True

@@ -1,0 +1,199 @@
+// Paged decode attention for the host CPU: deepinfer::cpu_paged_decode_attention.
+//
+// Why a hand-written kernel: decode attention streams the fp32 KV cache from DRAM, and both torch forms waste
+// bandwidth. Eagerly, gathering the blocks copies K and V out before SDPA reads them again; under inductor, the
+// fused form reads every padded position of the width bucket and runs its softmax reductions one OpenMP region
+// per batch row. Here one task per request reads each visible K and V slot row (all KV heads, contiguous) exactly
+// once, for all its query rows, with the scores in a small per-task buffer. SmolLM2 layer at batch 32 with
+// 100-token contexts in a DRAM-resident pool: 0.25 ms against 0.40 ms for gather + SDPA.
+//
+// Semantics are those of kernels/attention.py's paged_decode_attention: query i of a request sits at position
+// max(seq_len - Q + i, 0) and sees keys 0..position; query head h reads KV head h / (H / Hkv).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kLanes = 16;  // independent partial sums: the compiler vectorizes without reassociating
+
+// Lanes folded as a tree (vector adds), not one by one (a serial chain of 16 scalar adds per dot product).
+inline float fold_sum(float* lanes) {
+  for (int64_t l = 0; l < 8; ++l) lanes[l] += lanes[l + 8];
+  for (int64_t l = 0; l < 4; ++l) lanes[l] += lanes[l + 4];
+  return (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+#ifdef __AVX512F__
+  if (n % 16 == 0) {
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
+    for (int64_t i = 16; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += a[i + l] * b[i + l];
+  }
+  float sum = fold_sum(lanes);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+inline float sum_of(const float* x, int64_t n) {
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += x[i + l];
+  }
+  float sum = fold_sum(lanes);
+  for (; i < n; ++i) sum += x[i];
+  return sum;
+}
+
+inline float max_of(const float* x, int64_t n) {  // n >= 1
+  float top = x[0];
+  for (int64_t i = 1; i < n; ++i) top = x[i] > top ? x[i] : top;
+  return top;
+}
+
+// exp(x - shift) for x <= shift, in place, vectorizable: Cephes' expf polynomial on the reduced argument times
+// 2^k built from the exponent bits. Arguments below -87.3 give ~1e-38 instead of 0: negligible next to the 1 of
+// the maximum.
+inline void exp_shifted_inplace(float* x, int64_t n, float shift) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float t = x[i] - shift;
+    const float v = t > -87.3f ? t : -87.3f;
+    const float k = std::floor(v * 1.44269504088896341f + 0.5f);
+    const float r = v - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+    float two_k;
+    std::memcpy(&two_k, &bits, sizeof two_k);
+    x[i] = p * two_k;
+  }
+}
+
+at::Tensor cpu_paged_decode_attention(const at::Tensor& q_in,          // [B*Q, H, D] float32
+                                      const at::Tensor& k_cache,       // [num_slots, Hkv, D] float32
+                                      const at::Tensor& v_cache,       // [num_slots, Hkv, D] float32
+                                      const at::Tensor& block_tables,  // [B, nb] int32
+                                      const at::Tensor& seq_lens,      // [B] int32
+                                      int64_t query_len, int64_t block_size, double scale) {
+  TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and the caches must be 3-D");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat, "q and the caches must be float32");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(),
+              "the caches must be contiguous and of one shape");
+  const int64_t num_reqs = block_tables.size(0), width = block_tables.size(1);
+  const int64_t heads = q_in.size(1), head_dim = q_in.size(2), kv_heads = k_cache.size(1);
+  TORCH_CHECK(query_len >= 1 && q_in.size(0) == num_reqs * query_len, "q must have B * query_len rows");
+  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(2) == head_dim, "q and the caches disagree on heads / dim");
+  TORCH_CHECK(seq_lens.size(0) == num_reqs && width >= 1, "seq_lens must have one entry per block-table row");
+  const at::Tensor q = q_in.contiguous();
+  const at::Tensor tables = block_tables.contiguous();
+  const at::Tensor lens = seq_lens.contiguous();
+  const int64_t num_blocks = k_cache.size(0) / block_size;
+  TORCH_CHECK(tables.numel() == 0 || (tables.min().item<int32_t>() >= 0 && tables.max().item<int32_t>() < num_blocks),
+              "block_tables holds a block id outside the cache (", num_blocks, " blocks)");
+  at::Tensor out = at::empty_like(q);
+
+  const int64_t group = heads / kv_heads;
+  const int64_t rows = query_len * heads;  // one row per (query, head) of a request
+  const int64_t max_keys = width * block_size;
+  const int64_t slot_stride = kv_heads * head_dim;
+  const float* q_ptr = q.data_ptr<float>();
+  const float* k_ptr = k_cache.data_ptr<float>();
+  const float* v_ptr = v_cache.data_ptr<float>();
+  const int32_t* table_ptr = tables.data_ptr<int32_t>();
+  const int32_t* len_ptr = lens.data_ptr<int32_t>();
+  float* out_ptr = out.data_ptr<float>();
+  const float scale_f = static_cast<float>(scale);
+
+  // One task per request: a slot's K (or V) row for every head is one contiguous read, and the blocks of a
+  // request stream in order.
+  at::parallel_for(0, num_reqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(rows * max_keys);  // row r = i * heads + h
+    std::vector<float> acc(rows * head_dim);
+    std::vector<float> denominators(rows);
+    std::vector<int64_t> visible(query_len);  // query i sees positions 0 .. visible[i] - 1
+    for (int64_t b = begin; b < end; ++b) {
+      const int32_t* table = table_ptr + b * width;
+      const float* q_req = q_ptr + b * query_len * heads * head_dim;
+      for (int64_t i = 0; i < query_len; ++i) {
+        const int64_t position = std::max<int64_t>(len_ptr[b] - query_len + i, 0);
+        visible[i] = std::min(position + 1, max_keys);
+      }
+      const int64_t num_keys = visible[query_len - 1];
+      for (int64_t s = 0; s < num_keys; ++s) {  // scores: each K row read once
+        const int64_t slot = static_cast<int64_t>(table[s / block_size]) * block_size + s % block_size;
+        const float* key = k_ptr + slot * slot_stride;
+        for (int64_t i = 0; i < query_len; ++i) {
+          if (s >= visible[i]) continue;
+          for (int64_t h = 0; h < heads; ++h) {
+            const int64_t r = i * heads + h;
+            scores[r * max_keys + s] = dot(q_req + r * head_dim, key + (h / group) * head_dim, head_dim) * scale_f;
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {  // softmax numerators; the division comes last, on the output
+        float* row = scores.data() + r * max_keys;
+        const int64_t n = visible[r / heads];
+        exp_shifted_inplace(row, n, max_of(row, n));
+        denominators[r] = sum_of(row, n);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t s = 0; s < num_keys; ++s) {  // weighted values: each V row read once
+        const int64_t slot = static_cast<int64_t>(table[s / block_size]) * block_size + s % block_size;
+        const float* value_row = v_ptr + slot * slot_stride;
+        for (int64_t i = 0; i < query_len; ++i) {
+          if (s >= visible[i]) continue;
+          for (int64_t h = 0; h < heads; ++h) {
+            const int64_t r = i * heads + h;
+            const float p = scores[r * max_keys + s];
+            const float* value = value_row + (h / group) * head_dim;
+            float* a = acc.data() + r * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * value[d];
+          }
+        }
+      }
+      float* out_req = out_ptr + b * query_len * heads * head_dim;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float inv = 1.f / denominators[r];
+        for (int64_t d = 0; d < head_dim; ++d) out_req[r * head_dim + d] = acc[r * head_dim + d] * inv;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
+  m.def("cpu_paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, int query_len, int block_size, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(deepinfer, CPU, m) {
+  m.impl("cpu_paged_decode_attention", &cpu_paged_decode_attention);
+}
