@@ -16,6 +16,7 @@ compiled by ``warm_up`` at engine start, and shapes outside the buckets never co
 """
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 from collections.abc import Callable
@@ -38,8 +39,18 @@ SAMPLER_VARIANTS = ((True, False, False), (False, False, False), (False, True, F
 
 
 def compile_region(fn: Callable, backend: str) -> Callable:
-    """torch.compile with the Neuron rules: one graph (no breaks), static shapes."""
-    return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+    """torch.compile with the Neuron rules: one graph (no breaks), static shapes.
+
+    Where torch has them, each region keeps its own graph cache (isolate_recompiles: no other engine's model
+    can match it) and dynamo skips its guards on module state: the weights and module attributes are fixed once
+    the engine is built, and checking them cost 0.4 ms a call (0.07 ms without), ~2.5% of a batch-32 SmolLM2
+    step on the host. An older torch (torch-neuronx's) keeps the default guards."""
+    kwargs: dict = {}
+    if ("isolate_recompiles" in inspect.signature(torch.compile).parameters
+            and hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe")):
+        kwargs = {"isolate_recompiles": True,
+                  "options": {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}}
+    return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, **kwargs)
 
 
 def raise_dynamo_cache_limits(num_graphs: int) -> None:
