@@ -1,8 +1,9 @@
 """Compiled (torch.compile regions) vs eager decode step for SmolLM2-135M, side by side in one process.
 
 One decode step = all 30 layers + final norm + lm_head for B requests with a 100-token context (block table
-width bucket 8 x 16 tokens), three ways: eager with plain F.linear, eager with oneDNN's packed GEMM (the engine's
-host default), and compiled with the same packed GEMM. The compiled path is CompiledModel (backend_lib/neuron/regions.py): the same
+width bucket 8 x 16 tokens), three ways: eager plain torch (F.linear, block gather + SDPA), eager with the host
+kernels (oneDNN's packed GEMM and the C++ decode attention: the engine's host default), and compiled with the
+same host kernels. The compiled path is CompiledModel (backend_lib/neuron/regions.py): the same
 padding / per-layer cache views the engine uses. The three alternate rep by rep so load changes on a
 shared machine hit both alike. Writes benchmarks/results/compiled_decode.md and .png.
 """
@@ -24,6 +25,7 @@ from backend_lib.models.loader import default_model_path, load_model  # noqa: E4
 from backend_lib.neuron.buckets import BucketSpec  # noqa: E402
 from backend_lib.neuron.regions import CompiledModel  # noqa: E402
 from kernels.attention_metadata import AttentionMetadata  # noqa: E402
+from kernels.cpu_kernels import load_cpu_kernels  # noqa: E402
 
 BS, WIDTH, CONTEXT = 16, 8, 100
 
@@ -36,8 +38,11 @@ def decode_inputs(batch: int):
     return torch.randint(0, 49152, (batch,)), torch.full((batch,), CONTEXT - 1), meta
 
 
-def set_packed(model: torch.nn.Module, packs: dict[str, object] | None) -> dict[str, object]:
-    """Swap the model's oneDNN packed weights (None: plain F.linear); returns the ones it had."""
+def set_host_kernels(model: torch.nn.Module, packs: dict[str, object] | None) -> dict[str, object]:
+    """Swap the model's oneDNN packed weights and C++ decode attention (None: plain F.linear and torch attention);
+    returns the packed weights it had."""
+    for layer in model.layers:
+        layer.self_attn.cpu_decode_kernel = packs is not None
     had = {}
     for name, module in [("", model), *model.named_modules()]:
         attr = "packed_head" if hasattr(module, "packed_head") else "packed" if hasattr(module, "packed") else None
@@ -59,8 +64,11 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     model = load_model(default_model_path(), torch.float32).eval()
     model.pack_for_cpu()  # what the engine does on the host before it builds the regions
-    packs = set_packed(model, None)
-    set_packed(model, packs)
+    if not load_cpu_kernels():
+        raise SystemExit("the C++ host kernels did not build (see the warning above)")
+    model.use_cpu_attention()
+    packs = set_host_kernels(model, None)
+    set_host_kernels(model, packs)
     num_blocks = max(batches) * WIDTH
     caches = [torch.randn(s) * 0.1 for s in model.kv_cache_shapes((num_blocks + 1) * BS)]
     spec = BucketSpec(tuple(batches), (WIDTH,), (), BS)
@@ -69,16 +77,16 @@ def main() -> int:
     compile_s = compiled.warm_up(caches, progress=True)
 
     def step(name: str, ids, pos, meta) -> torch.Tensor:
-        if name == "eager, plain F.linear":
-            set_packed(model, None)
+        if name == "eager, plain torch":
+            set_host_kernels(model, None)
             try:
                 return model.compute_logits(model(ids, pos, caches, meta))
             finally:
-                set_packed(model, packs)
+                set_host_kernels(model, packs)
         m = compiled if name.startswith("compiled") else model
         return m.compute_logits(m(ids, pos, caches, meta))
 
-    names = ("eager, plain F.linear", "eager, oneDNN", f"compiled ({args.backend}), oneDNN")
+    names = ("eager, plain torch", "eager, host kernels", f"compiled ({args.backend}), host kernels")
     rows = []
     with torch.inference_mode():
         for batch in batches:
@@ -96,7 +104,7 @@ def main() -> int:
             plain, eager, comp = (statistics.median(times[n]) for n in names)
             rows.append((batch, plain * 1e3, eager * 1e3, comp * 1e3, eager / comp, plain / comp, batch / comp,
                          same, diff))
-            print(f"batch {batch}: eager plain {plain * 1e3:.1f} ms, eager oneDNN {eager * 1e3:.1f} ms, compiled "
+            print(f"batch {batch}: eager plain {plain * 1e3:.1f} ms, eager host kernels {eager * 1e3:.1f} ms, compiled "
                   f"{comp * 1e3:.1f} ms: {eager / comp:.2f}x / {plain / comp:.2f}x, greedy same {same}, "
                   f"max |dlogit| {diff:.2e}", flush=True)
     load_after = os.getloadavg()[0]
@@ -107,10 +115,11 @@ def main() -> int:
         f"Backend `{args.backend}`, context {CONTEXT} tokens, median of {args.reps} alternating reps; "
         f"torch threads {torch.get_num_threads()}, {os.cpu_count()} cores shared with other jobs "
         f"(1-min load average {load_before:.1f} before, {load_after:.1f} after). Warm-up compile of "
-        f"{len(compiled.stats.compiled_keys)} graphs: {compile_s:.0f} s. The compiled step and the oneDNN eager "
-        "step call the same packed-weight GEMM (kernels/onednn_gemm.py); the plain eager step is F.linear (MKL). "
-        "Logit diff: compiled against eager oneDNN.", "",
-        "| batch | eager plain ms | eager oneDNN ms | compiled ms | vs eager oneDNN | vs eager plain | "
+        f"{len(compiled.stats.compiled_keys)} graphs: {compile_s:.0f} s. The compiled step and the eager host-kernel "
+        "step call the same packed-weight GEMM (kernels/onednn_gemm.py) and C++ decode attention "
+        "(kernels/csrc); the plain eager step is F.linear (MKL) and block gather + SDPA. "
+        "Logit diff: compiled against eager host kernels.", "",
+        "| batch | eager plain ms | eager host kernels ms | compiled ms | vs eager host kernels | vs eager plain | "
         "compiled tok/s | greedy same | max abs logit diff |", "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {b} | {p:.1f} | {e:.1f} | {c:.1f} | {s1:.2f}x | {s2:.2f}x | {tc:.1f} | {same} | {d:.1e} |"
               for b, p, e, c, s1, s2, tc, same, d in rows]
