@@ -30,6 +30,14 @@ RUN if [ "${TARGET}" = "neuron" ]; then \
         echo "TARGET must be neuron or cpu, got ${TARGET}" >&2; exit 1; \
     fi
 
+# The CPU image builds the C++ host kernels (kernels/csrc) on the first engine start: it needs a C++ compiler.
+RUN if [ "${TARGET}" = "cpu" ]; then \
+        set -eux; \
+        apt-get update; \
+        apt-get install -y --no-install-recommends g++; \
+        rm -rf /var/lib/apt/lists/*; \
+    fi
+
 # torch: torch-neuronx + neuronx-cc from AWS's Neuron pip repository, or the CPU wheel (never the CUDA one).
 RUN set -eux; \
     python3 -m pip install --upgrade pip; \

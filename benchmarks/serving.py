@@ -6,6 +6,9 @@ response), time per output token after it, end-to-end latency (p50 / p90 / p99).
 next to the offline engine (backend_lib.offline.LLM, max_num_seqs = C, the server's other engine settings) on
 the SAME prompts, in alternating rounds (offline, Triton, offline, ...) so both see similar machine load, tok/s
 over all rounds; the ratio Triton / offline is the serving overhead (target: >= 0.85 at concurrency 16).
+The load generator runs in its own process at a lower CPU priority (--client-nice, default 10): on a machine
+whose cores the server uses, it then takes idle cycles instead of preempting the engine's OpenMP workers, as a
+client on another machine would (0 measures a client that competes with the server on equal terms).
 Starts its own server (bundled SmolLM2, fp32) unless --url points at one. Writes
 benchmarks/results/serving.md and serving.png.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import multiprocessing
 import os
 import platform
 import queue
@@ -158,6 +162,12 @@ class StreamWorker:
         self.client.close()
 
 
+def warm_up(url: str, messages: list[dict]) -> None:
+    worker = StreamWorker(url)
+    worker.request(messages, 4)
+    worker.close()
+
+
 def run_level(url: str, prompts: list, new_tokens: int, concurrency: int) -> Level:
     work: queue.Queue = queue.Queue()
     for p in prompts:
@@ -197,13 +207,14 @@ def run_level(url: str, prompts: list, new_tokens: int, concurrency: int) -> Lev
 
 
 def write_results(levels: list[Level], new_tokens: int, out_dir: Path, load: tuple[float, float],
-                  num_threads: int) -> str:
+                  num_threads: int, client_nice: int) -> str:
     import torch
 
     lines = ["# Serving: shared workload through tritonserver (gRPC streaming, closed loop)", "",
              f"Chat prompts from ../shared/bench/workload.py, {new_tokens} new tokens each, greedy, EOS ignored, "
              f"fp32, SmolLM2-135M-Instruct (bundled GGUF), one Triton model instance (the engine batches). "
-             f"Machine: {platform.machine()}, {os.cpu_count()} cores shared with the client, torch {torch.__version__}, "
+             f"Machine: {platform.machine()}, {os.cpu_count()} cores shared with the client (its own process at "
+             f"nice {client_nice}), torch {torch.__version__}, "
              f"{num_threads or 'all'} engine threads; "
              f"1-min load average {load[0]:.1f} before, {load[1]:.1f} after (other work on the machine skews "
              f"the numbers when it exceeds the core count).", "",
@@ -260,10 +271,10 @@ def run_levels(url: str | None, stream_interval: int, args: argparse.Namespace, 
         server.start()
         url = server.grpc_url
     levels = []
+    # The client's own process, at its own priority (spawned: no copy of this process's torch threads).
+    client = multiprocessing.get_context("spawn").Pool(1, initializer=os.nice, initargs=(args.client_nice,))
     try:
-        warm = StreamWorker(url)
-        warm.request(prompts[0], 4)
-        warm.close()
+        client.apply(warm_up, (url, prompts[0]))
         for c in (int(x) for x in args.concurrency.split(",")):
             n = min(len(prompts), c * args.requests_per_stream)
             # Offline first, while the server idles: the two never compete for the cores.
@@ -273,7 +284,7 @@ def run_levels(url: str | None, stream_interval: int, args: argparse.Namespace, 
                     offline = run_offline(prompts[:n], new_tokens, c, settings)
                     level.offline.tokens += offline.tokens
                     level.offline.seconds += offline.seconds
-                served = run_level(url, prompts[:n], new_tokens, c)
+                served = client.apply(run_level, (url, prompts[:n], new_tokens, c))
                 level.samples += served.samples
                 level.seconds += served.seconds
             offline = level.offline
@@ -284,6 +295,7 @@ def run_levels(url: str | None, stream_interval: int, args: argparse.Namespace, 
                   f"TPOT p50/p99 {1e3 * level.pct('tpot', 50):.1f}/{1e3 * level.pct('tpot', 99):.1f} ms", flush=True)
             levels.append(level)
     finally:
+        client.terminate()
         if server is not None:
             server.stop()
     return levels
@@ -305,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="alternating offline / Triton rounds per level; tok/s over all rounds")
     parser.add_argument("--stream-intervals", default="1",
                         help="the server's stream_interval values to run, each on its own server (e.g. 1,4)")
+    parser.add_argument("--client-nice", type=int, default=10,
+                        help="niceness of the load generator's process (0: it competes with the server on equal "
+                             "terms for this machine's cores)")
     parser.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the offline engine on each level's prompts (default: on)")
     args = parser.parse_args(argv)
@@ -320,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     levels = []
     for interval in (int(x) for x in args.stream_intervals.split(",")):
         levels += run_levels(url, interval, args, prompts, new_tokens, settings)
-    print(write_results(levels, new_tokens, args.out, (load_before, os.getloadavg()[0]), args.num_threads))
+    print(write_results(levels, new_tokens, args.out, (load_before, os.getloadavg()[0]), args.num_threads,
+                        args.client_nice))
     return 0
 
 

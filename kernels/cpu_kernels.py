@@ -1,8 +1,9 @@
 """Host CPU kernels written in C++ (kernels/csrc), built as a torch extension on first use.
 
-torch compiles the sources with the machine's own instruction set (-march=native) and caches the library under
-~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR), so only the first engine start on a machine pays the ~30 s
-build. The ops are registered with the dispatcher (``torch.ops.deepinfer.*``) and have fake kernels, so
+torch compiles the sources for the instruction set torch itself dispatches to on this CPU (AVX-512, AVX2 or
+baseline x86-64; not -march=native, so a build cached on a shared volume never meets a CPU that lacks its
+instructions) and caches the library under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR): only the first engine
+start on a machine pays the ~7 s build. The ops are registered with the dispatcher (``torch.ops.deepinfer.*``) and have fake kernels, so
 compiled regions keep each as one opaque call, as they do the packed GEMM.
 """
 from __future__ import annotations
@@ -16,6 +17,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = ("paged_decode_attention.cpp",)
+# torch.backends.cpu.get_cpu_capability() -> compiler flags (x86-64; anything else builds for the baseline).
+_ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
 
 
 def cpu_kernels_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -28,9 +34,13 @@ def load_cpu_kernels() -> bool:
     from torch.utils import cpp_extension
 
     sources = [str(Path(__file__).parent / "csrc" / name) for name in _SOURCES]
+    capability = torch.backends.cpu.get_cpu_capability()
     try:
-        cpp_extension.load(name="deepinfer_cpu_kernels", sources=sources, is_python_module=False,
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        # -fopenmp: at::parallel_for's OpenMP body lives in the headers; the process's libgomp (torch's) serves it.
+        cpp_extension.load(name=f"deepinfer_cpu_kernels_{capability.lower()}", sources=sources,
+                           is_python_module=False, verbose=False,
+                           extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS.get(capability, [])],
+                           extra_ldflags=["-fopenmp"])
     except Exception as exc:  # no compiler, no ninja, ...: the torch forms of the same ops still work
         logger.warning("deepinfer: could not build the C++ CPU kernels, using the torch forms instead: %s", exc)
         return False
