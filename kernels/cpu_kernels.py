@@ -2,9 +2,10 @@
 
 torch compiles the sources for the instruction set torch itself dispatches to on this CPU (AVX-512, AVX2 or
 baseline x86-64; not -march=native, so a build cached on a shared volume never meets a CPU that lacks its
-instructions) and caches the library under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR): only the first engine
-start on a machine pays the ~7 s build. The ops are registered with the dispatcher (``torch.ops.deepinfer.*``) and have fake kernels, so
-compiled regions keep each as one opaque call, as they do the packed GEMM.
+instructions) and caches the library under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR): only the first
+engine start on a machine pays the ~7 s build. The ops are registered with the dispatcher
+(``torch.ops.deepinfer.*``) and have fake kernels, so compiled regions keep each as one opaque call, as they do
+the packed GEMM.
 """
 from __future__ import annotations
 

@@ -173,3 +173,17 @@ def test_async_engine_builds_on_its_step_thread_and_reraises_build_errors(tiny_l
     with pytest.raises(FileNotFoundError):
         AsyncEngine(EngineConfig.from_flat({"model": str(tiny_llama_dir / "missing.gguf")}))
     assert threading.active_count() == before
+
+
+def test_host_attention_setting_picks_the_kernel_and_both_give_the_same_greedy_text(tiny_llama_dir):
+    prompts = ["The sea is", "Paris is the capital of", "1, 2, 3,"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for attention in ("cpp", "torch"):
+        llm = LLM(str(tiny_llama_dir), max_model_len=256, host_attention=attention)
+        assert [layer.self_attn.cpu_decode_kernel for layer in llm.engine.model.layers] == \
+            [attention == "cpp"] * len(llm.engine.model.layers)
+        outputs[attention] = [r.token_ids for r in llm.generate(prompts, params)]
+    assert outputs["cpp"] == outputs["torch"]
+    with pytest.raises(ValueError, match="host_attention must be 'cpp' or 'torch', got 'fast'"):
+        EngineConfig.from_flat({"host_attention": "fast"})
