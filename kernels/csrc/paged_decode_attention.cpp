@@ -116,8 +116,6 @@ at::Tensor cpu_paged_decode_attention(const at::Tensor& q_in,          // [B*Q, 
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor lens = seq_lens.contiguous();
   const int64_t num_blocks = k_cache.size(0) / block_size;
-  TORCH_CHECK(tables.numel() == 0 || (tables.min().item<int32_t>() >= 0 && tables.max().item<int32_t>() < num_blocks),
-              "block_tables holds a block id outside the cache (", num_blocks, " blocks)");
   at::Tensor out = at::empty_like(q);
 
   const int64_t group = heads / kv_heads;
@@ -141,6 +139,14 @@ at::Tensor cpu_paged_decode_attention(const at::Tensor& q_in,          // [B*Q, 
     std::vector<int64_t> visible(query_len);  // query i sees positions 0 .. visible[i] - 1
     for (int64_t b = begin; b < end; ++b) {
       const int32_t* table = table_ptr + b * width;
+      // Offset of position s's slot row in a cache; every block id read is checked (a bad one would read
+      // outside the cache), where it is used rather than by extra reductions over the table per call.
+      auto slot_offset = [&](int64_t s) {
+        const int64_t block = table[s / block_size];
+        TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables holds a block id outside the cache (",
+                    num_blocks, " blocks): ", block);
+        return (block * block_size + s % block_size) * slot_stride;
+      };
       const float* q_req = q_ptr + b * query_len * heads * head_dim;
       for (int64_t i = 0; i < query_len; ++i) {
         const int64_t position = std::max<int64_t>(len_ptr[b] - query_len + i, 0);
@@ -148,8 +154,7 @@ at::Tensor cpu_paged_decode_attention(const at::Tensor& q_in,          // [B*Q, 
       }
       const int64_t num_keys = visible[query_len - 1];
       for (int64_t s = 0; s < num_keys; ++s) {  // scores: each K row read once
-        const int64_t slot = static_cast<int64_t>(table[s / block_size]) * block_size + s % block_size;
-        const float* key = k_ptr + slot * slot_stride;
+        const float* key = k_ptr + slot_offset(s);
         for (int64_t i = 0; i < query_len; ++i) {
           if (s >= visible[i]) continue;
           for (int64_t h = 0; h < heads; ++h) {
@@ -166,8 +171,7 @@ at::Tensor cpu_paged_decode_attention(const at::Tensor& q_in,          // [B*Q, 
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t s = 0; s < num_keys; ++s) {  // weighted values: each V row read once
-        const int64_t slot = static_cast<int64_t>(table[s / block_size]) * block_size + s % block_size;
-        const float* value_row = v_ptr + slot * slot_stride;
+        const float* value_row = v_ptr + slot_offset(s);
         for (int64_t i = 0; i < query_len; ++i) {
           if (s >= visible[i]) continue;
           for (int64_t h = 0; h < heads; ++h) {
