@@ -1,9 +1,13 @@
 """AsyncEngine: the LLMEngine step loop on a background thread, with a thread-safe output stream per request.
 
 The Triton model calls add_request / abort from its own threads and reads each RequestStream from a response
-thread. One lock guards the engine: add_request and abort wait for the current step at most. Python's
-locks are not fair, so the step loop lets waiting callers in before it takes the lock for the next step;
-otherwise a busy loop could starve an abort or a new request for a whole generation.
+thread. One lock guards the engine; the step loop holds it for a whole step. A request that is not a session
+turn does not wait for it: the caller's thread tokenizes and checks it (LLMEngine.prepare_request: bad input
+still fails the call) and leaves it in an inbox that the loop empties before each step. Without the inbox, a
+burst of N requests (one Triton execute() each) got in one per step, and the last one's first token came N
+steps late. Session turns and aborts depend on engine state, so they take the lock and wait for the current
+step at most. Python's locks are not fair, so the step loop lets waiting callers in before it takes the lock
+for the next step; otherwise a busy loop could starve an abort or a session turn for a whole generation.
 
 The engine is built on the step thread, not the caller's: GNU OpenMP keeps one worker pool per thread that
 runs parallel regions, and once two pools exist (caller + step thread) on a machine with as many cores as one
@@ -21,7 +25,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 from backend_lib.config import EngineConfig
-from backend_lib.engine import LLMEngine, Prompt
+from backend_lib.engine import LLMEngine, PreparedRequest, Prompt
 from backend_lib.outputs import EngineStats, RequestOutput, SessionControl
 from backend_lib.sampling_params import SamplingParams
 
@@ -57,10 +61,13 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, idle_poll_s: float = 1.0) -> None:
         self._idle_poll_s = idle_poll_s
         self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)
+        self._wakeup = threading.Event()  # set when there is work for an idle loop (or it must stop)
         self._callers_lock = threading.Lock()
         self._callers_waiting = 0
         self._streams: dict[str, RequestStream] = {}
+        # Requests checked on their callers' threads, waiting for the loop to queue them in the engine.
+        self._inbox_lock = threading.Lock()
+        self._inbox: dict[str, tuple[PreparedRequest, RequestStream]] = {}
         self._stopped = False
         # Called (on the engine's threads) after outputs were put on streams: lets a consumer block instead of
         # polling every stream.
@@ -86,17 +93,28 @@ class AsyncEngine:
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     session: SessionControl | None = None) -> RequestStream:
         """Raises ValueError (nothing queued) for bad input; RuntimeError after shutdown."""
-        with self._caller():
-            if self._stopped:
-                raise RuntimeError("the engine is shut down")
-            self.engine.add_request(request_id, prompt, params, session)
-            stream = RequestStream(request_id)
-            self._streams[request_id] = stream
-            self._work.notify()
+        stream = RequestStream(request_id)
+        if session is not None:
+            with self._caller():
+                if self._stopped:
+                    raise RuntimeError("the engine is shut down")
+                self.engine.add_request(request_id, prompt, params, session)
+                self._streams[request_id] = stream
+        else:
+            prepared = self.engine.prepare_request(request_id, prompt, params)
+            with self._inbox_lock:
+                if self._stopped:
+                    raise RuntimeError("the engine is shut down")
+                # The live ids are those of the streams and the inbox (a dict read is atomic under the GIL).
+                if request_id in self._inbox or request_id in self._streams:
+                    raise ValueError(f"request id {request_id!r} is already in use")
+                self._inbox[request_id] = (prepared, stream)
+        self._wakeup.set()
         return stream
 
     def abort(self, request_id: str) -> None:
         with self._caller():
+            self._admit_inbox()  # the request may still wait there
             output = self.engine.abort(request_id)
             if output is not None:
                 self._deliver([output])
@@ -107,11 +125,12 @@ class AsyncEngine:
 
     def shutdown(self) -> None:
         """Stops the loop; every live request gets a final "abort" output."""
-        with self._caller():
+        with self._caller(), self._inbox_lock:
             self._stopped = True
-            self._work.notify()
+        self._wakeup.set()
         self._thread.join()
         with self._caller():
+            self._admit_inbox()
             for request_id in list(self._streams):
                 output = self.engine.abort(request_id)
                 if output is not None:
@@ -130,6 +149,20 @@ class AsyncEngine:
     def _let_callers_in(self) -> None:
         while self._callers_waiting:
             time.sleep(0.0002)
+
+    def _admit_inbox(self) -> None:
+        """Queue the inbox's requests in the engine (engine lock held), in arrival order."""
+        with self._inbox_lock:
+            waiting, self._inbox = self._inbox, {}
+        for request_id, (prepared, stream) in waiting.items():
+            try:
+                self.engine.add_prepared(prepared)
+            except ValueError as exc:  # its id went live after add_request checked it: this request ends here
+                stream.put(RequestOutput(request_id, [], "", finished=True, finish_reason="error",
+                                         num_prompt_tokens=len(prepared.prompt_ids), num_output_tokens=0,
+                                         error=str(exc)))
+                continue
+            self._streams[request_id] = stream
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -155,15 +188,20 @@ class AsyncEngine:
     def _loop(self) -> None:
         while True:
             self._let_callers_in()
+            self._wakeup.clear()  # before looking for work: whatever comes in after this sets it again
             with self._lock:
-                while not self._stopped and not self.engine.has_unfinished_requests():
-                    self._work.wait(timeout=self._idle_poll_s)
-                    self.engine.close_idle_sessions()
                 if self._stopped:
                     return
-                try:
-                    outputs = self.engine.step()
-                except Exception as exc:  # the step failed: end every request with the error, keep serving
-                    logger.exception("engine step failed")
-                    outputs = self.engine.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
-                self._deliver(outputs)
+                self._admit_inbox()
+                idle = not self.engine.has_unfinished_requests()
+                if idle:
+                    self.engine.close_idle_sessions()
+                else:
+                    try:
+                        outputs = self.engine.step()
+                    except Exception as exc:  # the step failed: end every request with the error, keep serving
+                        logger.exception("engine step failed")
+                        outputs = self.engine.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+                    self._deliver(outputs)
+            if idle:
+                self._wakeup.wait(timeout=self._idle_poll_s)

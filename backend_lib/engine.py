@@ -45,6 +45,16 @@ class _TextState:
 
 
 @dataclass
+class PreparedRequest:
+    """A request that is not a session turn, tokenized and checked (LLMEngine.prepare_request)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)  # when it came in, not when a step took it
+
+
+@dataclass
 class _Session:
     last_used: float
     running_request_id: str | None = None
@@ -104,43 +114,75 @@ class LLMEngine:
         if bad:
             raise ValueError(f"{field_name} contains token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
 
+    def prepare_request(self, request_id: str, prompt: Prompt,
+                        params: SamplingParams | None = None) -> PreparedRequest:
+        """Tokenizes and checks a request that is not a session turn; raises ValueError naming the problem.
+
+        Reads nothing a step changes (tokenizer, vocabulary, limits), so another thread may call it while a step
+        runs: AsyncEngine does, so that a new request never waits for the step in flight."""
+        params = params or SamplingParams()
+        self._check_ids("stop_token_ids", list(params.stop_token_ids))
+        prompt_ids = self.tokenize(prompt)
+        self._check_ids("input_ids", prompt_ids)
+        self._check_length(prompt_ids, "")
+        return PreparedRequest(request_id, prompt_ids, params)
+
+    def add_prepared(self, prepared: PreparedRequest) -> None:
+        """Queue a request from ``prepare_request``; raises ValueError (nothing queued) if its id is in use."""
+        self._check_unused(prepared.request_id)
+        self._queue(prepared.request_id, prepared.prompt_ids, prepared.params, arrival_time=prepared.arrival_time)
+
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     session: SessionControl | None = None) -> None:
         """Queue a request; raises ValueError (nothing queued) for bad input or a session protocol error."""
+        if session is None:
+            self.add_prepared(self.prepare_request(request_id, prompt, params))
+            return
         params = params or SamplingParams()
-        if request_id in self._states:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_unused(request_id)
         self._check_ids("stop_token_ids", list(params.stop_token_ids))
         chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
         history: list[int] = []
-        if session is not None:
-            state = self._session_for_turn(session)
-            if chat:
-                prompt = state.messages + list(prompt)
-            elif not session.start:
-                history = self.scheduler.session_history(session.session_id)
+        state = self._session_for_turn(session)
+        if chat:
+            prompt = state.messages + list(prompt)
+        elif not session.start:
+            history = self.scheduler.session_history(session.session_id)
         new_ids = self.tokenize(prompt, add_special_tokens=not history)
         self._check_ids("input_ids", new_ids)
         prompt_ids = history + new_ids
+        self._check_length(prompt_ids, " (session history included)")
+        self._queue(request_id, prompt_ids, params, session=session, num_history_tokens=len(history),
+                    text_turn=not chat)
+        self._sessions[session.session_id].running_request_id = request_id
+        if chat:
+            self._sessions[session.session_id].messages = list(prompt)
+
+    def _check_unused(self, request_id: str) -> None:
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+
+    def _check_length(self, prompt_ids: list[int], what: str) -> None:
         limit = self.config.model.max_model_len
         if len(prompt_ids) >= limit:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens (session history included); max_model_len is "
-                             f"{limit}, which must leave room for at least one new token")
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens{what}; max_model_len is {limit}, which must "
+                             "leave room for at least one new token")
+
+    def _queue(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               session: SessionControl | None = None, num_history_tokens: int = 0, text_turn: bool = True,
+               arrival_time: float | None = None) -> None:
         seed = params.seed if params.seed is not None else self._seeds.randrange(2**31)
         request = Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params, seed=seed,
+                          arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                           eos_token_ids=self.tokenizer.eos_token_ids,
-                          session_id=session.session_id if session is not None and not chat else None,
-                          num_history_tokens=len(history))
+                          session_id=session.session_id if session is not None and text_turn else None,
+                          num_history_tokens=num_history_tokens)
         self._states[request_id] = _TextState(
             request=request,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
             stops=StopStringMatcher(list(params.stop), params.include_stop_str_in_output),
             metrics=RequestMetrics(arrival_time=request.arrival_time),
-            session=session, text_turn=not chat)
-        if session is not None:
-            self._sessions[session.session_id].running_request_id = request_id
-            if chat:
-                self._sessions[session.session_id].messages = list(prompt)
+            session=session, text_turn=text_turn)
         self.scheduler.add_request(request)
 
     def _session_for_turn(self, control: SessionControl) -> _Session:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -152,6 +152,14 @@ class OutputOptions:
     logprobs: bool = False
     num_input_tokens: bool = False
     num_output_tokens: bool = False
+    # The outputs the client named in its request (empty: it named none, so it gets every output). Triton drops
+    # unnamed outputs before they reach the client; not building them saves the stub and Triton a copy each.
+    requested: frozenset[str] = frozenset()
+
+    def sends(self, output: str) -> bool:
+        """Whether responses carry ``output``: its return_* flag is on (text_output and output_ids have none)
+        and the client named it, if it named any."""
+        return getattr(self, output, True) and (not self.requested or output in self.requested)
 
 
 @dataclass
@@ -267,7 +275,8 @@ def _decode_session(extra: dict[str, Any], correlation_id: int | str, flags: int
 
 
 def decode_request(inputs: Mapping[str, np.ndarray], parameters_json: str = "{}",
-                   correlation_id: int | str = 0, flags: int = 0) -> DecodedRequest:
+                   correlation_id: int | str = 0, flags: int = 0,
+                   requested_outputs: Iterable[str] = ()) -> DecodedRequest:
     """Input tensors + request parameters (+ gRPC sequence controls) -> what the engine needs.
 
     ``inputs`` holds the numpy arrays of the inputs the request carries. Sampling fields come from the
@@ -313,7 +322,8 @@ def decode_request(inputs: Mapping[str, np.ndarray], parameters_json: str = "{}"
     if prepend and stream:
         raise ValueError("exclude_input_in_output=false is not allowed when streaming")
     options = OutputOptions(**{name[len("return_"):]: bools.get(name, False)
-                               for name in BOOL_INPUTS if name.startswith("return_")})
+                               for name in BOOL_INPUTS if name.startswith("return_")},
+                            requested=frozenset(requested_outputs))
     return DecodedRequest(
         prompt=prompt,
         params=params,
@@ -418,21 +428,22 @@ class ResponseEncoder:
     def _tensors(self, output: RequestOutput, text: str, ids: list[int],
                  logprobs: list[TokenLogprob] | None) -> dict[str, np.ndarray]:
         options = self._request.options
-        tensors = {
-            "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
-            "output_ids": np.array(ids, dtype=np.int32),
-        }
-        if options.finish_reason:
+        tensors = {}
+        if options.sends("text_output"):
+            tensors["text_output"] = np.array([text.encode("utf-8")], dtype=np.object_)
+        if options.sends("output_ids"):
+            tensors["output_ids"] = np.array(ids, dtype=np.int32)
+        if options.sends("finish_reason"):
             # str(None) for unfinished deltas, as the vLLM backend sends.
             tensors["finish_reason"] = np.array([str(output.finish_reason).encode("utf-8")], dtype=np.object_)
-        if options.cumulative_logprob:
+        if options.sends("cumulative_logprob"):
             tensors["cumulative_logprob"] = np.array([output.cumulative_logprob], dtype=np.float32)
-        if options.logprobs:
+        if options.sends("logprobs"):
             wanted = self._request.params.logprobs is not None
             tensors["logprobs"] = np.array([_logprobs_json(logprobs if wanted else None, self._decode_token)],
                                            dtype=np.object_)
-        if options.num_input_tokens:
+        if options.sends("num_input_tokens"):
             tensors["num_input_tokens"] = np.array([output.num_prompt_tokens], dtype=np.uint32)
-        if options.num_output_tokens:
+        if options.sends("num_output_tokens"):
             tensors["num_output_tokens"] = np.array([len(ids)], dtype=np.uint32)
         return tensors

@@ -8,7 +8,10 @@ the SAME prompts, in alternating rounds (offline, Triton, offline, ...) so both 
 over all rounds; the ratio Triton / offline is the serving overhead (target: >= 0.85 at concurrency 16).
 The load generator runs in its own process at a lower CPU priority (--client-nice, default 10): on a machine
 whose cores the server uses, it then takes idle cycles instead of preempting the engine's OpenMP workers, as a
-client on another machine would (0 measures a client that competes with the server on equal terms).
+client on another machine would (0 measures a client that competes with the server on equal terms). It drives
+every stream from one asyncio event loop on the raw KServe gRPC protocol and names the two outputs it reads
+(text_output, num_output_tokens): half the CPU per response of tritonclient's thread-per-stream client, CPU
+that a client on the server's own cores takes from the engine.
 Starts its own server (bundled SmolLM2, fp32) unless --url points at one. Writes
 benchmarks/results/serving.md and serving.png.
 """
@@ -20,9 +23,7 @@ import json
 import multiprocessing
 import os
 import platform
-import queue
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,96 +115,85 @@ def load_workload(path: Path):
     return module.prompts(), module.NEW_TOKENS
 
 
-def _inputs(messages: list[dict], new_tokens: int):
-    import tritonclient.grpc as grpcclient
-
-    def tensor(name: str, value: object, dtype: str):
-        item = grpcclient.InferInput(name, [1], dtype)
-        item.set_data_from_numpy(np.array([value], dtype=np.object_ if dtype == "BYTES" else bool))
-        return item
+def _request(request_id: str, messages: list[dict], new_tokens: int):
+    """A ModelInferRequest on the KServe gRPC protocol, naming the two outputs a streaming client reads."""
+    from tritonclient.grpc import service_pb2
 
     params = {"max_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
-    return [tensor("messages", json.dumps(messages).encode(), "BYTES"),
-            tensor("sampling_parameters", json.dumps(params).encode(), "BYTES"),
-            tensor("stream", True, "BOOL"), tensor("return_num_output_tokens", True, "BOOL")]
+    request = service_pb2.ModelInferRequest(model_name=MODEL, id=request_id)
+    for name, value in (("messages", json.dumps(messages)), ("sampling_parameters", json.dumps(params))):
+        request.inputs.add(name=name, datatype="BYTES", shape=[1]).contents.bytes_contents.append(value.encode())
+    for name in ("stream", "return_num_output_tokens"):
+        request.inputs.add(name=name, datatype="BOOL", shape=[1]).contents.bool_contents.append(True)
+    for name in ("text_output", "num_output_tokens"):
+        request.outputs.add(name=name)
+    request.parameters["triton_enable_empty_final_response"].bool_param = True
+    return request
 
 
-class StreamWorker:
-    """One client = one gRPC stream, reused for its requests (as perf_analyzer's workers do)."""
+async def _stream_request(call, request) -> Sample:
+    """Sends one request on an open ModelStreamInfer stream and reads its responses up to the final one."""
+    import grpc
 
-    def __init__(self, url: str) -> None:
-        import tritonclient.grpc as grpcclient
-
-        self.client = grpcclient.InferenceServerClient(url=url)
-        self.responses: queue.Queue = queue.Queue()
-        self.client.start_stream(callback=lambda result, error: self.responses.put((time.perf_counter(), result, error)))
-
-    def request(self, messages: list[dict], new_tokens: int) -> Sample:
-        start = time.perf_counter()
-        self.client.async_stream_infer(MODEL, _inputs(messages, new_tokens), enable_empty_final_response=True)
-        first, tokens = None, 0
-        while True:
-            at, result, error = self.responses.get(timeout=600)
-            if error is not None:
-                raise RuntimeError(f"request failed: {error}")
-            count = result.as_numpy("num_output_tokens")
-            if count is not None:
-                tokens += int(count.reshape(-1)[0])
+    start = time.perf_counter()
+    await call.write(request)
+    first, tokens = None, 0
+    while True:
+        response = await call.read()
+        at = time.perf_counter()
+        if response is grpc.aio.EOF:
+            raise RuntimeError(f"request {request.id}: the server closed the stream")
+        if response.error_message:
+            raise RuntimeError(f"request {request.id} failed: {response.error_message}")
+        result = response.infer_response
+        for index, output in enumerate(result.outputs):
+            if output.name == "num_output_tokens":
+                tokens += int.from_bytes(result.raw_output_contents[index], "little")
                 if first is None and tokens:
                     first = at
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                end = at
-                break
-        tpot = (end - first) / (tokens - 1) if first is not None and tokens > 1 else None
-        return Sample(ttft=(first or end) - start, tpot=tpot, e2e=end - start, tokens=tokens)
-
-    def close(self) -> None:
-        self.client.stop_stream()
-        self.client.close()
+        if result.parameters["triton_final_response"].bool_param:
+            end = at
+            break
+    tpot = (end - first) / (tokens - 1) if first is not None and tokens > 1 else None
+    return Sample(ttft=(first or end) - start, tpot=tpot, e2e=end - start, tokens=tokens)
 
 
-def warm_up(url: str, messages: list[dict]) -> None:
-    worker = StreamWorker(url)
-    worker.request(messages, 4)
-    worker.close()
+async def _closed_loop(url: str, prompts: list, new_tokens: int, concurrency: int) -> Level:
+    """``concurrency`` streams on one channel, each sending its next prompt when the previous one finished (as
+    perf_analyzer's workers do). One event loop drives them all: on a machine it shares with the server, the
+    load generator's per-response cost is CPU the engine loses, so it is kept to the protocol's minimum."""
+    import asyncio
+
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    work = list(enumerate(prompts))[::-1]
+    async with grpc.aio.insecure_channel(url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+        async def stream() -> list[Sample]:
+            call = stub.ModelStreamInfer()
+            samples = []
+            while work:
+                index, messages = work.pop()
+                samples.append(await _stream_request(call, _request(str(index), messages, new_tokens)))
+            await call.done_writing()
+            return samples
+
+        start = time.perf_counter()
+        per_stream = await asyncio.gather(*(stream() for _ in range(concurrency)))
+        seconds = time.perf_counter() - start
+    return Level(concurrency, [s for samples in per_stream for s in samples], seconds)
 
 
 def run_level(url: str, prompts: list, new_tokens: int, concurrency: int) -> Level:
-    work: queue.Queue = queue.Queue()
-    for p in prompts:
-        work.put(p)
-    samples: list[Sample] = []
-    errors: list[BaseException] = []
-    lock = threading.Lock()
-    workers = [StreamWorker(url) for _ in range(concurrency)]
+    import asyncio
 
-    def loop(worker: StreamWorker) -> None:
-        while True:
-            try:
-                messages = work.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                sample = worker.request(messages, new_tokens)
-            except BaseException as exc:  # reported after the level; the level fails
-                with lock:
-                    errors.append(exc)
-                return
-            with lock:
-                samples.append(sample)
+    return asyncio.run(_closed_loop(url, prompts, new_tokens, concurrency))
 
-    start = time.perf_counter()
-    threads = [threading.Thread(target=loop, args=(w,)) for w in workers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    seconds = time.perf_counter() - start
-    for w in workers:
-        w.close()
-    if errors:
-        raise RuntimeError(f"concurrency {concurrency}: {len(errors)} request(s) failed") from errors[0]
-    return Level(concurrency, samples, seconds)
+
+def warm_up(url: str, messages: list[dict]) -> None:
+    run_level(url, [messages], 4, 1)
 
 
 def write_results(levels: list[Level], new_tokens: int, out_dir: Path, load: tuple[float, float],

@@ -164,6 +164,42 @@ def test_async_engine_streams_and_aborts(tiny_llama_dir):
         engine.shutdown()
 
 
+def test_async_engine_takes_new_requests_without_waiting_for_the_step_in_flight(tiny_llama_dir):
+    """While a step holds the engine, add_request still returns at once (a bad request still fails the call), and
+    every request that came in meanwhile starts in the same next step, not one per step; aborting one that has
+    not started yet, or shutting down, still ends its stream and frees its blocks."""
+    import threading
+
+    engine = AsyncEngine(EngineConfig.from_flat({"model": str(tiny_llama_dir), "num_blocks": 128,
+                                                 "max_model_len": 256, "max_num_seqs": 8}))
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        with engine._lock:  # stands in for a long step: the loop cannot run while this is held
+            streams = [engine.add_request(f"r{i}", [3 + i, 5, 7], params) for i in range(6)]
+            with pytest.raises(ValueError, match="outside the vocabulary"):
+                engine.add_request("bad", [10**6], params)
+            with pytest.raises(ValueError, match="already in use"):
+                engine.add_request("r0", [3, 5, 7], params)
+            waiting = engine.add_request("aborted", [3, 5, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+            aborter = threading.Thread(target=engine.abort, args=("aborted",))
+            aborter.start()
+        aborter.join(timeout=60)
+        outputs = [list(s) for s in streams]
+        assert all(out[-1].finish_reason == "length" for out in outputs)
+        assert len({out[0].metrics.first_scheduled_time for out in outputs if out[0].metrics}) == 1
+        assert list(waiting)[-1].finish_reason == "abort"
+
+        with engine._lock:
+            late = engine.add_request("late", [3, 5, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+            stopper = threading.Thread(target=engine.shutdown)
+            stopper.start()
+        stopper.join(timeout=60)
+        assert list(late)[-1].finish_reason == "abort"
+        assert engine.engine.stats().kv_blocks_used == 0
+    finally:
+        engine.shutdown()
+
+
 def test_async_engine_builds_on_its_step_thread_and_reraises_build_errors(tiny_llama_dir):
     """The model loads on the step thread (one OpenMP pool: see async_engine.py); a failed build raises in the
     caller and leaves no thread behind."""

@@ -276,6 +276,18 @@ def test_minimal_response_has_only_text_and_ids():
     assert set(final) == {"text_output", "output_ids"} and final["text_output"].tolist() == [b"b"]
 
 
+def test_named_outputs_are_the_only_ones_built():
+    """A client that names its outputs gets only those (Triton would drop the rest anyway); a named output whose
+    return_* flag is off is still not built."""
+    inputs = {"text_input": _bytes("a"), "stream": _bool(True), "return_num_output_tokens": _bool(True),
+              "return_finish_reason": _bool(True)}
+    request = serving.decode_request(inputs, requested_outputs=["text_output", "num_output_tokens", "logprobs"])
+    tensors = serving.ResponseEncoder(request).encode(_out("b", [3], n_out=1))
+    assert set(tensors) == {"text_output", "num_output_tokens"}
+    every = serving.ResponseEncoder(serving.decode_request(inputs)).encode(_out("b", [3], n_out=1))
+    assert set(every) == {"text_output", "output_ids", "num_output_tokens", "finish_reason"}
+
+
 # ---- `deepinfer serve` plumbing (no server started here; tests/e2e starts real ones) ----------------
 
 def test_render_config_sets_parameters_and_rejects_unknown_names():

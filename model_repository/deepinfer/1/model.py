@@ -123,7 +123,8 @@ class TritonPythonModel:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             if tensor is not None:
                 inputs[name] = tensor.as_numpy()
-        return serving.decode_request(inputs, request.parameters(), request.correlation_id(), request.flags())
+        return serving.decode_request(inputs, request.parameters(), request.correlation_id(), request.flags(),
+                                      request.requested_output_names())
 
     def _send_error(self, sender: Any, message: str, code: Any = None) -> None:
         error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
