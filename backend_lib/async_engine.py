@@ -17,8 +17,8 @@ slower. Caller threads only tokenize and queue, so the step thread's pool stays 
 """
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -37,17 +37,28 @@ class RequestStream:
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self._queue: queue.Queue[RequestOutput] = queue.Queue()
+        self._ready: collections.deque[RequestOutput] = collections.deque()
+        self._arrived = threading.Condition(threading.Lock())
 
     def put(self, output: RequestOutput) -> None:
-        self._queue.put(output)
+        with self._arrived:
+            self._ready.append(output)
+            self._arrived.notify()
 
     def get(self, timeout: float | None = None) -> RequestOutput:
         """Blocks for the next output; raises TimeoutError after ``timeout`` seconds."""
-        try:
-            return self._queue.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"no output for request {self.request_id} within {timeout} s") from None
+        with self._arrived:
+            if not self._arrived.wait_for(lambda: self._ready, timeout):
+                raise TimeoutError(f"no output for request {self.request_id} within {timeout} s")
+            return self._ready.popleft()
+
+    def take_ready(self) -> list[RequestOutput]:
+        """Every output that has arrived and was not taken yet, without waiting (a response thread polling many
+        streams calls this once per stream and wake-up)."""
+        with self._arrived:
+            ready = list(self._ready)
+            self._ready.clear()
+        return ready
 
     def __iter__(self):
         while True:

@@ -166,12 +166,7 @@ class TritonPythonModel:
             if item.request.is_cancelled():
                 item.cancelled = True
                 self._engine.abort(item.request_id)  # the stream then ends with finish_reason "abort"
-        ready = []
-        while not ready or not ready[-1].finished:
-            try:
-                ready.append(item.stream.get(timeout=0))
-            except (queue.Empty, TimeoutError):
-                break
+        ready = item.stream.take_ready()
         final = ready[-1] if ready and ready[-1].finished else None
         if final is not None and (item.cancelled or final.finish_reason == "error"):
             text_so_far = item.coalescer.push(ready[:-1], flush=True)  # the text before an error FINAL still goes
