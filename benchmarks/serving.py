@@ -204,7 +204,8 @@ def write_results(levels: list[Level], new_tokens: int, out_dir: Path, load: tup
              f"Chat prompts from ../shared/bench/workload.py, {new_tokens} new tokens each, greedy, EOS ignored, "
              f"fp32, SmolLM2-135M-Instruct (bundled GGUF), one Triton model instance (the engine batches). "
              f"Machine: {platform.machine()}, {os.cpu_count()} cores shared with the client (its own process at "
-             f"nice {client_nice}), torch {torch.__version__}, "
+             f"nice {client_nice}: one asyncio loop on raw gRPC, naming the outputs text_output and "
+             f"num_output_tokens), torch {torch.__version__}, "
              f"{num_threads or 'all'} engine threads; "
              f"1-min load average {load[0]:.1f} before, {load[1]:.1f} after (other work on the machine skews "
              f"the numbers when it exceeds the core count).", "",
