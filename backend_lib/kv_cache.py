@@ -8,12 +8,20 @@ Prefix caching (vLLM v1): a block that is full of *computed* tokens gets a hash 
 parent's hash and its token ids, so equal prefixes map to equal chains. A freed hashed block stays
 in the cache (ref count 0, in the free queue) until a new allocation evicts it; free blocks without a
 hash are always handed out first, hashed ones oldest first.
+
+Placement: a request's next block is the one right after its last block when that is free and unhashed, else the
+middle of the longest run of free unhashed blocks (room to grow for this request and for the one before the
+run). Decode attention streams each request's K/V block by block, and adjacent blocks read about twice as fast
+as blocks interleaved with other requests' (the C++ host kernel: 0.22 against 0.42 ms a SmolLM2 layer at batch
+32), because the hardware prefetcher follows them.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
 
 if TYPE_CHECKING:  # runtime-free: the manager only reads request_id, num_tokens, all_token_ids, block_ids
     from backend_lib.request import Request
@@ -66,19 +74,31 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self.hash_to_block)
 
-    def get_new_blocks(self, n: int) -> list[int]:
+    def get_new_blocks(self, n: int, after: int | None = None) -> list[int]:
+        """``n`` blocks for the end of a block table whose last block is ``after`` (None: a new table), adjacent
+        to it and to each other where the free blocks allow (see the module docstring)."""
         if n > self.num_free_blocks:
             raise ValueError(f"cannot allocate {n} blocks: only {self.num_free_blocks} free")
         out = []
         for _ in range(n):
             if self._free_plain:
-                block, _ = self._free_plain.popitem(last=False)
+                block = after + 1 if after is not None and after + 1 in self._free_plain else self._roomiest()
+                del self._free_plain[block]
             else:
                 block, _ = self._free_cached.popitem(last=False)
                 self._drop_hash(block)
             self.ref_cnt[block] = 1
             out.append(block)
+            after = block
         return out
+
+    def _roomiest(self) -> int:
+        """The middle of the longest run of adjacent free unhashed blocks (there is at least one)."""
+        free = np.sort(np.fromiter(self._free_plain, dtype=np.int64, count=len(self._free_plain)))  # [F]
+        starts = np.flatnonzero(np.diff(free, prepend=-2) != 1)  # [R] where each run begins
+        lengths = np.diff(starts, append=len(free))  # [R]
+        longest = int(np.argmax(lengths))
+        return int(free[starts[longest] + lengths[longest] // 2])
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each block (a prefix-cache hit), pulling free ones out of the queue."""
@@ -254,7 +274,8 @@ class KVCacheManager:
         # Touch first: otherwise the fresh allocation below could evict the very blocks we hit.
         self.pool.touch(computed_block_ids)
         total = len(computed_block_ids) * self.block_size + num_new_tokens
-        fresh = self.pool.get_new_blocks(self.blocks_needed(total) - len(computed_block_ids))
+        fresh = self.pool.get_new_blocks(self.blocks_needed(total) - len(computed_block_ids),
+                                         after=computed_block_ids[-1] if computed_block_ids else None)
         request.block_ids = list(computed_block_ids) + fresh
         self._num_hashed[request.request_id] = len(computed_block_ids)
         if self.enable_prefix_caching:
@@ -275,7 +296,9 @@ class KVCacheManager:
         if missing > self.pool.num_free_blocks:
             raise ValueError(f"cannot append {num_new_tokens} tokens for request {request.request_id!r}: "
                              f"needs {missing} blocks, {self.pool.num_free_blocks} free (call can_append first)")
-        request.block_ids.extend(self.pool.get_new_blocks(missing))
+        if missing:
+            after = request.block_ids[-1] if request.block_ids else None
+            request.block_ids.extend(self.pool.get_new_blocks(missing, after=after))
         return request.block_ids
 
     # --- release and ownership ----------------------------------------------------------------

@@ -143,6 +143,27 @@ def test_can_allocate_counts_revived_cached_blocks():
     manager.check_integrity(holders=[second.block_ids])
 
 
+def test_growing_tables_stay_adjacent_even_when_they_grow_in_turns():
+    """Requests that grow one block at a time in turns (decode) each keep a run of adjacent blocks, as long as
+    the pool has room; a free block that still caches a prefix is not taken for adjacency."""
+    pool = BlockPool(num_blocks=128, block_size=BS)  # the middle of the longest free run: >= 16 blocks each
+    tables = [pool.get_new_blocks(3) for _ in range(4)]
+    for _ in range(6):
+        for table in tables:
+            table += pool.get_new_blocks(1, after=table[-1])
+    for table in tables:
+        assert table == list(range(table[0], table[0] + len(table)))
+    pool.check_integrity()
+
+    pool = BlockPool(num_blocks=8, block_size=BS)
+    first = pool.get_new_blocks(2)
+    pool.cache_block(first[1], hash_block(None, [1] * BS))
+    pool.free_blocks([first[1]])
+    grown = pool.get_new_blocks(1, after=first[0])
+    assert grown != [first[1]] and pool.get_cached_block(hash_block(None, [1] * BS)) == first[1]
+    pool.check_integrity()
+
+
 def test_hash_chain_depends_on_the_parent():
     a = hash_block(None, [1, 2])
     assert hash_block(a, [3, 4]) != hash_block(hash_block(None, [9, 9]), [3, 4])
@@ -159,8 +180,8 @@ def test_hash_chain_depends_on_the_parent():
 ])
 def test_integrity_check_catches_injected_corruption(corrupt, message):
     pool = BlockPool(num_blocks=8, block_size=BS)
-    pool.get_new_blocks(6)  # blocks 0..5 in use
-    pool.free_blocks([0, 1, 2])
+    pool.get_new_blocks(8)
+    pool.free_blocks([0, 1, 2, 6, 7])  # blocks 3..5 in use
     pool.check_integrity()
     corrupt(pool)
     with pytest.raises(AssertionError, match=message):
