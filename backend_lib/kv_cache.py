@@ -60,6 +60,8 @@ class BlockPool:
         # Two queues keep "unhashed first, then hashed oldest first" O(1); both are FIFO (LRU).
         self._free_plain: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()
+        # _free_plain as a mask, so finding free runs for placement is one vectorized pass, not a sort.
+        self._plain_mask = np.ones(num_blocks, dtype=np.bool_)  # [num_blocks]
 
     @property
     def num_free_blocks(self) -> int:
@@ -84,6 +86,7 @@ class BlockPool:
             if self._free_plain:
                 block = after + 1 if after is not None and after + 1 in self._free_plain else self._roomiest()
                 del self._free_plain[block]
+                self._plain_mask[block] = False
             else:
                 block, _ = self._free_cached.popitem(last=False)
                 self._drop_hash(block)
@@ -94,11 +97,10 @@ class BlockPool:
 
     def _roomiest(self) -> int:
         """The middle of the longest run of adjacent free unhashed blocks (there is at least one)."""
-        free = np.sort(np.fromiter(self._free_plain, dtype=np.int64, count=len(self._free_plain)))  # [F]
-        starts = np.flatnonzero(np.diff(free, prepend=-2) != 1)  # [R] where each run begins
-        lengths = np.diff(starts, append=len(free))  # [R]
-        longest = int(np.argmax(lengths))
-        return int(free[starts[longest] + lengths[longest] // 2])
+        edges = np.flatnonzero(np.diff(self._plain_mask, prepend=False, append=False))  # [2R] run starts, ends
+        starts, ends = edges[0::2], edges[1::2]
+        longest = int(np.argmax(ends - starts))
+        return int(starts[longest] + (ends[longest] - starts[longest]) // 2)
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each block (a prefix-cache hit), pulling free ones out of the queue."""
@@ -106,6 +108,7 @@ class BlockPool:
             if self.ref_cnt[block] == 0:
                 queue = self._free_cached if self.block_hash[block] is not None else self._free_plain
                 del queue[block]
+                self._plain_mask[block] = False
             self.ref_cnt[block] += 1
 
     def free_blocks(self, block_ids: Iterable[int]) -> None:
@@ -116,8 +119,11 @@ class BlockPool:
                 raise ValueError(f"block {block} freed with ref count {self.ref_cnt[block]}")
             self.ref_cnt[block] -= 1
             if self.ref_cnt[block] == 0:
-                queue = self._free_cached if self.block_hash[block] is not None else self._free_plain
-                queue[block] = None
+                if self.block_hash[block] is not None:
+                    self._free_cached[block] = None
+                else:
+                    self._free_plain[block] = None
+                    self._plain_mask[block] = True
 
     def get_cached_block(self, block_hash: BlockHash) -> int | None:
         return self.hash_to_block.get(block_hash)
@@ -162,6 +168,10 @@ class BlockPool:
             assert ref >= 0, f"block {block} has negative ref count {ref}"
             if ref == 0:
                 assert block in seen, f"block {block} has ref count 0 but is in no free queue (leaked)"
+        plain = np.zeros(n, dtype=np.bool_)
+        plain[list(self._free_plain)] = True
+        mismatch = np.flatnonzero(plain != self._plain_mask)
+        assert not mismatch.size, f"block {mismatch[0]}: the placement mask disagrees with the plain free queue"
         used = sum(1 for ref in self.ref_cnt if ref > 0)
         assert used + len(seen) == n, f"free ({len(seen)}) + used ({used}) != total ({n})"
         for block_hash, block in self.hash_to_block.items():

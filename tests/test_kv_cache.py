@@ -177,6 +177,7 @@ def test_hash_chain_depends_on_the_parent():
     (lambda p: p._free_cached.__setitem__(0, None), "free queues twice"),
     (lambda p: p.block_hash.__setitem__(5, hash_block(None, [9])), "carry a hash but the hash map has"),
     (lambda p: p.hash_to_block.__setitem__(hash_block(None, [8]), 5), "which carries hash"),
+    (lambda p: p._plain_mask.__setitem__(4, True), "placement mask disagrees"),
 ])
 def test_integrity_check_catches_injected_corruption(corrupt, message):
     pool = BlockPool(num_blocks=8, block_size=BS)
