@@ -1,13 +1,14 @@
 """AsyncEngine: the LLMEngine step loop on a background thread, with a thread-safe output stream per request.
 
 The Triton model calls add_request / abort from its own threads and reads each RequestStream from a response
-thread. One lock guards the engine; the step loop holds it for a whole step. A request that is not a session
-turn does not wait for it: the caller's thread tokenizes and checks it (LLMEngine.prepare_request: bad input
-still fails the call) and leaves it in an inbox that the loop empties before each step. Without the inbox, a
-burst of N requests (one Triton execute() each) got in one per step, and the last one's first token came N
-steps late. Session turns and aborts depend on engine state, so they take the lock and wait for the current
-step at most. Python's locks are not fair, so the step loop lets waiting callers in before it takes the lock
-for the next step; otherwise a busy loop could starve an abort or a session turn for a whole generation.
+thread. One lock guards the engine; the step loop holds it for a whole step. A new request does not wait for
+it: it goes into an inbox that the loop empties before each step. Without the inbox, a burst of N requests (one
+Triton execute() each) got in one per step, and the last one's first token came N steps late. A request that is
+not a session turn is tokenized and checked on the caller's thread first (LLMEngine.prepare_request), so bad
+input still fails the call. A session turn's checks read the session (exists, busy, history), so they run when
+the loop takes it in; a refused turn ends its stream with a ``rejected`` error output. Aborts and stats take the
+lock and wait for the current step at most. Python's locks are not fair, so the step loop lets waiting callers
+in before it takes the lock for the next step; otherwise a busy loop could starve an abort for a generation.
 
 The engine is built on the step thread, not the caller's: GNU OpenMP keeps one worker pool per thread that
 runs parallel regions, and once two pools exist (caller + step thread) on a machine with as many cores as one
@@ -18,6 +19,7 @@ slower. Caller threads only tokenize and queue, so the step thread's pool stays 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -25,7 +27,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 from backend_lib.config import EngineConfig
-from backend_lib.engine import LLMEngine, PreparedRequest, Prompt
+from backend_lib.engine import LLMEngine, Prompt
 from backend_lib.outputs import EngineStats, RequestOutput, SessionControl
 from backend_lib.sampling_params import SamplingParams
 
@@ -76,9 +78,9 @@ class AsyncEngine:
         self._callers_lock = threading.Lock()
         self._callers_waiting = 0
         self._streams: dict[str, RequestStream] = {}
-        # Requests checked on their callers' threads, waiting for the loop to queue them in the engine.
+        # New requests waiting for the loop to queue them in the engine (each with the call that does it).
         self._inbox_lock = threading.Lock()
-        self._inbox: dict[str, tuple[PreparedRequest, RequestStream]] = {}
+        self._inbox: dict[str, tuple[Callable[[], None], RequestStream]] = {}
         self._stopped = False
         # Called (on the engine's threads) after outputs were put on streams: lets a consumer block instead of
         # polling every stream.
@@ -103,23 +105,21 @@ class AsyncEngine:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     session: SessionControl | None = None) -> RequestStream:
-        """Raises ValueError (nothing queued) for bad input; RuntimeError after shutdown."""
-        stream = RequestStream(request_id)
-        if session is not None:
-            with self._caller():
-                if self._stopped:
-                    raise RuntimeError("the engine is shut down")
-                self.engine.add_request(request_id, prompt, params, session)
-                self._streams[request_id] = stream
-        else:
+        """Raises ValueError (nothing queued) for bad input; RuntimeError after shutdown. A session turn the
+        engine refuses (unknown session, a turn still running, ...) ends its stream with a rejected output."""
+        if session is None:
             prepared = self.engine.prepare_request(request_id, prompt, params)
-            with self._inbox_lock:
-                if self._stopped:
-                    raise RuntimeError("the engine is shut down")
-                # The live ids are those of the streams and the inbox (a dict read is atomic under the GIL).
-                if request_id in self._inbox or request_id in self._streams:
-                    raise ValueError(f"request id {request_id!r} is already in use")
-                self._inbox[request_id] = (prepared, stream)
+            admit = functools.partial(self.engine.add_prepared, prepared)
+        else:
+            admit = functools.partial(self.engine.add_request, request_id, prompt, params, session)
+        stream = RequestStream(request_id)
+        with self._inbox_lock:
+            if self._stopped:
+                raise RuntimeError("the engine is shut down")
+            # The live ids are those of the streams and the inbox (a dict read is atomic under the GIL).
+            if request_id in self._inbox or request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._inbox[request_id] = (admit, stream)
         self._wakeup.set()
         return stream
 
@@ -165,13 +165,12 @@ class AsyncEngine:
         """Queue the inbox's requests in the engine (engine lock held), in arrival order."""
         with self._inbox_lock:
             waiting, self._inbox = self._inbox, {}
-        for request_id, (prepared, stream) in waiting.items():
+        for request_id, (admit, stream) in waiting.items():
             try:
-                self.engine.add_prepared(prepared)
-            except ValueError as exc:  # its id went live after add_request checked it: this request ends here
+                admit()
+            except ValueError as exc:  # the engine refused it (a session turn's checks run only here)
                 stream.put(RequestOutput(request_id, [], "", finished=True, finish_reason="error",
-                                         num_prompt_tokens=len(prepared.prompt_ids), num_output_tokens=0,
-                                         error=str(exc)))
+                                         num_prompt_tokens=0, num_output_tokens=0, error=str(exc), rejected=True))
                 continue
             self._streams[request_id] = stream
 

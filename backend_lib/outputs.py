@@ -84,6 +84,8 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended the request
     error: str | None = None
+    # Ended before it ran because the engine refused its input (e.g. a session protocol error): the client's fault.
+    rejected: bool = False
     metrics: RequestMetrics | None = None
 
 

@@ -9,6 +9,7 @@ from backend_lib.async_engine import AsyncEngine
 from backend_lib.config import EngineConfig
 from backend_lib.engine import LLMEngine
 from backend_lib.offline import LLM
+from backend_lib.outputs import SessionControl
 from backend_lib.sampling_params import SamplingParams
 
 
@@ -165,9 +166,10 @@ def test_async_engine_streams_and_aborts(tiny_llama_dir):
 
 
 def test_async_engine_takes_new_requests_without_waiting_for_the_step_in_flight(tiny_llama_dir):
-    """While a step holds the engine, add_request still returns at once (a bad request still fails the call), and
-    every request that came in meanwhile starts in the same next step, not one per step; aborting one that has
-    not started yet, or shutting down, still ends its stream and frees its blocks."""
+    """While a step holds the engine, add_request still returns at once (a bad request still fails the call; a
+    refused session turn ends its stream, rejected), and every request that came in meanwhile starts in the same
+    next step, not one per step; aborting one that has not started yet, or shutting down, still ends its stream
+    and frees its blocks."""
     import threading
 
     engine = AsyncEngine(EngineConfig.from_flat({"model": str(tiny_llama_dir), "num_blocks": 128,
@@ -180,6 +182,7 @@ def test_async_engine_takes_new_requests_without_waiting_for_the_step_in_flight(
                 engine.add_request("bad", [10**6], params)
             with pytest.raises(ValueError, match="already in use"):
                 engine.add_request("r0", [3, 5, 7], params)
+            refused = engine.add_request("turn", [3, 5, 7], params, SessionControl("s1"))  # no START: unknown
             waiting = engine.add_request("aborted", [3, 5, 7], SamplingParams(max_tokens=200, ignore_eos=True))
             aborter = threading.Thread(target=engine.abort, args=("aborted",))
             aborter.start()
@@ -188,6 +191,8 @@ def test_async_engine_takes_new_requests_without_waiting_for_the_step_in_flight(
         assert all(out[-1].finish_reason == "length" for out in outputs)
         assert len({out[0].metrics.first_scheduled_time for out in outputs if out[0].metrics}) == 1
         assert list(waiting)[-1].finish_reason == "abort"
+        [rejected] = list(refused)
+        assert rejected.rejected and rejected.finish_reason == "error" and "unknown session s1" in rejected.error
 
         with engine._lock:
             late = engine.add_request("late", [3, 5, 7], SamplingParams(max_tokens=200, ignore_eos=True))

@@ -180,7 +180,7 @@ class TritonPythonModel:
         if output.finished:
             self._send_final(item, output)  # if this raises, _fail still sends an error FINAL
             item.done = True
-            if self._metrics is not None:
+            if self._metrics is not None and not output.rejected:  # refused input is not counted as a request
                 self._metrics.on_finished(output)
         else:
             self._send_delta(item, output)
@@ -194,6 +194,8 @@ class TritonPythonModel:
     def _send_final(self, item: _Active, output: Any) -> None:
         if item.cancelled:
             self._send_error(item.sender, "request cancelled", pb_utils.TritonError.CANCELLED)
+        elif output.rejected:  # e.g. a session protocol error, found when the engine took the turn in
+            self._send_error(item.sender, output.error, pb_utils.TritonError.INVALID_ARG)
         elif output.finish_reason == "error":
             self._send_error(item.sender, output.error or "the engine failed this request")
         else:
