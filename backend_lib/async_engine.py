@@ -165,14 +165,18 @@ class AsyncEngine:
         """Queue the inbox's requests in the engine (engine lock held), in arrival order."""
         with self._inbox_lock:
             waiting, self._inbox = self._inbox, {}
+        refused = False
         for request_id, (admit, stream) in waiting.items():
             try:
                 admit()
             except ValueError as exc:  # the engine refused it (a session turn's checks run only here)
                 stream.put(RequestOutput(request_id, [], "", finished=True, finish_reason="error",
                                          num_prompt_tokens=0, num_output_tokens=0, error=str(exc), rejected=True))
+                refused = True
                 continue
             self._streams[request_id] = stream
+        if refused and self.on_outputs is not None:
+            self.on_outputs()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
