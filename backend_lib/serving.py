@@ -61,6 +61,12 @@ _ENGINE_PARAMETERS: dict[str, tuple[str, type]] = {
     "prefill_buckets": ("prefill_buckets", str),
     "seed": ("seed", int),
     "num_threads": ("num_threads", int),
+    "tensor_parallel_size": ("tensor_parallel_size", int),
+    "enable_expert_parallel": ("enable_expert_parallel", bool),
+    "nnodes": ("nnodes", int),
+    "master_addr": ("master_addr", str),
+    "master_port": ("master_port", int),
+    "distributed_timeout_s": ("distributed_timeout_s", float),
 }
 ENGINE_PARAMETER_NAMES = tuple(_ENGINE_PARAMETERS)
 # Parameters of the Triton model itself, not the engine.
