@@ -43,8 +43,10 @@ class Executor:
             self.state = build_rank(config, self.par)
         except Exception as exc:
             failure = self.pool.failure()
+            self.failed = failure or str(exc)
             self.close()
-            if failure:
+            # A bad configuration fails the driver as it fails every rank: its own message is the one to show.
+            if failure and not isinstance(exc, ValueError):
                 raise RankFailure(failure) from exc
             raise
         self._rendezvous = rendezvous  # the store lives as long as the group
@@ -69,7 +71,7 @@ class Executor:
         try:
             return self.state.runner.execute(scheduler_output)
         except RuntimeError as exc:  # a collective failed: a peer died, or hung past distributed_timeout_s
-            self.failed = self.pool.failure() or f"a tensor-parallel collective failed: {exc}"
+            self.failed = self.pool.wait_failure(grace_s=2.0) or f"a tensor-parallel collective failed: {exc}"
             log.error("engine cannot go on: %s", self.failed)
             raise RankFailure(self.failed) from exc
 

@@ -62,6 +62,14 @@ class WorkerPool:
                 return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}"
         return None
 
+    def wait_failure(self, grace_s: float) -> str | None:
+        """``failure()``, allowing a dying rank ``grace_s`` to be reaped (its peers see the broken connection
+        first)."""
+        deadline = time.monotonic() + grace_s
+        while (failed := self.failure()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return failed
+
     def stop(self, grace_s: float = 5.0) -> None:
         """Workers leave on the driver's SHUTDOWN message; any still running after ``grace_s`` is killed."""
         deadline = time.monotonic() + grace_s
