@@ -94,6 +94,8 @@ def _int_tuple(name: str, value: Any) -> tuple[int, ...]:
     """Bucket lists arrive as tuples/lists (Python) or comma-separated strings (Triton parameters, CLI flags)."""
     if isinstance(value, str):
         value = [v for v in value.replace(" ", "").split(",") if v]
+    elif isinstance(value, int):
+        value = [value]
     try:
         out = tuple(int(v) for v in value)
     except (TypeError, ValueError):
