@@ -147,3 +147,15 @@ def test_two_nodes_on_localhost_match_one(tiny_dirs):
     finally:
         node1.kill()
     _assert_same(_generate(model), results)
+
+
+def test_neuron_layout_reads_the_sharding_code():
+    """The layout report (docs/NEURON.md) comes from the model's own shards: DeepSeek-V3 at TP=64 + EP holds about
+    1/64 of the sharded weights per rank plus the replicated latent projections, router and norms."""
+    from backend_lib.neuron.layout import deepseek_v3_layout
+
+    whole, split = deepseek_v3_layout(1, False), deepseek_v3_layout(64, True)
+    sharded = whole.weight_bytes - split.replicated_bytes
+    assert split.weight_bytes - split.replicated_bytes == pytest.approx(sharded / 64, rel=0.02)
+    assert split.allreduces_per_step == 2 * 61 + 1 and whole.allreduces_per_step == 0
+    assert split.kv_bytes_per_token == whole.kv_bytes_per_token  # the latent is not split by heads
