@@ -61,6 +61,16 @@ _ENGINE_PARAMETERS: dict[str, tuple[str, type]] = {
     "prefill_buckets": ("prefill_buckets", str),
     "seed": ("seed", int),
     "num_threads": ("num_threads", int),
+    "max_waiting_requests": ("max_waiting_requests", int),
+    "max_sessions": ("max_sessions", int),
+    "max_prompt_chars": ("max_prompt_chars", int),
+    "max_input_ids": ("max_input_ids", int),
+    "max_messages": ("max_messages", int),
+    "max_messages_chars": ("max_messages_chars", int),
+    "max_stop_strings": ("max_stop_strings", int),
+    "max_stop_string_chars": ("max_stop_string_chars", int),
+    "max_stop_token_ids": ("max_stop_token_ids", int),
+    "max_logprobs": ("max_logprobs", int),
 }
 ENGINE_PARAMETER_NAMES = tuple(_ENGINE_PARAMETERS)
 # Parameters of the Triton model itself, not the engine.
