@@ -166,6 +166,8 @@ class SamplingParams:
             values = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
             raise ValueError(f"sampling_parameters is not valid JSON: {exc}") from exc
+        except RecursionError:  # Python's parser recurses per nesting level
+            raise ValueError("sampling_parameters is not valid JSON: nested too deeply") from None
         if not isinstance(values, dict):
             raise ValueError(
                 f"sampling_parameters is not valid JSON: expected an object, got {type(values).__name__}")

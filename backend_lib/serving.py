@@ -225,6 +225,17 @@ def _coerce(name: str, value: Any) -> Any:
     return value
 
 
+def _parse_json(what: str, text: str) -> Any:
+    """json.loads with every failure a ValueError naming ``what``: Python's parser recurses per nesting level, so
+    a deeply nested document ("[[[[...") raises RecursionError, not JSONDecodeError."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{what} is not valid JSON: nested too deeply") from None
+
+
 def _decode_prompt(inputs: Mapping[str, np.ndarray]) -> str | list[int] | list[dict[str, str]]:
     given = [name for name in PROMPT_INPUTS if name in inputs]
     if len(given) != 1:
@@ -247,11 +258,7 @@ def _decode_prompt(inputs: Mapping[str, np.ndarray]) -> str | list[int] | list[d
         if negative:
             raise ValueError(f"input_ids must be >= 0, got {negative[0]}")
         return flat
-    text = _text(name, inputs[name])
-    try:
-        messages = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"messages is not valid JSON: {exc}") from None
+    messages = _parse_json("messages", _text(name, inputs[name]))
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty JSON list of {\"role\": ..., \"content\": ...} objects")
     for i, message in enumerate(messages):
@@ -298,10 +305,7 @@ def decode_request(inputs: Mapping[str, np.ndarray], parameters_json: str = "{}"
         raise ValueError(f"unknown input {unknown_inputs[0]!r} (allowed: {', '.join(INPUT_NAMES)})")
     prompt = _decode_prompt(inputs)
 
-    try:
-        request_parameters = json.loads(parameters_json or "{}")
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"request parameters are not valid JSON: {exc}") from None
+    request_parameters = _parse_json("request parameters", parameters_json or "{}")
     if not isinstance(request_parameters, dict):
         raise ValueError("request parameters must be a JSON object")
     extra = {k: v for k, v in request_parameters.items() if k in SESSION_PARAMETERS}
@@ -313,10 +317,7 @@ def decode_request(inputs: Mapping[str, np.ndarray], parameters_json: str = "{}"
 
     if "sampling_parameters" in inputs:
         text = _text("sampling_parameters", inputs["sampling_parameters"])
-        try:
-            from_json = json.loads(text) if text.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"sampling_parameters is not valid JSON: {exc}") from None
+        from_json = _parse_json("sampling_parameters", text) if text.strip() else {}
         if not isinstance(from_json, dict):
             raise ValueError(f"sampling_parameters must be a JSON object, got {type(from_json).__name__}")
         # vLLM clients send null for "use the default".
