@@ -143,7 +143,7 @@ class AsyncEngine:
         waiting = len(self._inbox) + self._admitting + self.engine.scheduler.num_waiting
         if waiting >= limit:
             self._refused_waiting += 1
-            raise EngineBusyError(f"the server has {waiting} requests waiting for a slot, its limit "
+            raise EngineBusyError(f"server busy: {waiting} requests are waiting for a slot, the limit "
                                   f"(max_waiting_requests {limit}); retry later", "max_waiting_requests")
 
     def abort(self, request_id: str) -> None:

@@ -214,8 +214,8 @@ class LLMEngine:
         if len(self._sessions) >= limit:
             self.close_idle_sessions()
         if len(self._sessions) >= limit:
-            raise EngineBusyError(f"the server has {len(self._sessions)} open sessions, its limit "
-                                  f"(max_sessions {limit}); end a session or retry later", "max_sessions")
+            raise EngineBusyError(f"server busy: {len(self._sessions)} sessions are open, the limit "
+                                  f"(max_sessions {limit}); end one or retry later", "max_sessions")
 
     def _close_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)

@@ -144,7 +144,7 @@ def test_max_sessions_refuses_a_new_start_but_not_a_restart(engine):
     params = SamplingParams(max_tokens=2, temperature=0.0)
     engine.add_request("a", [5, 6], params, SessionControl("s-a", start=True))
     engine.add_request("b", [5, 6], params, SessionControl("s-b", start=True))
-    with pytest.raises(EngineBusyError, match=r"2 open sessions, its limit \(max_sessions 2\)") as info:
+    with pytest.raises(EngineBusyError, match=r"^server busy: 2 sessions are open, the limit \(max_sessions 2\)") as info:
         engine.add_request("c", [5, 6], params, SessionControl("s-c", start=True))
     assert info.value.limit == "max_sessions" and not isinstance(info.value, ValueError)
     _run(engine)
@@ -166,8 +166,8 @@ def test_async_engine_refuses_past_max_waiting_requests_and_counts_refusals(tiny
         with engine._lock:  # stands in for a long step: nothing leaves the inbox meanwhile
             streams = [engine.add_request(f"r{i}", [3 + i, 5, 7], params) for i in range(3)]
             for i in range(2):
-                with pytest.raises(EngineBusyError, match=r"3 requests waiting for a slot, its limit "
-                                                          r"\(max_waiting_requests 3\)"):
+                with pytest.raises(EngineBusyError, match=r"^server busy: 3 requests are waiting for a slot, the "
+                                                          r"limit \(max_waiting_requests 3\)"):
                     engine.add_request(f"x{i}", [3, 5, 7], params)
         assert all(list(s)[-1].finish_reason == "length" for s in streams)
         assert list(engine.add_request("s1", [3, 5], params, SessionControl("one", start=True)))[-1].finished

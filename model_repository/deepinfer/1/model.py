@@ -107,7 +107,7 @@ class TritonPythonModel:
             except ValueError as exc:  # the client's fault: report it and keep serving
                 self._send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
                 continue
-            except EngineBusyError as exc:  # at an admission limit: UNAVAILABLE (HTTP 503) tells it to retry later
+            except EngineBusyError as exc:  # at an admission limit: UNAVAILABLE (retry later), not the client's fault
                 self._send_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
                 continue
             except Exception as exc:
