@@ -251,12 +251,13 @@ def _decode_prompt(inputs: Mapping[str, np.ndarray]) -> str | list[int] | list[d
         ids = np.asarray(inputs[name])
         if ids.dtype.kind not in "iu":
             raise ValueError(f"input_ids must be INT32, got {ids.dtype}")
-        flat = [int(i) for i in ids.reshape(-1)]
+        # tolist() converts in C (Python ints, exact for uint64 too): the length cap is the engine's
+        # (RequestLimits.max_input_ids), and a per-element Python loop made a huge tensor cost seconds first.
+        flat = ids.reshape(-1).tolist()
         if not flat:
             raise ValueError("input_ids is empty: the prompt must have at least one token")
-        negative = [i for i in flat if i < 0]
-        if negative:
-            raise ValueError(f"input_ids must be >= 0, got {negative[0]}")
+        if min(flat) < 0:
+            raise ValueError(f"input_ids must be >= 0, got {min(flat)}")
         return flat
     messages = _parse_json("messages", _text(name, inputs[name]))
     if not isinstance(messages, list) or not messages:
