@@ -119,6 +119,8 @@ class AsyncEngine:
         """Raises ValueError (nothing queued) for bad input; EngineBusyError past max_waiting_requests;
         RuntimeError after shutdown. A session turn the engine refuses (unknown session, a turn still running,
         max_sessions, ...) ends its stream with a rejected output."""
+        with self._inbox_lock:  # first before tokenizing: an overloaded server refuses at the least cost
+            self._check_waiting_room()
         if session is None:
             prepared = self.engine.prepare_request(request_id, prompt, params)
             admit = functools.partial(self.engine.add_prepared, prepared)
@@ -131,7 +133,7 @@ class AsyncEngine:
             # The live ids are those of the streams and the inbox (a dict read is atomic under the GIL).
             if request_id in self._inbox or request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._check_waiting_room()
+            self._check_waiting_room()  # again: others may have come in while this one was tokenized
             self._inbox[request_id] = (admit, stream)
         self._wakeup.set()
         return stream

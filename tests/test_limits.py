@@ -169,13 +169,15 @@ def test_async_engine_refuses_past_max_waiting_requests_and_counts_refusals(tiny
                 with pytest.raises(EngineBusyError, match=r"^server busy: 3 requests are waiting for a slot, the "
                                                           r"limit \(max_waiting_requests 3\)"):
                     engine.add_request(f"x{i}", [3, 5, 7], params)
+            with pytest.raises(EngineBusyError):  # refused before tokenizing: its bad id is never looked at
+                engine.add_request("bad", [10**6], params)
         assert all(list(s)[-1].finish_reason == "length" for s in streams)
         assert list(engine.add_request("s1", [3, 5], params, SessionControl("one", start=True)))[-1].finished
         refused = engine.add_request("s2", [3, 5], params, SessionControl("two", start=True))  # "one" is open
         [out] = list(refused)
         assert out.rejected and out.busy and "max_sessions 1" in out.error
         stats = engine.stats()
-        assert (stats.num_refused_waiting, stats.num_refused_sessions) == (2, 1)
+        assert (stats.num_refused_waiting, stats.num_refused_sessions) == (3, 1)
         # Room again once the queue drained: nothing stays counted as waiting.
         assert list(engine.add_request("after", [3, 5, 7], params))[-1].finish_reason == "length"
     finally:
