@@ -156,8 +156,9 @@ def test_decode_request_is_valid_or_a_value_error(request):
 def engine(tiny_llama_dir):
     from backend_lib.config import EngineConfig
     from backend_lib.engine import LLMEngine
-    return LLMEngine(EngineConfig.from_flat({"model": str(tiny_llama_dir), "max_model_len": 128, "num_blocks": 16,
-                                             "max_logprobs": 5}))
+    # Small enough that the session turns below run out of context, blocks and sessions.
+    return LLMEngine(EngineConfig.from_flat({"model": str(tiny_llama_dir), "max_model_len": 96, "num_blocks": 24,
+                                             "block_size": 4, "max_sessions": 2, "max_logprobs": 5}))
 
 
 @FUZZ
@@ -187,3 +188,41 @@ def test_chat_template_path_is_valid_or_a_value_error(engine, messages):
     if ids is not None:
         assert all(isinstance(t, int) for t in ids)
     _accepts_or_value_error(lambda: engine.prepare_request("fuzz", messages, SamplingParams()))
+
+
+# ---- session turns: any sequence of START / END / turns leaves the engine consistent ---------------------
+
+TURNS = st.lists(st.tuples(
+    st.sampled_from(["1", "2", "3"]), st.booleans(), st.booleans(),  # session id, START, END
+    st.one_of(st.lists(st.integers(0, 300), min_size=1, max_size=40), TEXT.filter(bool),
+              st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]),
+                                              "content": TEXT}), min_size=1, max_size=2)),
+    st.one_of(st.none(), st.integers(1, 60)),  # max_tokens: unset or set (some past the context)
+    st.integers(0, 3)), max_size=6)  # steps run after the turn
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(TURNS)
+def test_fuzzed_session_turns_leave_the_engine_consistent(engine, turns):
+    """Turns of up to three sessions, with or without START / END, some refused (unknown session, a turn still
+    running, context, max_sessions): whatever the order, every block and session is returned at the end."""
+    from backend_lib.errors import EngineBusyError
+    from backend_lib.outputs import SessionControl
+
+    for i, (sid, start, end, prompt, max_tokens, steps) in enumerate(turns):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        try:
+            engine.add_request(f"t{i}", prompt, params, SessionControl(sid, start=start, end=end))
+        except (ValueError, EngineBusyError):
+            pass
+        for _ in range(steps):
+            engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.close_idle_sessions(now=float("inf"))
+    engine.scheduler.check_integrity()
+    stats = engine.stats()
+    assert stats.num_sessions == 0 and stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.kv_blocks_used == 0
+
