@@ -174,6 +174,7 @@ class AsyncEngine:
                 output = self.engine.abort(request_id)
                 if output is not None:
                     self._deliver([output])
+            self.engine.close()
 
     @contextmanager
     def _caller(self):

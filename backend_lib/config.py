@@ -126,6 +126,33 @@ class CompileConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Tensor / expert parallelism over torch.distributed (names as vLLM uses them)."""
+
+    tensor_parallel_size: int = 1  # ranks; rank 0 is the driver (where the engine lives), the rest worker processes
+    enable_expert_parallel: bool = False  # MoE experts partitioned across the ranks instead of each one sharded
+    nnodes: int = 1  # machines; ranks on nodes 1.. are started there by `deepinfer worker`
+    master_addr: str = "127.0.0.1"  # where the driver's rendezvous store listens (node 0's address)
+    master_port: int = 0  # 0 = a free port (one machine only)
+    distributed_timeout_s: float = 60.0  # a collective (or a worker joining) slower than this is a rank failure
+
+    def __post_init__(self) -> None:
+        _require(1 <= self.tensor_parallel_size <= 1024,
+                 f"tensor_parallel_size must be in [1, 1024], got {self.tensor_parallel_size}")
+        _require(1 <= self.nnodes <= self.tensor_parallel_size and self.tensor_parallel_size % self.nnodes == 0,
+                 f"nnodes must divide tensor_parallel_size={self.tensor_parallel_size}, got {self.nnodes}")
+        _require(self.nnodes == 1 or self.master_port > 0,
+                 f"nnodes={self.nnodes} needs an explicit master_port (the workers on other nodes dial it)")
+        _require(0 <= self.master_port <= 65535, f"master_port must be in [0, 65535], got {self.master_port}")
+        _require(self.distributed_timeout_s > 0,
+                 f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+
+@dataclass
 class RequestLimits:
     """Caps on what one request can make the server hold; beyond one, the request is refused with a ValueError
     (INVALID_ARG) naming the field and the limit. Each bounds memory or per-token work that grows with the
@@ -155,6 +182,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     limits: RequestLimits = field(default_factory=RequestLimits)
     session_idle_timeout_s: float = 600.0
     seed: int = 0  # seeds the per-request seeds of unseeded sampled requests
@@ -181,7 +209,7 @@ class EngineConfig:
     def from_flat(cls, values: dict[str, Any]) -> "EngineConfig":
         """Build from flat ``name -> value`` pairs (Triton parameters, CLI flags); unknown names are errors."""
         sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig,
-                    "compile": CompileConfig, "limits": RequestLimits}
+                    "compile": CompileConfig, "parallel": ParallelConfig, "limits": RequestLimits}
         owner = {f.name: section for section, klass in sections.items() for f in fields(klass)}
         top = {f.name for f in fields(cls)} - set(sections)
         grouped: dict[str, dict[str, Any]] = {name: {} for name in sections}
@@ -194,3 +222,15 @@ class EngineConfig:
             else:
                 raise ValueError(f"unknown engine setting {name!r}")
         return cls(**{name: sections[name](**kw) for name, kw in grouped.items()}, **top_values)
+
+
+def config_to_flat(config: EngineConfig) -> dict[str, Any]:
+    """The inverse of ``EngineConfig.from_flat`` (what the driver hands its worker ranks)."""
+    flat: dict[str, Any] = {}
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if hasattr(value, "__dataclass_fields__"):
+            flat.update({g.name: getattr(value, g.name) for g in fields(value)})
+        else:
+            flat[f.name] = value
+    return flat

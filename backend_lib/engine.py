@@ -14,21 +14,18 @@ import torch
 
 from backend_lib.config import EngineConfig
 from backend_lib.errors import EngineBusyError
+from backend_lib.executor.executor import Executor
+from backend_lib.executor.rank import DTYPES
 from backend_lib.limits import check_context, check_params, check_prompt
-from backend_lib.model_runner import ModelRunner
-from backend_lib.models.loader import load_model, resolve_model_path
+from backend_lib.models.loader import resolve_model_path
 from backend_lib.outputs import (EngineStats, RequestMetrics, RequestOutput, RunnerOutput, SessionControl,
                                  TokenLogprob)
 from backend_lib.request import Request, RequestStatus
 from backend_lib.sampling_params import SamplingParams
 from backend_lib.scheduler import Scheduler
 from backend_lib.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
-from kernels.cpu_kernels import cpu_kernels_supported, load_cpu_kernels
-from kernels.onednn_gemm import onednn_gemm_available
 
 Prompt = str | list[int] | list[dict]
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -69,26 +66,12 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.model.device)
-        self.dtype = _DTYPES[config.model.dtype]
-        path = resolve_model_path(config.model.model)
-        self.model = load_model(path, dtype=self.dtype).to(self.device).eval()
-        self.tokenizer = Tokenizer.load(path)
+        self.dtype = DTYPES[config.model.dtype]
+        self.tokenizer = Tokenizer.load(resolve_model_path(config.model.model))
+        self.executor = Executor(config)
+        self.model, self.runner = self.executor.model, self.executor.runner
         self.vocab_size = self.model.arch.vocab_size
-        block_size = config.cache.block_size
-        num_blocks = config.cache.num_blocks or max(
-            4, int(config.cache.kv_cache_memory_gb * 2**30
-                   // ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype)))
-        # Before the runner: compiled regions trace the packed GEMM (an opaque custom op) that eager steps call.
-        if (config.model.host_gemm == "onednn" and hasattr(self.model, "pack_for_cpu")
-                and onednn_gemm_available(self.device, self.dtype)):
-            self.model.pack_for_cpu()
-        if (config.model.host_attention == "cpp" and hasattr(self.model, "use_cpu_attention")
-                and cpu_kernels_supported(self.device, self.dtype) and load_cpu_kernels()):
-            self.model.use_cpu_attention()
-        self.runner = ModelRunner(self.model, num_blocks, block_size, self.vocab_size, self.device, self.dtype,
-                                  spec=config.spec, compile_config=config.compile,
-                                  max_num_seqs=config.scheduler.max_num_seqs,
-                                  max_model_len=config.model.max_model_len)
+        num_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.model.max_model_len,
                                    num_lookahead_slots=self.runner.num_lookahead_slots)
         self.num_blocks = num_blocks
@@ -251,7 +234,7 @@ class LLMEngine:
                 metrics.first_scheduled_time = now
         # Nothing to run (e.g. every request waits for blocks, or errors found while scheduling).
         runner_output = (RunnerOutput(sampled_token_ids=[]) if scheduler_output.is_empty
-                         else self.runner.execute(scheduler_output))
+                         else self.executor.execute(scheduler_output))
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         logprobs_by_id = {}
         if runner_output.logprobs is not None:
@@ -334,6 +317,10 @@ class LLMEngine:
         return outputs
 
     # ---- introspection --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the worker ranks (tensor parallelism); idempotent. The engine cannot step afterwards."""
+        self.executor.close()
+
     def stats(self) -> EngineStats:
         counters = self.scheduler.stats_counters()
         return EngineStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
