@@ -11,6 +11,10 @@ from typing import Any
 _DTYPES = ("float32", "bfloat16", "float16")
 _SPEC_METHODS = ("none", "ngram", "mtp")
 _COMPILE_BACKENDS = ("none", "auto", "inductor", "aot_eager", "neuron")
+# Admission defaults per running slot: a burst of 8 batches' worth waits (the last one about 8 batch lifetimes),
+# more is refused at once; sessions hold history (and KV until evicted), so more of them may stay open.
+WAITING_PER_SEQ = 8
+SESSIONS_PER_SEQ = 32
 
 
 def _require(condition: bool, message: str) -> None:
@@ -151,6 +155,29 @@ class ParallelConfig:
 
 
 @dataclass
+class RequestLimits:
+    """Caps on what one request can make the server hold; beyond one, the request is refused with a ValueError
+    (INVALID_ARG) naming the field and the limit. Each bounds memory or per-token work that grows with the
+    request, not the model: the context itself is bounded by max_model_len."""
+
+    max_prompt_chars: int = 1_048_576  # text_input characters (tokenized on the caller's thread)
+    max_input_ids: int = 0  # input_ids length; 0 = what max_model_len allows (a longer prompt can never run)
+    max_messages: int = 1024  # chat messages in one request
+    max_messages_chars: int = 1_048_576  # characters of every message's keys and values together
+    max_stop_strings: int = 16  # each is matched against every new token's text
+    max_stop_string_chars: int = 256  # per stop string
+    max_stop_token_ids: int = 64
+    max_logprobs: int = 20  # top-n alternatives per token (vLLM's default max_logprobs)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            lowest = 0 if f.name in ("max_input_ids", "max_logprobs") else 1
+            _require(isinstance(value, int) and not isinstance(value, bool) and value >= lowest,
+                     f"{f.name} must be an integer >= {lowest}, got {value!r}")
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -158,20 +185,33 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    limits: RequestLimits = field(default_factory=RequestLimits)
     session_idle_timeout_s: float = 600.0
     seed: int = 0  # seeds the per-request seeds of unseeded sampled requests
     num_threads: int = 0  # torch intra-op threads; 0 = all cores
+    # Admission control (AsyncEngine): requests waiting for a slot (inbox + scheduler queue) and open sessions.
+    # Beyond either, a request is refused at once (EngineBusyError -> UNAVAILABLE) instead of queueing without
+    # bound. 0 = derived from max_num_seqs (set in __post_init__, so the config holds the value in force).
+    max_waiting_requests: int = 0
+    max_sessions: int = 0
 
     def __post_init__(self) -> None:
         _require(self.session_idle_timeout_s > 0,
                  f"session_idle_timeout_s must be > 0, got {self.session_idle_timeout_s}")
         _require(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")
+        _require(self.max_waiting_requests >= 0,
+                 f"max_waiting_requests must be >= 0 (0 = {WAITING_PER_SEQ} x max_num_seqs), "
+                 f"got {self.max_waiting_requests}")
+        _require(self.max_sessions >= 0,
+                 f"max_sessions must be >= 0 (0 = {SESSIONS_PER_SEQ} x max_num_seqs), got {self.max_sessions}")
+        self.max_waiting_requests = self.max_waiting_requests or WAITING_PER_SEQ * self.scheduler.max_num_seqs
+        self.max_sessions = self.max_sessions or SESSIONS_PER_SEQ * self.scheduler.max_num_seqs
 
     @classmethod
     def from_flat(cls, values: dict[str, Any]) -> "EngineConfig":
         """Build from flat ``name -> value`` pairs (Triton parameters, CLI flags); unknown names are errors."""
         sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig,
-                    "compile": CompileConfig, "parallel": ParallelConfig}
+                    "compile": CompileConfig, "parallel": ParallelConfig, "limits": RequestLimits}
         owner = {f.name: section for section, klass in sections.items() for f in fields(klass)}
         top = {f.name for f in fields(cls)} - set(sections)
         grouped: dict[str, dict[str, Any]] = {name: {} for name in sections}

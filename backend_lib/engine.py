@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 import torch
 
 from backend_lib.config import EngineConfig
+from backend_lib.errors import EngineBusyError
 from backend_lib.executor.executor import Executor
 from backend_lib.executor.rank import DTYPES
+from backend_lib.limits import check_context, check_params, check_prompt
 from backend_lib.models.loader import resolve_model_path
 from backend_lib.outputs import (EngineStats, RequestMetrics, RequestOutput, RunnerOutput, SessionControl,
                                  TokenLogprob)
@@ -104,10 +106,10 @@ class LLMEngine:
         Reads nothing a step changes (tokenizer, vocabulary, limits), so another thread may call it while a step
         runs: AsyncEngine does, so that a new request never waits for the step in flight."""
         params = params or SamplingParams()
-        self._check_ids("stop_token_ids", list(params.stop_token_ids))
+        self._check_limits(prompt, params)
         prompt_ids = self.tokenize(prompt)
         self._check_ids("input_ids", prompt_ids)
-        self._check_length(prompt_ids, "")
+        check_context(len(prompt_ids), params, self.config.model.max_model_len)
         return PreparedRequest(request_id, prompt_ids, params)
 
     def add_prepared(self, prepared: PreparedRequest) -> None:
@@ -123,7 +125,7 @@ class LLMEngine:
             return
         params = params or SamplingParams()
         self._check_unused(request_id)
-        self._check_ids("stop_token_ids", list(params.stop_token_ids))
+        self._check_limits(prompt, params)  # the new turn's prompt; the history is bounded by max_model_len
         chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
         history: list[int] = []
         state = self._session_for_turn(session)
@@ -134,7 +136,7 @@ class LLMEngine:
         new_ids = self.tokenize(prompt, add_special_tokens=not history)
         self._check_ids("input_ids", new_ids)
         prompt_ids = history + new_ids
-        self._check_length(prompt_ids, " (session history included)")
+        check_context(len(prompt_ids), params, self.config.model.max_model_len, " (session history included)")
         self._queue(request_id, prompt_ids, params, session=session, num_history_tokens=len(history),
                     text_turn=not chat)
         self._sessions[session.session_id].running_request_id = request_id
@@ -145,11 +147,11 @@ class LLMEngine:
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
 
-    def _check_length(self, prompt_ids: list[int], what: str) -> None:
-        limit = self.config.model.max_model_len
-        if len(prompt_ids) >= limit:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens{what}; max_model_len is {limit}, which must "
-                             "leave room for at least one new token")
+    def _check_limits(self, prompt: Prompt, params: SamplingParams) -> None:
+        """What one request may make the server hold (RequestLimits), before tokenizing it."""
+        check_params(self.config.limits, params, self.vocab_size)
+        self._check_ids("stop_token_ids", list(params.stop_token_ids))
+        check_prompt(self.config.limits, prompt, self.config.model.max_model_len)
 
     def _queue(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                session: SessionControl | None = None, num_history_tokens: int = 0, text_turn: bool = True,
@@ -172,6 +174,8 @@ class LLMEngine:
         sid = control.session_id
         now = time.monotonic()
         if control.start:
+            if sid not in self._sessions:
+                self._check_session_room()
             if sid in self._sessions:
                 if self._sessions[sid].running_request_id is not None:
                     raise ValueError(f"session {sid} has a turn still running; cannot START it again")
@@ -185,6 +189,16 @@ class LLMEngine:
             raise ValueError(f"session {sid} already has a turn running (request {state.running_request_id})")
         state.last_used = now
         return state
+
+    def _check_session_room(self) -> None:
+        """A new session beyond max_sessions is refused (EngineBusyError), after closing the idle ones: the step
+        loop closes them only when it idles, and a busy engine must not refuse sessions for expired ones."""
+        limit = self.config.max_sessions
+        if len(self._sessions) >= limit:
+            self.close_idle_sessions()
+        if len(self._sessions) >= limit:
+            raise EngineBusyError(f"server busy: {len(self._sessions)} sessions are open, the limit "
+                                  f"(max_sessions {limit}); end one or retry later", "max_sessions")
 
     def _close_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
