@@ -11,6 +11,7 @@ the packed GEMM.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from pathlib import Path
 
@@ -35,11 +36,14 @@ def load_cpu_kernels() -> bool:
     """Builds (once per machine) and loads the C++ ops; False, with the reason logged, when that fails."""
     from torch.utils import cpp_extension
 
-    sources = [str(Path(__file__).parent / "csrc" / name) for name in _SOURCES]
+    sources = [Path(__file__).parent / "csrc" / name for name in _SOURCES]
     capability = torch.backends.cpu.get_cpu_capability()
+    # The sources' hash in the name: two checkouts (or versions) on one machine never load each other's build.
+    digest = hashlib.sha1(b"".join(path.read_bytes() for path in sources)).hexdigest()[:10]
     try:
         # -fopenmp: at::parallel_for's OpenMP body lives in the headers; the process's libgomp (torch's) serves it.
-        cpp_extension.load(name=f"deepinfer_cpu_kernels_{capability.lower()}", sources=sources,
+        cpp_extension.load(name=f"deepinfer_cpu_kernels_{capability.lower()}_{digest}",
+                           sources=[str(path) for path in sources],
                            is_python_module=False, verbose=False,
                            extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS.get(capability, [])],
                            extra_ldflags=["-fopenmp"])

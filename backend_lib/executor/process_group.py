@@ -68,8 +68,12 @@ def init_group(rendezvous: Rendezvous, config: EngineConfig, rank: int) -> Paral
                             world_size=parallel.tensor_parallel_size,
                             timeout=datetime.timedelta(seconds=parallel.distributed_timeout_s))
     shm_handle = None
-    if parallel.nnodes == 1 and config.model.device == "cpu" and load_cpu_kernels():
-        shm_handle = _attach_shm_all_reduce(rendezvous, parallel, rank)
+    if parallel.nnodes == 1 and config.model.device == "cpu":
+        # Every rank must take the same path: all use the segment only if all could build the kernel.
+        built = torch.tensor([int(load_cpu_kernels())], dtype=torch.int64)
+        dist.all_reduce(built, op=dist.ReduceOp.MIN)
+        if built.item():
+            shm_handle = _attach_shm_all_reduce(rendezvous, parallel, rank)
     return ParallelContext(rank=rank, world_size=parallel.tensor_parallel_size,
                            expert_parallel=parallel.enable_expert_parallel, group=dist.group.WORLD,
                            shm_handle=shm_handle)
