@@ -159,3 +159,12 @@ def test_neuron_layout_reads_the_sharding_code():
     assert split.weight_bytes - split.replicated_bytes == pytest.approx(sharded / 64, rel=0.02)
     assert split.allreduces_per_step == 2 * 61 + 1 and whole.allreduces_per_step == 0
     assert split.kv_bytes_per_token == whole.kv_bytes_per_token  # the latent is not split by heads
+
+
+def test_compiled_regions_per_rank_match_eager(tiny_dirs):
+    """Each rank compiles its own regions with the all-reduces inside the graphs (fullgraph: a collective that broke
+    the graph would fail the build); greedy ids equal the one-rank eager engine."""
+    model = str(tiny_dirs["llama"])
+    compiled = _generate(model, tensor_parallel_size=2, compile_backend="aot_eager", batch_buckets="1,2,4",
+                         width_buckets="8", max_model_len=128)
+    _assert_same(_generate(model), compiled)
