@@ -1,0 +1,184 @@
+"""DeepSeek-V4 feed-forward and decoder layer: hash-routed and top-k MoE with a clipped SwiGLU, and the mHC residual.
+
+MoE: the router scores experts with ``sqrtsoftplus`` (or sigmoid / softmax); ``moe`` layers pick the top-k of the
+scores plus the correction bias, ``hash_moe`` layers take a fixed ``tid2eid[token id]`` table; either way the chosen
+experts' raw scores are renormalized and scaled by ``routed_scaling_factor``. Every SwiGLU (routed experts and the
+one shared expert) clamps the gate from above and the up projection on both sides at ``swiglu_limit``.
+
+Tensor parallelism: each expert's intermediate units (and the shared expert's) are split across ranks, or with
+expert parallelism whole experts are; either way every rank's output is a partial sum, joined by one all-reduce.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm
+from backend_lib.models.deepseek_v4_attention import LayerCache, StepContext, V4Attention
+from backend_lib.models.parallel import ParallelContext, Shard
+from kernels.hyper_connections import HyperConnectionSpec, hc_collapse, hc_expand, hc_mixes
+from kernels.quant import DEFAULT_BLOCK
+
+SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
+MOE_IMPLS = ("dynamic", "static")
+HASH_MOE, TOPK_MOE = "hash_moe", "moe"
+
+
+@dataclass(frozen=True)
+class V4MoEDims:
+    hidden: int
+    intermediate: int  # moe_intermediate_size (routed experts and the shared expert)
+    num_experts: int
+    top_k: int
+    vocab_size: int
+    routed_scaling_factor: float
+    scoring_func: str
+    swiglu_limit: float
+    hash_routed: bool
+
+
+def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:  # [N, I] each
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def expert_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:  # [T, E] float32
+    if scoring_func == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if scoring_func == "sigmoid":
+        return logits.sigmoid()
+    return logits.softmax(dim=-1)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, d: V4MoEDims, par: ParallelContext, block_size: tuple[int, int]) -> None:
+        super().__init__()
+        self.limit = d.swiglu_limit
+        start, size = par.even(d.intermediate, "moe_intermediate_size")
+        self.w1 = BlockLinear(d.hidden, size, block_size=block_size)
+        self.w3 = BlockLinear(d.hidden, size, block_size=block_size)
+        self.w2 = BlockLinear(size, d.hidden, block_size=block_size)
+        self.shards = {"w1.weight": Shard(0, start, size), "w3.weight": Shard(0, start, size),
+                       "w2.weight": Shard(1, start, size)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> partial [T, hidden]
+        return self.w2(clipped_swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class V4MoE(nn.Module):
+    """Router + this rank's routed experts (stacked ``gate_up`` [E, 2I, H] and ``down`` [E, H, I]) + shared expert."""
+
+    def __init__(self, d: V4MoEDims, par: ParallelContext, block_size: tuple[int, int] = DEFAULT_BLOCK,
+                 impl: str = "dynamic") -> None:
+        super().__init__()
+        if d.scoring_func not in SCORING_FUNCS:
+            raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, got {d.scoring_func!r}")
+        self.d, self.par, self.impl = d, par, impl
+        if par.expert_parallel:
+            self.first_expert, self.num_local_experts = par.balanced(d.num_experts, "n_routed_experts")
+            self.inter_start, self.inter_size = 0, d.intermediate
+        else:
+            self.first_expert, self.num_local_experts = 0, d.num_experts
+            self.inter_start, self.inter_size = par.even(d.intermediate, "moe_intermediate_size")
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.zeros(d.num_experts, d.hidden), requires_grad=False)
+        if d.hash_routed:
+            self.gate.register_buffer("tid2eid", torch.zeros(d.vocab_size, d.top_k, dtype=torch.int64))
+        else:
+            self.gate.register_buffer("bias", torch.zeros(d.num_experts))
+        self.register_buffer("gate_up", torch.zeros(self.num_local_experts, 2 * self.inter_size, d.hidden))
+        self.register_buffer("down", torch.zeros(self.num_local_experts, d.hidden, self.inter_size))
+        self.shared_experts = SharedExpert(d, par, block_size)
+
+    # ---- loading ---------------------------------------------------------------------------------------
+    def local_expert(self, expert: int) -> int | None:
+        """This rank's slot of a checkpoint expert, None when another rank holds it."""
+        if not 0 <= expert < self.d.num_experts:
+            raise ValueError(f"expert index must be in [0, n_routed_experts={self.d.num_experts}), got {expert}")
+        local = expert - self.first_expert
+        return local if 0 <= local < self.num_local_experts else None
+
+    def set_expert(self, local: int, proj: str, weight) -> None:  # weight: checkpoint (maybe lazy) tensor
+        hidden, start, size = self.d.hidden, self.inter_start, self.inter_size
+        expected = (hidden, self.d.intermediate) if proj == "w2" else (self.d.intermediate, hidden)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"experts.{local + self.first_expert}.{proj}: shape {tuple(weight.shape)} != {expected}")
+        with torch.no_grad():
+            if proj == "w2":
+                self.down[local].copy_(Shard(1, start, size).take(weight).to(self.down.dtype))
+            else:
+                rows = slice(0, size) if proj == "w1" else slice(size, 2 * size)
+                self.gate_up[local, rows].copy_(Shard(0, start, size).take(weight).to(self.gate_up.dtype))
+
+    # ---- forward ---------------------------------------------------------------------------------------
+    def route(self, x: torch.Tensor,  # [T, hidden]
+              input_ids: torch.Tensor,  # [T] int64
+              ) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] float32, expert ids [T, k] int64
+        scores = expert_scores(F.linear(x.float(), self.gate.weight.float()), self.d.scoring_func)
+        if self.d.hash_routed:
+            ids = self.gate.tid2eid[input_ids].long()
+        else:
+            ids = torch.topk(scores + self.gate.bias.float(), self.d.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.d.routed_scaling_factor, ids
+
+    def forward(self, x: torch.Tensor,  # [T, hidden]
+                input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        weights, ids = self.route(x, input_ids)
+        local_ids = ids - self.first_expert  # experts of other ranks fall outside [0, num_local_experts)
+        run = self._dynamic if self.impl == "dynamic" else self._static
+        routed = run(x, weights, local_ids)
+        return self.par.all_reduce(routed + self.shared_experts(x))
+
+    def _dynamic(self, x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """Each local expert over its own tokens, ascending expert id, accumulated with ``index_add_`` (the order
+        transformers uses). Data-dependent shapes: eager only."""
+        out = torch.zeros_like(x)
+        mask = F.one_hot(local_ids.clamp(-1, self.num_local_experts) + 1,
+                         num_classes=self.num_local_experts + 2)[..., 1:-1].permute(2, 1, 0)  # [E, k, T]
+        for e in (mask.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist():
+            slot, token = torch.where(mask[e])
+            h = clipped_swiglu(*F.linear(x[token], self.gate_up[e].to(x.dtype)).chunk(2, dim=-1), self.d.swiglu_limit)
+            y = F.linear(h, self.down[e].to(x.dtype)) * weights[token, slot, None].to(x.dtype)
+            out.index_add_(0, token, y)
+        return out
+
+    def _static(self, x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """Fixed shapes for compiled regions: every local expert over every token, combined by a dense
+        [T, E] weight matrix that is zero off each token's choices."""
+        num = self.num_local_experts
+        inside = (local_ids >= 0) & (local_ids < num)
+        dense = torch.zeros(x.shape[0], num + 1, dtype=weights.dtype, device=x.device)
+        dense = dense.scatter_add_(1, torch.where(inside, local_ids, num), weights)[:, :num]
+        gate_up = torch.einsum("th,eih->eti", x, self.gate_up.to(x.dtype))
+        h = clipped_swiglu(*gate_up.chunk(2, dim=-1), self.d.swiglu_limit)
+        y = torch.einsum("eti,ehi->eth", h, self.down.to(x.dtype))
+        return torch.einsum("eth,te->th", y, dense.to(x.dtype))
+
+
+class V4DecoderLayer(nn.Module):
+    """mHC around attention and MoE: collapse the streams (pre), run the block, expand (post) + mix (comb)."""
+
+    def __init__(self, attn: V4Attention, ffn: V4MoE, hidden: int, eps: float, hc: HyperConnectionSpec) -> None:
+        super().__init__()
+        self.attn, self.ffn, self.hc = attn, ffn, hc
+        self.attn_norm = RMSNorm(hidden, eps)
+        self.ffn_norm = RMSNorm(hidden, eps)
+        mixes = (2 + hc.hc_mult) * hc.hc_mult
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", nn.Parameter(torch.zeros(mixes, hc.hc_mult * hidden), requires_grad=False))
+            setattr(self, f"hc_{site}_base", nn.Parameter(torch.zeros(mixes), requires_grad=False))
+            setattr(self, f"hc_{site}_scale", nn.Parameter(torch.ones(3), requires_grad=False))
+
+    def forward(self, streams: torch.Tensor,  # [T, hc, hidden]
+                input_ids: torch.Tensor,  # [T] int64
+                ctx: StepContext, cache: LayerCache) -> torch.Tensor:  # [T, hc, hidden]
+        pre, post, comb = hc_mixes(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.hc)
+        out = self.attn(self.attn_norm(hc_collapse(streams, pre)), ctx, cache)
+        streams = hc_expand(out, streams, post, comb)
+        pre, post, comb = hc_mixes(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.hc)
+        out = self.ffn(self.ffn_norm(hc_collapse(streams, pre)), input_ids)
+        return hc_expand(out, streams, post, comb)
