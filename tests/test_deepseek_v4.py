@@ -1,0 +1,208 @@
+"""DeepSeek-V4 against transformers 5.24 (fp32) on tiny random configs: the release layout make-tiny writes, logits
+of mixed batches over the paged per-token cache (sliding window, CSA with its indexer, HCA, mHC), prefix-cached
+blocks, and greedy ids through the engine (chunked prefill in odd sizes, batches of other lengths, preemption,
+session turns)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from backend_lib.config import EngineConfig
+from backend_lib.engine import LLMEngine
+from backend_lib.models.loader import load_model
+from backend_lib.outputs import SessionControl
+from backend_lib.sampling_params import SamplingParams
+from backend_lib.tiny import make_tiny
+from tests.test_deepseek_v3 import PagedRunner
+
+NEW_TOKENS = 24
+CONFIGS = {
+    # make-tiny's defaults: window 8, CSA rate 4 (top-3 of the indexer), HCA rate 8, sqrtsoftplus routing
+    "default": {},
+    # rates that divide neither the block size nor each other, 4 output groups, sigmoid scores, top-2 indexer
+    "odd_rates": dict(compress_rates={"compressed_sparse_attention": 3, "heavily_compressed_attention": 5},
+                      sliding_window=6, index_topk=2, o_groups=4, scoring_func="sigmoid",
+                      layer_types=["heavily_compressed_attention", "compressed_sparse_attention",
+                                   "sliding_attention", "compressed_sparse_attention"],
+                      mlp_layer_types=["hash_moe", "moe", "hash_moe", "moe"]),
+}
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request, tmp_path_factory):
+    """(directory, ours, transformers) for one config."""
+    from transformers import AutoModelForCausalLM
+    path = make_tiny("deepseek_v4", tmp_path_factory.mktemp(request.param), seed=5, overrides=CONFIGS[request.param])
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return path, load_model(str(path), torch.float32, progress=False), hf
+
+
+def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+def _hf_generate(hf, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_make_tiny_writes_the_release_layout_that_both_load(tmp_path):
+    from transformers import AutoModelForCausalLM
+    from backend_lib.tiny import main
+    assert main(["--arch", "deepseek_v4", "--out", str(tmp_path)]) == 0
+    names = set(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"])
+    for name in ("model.layers.1.attn.compressor.wkv.weight", "model.layers.1.attn.indexer.wq_b.weight",
+                 "model.layers.2.attn.compressor.ape", "model.layers.0.ffn.gate.tid2eid",
+                 "model.layers.3.ffn.gate.bias", "model.layers.0.ffn.experts.7.w3.weight",
+                 "model.layers.0.hc_attn_fn", "model.hc_head.hc_fn", "head.weight"):
+        assert name in names, name
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert set(config["layer_types"]) == {"sliding_attention", "compressed_sparse_attention",
+                                          "heavily_compressed_attention"}
+    assert set(config["mlp_layer_types"]) == {"hash_moe", "moe"} and config["hc_mult"] == 4
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    ours = load_model(str(tmp_path), torch.float32, progress=False)
+    assert type(ours).__name__ == "DeepseekV4ForCausalLM"
+    ids = _tokens(40, 0)
+    assert (PagedRunner(ours).step([], [("r", ids)]) - _hf_logits(hf, ids)).abs().max() <= 1e-4
+    with pytest.raises(ValueError, match="not implemented yet"):
+        make_tiny("deepseek_v4", tmp_path / "fp4", fp4_experts=True)
+
+
+def test_mixed_batch_logits_match_transformers(tiny):
+    """Decodes (Q = 1 and Q = 2) next to prefill chunks that continue their cached prefix, across many windows."""
+    _, ours, hf = tiny
+    run = PagedRunner(ours)
+    seqs = {"a": _tokens(40, 1), "b": _tokens(23, 2), "c": _tokens(5, 3)}
+    extra = {r: _tokens(12, 10 + i) for i, r in enumerate(seqs)}
+    logits: dict[str, list[torch.Tensor]] = {r: [] for r in seqs}
+
+    def record(out: torch.Tensor, parts: list[tuple[str, int]]) -> None:
+        start = 0
+        for rid, n in parts:
+            logits[rid].append(out[start:start + n])
+            start += n
+
+    record(run.step([], [("a", seqs["a"][:13]), ("b", seqs["b"][:7]), ("c", seqs["c"])]),
+           [("a", 13), ("b", 7), ("c", 5)])
+    record(run.step([("c", extra["c"][:1])], [("a", seqs["a"][13:30]), ("b", seqs["b"][7:])]),
+           [("c", 1), ("a", 17), ("b", 16)])
+    record(run.step([("b", extra["b"][:1]), ("c", extra["c"][1:2])], [("a", seqs["a"][30:])]),
+           [("b", 1), ("c", 1), ("a", 10)])
+    full = {"a": seqs["a"], "b": seqs["b"] + extra["b"][:1], "c": seqs["c"] + extra["c"][:2]}
+    used = {"a": 0, "b": 1, "c": 2}
+    for _ in range(4):  # Q = 2 (as with drafts), then Q = 1
+        for q in (2, 1):
+            step = [(r, extra[r][used[r]:used[r] + q]) for r in "abc"]
+            record(run.step(step, []), [(r, q) for r in "abc"])
+            for r, toks in step:
+                full[r] += toks
+                used[r] += q
+    for rid, parts in logits.items():
+        ours_logits = torch.cat(parts)
+        ref = _hf_logits(hf, full[rid])
+        assert ours_logits.shape == ref.shape
+        assert (ours_logits - ref).abs().max() <= 1e-4, rid
+
+
+def test_prefix_cached_blocks_are_reused(tiny):
+    _, ours, hf = tiny
+    run = PagedRunner(ours)
+    shared = _tokens(24, 30)  # six full blocks of 4: window and compressor state included
+    run.step([], [("a", shared + _tokens(9, 31))])
+    run.share_prefix("a", "b", 6)
+    tail = _tokens(11, 32)
+    out = run.step([], [("b", tail)])
+    assert (out - _hf_logits(hf, shared + tail)[24:]).abs().max() <= 1e-4
+
+
+def _engine(path, **settings) -> LLMEngine:
+    return LLMEngine(EngineConfig.from_flat({"model": str(path), "max_model_len": 256, "block_size": 4,
+                                             "max_num_seqs": 4, **settings}))
+
+
+def _drive(engine: LLMEngine) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+def test_engine_greedy_matches_transformers_chunked_batched_preempted_and_in_sessions(tiny):
+    """Prompts shorter than the window and across many compressor windows, prefilled in chunks of 7 tokens next to
+    each other, in a pool small enough to preempt; then a two-turn session that prefills only its new tokens."""
+    path, _, hf = tiny
+    engine = _engine(path, max_num_batched_tokens=7, num_blocks=24)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    prompts = {f"r{n}": _tokens(n, 40 + n) for n in (5, 40, 13, 23)}
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    got = _drive(engine)
+    assert got == {rid: _hf_generate(hf, prompt) for rid, prompt in prompts.items()}
+    stats = engine.stats()
+    assert stats.num_preemptions > 0
+
+    first, second = _tokens(11, 50), _tokens(6, 51)
+    engine.add_request("t1", first, params, session=SessionControl("s", start=True))
+    turn1 = _drive(engine)["t1"]
+    computed = engine.stats().num_computed_prompt_tokens
+    engine.add_request("t2", second, params, session=SessionControl("s", end=True))
+    turn2 = _drive(engine)["t2"]
+    assert turn1 == _hf_generate(hf, first)
+    assert turn2 == _hf_generate(hf, first + turn1 + second)
+    assert engine.stats().num_computed_prompt_tokens - computed <= len(second) + 1
+    assert engine.stats().kv_blocks_used == 0
+    engine.scheduler.check_integrity()
+
+
+def test_static_moe_gives_the_same_logits(tiny):
+    _, ours, hf = tiny
+    ids = _tokens(21, 60)
+    ours.set_moe_impl("static")
+    try:
+        out = PagedRunner(ours).step([], [("r", ids)])
+    finally:
+        ours.set_moe_impl("dynamic")
+    assert (out - _hf_logits(hf, ids)).abs().max() <= 1e-4
+
+
+def test_yarn_compress_rope_matches_transformers():
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+    from backend_lib.models.deepseek_v4 import DeepseekV4Args, DeepseekV4ForCausalLM
+    yarn = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+            "beta_slow": 1}
+    kw = dict(vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+              head_dim=32, q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2, o_groups=2, o_lora_rank=8,
+              index_n_heads=2, index_head_dim=16, max_position_embeddings=1024, rope_parameters=yarn)
+    hf_config = DeepseekV4Config(**kw)
+    rotary = DeepseekV4RotaryEmbedding(hf_config)
+    args = DeepseekV4Args.from_hf_config(json.loads(hf_config.to_json_string()))
+    ours = DeepseekV4ForCausalLM(args)
+    assert args.compress_rope_scaling is not None and args.rope_head_dim == 4
+    for kind, rope in (("main", ours.main_rope), ("compress", ours.compress_rope)):
+        assert torch.equal(rope.inv_freq, getattr(rotary, f"{kind}_inv_freq")), kind
+        assert rope.attention_scaling == getattr(rotary, f"{kind}_attention_scaling"), kind
+
+
+def test_config_errors_name_the_field():
+    from backend_lib.models.deepseek_v4 import DeepseekV4Args
+    base = dict(num_hidden_layers=2, layer_types=["sliding_attention"] * 2, mlp_layer_types=["moe"] * 2)
+    with pytest.raises(ValueError, match="layer_types"):
+        DeepseekV4Args.from_hf_config({**base, "layer_types": ["sliding_attention", "full_attention"]})
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        DeepseekV4Args.from_hf_config({**base, "num_key_value_heads": 2})
+    with pytest.raises(ValueError, match="scoring_func"):
+        DeepseekV4Args.from_hf_config({**base, "scoring_func": "relu"})
+    with pytest.raises(ValueError, match="quantization_config"):
+        DeepseekV4Args.from_hf_config({**base, "quantization_config": {"quant_method": "fp8"}})
