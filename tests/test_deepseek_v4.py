@@ -30,6 +30,16 @@ CONFIGS = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models are tiny: every op is latency bound, and on a busy 2-core machine a 2-thread OpenMP pool waits
+    for a descheduled worker on each parallel op (softmax, index_add_: ~5 ms each), which made this file 3x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
