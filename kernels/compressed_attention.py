@@ -38,7 +38,9 @@ class TokenPages:
     def slots(self, pos: torch.Tensor  # [T, K] int64, negative allowed (read as position 0, mask them)
               ) -> torch.Tensor:  # [T, K] int64 cache slots
         pos = pos.clamp(min=0)
-        return self.block_tables.gather(1, pos // self.block_size) * self.block_size + pos % self.block_size
+        block = pos // self.block_size
+        # pos - block * size rather than %: remainder is slow on Neuron (graph lint rule)
+        return self.block_tables.gather(1, block) * self.block_size + (pos - block * self.block_size)
 
     def recent(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions ``t - length + 1 .. t`` of every token ([T, length]) and whether each exists (>= 0)."""

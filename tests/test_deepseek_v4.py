@@ -216,3 +216,20 @@ def test_config_errors_name_the_field():
         DeepseekV4Args.from_hf_config({**base, "scoring_func": "relu"})
     with pytest.raises(ValueError, match="quantization_config"):
         DeepseekV4Args.from_hf_config({**base, "quantization_config": {"quant_method": "fp8"}})
+
+
+def test_compiled_decode_regions_give_the_same_greedy_ids(tmp_path):
+    """Decode graphs (static MoE, fullgraph, aot_eager on the host) against transformers."""
+    from transformers import AutoModelForCausalLM
+    from backend_lib.neuron.regions import CompiledModel
+    path = make_tiny("deepseek_v4", tmp_path, seed=6)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    engine = _engine(path, num_blocks=48, max_num_batched_tokens=16, compile_backend="aot_eager",
+                     batch_buckets="2", width_buckets="16", compile_progress=False)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = {f"r{n}": _tokens(n, 70 + n) for n in (6, 31)}
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    assert _drive(engine) == {rid: _hf_generate(hf, prompt, 12) for rid, prompt in prompts.items()}
+    model = engine.runner.model
+    assert isinstance(model, CompiledModel) and model.stats.compiled_steps > 5, model.stats

@@ -276,10 +276,10 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor,  # [T] int64
                 positions: torch.Tensor,  # [T] int64
-                kv_caches: list[torch.Tensor],  # see kv_cache_shapes
+                kv_caches: list,  # see kv_cache_shapes: layer-major roots, or per-layer views (compiled regions)
                 meta: AttentionMetadata) -> torch.Tensor:
         """Final-normed hidden states [T, hidden]."""
-        pages = self._pages(positions, meta, kv_caches[0].shape[1])
+        pages = self._pages(positions, meta, kv_caches[0][0].shape[0])
         h = vocab_parallel_embedding(input_ids, self.embed.weight, self.vocab_start, self.par)
         ctx = StepContext(pages, meta.slot_mapping, self.main_rope.at(positions, h.dtype),
                           self.compress_rope.at(positions, h.dtype))
