@@ -233,3 +233,46 @@ def test_compiled_decode_regions_give_the_same_greedy_ids(tmp_path):
     assert _drive(engine) == {rid: _hf_generate(hf, prompt, 12) for rid, prompt in prompts.items()}
     model = engine.runner.model
     assert isinstance(model, CompiledModel) and model.stats.compiled_steps > 5, model.stats
+
+
+def _tp_rank(rank: int, world: int, path: str, init: str, expert_parallel: bool, out: str) -> None:
+    """One tensor-parallel rank: its shard of the checkpoint, the mixed-batch steps, logits saved by rank 0."""
+    import torch.distributed as dist
+    from backend_lib.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from backend_lib.models.loader import iter_safetensors, safetensors_files
+    from backend_lib.models.parallel import ParallelContext
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        par = ParallelContext(rank, world, expert_parallel, dist.group.WORLD)
+        config = json.loads(open(f"{path}/config.json").read())
+        model = DeepseekV4ForCausalLM.from_hf_config(config, torch.float32, par=par)
+        model.load_weights(iter_safetensors(safetensors_files(path), progress=False))
+        attn, moe = model.layers[1].attn, model.layers[1].ffn
+        assert (attn.num_heads, attn.o_groups, model.head.weight.shape[0]) == (2, 1, 160)
+        assert (moe.num_local_experts, moe.inter_size) == ((4, 32) if expert_parallel else (8, 16))
+        logits = _tp_workload(model)
+        if rank == 0:
+            torch.save(logits, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _tp_workload(model) -> torch.Tensor:
+    run = PagedRunner(model)
+    parts = [run.step([], [("a", _tokens(19, 80)), ("b", _tokens(7, 81))])]
+    for i in range(6):
+        parts.append(run.step([("a", _tokens(1, 90 + i)), ("b", _tokens(1, 100 + i))], []))
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_tensor_parallel_two_ranks_match_one(expert_parallel, tmp_path):
+    """Heads, output groups, expert intermediates (or whole experts) and the vocabulary split over two gloo ranks
+    give one rank's logits."""
+    import torch.multiprocessing as mp
+    path = make_tiny("deepseek_v4", tmp_path / "model", seed=8)
+    single = _tp_workload(load_model(str(path), torch.float32, progress=False))
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_tp_rank, args=(2, str(path), f"file://{tmp_path}/rendezvous", expert_parallel, str(out)), nprocs=2)
+    assert (torch.load(out) - single).abs().max() <= 1e-4
