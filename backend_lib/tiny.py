@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,38 @@ def _make_tiny_v4(out: Path, kwargs: dict[str, Any], gen: torch.Generator, num_s
     model.save_pretrained(str(out), max_shard_size=total // num_shards + 1)
 
 
+_V4_FP8 = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])\.weight$")
+_V4_EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+
+
+def _quantize_v4(out: Path, fp8: bool, fp4_experts: bool, num_shards: int) -> None:
+    """Rewrite a saved V4 as the release quantizes it: attention and shared-expert projections fp8 e4m3 with 128x128
+    ue8m0 block scales (``--fp8``); routed experts fp4 e2m1 with a ue8m0 scale per 32 inputs (``--fp4-experts``) or
+    fp8 like the rest (``--fp8`` alone). Scales go under the release name ``<module>.scale``."""
+    from safetensors.torch import load_file
+
+    from kernels.fp4 import quantize_fp4
+
+    index = out / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(str(out / file)))
+        (out / file).unlink()
+    for name in list(tensors):
+        base = name[: -len(".weight")]
+        if fp4_experts and _V4_EXPERT.search(name):
+            tensors[name], tensors[base + ".scale"] = quantize_fp4(tensors[name])
+        elif fp8 and (_V4_FP8.search(name) or _V4_EXPERT.search(name)):
+            tensors[name], tensors[base + ".scale"] = quantize_block_fp8(tensors[name], DEFAULT_BLOCK, "ue8m0")
+    _write_shards(tensors, out, num_shards)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(DEFAULT_BLOCK), "scale_fmt": "ue8m0",
+                                  "expert_dtype": "fp4" if fp4_experts else "fp8"}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+
+
 def _mtp_tensors(config: Any, index: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Random weights of one DeepSeek MTP module at checkpoint layer ``index`` (a MoE decoder layer + extras)."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM
@@ -193,13 +226,13 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
     """Write a tiny random ``arch`` model to ``out_dir``; ``overrides`` replaces config fields."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    if arch == "deepseek_v4" and (fp8 or fp4_experts or mtp_layers):
-        raise ValueError("deepseek_v4 tiny models are fp32 without MTP layers for now: --fp8, --fp4-experts and "
-                         "--mtp-layers are not implemented yet for this arch")
+    if arch == "deepseek_v4" and mtp_layers:
+        raise ValueError("deepseek_v4 tiny models have no MTP layers yet: --mtp-layers is not implemented for this "
+                         "arch")
     if fp4_experts and arch != "deepseek_v4":
         raise ValueError("fp4_experts is only defined for arch 'deepseek_v4'")
-    if fp8 and arch != "deepseek_v3":
-        raise ValueError("fp8 is only supported for arch 'deepseek_v3'")
+    if fp8 and arch == "llama":
+        raise ValueError("fp8 is only supported for the DeepSeek archs")
     if mtp_layers < 0 or (mtp_layers and arch == "llama"):
         raise ValueError(f"mtp_layers must be >= 0 and only set for deepseek_v3, got {mtp_layers} for {arch}")
     if num_shards < 1:
@@ -218,6 +251,8 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
     torch.manual_seed(seed)
     if arch == "deepseek_v4":
         _make_tiny_v4(out, {**kwargs, "num_nextn_predict_layers": mtp_layers}, gen, num_shards)
+        if fp8 or fp4_experts:
+            _quantize_v4(out, fp8, fp4_experts, num_shards)
         return out
     if arch == "deepseek_v3":
         kwargs["num_mtp_layers"] = mtp_layers

@@ -84,8 +84,8 @@ def test_make_tiny_writes_the_release_layout_that_both_load(tmp_path):
     assert type(ours).__name__ == "DeepseekV4ForCausalLM"
     ids = _tokens(40, 0)
     assert (PagedRunner(ours).step([], [("r", ids)]) - _hf_logits(hf, ids)).abs().max() <= 1e-4
-    with pytest.raises(ValueError, match="not implemented yet"):
-        make_tiny("deepseek_v4", tmp_path / "fp4", fp4_experts=True)
+    with pytest.raises(ValueError, match="--mtp-layers is not implemented"):
+        make_tiny("deepseek_v4", tmp_path / "mtp", mtp_layers=1)
 
 
 def test_mixed_batch_logits_match_transformers(tiny):
@@ -175,6 +175,33 @@ def test_engine_greedy_matches_transformers_chunked_batched_preempted_and_in_ses
     engine.scheduler.check_integrity()
 
 
+@pytest.mark.parametrize("fp4_experts", [True, False])
+def test_fp8_attention_and_fp4_experts_match_transformers_over_the_dequantized_weights(fp4_experts, tmp_path):
+    """Attention and shared-expert projections fp8 e4m3 (128x128 ue8m0 blocks, kept fp8 and dequantized inside the
+    linear, or at load); routed experts fp4 e2m1 (ue8m0 per 32 inputs) or fp8. transformers dequantizes on the host."""
+    from transformers import AutoModelForCausalLM
+    path = make_tiny("deepseek_v4", tmp_path, seed=9, fp8=True, fp4_experts=fp4_experts)
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert config["expert_dtype"] == ("fp4" if fp4_experts else "fp8") and config["scale_fmt"] == "ue8m0"
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    kept = load_model(str(path), torch.float32, progress=False)
+    assert kept.layers[1].attn.wq_b.weight.dtype == torch.float8_e4m3fn
+    assert kept.layers[1].ffn.shared_experts.w2.weight_scale_inv is not None
+    ids = _tokens(33, 90)
+    assert (PagedRunner(kept).step([], [("r", ids)]) - _hf_logits(hf, ids)).abs().max() <= 1e-4
+    if fp4_experts:
+        engine = _engine(path, max_num_batched_tokens=9, num_blocks=48)
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        prompts = {f"r{n}": _tokens(n, 91 + n) for n in (7, 26)}
+        for rid, prompt in prompts.items():
+            engine.add_request(rid, prompt, params)
+        assert _drive(engine) == {rid: _hf_generate(hf, prompt) for rid, prompt in prompts.items()}
+    else:
+        dequantized = load_model(str(path), torch.float32, progress=False, dequantize_fp8_at_load=True)
+        assert dequantized.layers[1].attn.wq_b.weight.dtype == torch.float32
+        assert (PagedRunner(dequantized).step([], [("r", ids)]) - _hf_logits(hf, ids)).abs().max() <= 1e-4
+
+
 def test_static_moe_gives_the_same_logits(tiny):
     _, ours, hf = tiny
     ids = _tokens(21, 60)
@@ -214,8 +241,10 @@ def test_config_errors_name_the_field():
         DeepseekV4Args.from_hf_config({**base, "num_key_value_heads": 2})
     with pytest.raises(ValueError, match="scoring_func"):
         DeepseekV4Args.from_hf_config({**base, "scoring_func": "relu"})
-    with pytest.raises(ValueError, match="quantization_config"):
-        DeepseekV4Args.from_hf_config({**base, "quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(ValueError, match="quant_method"):
+        DeepseekV4Args.from_hf_config({**base, "quantization_config": {"quant_method": "awq"}})
+    with pytest.raises(ValueError, match="expert_dtype"):
+        DeepseekV4Args.from_hf_config({**base, "quantization_config": {"quant_method": "fp8", "expert_dtype": "fp6"}})
 
 
 def test_compiled_decode_regions_give_the_same_greedy_ids(tmp_path):

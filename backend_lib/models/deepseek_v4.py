@@ -35,7 +35,9 @@ from backend_lib.models.deepseek_v4_layers import (
 from backend_lib.models.parallel import ParallelContext, Shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
 from kernels.compressed_attention import TokenPages
+from kernels.fp4 import dequantize_fp4
 from kernels.hyper_connections import HyperConnectionSpec, hc_head_collapse
+from kernels.quant import DEFAULT_BLOCK, dequantize_block_fp8
 
 if TYPE_CHECKING:
     from backend_lib.models.loader import LoadOptions
@@ -82,6 +84,8 @@ class DeepseekV4Args:
     hidden_act: str = "silu"
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
+    fp8_block_size: tuple[int, int] = DEFAULT_BLOCK
+    expert_dtype: str | None = None  # quantized checkpoints: "fp8" or "fp4" routed experts; None when unquantized
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> "DeepseekV4Args":
@@ -89,9 +93,12 @@ class DeepseekV4Args:
                                                   "rope_head_dim", "compress_rope_scaling"}
         kw: dict[str, Any] = {k: v for k, v in config.items() if k in names and v is not None}
         n = int(config.get("num_hidden_layers", cls.num_hidden_layers))
-        if config.get("quantization_config"):
-            raise ValueError("quantization_config: quantized DeepSeek-V4 checkpoints (fp8 attention, fp4 experts) "
-                             "are not supported yet; use a bf16 / fp32 checkpoint")
+        quant = config.get("quantization_config")
+        if quant:
+            if quant.get("quant_method") != "fp8":
+                raise ValueError(f"quantization_config.quant_method must be 'fp8', got {quant.get('quant_method')!r}")
+            kw["fp8_block_size"] = tuple(quant.get("weight_block_size") or DEFAULT_BLOCK)
+            kw["expert_dtype"] = quant.get("expert_dtype", config.get("expert_dtype")) or "fp8"
         rates = dict(cls.compress_rates)
         rates.update(config.get("compress_rates") or {})
         for legacy, kind in (("compress_rate_csa", CSA), ("compress_rate_hca", HCA)):
@@ -145,6 +152,8 @@ class DeepseekV4Args:
         for kind, rate in self.compress_rates:
             if kind in self.layer_types and rate < 1:
                 raise ValueError(f"compress_rates[{kind!r}] must be >= 1, got {rate}")
+        if self.expert_dtype not in (None, "fp8", "fp4"):
+            raise ValueError(f"quantization_config.expert_dtype must be 'fp8' or 'fp4', got {self.expert_dtype!r}")
         if self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
 
@@ -176,16 +185,24 @@ _LAYER = re.compile(r"^layers\.(\d+)\.")
 # what transformers' save_pretrained writes -> the release names our modules carry
 _SAVED_NAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
                 "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
+_QUANTIZED = (torch.float8_e4m3fn, torch.int8, torch.uint8)
 _KEEP_FP32 = re.compile(r"(hc_\w+|attn_sink|\.ape|ffn\.gate\.\w+)$")
+
+
+def _whole(tensor: Any) -> torch.Tensor:
+    """A checkpoint tensor read whole (a lazy tensor reads on ``narrow``; a torch tensor returns itself)."""
+    return tensor.narrow(0, 0, tensor.shape[0])
 
 
 class DeepseekV4ForCausalLM(nn.Module):
     def __init__(self, args: DeepseekV4Args, dtype: torch.dtype = torch.float32,
-                 par: ParallelContext = ParallelContext(), moe_impl: str = "dynamic") -> None:
+                 par: ParallelContext = ParallelContext(), moe_impl: str = "dynamic",
+                 dequantize_fp8_at_load: bool = False) -> None:
         super().__init__()
         if moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
         self.args, self.dtype, self.par = args, dtype, par
+        self.dequantize_fp8_at_load = dequantize_fp8_at_load
         a = args
         main = build_rope(a.rope_head_dim, a.rope_theta, None, a.max_position_embeddings, True)
         compress = build_rope(a.rope_head_dim, a.compress_rope_theta, a.compress_rope_scaling,
@@ -218,16 +235,18 @@ class DeepseekV4ForCausalLM(nn.Module):
         dims = V4AttentionDims(a.hidden_size, a.num_attention_heads, a.head_dim, a.q_lora_rank, a.o_groups,
                                a.o_lora_rank, a.sliding_window, a.rms_norm_eps, layer_type, a.rate(layer_type),
                                a.index_n_heads, a.index_head_dim, a.index_topk)
-        attn = V4Attention(dims, self.main_rope, self.compress_rope, self.par)
+        attn = V4Attention(dims, self.main_rope, self.compress_rope, self.par, a.fp8_block_size)
         moe = V4MoEDims(a.hidden_size, a.moe_intermediate_size, a.n_routed_experts, a.num_experts_per_tok,
                         a.vocab_size, a.routed_scaling_factor, a.scoring_func, a.swiglu_limit,
                         a.mlp_layer_types[index] == HASH_MOE)
-        return V4DecoderLayer(attn, V4MoE(moe, self.par, impl=moe_impl), a.hidden_size, a.rms_norm_eps, self.hc)
+        ffn = V4MoE(moe, self.par, a.fp8_block_size, impl=moe_impl)
+        return V4DecoderLayer(attn, ffn, a.hidden_size, a.rms_norm_eps, self.hc)
 
     @classmethod
     def from_hf_config(cls, config: dict, dtype: torch.dtype, options: "LoadOptions | None" = None,
                        par: ParallelContext = ParallelContext()) -> "DeepseekV4ForCausalLM":
-        return cls(DeepseekV4Args.from_hf_config(config), dtype=dtype, par=par)
+        dequantize = bool(getattr(options, "dequantize_fp8_at_load", False))
+        return cls(DeepseekV4Args.from_hf_config(config), dtype=dtype, par=par, dequantize_fp8_at_load=dequantize)
 
     def set_moe_impl(self, impl: str) -> None:
         """"dynamic" (grouped dispatch, eager) or "static" (fixed shapes, for compiled regions)."""
@@ -299,31 +318,68 @@ class DeepseekV4ForCausalLM(nn.Module):
         shards = {f"{prefix}.{key}" if prefix else key: shard for prefix, module in self.named_modules()
                   for key, shard in getattr(module, "shards", {}).items()}
         loaded: set[str] = set()
+        pending: dict[str, dict[str, Any]] = {}  # quantized module -> {"weight", "scale"} until both arrived
         for raw_name, tensor in weights:
             name = raw_name[len("model."):] if raw_name.startswith("model.") else raw_name
             name = _SAVED_NAMES.get(name, name)
             if self._is_mtp(name):
                 continue  # MTP drafts are not supported for V4 yet; the main model does not read them
-            if tensor.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8) or name.endswith(".scale"):
-                raise ValueError(f"checkpoint tensor {raw_name!r}: quantized DeepSeek-V4 weights are not supported yet")
+            base, _, leaf = name.rpartition(".")
+            if leaf in ("scale", "weight_scale_inv") or (leaf == "weight" and tensor.dtype in _QUANTIZED):
+                entry = pending.setdefault(base, {})
+                entry["weight" if leaf == "weight" else "scale"] = tensor
+                if len(entry) == 2:
+                    self._set_quantized(base, raw_name, pending.pop(base), shards)
+                    loaded.add(base + ".weight")
+                continue
             expert = _EXPERT.match(name)
             if expert:
-                moe = self.layers[int(expert.group(1))].ffn
-                local = moe.local_expert(int(expert.group(2)))
-                if local is not None:
-                    moe.set_expert(local, expert.group(3), tensor)
-                    loaded.add(name)
+                self._set_expert(expert, tensor, None)
+                loaded.add(name)
                 continue
             shard = shards.get(name)
-            value = shard.take(tensor) if shard is not None else tensor.narrow(0, 0, tensor.shape[0])
+            value = shard.take(tensor) if shard is not None else _whole(tensor)
             self._set(name, raw_name, value)
             loaded.add(name)
+        if pending:
+            raise ValueError(f"quantized weights without their scale (or scales without weights): {sorted(pending)}")
         if "head.weight" not in loaded and self.args.tie_word_embeddings:
             self.head.weight = self.embed.weight
             loaded.add("head.weight")
         missing = sorted(self._expected_names() - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+    def _set_expert(self, expert: re.Match, weight: Any, scale: Any) -> None:
+        moe = self.layers[int(expert.group(1))].ffn
+        local = moe.local_expert(int(expert.group(2)))
+        if local is None:
+            return  # another rank's expert (expert parallelism)
+        if scale is not None:  # fp4 / fp8 experts are dequantized at load in this version
+            weight, scale = _whole(weight), _whole(scale)
+            weight = (dequantize_fp4(weight, scale) if weight.dtype in (torch.int8, torch.uint8)
+                      else dequantize_block_fp8(weight, scale, self.args.fp8_block_size))
+        moe.set_expert(local, expert.group(3), weight)
+
+    def _set_quantized(self, base: str, raw_name: str, entry: dict[str, Any], shards: dict[str, Shard]) -> None:
+        """An fp8 projection (kept fp8, dequantized block-wise inside the linear) or an fp4 / fp8 expert."""
+        expert = _EXPERT.match(base + ".weight")
+        if expert:
+            self._set_expert(expert, entry["weight"], entry["scale"])
+            return
+        target = self.get_submodule(base) if base else None
+        if not isinstance(target, BlockLinear) or entry["weight"].dtype != torch.float8_e4m3fn:
+            raise ValueError(f"unexpected quantized checkpoint tensor {raw_name!r}")
+        weight, scale = entry["weight"], entry["scale"]
+        shard = shards.get(base + ".weight")
+        if shard is not None:
+            block = self.args.fp8_block_size[shard.dim]
+            if shard.start % block or (shard.size % block and shard.start + shard.size != weight.shape[shard.dim]):
+                raise ValueError(f"{raw_name}: this rank's shard ({shard}) does not fall on the {block}-wide fp8 "
+                                 f"scale blocks; choose a tensor_parallel_size that keeps shards block-aligned")
+            weight = shard.take(weight)
+            scale = Shard(shard.dim, shard.start // block, -(-shard.size // block)).take(scale)
+        target.set_weight(_whole(weight), _whole(scale).float(), self.dtype, self.dequantize_fp8_at_load)
 
     def _is_mtp(self, name: str) -> bool:
         layer = _LAYER.match(name)

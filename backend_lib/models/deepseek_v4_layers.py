@@ -100,7 +100,7 @@ class V4MoE(nn.Module):
         local = expert - self.first_expert
         return local if 0 <= local < self.num_local_experts else None
 
-    def set_expert(self, local: int, proj: str, weight) -> None:  # weight: checkpoint (maybe lazy) tensor
+    def set_expert(self, local: int, proj: str, weight) -> None:  # weight: checkpoint (maybe lazy) tensor, whole
         hidden, start, size = self.d.hidden, self.inter_start, self.inter_size
         expected = (hidden, self.d.intermediate) if proj == "w2" else (self.d.intermediate, hidden)
         if tuple(weight.shape) != expected:
