@@ -178,7 +178,8 @@ def test_engine_greedy_matches_transformers_chunked_batched_preempted_and_in_ses
 @pytest.mark.parametrize("fp4_experts", [True, False])
 def test_fp8_attention_and_fp4_experts_match_transformers_over_the_dequantized_weights(fp4_experts, tmp_path):
     """Attention and shared-expert projections fp8 e4m3 (128x128 ue8m0 blocks, kept fp8 and dequantized inside the
-    linear, or at load); routed experts fp4 e2m1 (ue8m0 per 32 inputs) or fp8. transformers dequantizes on the host."""
+    linear, or at load); routed experts fp4 e2m1 (ue8m0 per 32 inputs; kept packed, or dequantized at load) or fp8
+    (dequantized at load). transformers dequantizes everything on the host."""
     from transformers import AutoModelForCausalLM
     path = make_tiny("deepseek_v4", tmp_path, seed=9, fp8=True, fp4_experts=fp4_experts)
     config = json.loads((path / "config.json").read_text())["quantization_config"]
@@ -187,8 +188,12 @@ def test_fp8_attention_and_fp4_experts_match_transformers_over_the_dequantized_w
     kept = load_model(str(path), torch.float32, progress=False)
     assert kept.layers[1].attn.wq_b.weight.dtype == torch.float8_e4m3fn
     assert kept.layers[1].ffn.shared_experts.w2.weight_scale_inv is not None
+    assert kept.layers[2].ffn.gate_up.dtype == (torch.int8 if fp4_experts else torch.float32)
     ids = _tokens(33, 90)
     assert (PagedRunner(kept).step([], [("r", ids)]) - _hf_logits(hf, ids)).abs().max() <= 1e-4
+    kept.set_moe_impl("static")
+    assert (PagedRunner(kept).step([], [("r", ids)]) - _hf_logits(hf, ids)).abs().max() <= 1e-4
+    kept.set_moe_impl("dynamic")
     if fp4_experts:
         engine = _engine(path, max_num_batched_tokens=9, num_blocks=48)
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -196,10 +201,9 @@ def test_fp8_attention_and_fp4_experts_match_transformers_over_the_dequantized_w
         for rid, prompt in prompts.items():
             engine.add_request(rid, prompt, params)
         assert _drive(engine) == {rid: _hf_generate(hf, prompt) for rid, prompt in prompts.items()}
-    else:
-        dequantized = load_model(str(path), torch.float32, progress=False, dequantize_fp8_at_load=True)
-        assert dequantized.layers[1].attn.wq_b.weight.dtype == torch.float32
-        assert (PagedRunner(dequantized).step([], [("r", ids)]) - _hf_logits(hf, ids)).abs().max() <= 1e-4
+    dequantized = load_model(str(path), torch.float32, progress=False, dequantize_fp8_at_load=True)
+    assert dequantized.layers[1].attn.wq_b.weight.dtype == dequantized.layers[2].ffn.gate_up.dtype == torch.float32
+    assert (PagedRunner(dequantized).step([], [("r", ids)]) - _hf_logits(hf, ids)).abs().max() <= 1e-4
 
 
 def test_static_moe_gives_the_same_logits(tiny):

@@ -35,9 +35,8 @@ from backend_lib.models.deepseek_v4_layers import (
 from backend_lib.models.parallel import ParallelContext, Shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
 from kernels.compressed_attention import TokenPages
-from kernels.fp4 import dequantize_fp4
 from kernels.hyper_connections import HyperConnectionSpec, hc_head_collapse
-from kernels.quant import DEFAULT_BLOCK, dequantize_block_fp8
+from kernels.quant import DEFAULT_BLOCK
 
 if TYPE_CHECKING:
     from backend_lib.models.loader import LoadOptions
@@ -186,7 +185,7 @@ _LAYER = re.compile(r"^layers\.(\d+)\.")
 _SAVED_NAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
                 "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
 _QUANTIZED = (torch.float8_e4m3fn, torch.int8, torch.uint8)
-_KEEP_FP32 = re.compile(r"(hc_\w+|attn_sink|\.ape|ffn\.gate\.\w+)$")
+_KEEP_FP32 = re.compile(r"(hc_\w+|attn_sink|\.ape|ffn\.gate\.\w+|ffn\.\w+_scale)$")
 
 
 def _whole(tensor: Any) -> torch.Tensor:
@@ -239,7 +238,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         moe = V4MoEDims(a.hidden_size, a.moe_intermediate_size, a.n_routed_experts, a.num_experts_per_tok,
                         a.vocab_size, a.routed_scaling_factor, a.scoring_func, a.swiglu_limit,
                         a.mlp_layer_types[index] == HASH_MOE)
-        ffn = V4MoE(moe, self.par, a.fp8_block_size, impl=moe_impl)
+        packed = a.expert_dtype == "fp4" and not self.dequantize_fp8_at_load
+        ffn = V4MoE(moe, self.par, a.fp8_block_size, impl=moe_impl, packed_fp4=packed)
         return V4DecoderLayer(attn, ffn, a.hidden_size, a.rms_norm_eps, self.hc)
 
     @classmethod
@@ -353,13 +353,8 @@ class DeepseekV4ForCausalLM(nn.Module):
     def _set_expert(self, expert: re.Match, weight: Any, scale: Any) -> None:
         moe = self.layers[int(expert.group(1))].ffn
         local = moe.local_expert(int(expert.group(2)))
-        if local is None:
-            return  # another rank's expert (expert parallelism)
-        if scale is not None:  # fp4 / fp8 experts are dequantized at load in this version
-            weight, scale = _whole(weight), _whole(scale)
-            weight = (dequantize_fp4(weight, scale) if weight.dtype in (torch.int8, torch.uint8)
-                      else dequantize_block_fp8(weight, scale, self.args.fp8_block_size))
-        moe.set_expert(local, expert.group(3), weight)
+        if local is not None:  # else another rank's expert (expert parallelism)
+            moe.set_expert(local, expert.group(3), weight, scale)
 
     def _set_quantized(self, base: str, raw_name: str, entry: dict[str, Any], shards: dict[str, Shard]) -> None:
         """An fp8 projection (kept fp8, dequantized block-wise inside the linear) or an fp4 / fp8 expert."""

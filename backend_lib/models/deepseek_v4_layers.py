@@ -19,8 +19,9 @@ from torch import nn
 from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm
 from backend_lib.models.deepseek_v4_attention import LayerCache, StepContext, V4Attention
 from backend_lib.models.parallel import ParallelContext, Shard
+from kernels.fp4 import FP4_GROUP, dequantize_fp4
 from kernels.hyper_connections import HyperConnectionSpec, hc_collapse, hc_expand, hc_mixes
-from kernels.quant import DEFAULT_BLOCK
+from kernels.quant import DEFAULT_BLOCK, dequantize_block_fp8
 
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 MOE_IMPLS = ("dynamic", "static")
@@ -68,10 +69,14 @@ class SharedExpert(nn.Module):
 
 
 class V4MoE(nn.Module):
-    """Router + this rank's routed experts (stacked ``gate_up`` [E, 2I, H] and ``down`` [E, H, I]) + shared expert."""
+    """Router + this rank's routed experts (stacked ``gate_up`` [E, 2I, H] and ``down`` [E, H, I]) + shared expert.
+
+    ``packed_fp4``: the experts stay as the checkpoint stores them (int8 with two e2m1 codes per byte,
+    ``gate_up`` [E, 2I, H/2] and ``down`` [E, H, I/2], ue8m0 scales per 32 inputs in ``*_scale``), a quarter of the
+    fp16 bytes; each expert is dequantized in one vectorized op when it runs. Otherwise they are dense."""
 
     def __init__(self, d: V4MoEDims, par: ParallelContext, block_size: tuple[int, int] = DEFAULT_BLOCK,
-                 impl: str = "dynamic") -> None:
+                 impl: str = "dynamic", packed_fp4: bool = False) -> None:
         super().__init__()
         if d.scoring_func not in SCORING_FUNCS:
             raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, got {d.scoring_func!r}")
@@ -88,8 +93,19 @@ class V4MoE(nn.Module):
             self.gate.register_buffer("tid2eid", torch.zeros(d.vocab_size, d.top_k, dtype=torch.int64))
         else:
             self.gate.register_buffer("bias", torch.zeros(d.num_experts))
-        self.register_buffer("gate_up", torch.zeros(self.num_local_experts, 2 * self.inter_size, d.hidden))
-        self.register_buffer("down", torch.zeros(self.num_local_experts, d.hidden, self.inter_size))
+        self.packed_fp4, self.block_size = packed_fp4, block_size
+        num, inter = self.num_local_experts, self.inter_size
+        if packed_fp4:
+            if d.hidden % FP4_GROUP or inter % FP4_GROUP:
+                raise ValueError(f"fp4 experts need hidden_size ({d.hidden}) and this rank's moe_intermediate_size "
+                                 f"({inter}) to be multiples of {FP4_GROUP}")
+            self.register_buffer("gate_up", torch.zeros(num, 2 * inter, d.hidden // 2, dtype=torch.int8))
+            self.register_buffer("gate_up_scale", torch.zeros(num, 2 * inter, d.hidden // FP4_GROUP))
+            self.register_buffer("down", torch.zeros(num, d.hidden, inter // 2, dtype=torch.int8))
+            self.register_buffer("down_scale", torch.zeros(num, d.hidden, inter // FP4_GROUP))
+        else:
+            self.register_buffer("gate_up", torch.zeros(num, 2 * inter, d.hidden))
+            self.register_buffer("down", torch.zeros(num, d.hidden, inter))
         self.shared_experts = SharedExpert(d, par, block_size)
 
     # ---- loading ---------------------------------------------------------------------------------------
@@ -100,17 +116,50 @@ class V4MoE(nn.Module):
         local = expert - self.first_expert
         return local if 0 <= local < self.num_local_experts else None
 
-    def set_expert(self, local: int, proj: str, weight) -> None:  # weight: checkpoint (maybe lazy) tensor, whole
-        hidden, start, size = self.d.hidden, self.inter_start, self.inter_size
-        expected = (hidden, self.d.intermediate) if proj == "w2" else (self.d.intermediate, hidden)
+    def set_expert(self, local: int, proj: str, weight,  # checkpoint (maybe lazy) tensor: dense, fp8 or packed fp4
+                   scale=None) -> None:  # its scales (fp8 block grid, or fp4 per 32 inputs), None when dense
+        hidden, inter, start, size = self.d.hidden, self.d.intermediate, self.inter_start, self.inter_size
+        name = f"experts.{local + self.first_expert}.{proj}"
+        fp4 = scale is not None and weight.dtype in (torch.int8, torch.uint8)
+        rows, cols = (hidden, inter) if proj == "w2" else (inter, hidden)
+        expected = (rows, cols // 2) if fp4 else (rows, cols)
         if tuple(weight.shape) != expected:
-            raise ValueError(f"experts.{local + self.first_expert}.{proj}: shape {tuple(weight.shape)} != {expected}")
+            raise ValueError(f"{name}: shape {tuple(weight.shape)} != {expected}")
+        if fp4 and self.packed_fp4:
+            if proj == "w2" and (start % FP4_GROUP or size % FP4_GROUP):
+                raise ValueError(f"{name}: this rank's intermediate slice [{start}, {start + size}) does not fall on "
+                                 f"the {FP4_GROUP}-wide fp4 scale groups")
+            codes, scales = ((Shard(1, start // 2, size // 2), Shard(1, start // FP4_GROUP, size // FP4_GROUP))
+                             if proj == "w2" else (Shard(0, start, size),) * 2)
+            self._store(local, proj, codes.take(weight), scales.take(scale).float())
+            return
+        if scale is not None:  # dequantized at load: fp8 experts, or fp4 when asked to
+            whole_weight, whole_scale = weight.narrow(0, 0, rows), scale.narrow(0, 0, scale.shape[0])
+            weight = (dequantize_fp4(whole_weight, whole_scale) if fp4
+                      else dequantize_block_fp8(whole_weight, whole_scale, self.block_size))
+        if self.packed_fp4:
+            raise ValueError(f"{name}: the layer holds packed fp4 experts but the checkpoint gives this one as "
+                             f"{weight.dtype}; experts of one checkpoint must share one format")
+        self._store(local, proj, (Shard(1, start, size) if proj == "w2" else Shard(0, start, size)).take(weight))
+
+    def _store(self, local: int, proj: str, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        size = self.inter_size
+        rows = slice(None) if proj == "w2" else slice(0, size) if proj == "w1" else slice(size, 2 * size)
+        target = "down" if proj == "w2" else "gate_up"
         with torch.no_grad():
-            if proj == "w2":
-                self.down[local].copy_(Shard(1, start, size).take(weight).to(self.down.dtype))
-            else:
-                rows = slice(0, size) if proj == "w1" else slice(size, 2 * size)
-                self.gate_up[local, rows].copy_(Shard(0, start, size).take(weight).to(self.gate_up.dtype))
+            getattr(self, target)[local, rows].copy_(weight.to(getattr(self, target).dtype))
+            if scale is not None:
+                getattr(self, target + "_scale")[local, rows].copy_(scale)
+
+    def _dense(self, which: str, dtype: torch.dtype, expert: int | None = None) -> torch.Tensor:
+        """``gate_up`` or ``down`` of one local expert (or all of them), dequantized when packed."""
+        weight = getattr(self, which)
+        if expert is not None:
+            weight = weight[expert]
+        if not self.packed_fp4:
+            return weight.to(dtype)
+        scale = getattr(self, which + "_scale")
+        return dequantize_fp4(weight, scale if expert is None else scale[expert], dtype)
 
     # ---- forward ---------------------------------------------------------------------------------------
     def route(self, x: torch.Tensor,  # [T, hidden]
@@ -141,8 +190,9 @@ class V4MoE(nn.Module):
                          num_classes=self.num_local_experts + 2)[..., 1:-1].permute(2, 1, 0)  # [E, k, T]
         for e in (mask.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist():
             slot, token = torch.where(mask[e])
-            h = clipped_swiglu(*F.linear(x[token], self.gate_up[e].to(x.dtype)).chunk(2, dim=-1), self.d.swiglu_limit)
-            y = F.linear(h, self.down[e].to(x.dtype)) * weights[token, slot, None].to(x.dtype)
+            gate_up = F.linear(x[token], self._dense("gate_up", x.dtype, e))
+            h = clipped_swiglu(*gate_up.chunk(2, dim=-1), self.d.swiglu_limit)
+            y = F.linear(h, self._dense("down", x.dtype, e)) * weights[token, slot, None].to(x.dtype)
             out.index_add_(0, token, y)
         return out
 
@@ -153,9 +203,9 @@ class V4MoE(nn.Module):
         inside = (local_ids >= 0) & (local_ids < num)
         dense = torch.zeros(x.shape[0], num + 1, dtype=weights.dtype, device=x.device)
         dense = dense.scatter_add_(1, torch.where(inside, local_ids, num), weights)[:, :num]
-        gate_up = torch.einsum("th,eih->eti", x, self.gate_up.to(x.dtype))
+        gate_up = torch.einsum("th,eih->eti", x, self._dense("gate_up", x.dtype))
         h = clipped_swiglu(*gate_up.chunk(2, dim=-1), self.d.swiglu_limit)
-        y = torch.einsum("eti,ehi->eth", h, self.down.to(x.dtype))
+        y = torch.einsum("eti,ehi->eth", h, self._dense("down", x.dtype))
         return torch.einsum("eth,te->th", y, dense.to(x.dtype))
 
 
