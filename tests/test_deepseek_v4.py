@@ -255,7 +255,9 @@ def test_compiled_decode_regions_give_the_same_greedy_ids(tmp_path):
     """Decode graphs (static MoE, fullgraph, aot_eager on the host) against transformers."""
     from transformers import AutoModelForCausalLM
     from backend_lib.neuron.regions import CompiledModel
-    path = make_tiny("deepseek_v4", tmp_path, seed=6)
+    small = dict(num_hidden_layers=3, hc_sinkhorn_iters=4, mlp_layer_types=["hash_moe", "moe", "moe"],
+                 layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"])
+    path = make_tiny("deepseek_v4", tmp_path, seed=6, overrides=small)  # one layer of each type: a smaller graph
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     engine = _engine(path, num_blocks=48, max_num_batched_tokens=16, compile_backend="aot_eager",
                      batch_buckets="2", width_buckets="16", compile_progress=False)
