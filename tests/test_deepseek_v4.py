@@ -135,6 +135,24 @@ def test_prefix_cached_blocks_are_reused(tiny):
     assert (out - _hf_logits(hf, shared + tail)[24:]).abs().max() <= 1e-4
 
 
+class _LazyTensor:
+    """All a lazy checkpoint tensor offers the model: ``shape``, ``dtype`` and ``narrow`` (which reads)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor, self.shape, self.dtype = tensor, tensor.shape, tensor.dtype
+
+    def narrow(self, dim: int, start: int, size: int) -> torch.Tensor:
+        return self._tensor.narrow(dim, start, size).clone()
+
+
+def _load_lazily(path):
+    from backend_lib.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from backend_lib.models.loader import iter_safetensors, safetensors_files
+    model = DeepseekV4ForCausalLM.from_hf_config(json.loads((path / "config.json").read_text()), torch.float32)
+    model.load_weights((n, _LazyTensor(t)) for n, t in iter_safetensors(safetensors_files(str(path)), False))
+    return model.eval()
+
+
 def _engine(path, **settings) -> LLMEngine:
     return LLMEngine(EngineConfig.from_flat({"model": str(path), "max_model_len": 256, "block_size": 4,
                                              "max_num_seqs": 4, **settings}))
@@ -185,7 +203,7 @@ def test_fp8_attention_and_fp4_experts_match_transformers_over_the_dequantized_w
     config = json.loads((path / "config.json").read_text())["quantization_config"]
     assert config["expert_dtype"] == ("fp4" if fp4_experts else "fp8") and config["scale_fmt"] == "ue8m0"
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    kept = load_model(str(path), torch.float32, progress=False)
+    kept = _load_lazily(path)
     assert kept.layers[1].attn.wq_b.weight.dtype == torch.float8_e4m3fn
     assert kept.layers[1].ffn.shared_experts.w2.weight_scale_inv is not None
     assert kept.layers[2].ffn.gate_up.dtype == (torch.int8 if fp4_experts else torch.float32)
@@ -282,7 +300,8 @@ def _tp_rank(rank: int, world: int, path: str, init: str, expert_parallel: bool,
         par = ParallelContext(rank, world, expert_parallel, dist.group.WORLD)
         config = json.loads(open(f"{path}/config.json").read())
         model = DeepseekV4ForCausalLM.from_hf_config(config, torch.float32, par=par)
-        model.load_weights(iter_safetensors(safetensors_files(path), progress=False))
+        tensors = iter_safetensors(safetensors_files(path), progress=False)
+        model.load_weights((name, _LazyTensor(t)) for name, t in tensors)  # each rank narrows out its shard
         attn, moe = model.layers[1].attn, model.layers[1].ffn
         assert (attn.num_heads, attn.o_groups, model.head.weight.shape[0]) == (2, 1, 160)
         assert (moe.num_local_experts, moe.inter_size) == ((4, 32) if expert_parallel else (8, 16))
