@@ -189,6 +189,10 @@ def test_engine_greedy_matches_transformers_chunked_batched_preempted_and_in_ses
     assert turn1 == _hf_generate(hf, first)
     assert turn2 == _hf_generate(hf, first + turn1 + second)
     assert engine.stats().num_computed_prompt_tokens - computed <= len(second) + 1
+
+    engine.add_request("aborted", _tokens(30, 52), params)  # aborted mid-prefill: every block comes back
+    engine.step()
+    assert engine.abort("aborted").finish_reason == "abort"
     assert engine.stats().kv_blocks_used == 0
     engine.scheduler.check_integrity()
 
