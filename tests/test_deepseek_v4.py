@@ -21,8 +21,11 @@ NEW_TOKENS = 24
 CONFIGS = {
     # make-tiny's defaults: window 8, CSA rate 4 (top-3 of the indexer), HCA rate 8, sqrtsoftplus routing
     "default": {},
-    # rates that divide neither the block size nor each other, 4 output groups, sigmoid scores, top-2 indexer
+    # rates that divide neither the block size nor each other, 4 output groups, sigmoid scores, top-2 indexer,
+    # YaRN on the compress rotary
     "odd_rates": dict(compress_rates={"compressed_sparse_attention": 3, "heavily_compressed_attention": 5},
+                      rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                       "beta_fast": 32, "beta_slow": 1},
                       sliding_window=6, index_topk=2, o_groups=4, scoring_func="sigmoid",
                       layer_types=["heavily_compressed_attention", "compressed_sparse_attention",
                                    "sliding_attention", "compressed_sparse_attention"],
