@@ -121,7 +121,7 @@ class Indexer(nn.Module):
 
     def __init__(self, d: V4AttentionDims, rope: V4Rope, block_size: tuple[int, int]) -> None:
         super().__init__()
-        self.d, self.rope = d, rope
+        self.d = d
         self.wq_b = BlockLinear(d.q_lora_rank, d.index_n_heads * d.index_head_dim, block_size=block_size)
         self.weights_proj = BlockLinear(d.hidden, d.index_n_heads, block_size=block_size)
         self.compressor = Compressor(d.hidden, d.index_head_dim, d.compress_rate, True, d.eps, rope, block_size)

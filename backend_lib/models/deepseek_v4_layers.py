@@ -142,7 +142,9 @@ class V4MoE(nn.Module):
                              f"{weight.dtype}; experts of one checkpoint must share one format")
         self._store(local, proj, (Shard(1, start, size) if proj == "w2" else Shard(0, start, size)).take(weight))
 
-    def _store(self, local: int, proj: str, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+    def _store(self, local: int, proj: str,
+               weight: torch.Tensor,  # [rows, cols] dense, or [rows, cols / 2] packed fp4 (this rank's part)
+               scale: torch.Tensor | None = None) -> None:  # [rows, cols / 32] for packed fp4
         size = self.inter_size
         rows = slice(None) if proj == "w2" else slice(0, size) if proj == "w1" else slice(size, 2 * size)
         target = "down" if proj == "w2" else "gate_up"
@@ -182,7 +184,10 @@ class V4MoE(nn.Module):
         routed = run(x, weights, local_ids)
         return self.par.all_reduce(routed + self.shared_experts(x))
 
-    def _dynamic(self, x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+    def _dynamic(self, x: torch.Tensor,  # [T, hidden]
+                 weights: torch.Tensor,  # [T, k] float32
+                 local_ids: torch.Tensor,  # [T, k] int64, outside [0, num_local_experts) for other ranks' experts
+                 ) -> torch.Tensor:  # [T, hidden]
         """Each local expert over its own tokens, ascending expert id, accumulated with ``index_add_`` (the order
         transformers uses). Data-dependent shapes: eager only."""
         out = torch.zeros_like(x)
@@ -196,7 +201,10 @@ class V4MoE(nn.Module):
             out.index_add_(0, token, y)
         return out
 
-    def _static(self, x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+    def _static(self, x: torch.Tensor,  # [T, hidden]
+                weights: torch.Tensor,  # [T, k] float32
+                local_ids: torch.Tensor,  # [T, k] int64
+                ) -> torch.Tensor:  # [T, hidden]
         """Fixed shapes for compiled regions: every local expert over every token, combined by a dense
         [T, E] weight matrix that is zero off each token's choices."""
         num = self.num_local_experts
