@@ -231,6 +231,20 @@ def test_fp8_attention_and_fp4_experts_match_transformers_over_the_dequantized_w
     assert (PagedRunner(dequantized).step([], [("r", ids)]) - _hf_logits(hf, ids)).abs().max() <= 1e-4
 
 
+def test_engine_prefix_cache_hits_give_transformers_ids(tiny):
+    """A second request that shares a 26-token prefix reuses its full blocks (window and compressor state included)."""
+    from backend_lib.offline import LLM
+    path, _, hf = tiny
+    llm = LLM(str(path), max_model_len=256, block_size=4, num_blocks=64, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prefix = _tokens(26, 120)
+    first = llm.generate([prefix + _tokens(5, 121)], params)[0]
+    second = llm.generate([prefix + _tokens(7, 122)], params)[0]
+    assert second.num_cached_tokens >= 24
+    assert first.token_ids == _hf_generate(hf, prefix + _tokens(5, 121), 12)
+    assert second.token_ids == _hf_generate(hf, prefix + _tokens(7, 122), 12)
+
+
 def test_static_moe_gives_the_same_logits(tiny):
     _, ours, hf = tiny
     ids = _tokens(21, 60)
