@@ -218,13 +218,14 @@ def lint_region(fn: Callable, *args, region: str = "region", **kwargs):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deepinfer lint-graphs",
-                                     description="Lint every compiled region of a tiny Llama and a tiny "
-                                                 "DeepSeek-V3 for what neuronx-cc rejects or runs slowly.")
-    parser.add_argument("--arch", choices=["llama", "deepseek_v3", "all"], default="all")
+                                     description="Lint every compiled region of a tiny Llama, a tiny "
+                                                 "DeepSeek-V3 and a tiny DeepSeek-V4 for what neuronx-cc rejects or "
+                                                 "runs slowly.")
+    parser.add_argument("--arch", choices=["llama", "deepseek_v3", "deepseek_v4", "all"], default="all")
     args = parser.parse_args(argv)
     from backend_lib.neuron.lint_regions import lint_all_regions
 
-    archs = ["llama", "deepseek_v3"] if args.arch == "all" else [args.arch]
+    archs = ["llama", "deepseek_v3", "deepseek_v4"] if args.arch == "all" else [args.arch]
     failures = 0
     for region, error in lint_all_regions(archs):
         status = "ok" if error is None else "FAIL"

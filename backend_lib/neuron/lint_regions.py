@@ -1,7 +1,8 @@
 """The catalogue of compiled regions that ``deepinfer lint-graphs`` checks, built on tiny random models.
 
 Regions: decode at each batch bucket, each prefill bucket, the lm_head, every sampler variant and the draft
-verification (greedy and sampled rows), for a tiny Llama and a tiny DeepSeek-V3 (fp8 weights, static MoE).
+verification (greedy and sampled rows), for a tiny Llama, a tiny DeepSeek-V3 (fp8 weights, static MoE) and a tiny
+DeepSeek-V4 (fp32, static MoE).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def _tiny_model(arch: str, directory: str) -> torch.nn.Module:
 
     path = make_tiny(arch, directory, fp8=arch == "deepseek_v3", seed=0)
     model = load_model(str(path), torch.float32, progress=False).eval()
-    if arch == "deepseek_v3":
+    if arch in ("deepseek_v3", "deepseek_v4"):
         model.set_moe_impl("static")
     return model
 
