@@ -26,6 +26,7 @@ def tiny_dirs(tmp_path_factory):
         "llama": make_tiny("llama", root / "llama"),
         "deepseek": make_tiny("deepseek_v3", root / "deepseek", mtp_layers=1),
         "deepseek_fp8": make_tiny("deepseek_v3", root / "deepseek_fp8", fp8=True, mtp_layers=1),
+        "deepseek_v4": make_tiny("deepseek_v4", root / "deepseek_v4"),
     }
 
 
@@ -49,6 +50,8 @@ def _assert_same(reference, results) -> None:
     ("deepseek", {"enable_expert_parallel": True}),
     ("deepseek_fp8", {}),
     ("deepseek_fp8", {"enable_expert_parallel": True}),
+    ("deepseek_v4", {}),
+    ("deepseek_v4", {"enable_expert_parallel": True}),
 ])
 def test_two_ranks_match_one(tiny_dirs, model, settings):
     reference = _generate(str(tiny_dirs[model]))
