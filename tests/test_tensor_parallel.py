@@ -171,3 +171,43 @@ def test_compiled_regions_per_rank_match_eager(tiny_dirs):
     compiled = _generate(model, tensor_parallel_size=2, compile_backend="aot_eager", batch_buckets="1,2,4",
                          width_buckets="8", max_model_len=128)
     _assert_same(_generate(model), compiled)
+
+
+def test_graph_lint_accepts_static_collectives_and_names_others():
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from backend_lib.neuron.graph_lint import GraphLintError, LintBackend, lint_region
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+
+        def reduce(x):  # what ParallelContext.all_reduce does on Neuron (no shared-memory op there)
+            dist.all_reduce(x, group=group)
+            return x * 2
+
+        backend = LintBackend("reduce")
+        torch._dynamo.reset()
+        torch.compile(reduce, backend=backend, fullgraph=True, dynamic=False)(torch.ones(4))
+        assert backend.graphs_checked >= 1
+        assert lint_region(reduce, torch.ones(4), region="all-reduce").tolist() == [2.0] * 4
+
+        def exchange(x):
+            return funcol.all_to_all_single(x, [4], [4], group) + 1
+
+        with pytest.raises(GraphLintError, match=r"\[collective\]"):
+            lint_region(exchange, torch.ones(4), region="all-to-all")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_lint_graphs_per_rank():
+    from backend_lib.neuron.lint_ranks import lint_with_ranks
+
+    results = lint_with_ranks(["llama"], 2)
+    assert {r.rank for r in results} == {0, 1}
+    assert [r for r in results if r.error] == []
+    assert any(r.rank == 1 and "decode" in r.region for r in results)
