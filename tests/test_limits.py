@@ -6,7 +6,7 @@ import pytest
 
 from backend_lib import serving
 from backend_lib.async_engine import AsyncEngine
-from backend_lib.config import EngineConfig, RequestLimits
+from backend_lib.config import EngineConfig, RequestLimits, config_to_flat
 from backend_lib.engine import LLMEngine
 from backend_lib.errors import EngineBusyError
 from backend_lib.limits import check_context, check_params, check_prompt
@@ -25,6 +25,8 @@ def test_admission_defaults_derive_from_max_num_seqs_and_parameters_override_the
         "max_logprobs": "3", "max_input_ids": "64"})
     assert (config.max_waiting_requests, config.max_sessions) == (5, 128)
     assert (config.limits.max_stop_strings, config.limits.max_logprobs, config.limits.max_input_ids) == (2, 3, 64)
+    # Worker ranks rebuild the driver's config from its flat form: the limits and derived values survive.
+    assert EngineConfig.from_flat(config_to_flat(config)) == config
 
 
 @pytest.mark.parametrize("params, needle", [
