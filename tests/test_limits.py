@@ -6,7 +6,7 @@ import pytest
 
 from backend_lib import serving
 from backend_lib.async_engine import AsyncEngine
-from backend_lib.config import EngineConfig, RequestLimits
+from backend_lib.config import EngineConfig, RequestLimits, config_to_flat
 from backend_lib.engine import LLMEngine
 from backend_lib.errors import EngineBusyError
 from backend_lib.limits import check_context, check_params, check_prompt
@@ -25,6 +25,8 @@ def test_admission_defaults_derive_from_max_num_seqs_and_parameters_override_the
         "max_logprobs": "3", "max_input_ids": "64"})
     assert (config.max_waiting_requests, config.max_sessions) == (5, 128)
     assert (config.limits.max_stop_strings, config.limits.max_logprobs, config.limits.max_input_ids) == (2, 3, 64)
+    # Worker ranks rebuild the driver's config from its flat form: the limits and derived values survive.
+    assert EngineConfig.from_flat(config_to_flat(config)) == config
 
 
 @pytest.mark.parametrize("params, needle", [
@@ -87,7 +89,8 @@ def test_context_limit_names_max_tokens_the_prompt_length_and_max_model_len():
     with pytest.raises(ValueError) as info:
         check_context(10, SamplingParams(max_tokens=1_000_000_000), 64)
     message = str(info.value)
-    assert message.startswith("max_tokens is 1000000000") and "10 tokens" in message and "max_model_len is 64" in message
+    assert message.startswith("max_tokens is 1000000000") and "10 tokens" in message
+    assert "max_model_len is 64" in message
     check_context(10, SamplingParams(max_tokens=54), 64)  # exactly fits
     check_context(60, SamplingParams(), 64)  # unset: the default, cut at max_model_len
     with pytest.raises(ValueError, match="prompt has 64 tokens; max_model_len is 64"):
@@ -144,7 +147,8 @@ def test_max_sessions_refuses_a_new_start_but_not_a_restart(engine):
     params = SamplingParams(max_tokens=2, temperature=0.0)
     engine.add_request("a", [5, 6], params, SessionControl("s-a", start=True))
     engine.add_request("b", [5, 6], params, SessionControl("s-b", start=True))
-    with pytest.raises(EngineBusyError, match=r"^server busy: 2 sessions are open, the limit \(max_sessions 2\)") as info:
+    with pytest.raises(EngineBusyError, match=r"^server busy: 2 sessions are open, the limit \(max_sessions 2\)") \
+            as info:
         engine.add_request("c", [5, 6], params, SessionControl("s-c", start=True))
     assert info.value.limit == "max_sessions" and not isinstance(info.value, ValueError)
     _run(engine)

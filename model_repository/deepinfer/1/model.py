@@ -104,11 +104,10 @@ class TritonPythonModel:
                     raise ValueError("the server is shutting down")
                 decoded = self._decode(request)
                 stream = self._engine.add_request(request_id, decoded.prompt, decoded.params, decoded.session)
-            except ValueError as exc:  # the client's fault: report it and keep serving
-                self._send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
-                continue
-            except EngineBusyError as exc:  # at an admission limit: UNAVAILABLE (retry later), not the client's fault
-                self._send_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
+            except (ValueError, EngineBusyError) as exc:  # bad input, or an admission limit (retry later)
+                busy = isinstance(exc, EngineBusyError)
+                code = pb_utils.TritonError.UNAVAILABLE if busy else pb_utils.TritonError.INVALID_ARG
+                self._send_error(sender, str(exc), code)
                 continue
             except Exception as exc:
                 self._logger.log_error(f"[deepinfer] request {request_id} failed: {traceback.format_exc()}")
