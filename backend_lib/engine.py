@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backend_lib.config import EngineConfig
+from backend_lib.kv_sizing import kv_cache_num_blocks
 from backend_lib.model_runner import ModelRunner
 from backend_lib.models.loader import load_model, resolve_model_path
 from backend_lib.outputs import (EngineStats, RequestMetrics, RequestOutput, RunnerOutput, SessionControl,
@@ -73,9 +74,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.load(path)
         self.vocab_size = self.model.arch.vocab_size
         block_size = config.cache.block_size
-        num_blocks = config.cache.num_blocks or max(
-            4, int(config.cache.kv_cache_memory_gb * 2**30
-                   // ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype)))
+        num_blocks = kv_cache_num_blocks(config, ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype),
+                                         self.device)
         # Before the runner: compiled regions trace the packed GEMM (an opaque custom op) that eager steps call.
         if (config.model.host_gemm == "onednn" and hasattr(self.model, "pack_for_cpu")
                 and onednn_gemm_available(self.device, self.dtype)):
