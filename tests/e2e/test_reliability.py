@@ -116,6 +116,8 @@ def test_sigkill_of_serve_leaves_no_tritonserver_stub_or_shm_region(tmp_path):
         serve.process.wait(timeout=10)
         took = _wait_for(lambda: not serve.leftovers(), 10, "no tritonserver, stub or shm region left")
         print(f"everything gone {took:.1f} s after SIGKILL")
+        # The kernel killed tritonserver (parent-death signal); the stub's watchdog removed the region.
+        assert f"the stub (pid {serve.stub_pid}) removes its shm region" in (tmp_path / "tritonserver.log").read_text()
     finally:
         client.close()
         serve.close()
