@@ -198,6 +198,13 @@ class AsyncEngine:
                                          num_prompt_tokens=0, num_output_tokens=0, error=str(exc), rejected=True))
                 refused = True
                 continue
+            except Exception as exc:  # a bug, not the client's fault: this request fails, the others go on
+                logger.exception("admitting request %s failed", request_id)
+                stream.put(RequestOutput(request_id, [], "", finished=True, finish_reason="error",
+                                         num_prompt_tokens=0, num_output_tokens=0,
+                                         error=f"internal error: {type(exc).__name__}: {exc}"))
+                refused = True
+                continue
             self._streams[request_id] = stream
         if refused and self.on_outputs is not None:
             self.on_outputs()
@@ -222,7 +229,12 @@ class AsyncEngine:
             return
         finally:
             self._built.set()
-        self._loop()
+        try:
+            self._loop()
+        except Exception as exc:  # outside a step (admitting, closing sessions): a bug; never leave streams hanging
+            logger.exception("the engine loop failed")
+            with self._lock:
+                self._die(f"the engine loop failed: {type(exc).__name__}: {exc}")
 
     def _loop(self) -> None:
         while True:

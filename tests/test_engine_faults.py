@@ -67,3 +67,29 @@ def test_fatal_step_failure_kills_the_engine_and_says_why(tiny_llama_dir):
             engine.add_request("late", [3, 5, 7], SHORT)
     finally:
         engine.shutdown()  # returns although the loop already ended
+
+
+def test_a_failure_outside_the_step_never_leaves_a_stream_hanging(tiny_llama_dir):
+    engine = _engine(tiny_llama_dir, FaultConfig())
+    died = threading.Event()
+    engine.on_failure = lambda reason: died.set()
+    try:
+        admit = engine.engine.add_prepared
+
+        def broken_admit(prepared):
+            raise RuntimeError("admission bug")
+        engine.engine.add_prepared = broken_admit  # one request's admission fails: it ends, the engine goes on
+        failed = _last(engine.add_request("a", [3, 5, 7], SHORT))
+        assert failed.finish_reason == "error" and "admission bug" in failed.error
+        engine.engine.add_prepared = admit
+        assert _last(engine.add_request("b", [3, 5, 7], SHORT)).finish_reason == "length"
+
+        def broken_housekeeping(*args):
+            raise RuntimeError("housekeeping bug")
+        engine.engine.close_idle_sessions = broken_housekeeping  # the loop itself fails: the engine dies, says why
+        assert died.wait(30)
+        assert "the engine loop failed: RuntimeError: housekeeping bug" in engine.failure
+        with pytest.raises(EngineDeadError):
+            engine.add_request("c", [3, 5, 7], SHORT)
+    finally:
+        engine.shutdown()

@@ -161,9 +161,6 @@ class TritonPythonModel:
                     self._fail(item, exc)
                 if item.done:
                     del active[item.request_id]
-            # A finished request's sender must not outlive it: it holds Triton's response factory, and with it the
-            # model, so an unload (a drain, or a dead engine going not ready) would wait for it forever.
-            item = None
             if now - stats_at >= _STATS_POLL_S or (progressed and not active):
                 stats_at = now
                 self._housekeeping(active)
