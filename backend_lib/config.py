@@ -55,7 +55,8 @@ class CacheConfig:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
                  f"block_size must be a power of two in [1, 128], got {self.block_size}")
         _require(self.num_blocks >= 0, f"num_blocks must be >= 0 (0 = auto), got {self.num_blocks}")
-        _require(self.kv_cache_memory_gb >= 0, f"kv_cache_memory_gb must be >= 0 (0 = auto), got {self.kv_cache_memory_gb}")
+        _require(self.kv_cache_memory_gb >= 0,
+                 f"kv_cache_memory_gb must be >= 0 (0 = auto), got {self.kv_cache_memory_gb}")
         _require(0 < self.kv_cache_memory_fraction <= 0.95,
                  f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}")
 
