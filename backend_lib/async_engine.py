@@ -10,6 +10,11 @@ the loop takes it in; a refused turn ends its stream with a ``rejected`` error o
 lock and wait for the current step at most. Python's locks are not fair, so the step loop lets waiting callers
 in before it takes the lock for the next step; otherwise a busy loop could starve an abort for a generation.
 
+Admission control: a request that would make more than ``max_waiting_requests`` wait for a slot (the inbox, the
+requests being taken in from it, and the scheduler's waiting queue) is refused at once with EngineBusyError, as is
+a session START past ``max_sessions`` (checked by the engine when the loop takes the turn in; its stream ends with
+a ``busy`` rejected output). Both refusals are counted in ``stats()``.
+
 The engine is built on the step thread, not the caller's: GNU OpenMP keeps one worker pool per thread that
 runs parallel regions, and once two pools exist (caller + step thread) on a machine with as many cores as one
 pool's threads, it throttles every worker's spin-wait, so each parallel op pays a sleep / wake-up. Measured
@@ -35,6 +40,7 @@ from contextlib import contextmanager
 
 from backend_lib.config import EngineConfig
 from backend_lib.engine import LLMEngine, Prompt
+from backend_lib.errors import EngineBusyError
 from backend_lib.faults import FatalEngineError, FaultConfig
 from backend_lib.outputs import EngineStats, RequestOutput, SessionControl
 from backend_lib.sampling_params import SamplingParams
@@ -103,6 +109,11 @@ class AsyncEngine:
         # New requests waiting for the loop to queue them in the engine (each with the call that does it).
         self._inbox_lock = threading.Lock()
         self._inbox: dict[str, tuple[Callable[[], None], RequestStream]] = {}
+        # Requests the loop took from the inbox and has not queued in the engine yet: they still wait for a slot.
+        # Written by the loop only; callers read it (an int read is atomic) under the inbox lock.
+        self._admitting = 0
+        self._refused_waiting = 0  # under the inbox lock
+        self._refused_sessions = 0  # written by the loop only
         self._stopped = False
         # Called (on the engine's threads) after outputs were put on streams: lets a consumer block instead of
         # polling every stream.
@@ -127,8 +138,11 @@ class AsyncEngine:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     session: SessionControl | None = None) -> RequestStream:
-        """Raises ValueError (nothing queued) for bad input; RuntimeError after shutdown. A session turn the
-        engine refuses (unknown session, a turn still running, ...) ends its stream with a rejected output."""
+        """Raises ValueError (nothing queued) for bad input; EngineBusyError past max_waiting_requests;
+        RuntimeError after shutdown. A session turn the engine refuses (unknown session, a turn still running,
+        max_sessions, ...) ends its stream with a rejected output."""
+        with self._inbox_lock:  # first before tokenizing: an overloaded server refuses at the least cost
+            self._check_waiting_room()
         if session is None:
             prepared = self.engine.prepare_request(request_id, prompt, params)
             admit = functools.partial(self.engine.add_prepared, prepared)
@@ -143,9 +157,20 @@ class AsyncEngine:
             # The live ids are those of the streams and the inbox (a dict read is atomic under the GIL).
             if request_id in self._inbox or request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
+            self._check_waiting_room()  # again: others may have come in while this one was tokenized
             self._inbox[request_id] = (admit, stream)
         self._wakeup.set()
         return stream
+
+    def _check_waiting_room(self) -> None:
+        """Inbox lock held. The scheduler's count is read without the engine lock (a len(), atomic): a step in
+        flight must not delay the answer, and a count one step old only moves the bound by that step's change."""
+        limit = self.engine.config.max_waiting_requests
+        waiting = len(self._inbox) + self._admitting + self.engine.scheduler.num_waiting
+        if waiting >= limit:
+            self._refused_waiting += 1
+            raise EngineBusyError(f"server busy: {waiting} requests are waiting for a slot, the limit "
+                                  f"(max_waiting_requests {limit}); retry later", "max_waiting_requests")
 
     def abort(self, request_id: str) -> None:
         with self._caller():
@@ -156,7 +181,10 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         with self._caller():
-            return self.engine.stats()
+            stats = self.engine.stats()
+        stats.num_refused_waiting = self._refused_waiting
+        stats.num_refused_sessions = self._refused_sessions
+        return stats
 
     def shutdown(self) -> None:
         """Stops the loop; every live request gets a final "abort" output."""
@@ -170,6 +198,7 @@ class AsyncEngine:
                 output = self.engine.abort(request_id)
                 if output is not None:
                     self._deliver([output])
+            self.engine.close()
 
     @contextmanager
     def _caller(self):
@@ -189,13 +218,17 @@ class AsyncEngine:
         """Queue the inbox's requests in the engine (engine lock held), in arrival order."""
         with self._inbox_lock:
             waiting, self._inbox = self._inbox, {}
+            self._admitting = len(waiting)
         refused = False
         for request_id, (admit, stream) in waiting.items():
             try:
                 admit()
-            except ValueError as exc:  # the engine refused it (a session turn's checks run only here)
+            except (ValueError, EngineBusyError) as exc:  # the engine refused it (a session turn's checks run here)
+                busy = isinstance(exc, EngineBusyError)
+                self._refused_sessions += busy
                 stream.put(RequestOutput(request_id, [], "", finished=True, finish_reason="error",
-                                         num_prompt_tokens=0, num_output_tokens=0, error=str(exc), rejected=True))
+                                         num_prompt_tokens=0, num_output_tokens=0, error=str(exc), rejected=True,
+                                         busy=busy))
                 refused = True
                 continue
             except Exception as exc:  # a bug, not the client's fault: this request fails, the others go on
@@ -205,6 +238,8 @@ class AsyncEngine:
                                          error=f"internal error: {type(exc).__name__}: {exc}"))
                 refused = True
                 continue
+            finally:
+                self._admitting -= 1
             self._streams[request_id] = stream
         if refused and self.on_outputs is not None:
             self.on_outputs()

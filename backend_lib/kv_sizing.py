@@ -111,9 +111,12 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def kv_cache_num_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device) -> int:
-    """The engine's call, after the weights are on ``device``: measure, plan, log."""
-    plan = plan_kv_cache(config.cache, bytes_per_block, available_bytes(device), config.model.max_model_len,
-                         config.scheduler.max_num_seqs)
+def kv_cache_num_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device, share: int = 1) -> int:
+    """The engine's call, after the weights are on ``device``: measure, plan, log. ``share``: how many ranks size
+    their caches from the same free memory (tensor-parallel ranks on one host; the driver's count is used by all,
+    and assuming every rank on the driver's host is the safe side when they are spread over machines)."""
+    free = available_bytes(device)
+    plan = plan_kv_cache(config.cache, bytes_per_block, None if free is None else free // max(1, share),
+                         config.model.max_model_len, config.scheduler.max_num_seqs)
     logger.info(plan.describe())
     return plan.num_blocks

@@ -137,6 +137,8 @@ def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> di
     # The stub's Python runs isolated (no PYTHONPATH); model.py adds these itself, ahead of its own site-packages.
     site = [str(PROJECT_ROOT), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
     env["DEEPINFER_SITE_DIRS"] = os.pathsep.join(dict.fromkeys(site))
+    # Worker ranks (tensor parallelism) are started from the stub, whose sys.executable is not a Python.
+    env["DEEPINFER_PYTHON"] = sys.executable
     return env
 
 

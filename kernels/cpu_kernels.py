@@ -3,7 +3,8 @@
 torch compiles the sources for the instruction set torch itself dispatches to on this CPU (AVX-512, AVX2 or
 baseline x86-64; not -march=native, so a build cached on a shared volume never meets a CPU that lacks its
 instructions) and caches the library under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR): only the first
-engine start on a machine pays the ~7 s build. The ops are registered with the dispatcher
+engine start on a machine pays the ~7 s build. Ops: paged decode attention, and the shared-memory all-reduce of
+tensor-parallel ranks on one machine (shm_all_reduce.cpp). The ops are registered with the dispatcher
 (``torch.ops.deepinfer.*``) and have fake kernels, so compiled regions keep each as one opaque call, as they do
 the packed GEMM.
 """
@@ -17,7 +18,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("paged_decode_attention.cpp",)
+_SOURCES = ("paged_decode_attention.cpp", "shm_all_reduce.cpp")
 # torch.backends.cpu.get_cpu_capability() -> compiler flags (x86-64; anything else builds for the baseline).
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
@@ -50,5 +51,9 @@ def load_cpu_kernels() -> bool:
     def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
           seq_lens: torch.Tensor, query_len: int, block_size: int, scale: float) -> torch.Tensor:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("deepinfer::shm_all_reduce")
+    def _(x: torch.Tensor, handle: int) -> torch.Tensor:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     return True

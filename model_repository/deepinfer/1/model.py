@@ -46,6 +46,7 @@ _use_site_dirs()
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 from backend_lib import lifeline, serving  # noqa: E402  (after the path set-up above)
+from backend_lib.errors import EngineBusyError  # noqa: E402
 from backend_lib.triton_metrics import TritonMetrics  # noqa: E402
 
 # Poll periods of the response thread (outputs and new requests wake it at once): each is_cancelled() is a round
@@ -114,6 +115,9 @@ class TritonPythonModel:
                 stream = self._engine.add_request(request_id, decoded.prompt, decoded.params, decoded.session)
             except ValueError as exc:  # the client's fault: report it and keep serving
                 self._send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+                continue
+            except EngineBusyError as exc:  # at an admission limit: UNAVAILABLE (retry later), not the client's fault
+                self._send_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
                 continue
             except Exception as exc:
                 self._logger.log_error(f"[deepinfer] request {request_id} failed: {traceback.format_exc()}")
@@ -203,8 +207,9 @@ class TritonPythonModel:
     def _send_final(self, item: _Active, output: Any) -> None:
         if item.cancelled:
             self._send_error(item.sender, "request cancelled", pb_utils.TritonError.CANCELLED)
-        elif output.rejected:  # e.g. a session protocol error, found when the engine took the turn in
-            self._send_error(item.sender, output.error, pb_utils.TritonError.INVALID_ARG)
+        elif output.rejected:  # e.g. a session protocol error or max_sessions, found when the engine took it in
+            code = pb_utils.TritonError.UNAVAILABLE if output.busy else pb_utils.TritonError.INVALID_ARG
+            self._send_error(item.sender, output.error, code)
         elif output.finish_reason == "error":
             self._send_error(item.sender, output.error or "the engine failed this request")
         else:

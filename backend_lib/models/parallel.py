@@ -1,0 +1,117 @@
+"""Tensor and expert parallelism inside the model code: which part of a checkpoint tensor a rank holds, and the
+collective that joins the ranks' partial results.
+
+Every rank runs the same model code over its shard (Megatron's scheme, as vLLM lays it out):
+- column-parallel projections keep a contiguous range of output rows (heads, intermediate units, vocabulary);
+- row-parallel projections keep the matching input columns and produce partial sums that one all-reduce joins;
+- the vocabulary-parallel embedding looks up only the ids in its range and all-reduces; the vocabulary-parallel head
+  all-gathers the logits, so every rank holds the full row (the driver samples from it, the MTP proposer takes its
+  argmax on every rank without another exchange).
+With ``world_size == 1`` every collective is the identity and every shard is the whole tensor, so one code path
+serves one rank and many.
+
+Collectives are ``torch.distributed`` calls on the process group the executor built (gloo on the host, the
+Neuron collectives backend on Trainium). Dynamo turns these in-place calls into functional collectives, so a
+compiled region keeps them inside the graph in their static form (fixed shapes). Ranks that share one host
+all-reduce through a shared-memory segment instead (an opaque custom op in graphs), as vLLM's CPU backend does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of a checkpoint tensor this rank holds: ``size`` entries from ``start`` along ``dim``."""
+
+    dim: int
+    start: int
+    size: int
+
+    def take(self, tensor: Any) -> torch.Tensor:
+        """The slice from a torch tensor or a lazy checkpoint tensor (loader.LazyTensor reads only these bytes)."""
+        return tensor.narrow(self.dim, self.start, self.size)
+
+
+def read_shard(tensor: Any, shard: Shard | None) -> torch.Tensor:
+    """This rank's part of a (possibly lazy) checkpoint tensor; ``None`` reads all of it."""
+    if shard is not None:
+        return shard.take(tensor)
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.load()
+
+
+def even_range(total: int, world_size: int, rank: int, what: str) -> tuple[int, int]:
+    """(start, size) of rank's equal share of ``total``; a total the ranks cannot split evenly is an error."""
+    if total % world_size:
+        raise ValueError(f"tensor_parallel_size={world_size} does not divide {what} ({total})")
+    size = total // world_size
+    return rank * size, size
+
+
+def balanced_range(total: int, world_size: int, rank: int, what: str) -> tuple[int, int]:
+    """(start, size) with shares differing by at most one (the first ranks take the extras); every rank needs one."""
+    if world_size > total:
+        raise ValueError(f"tensor_parallel_size={world_size} exceeds {what} ({total}): every rank needs at least one")
+    base, extra = divmod(total, world_size)
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """This rank's place in the tensor-parallel group; the layers ask it for shards and collectives."""
+
+    rank: int = 0
+    world_size: int = 1
+    expert_parallel: bool = False  # MoE experts partitioned across ranks instead of each expert sharded
+    group: Any = None  # torch.distributed.ProcessGroup; None when world_size == 1
+    # Ranks on one host all-reduce through shared memory (kernels/csrc/shm_all_reduce.cpp): gloo's TCP round trips
+    # cost ~0.5 ms a call there. None: the process group's all-reduce.
+    shm_handle: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        if self.world_size > 1 and self.group is None:
+            raise ValueError("a tensor-parallel context with world_size > 1 needs a process group")
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def even(self, total: int, what: str) -> tuple[int, int]:
+        return even_range(total, self.world_size, self.rank, what)
+
+    def balanced(self, total: int, what: str) -> tuple[int, int]:
+        return balanced_range(total, self.world_size, self.rank, what)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:  # [...] partial sums -> [...] the sum over ranks
+        if self.world_size == 1:
+            return x
+        if self.shm_handle is not None and x.dtype in (torch.float32, torch.bfloat16):
+            return torch.ops.deepinfer.shm_all_reduce(x, self.shm_handle)
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:  # [N, d] per rank -> [N, world_size * d]
+        """Concatenate equal-width shards along the last dim (the vocabulary-parallel head)."""
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+def vocab_parallel_embedding(input_ids: torch.Tensor,  # [T] int64 (global ids)
+                             weight: torch.Tensor,  # [V / world, hidden] this rank's rows
+                             vocab_start: int, par: ParallelContext) -> torch.Tensor:  # [T, hidden]
+    """Each rank embeds the ids in its range (zeros elsewhere); the all-reduce adds the one non-zero row."""
+    if par.world_size == 1:
+        return torch.nn.functional.embedding(input_ids, weight)
+    local = input_ids - vocab_start
+    inside = (local >= 0) & (local < weight.shape[0])
+    rows = torch.nn.functional.embedding(torch.where(inside, local, torch.zeros_like(local)), weight)
+    return par.all_reduce(rows * inside[:, None].to(rows.dtype))
