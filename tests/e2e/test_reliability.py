@@ -20,7 +20,9 @@ from backend_lib.server import free_port
 pytestmark = pytest.mark.e2e
 
 PROJECT_ROOT = Path(backend_lib.__file__).resolve().parents[1]
-PARAMS = {"max_model_len": "512", "num_blocks": "128", "max_num_seqs": "4", "max_num_batched_tokens": "128"}
+# One torch thread: on this shared, oversubscribed machine OpenMP barriers make 2-thread steps up to 8x slower.
+PARAMS = {"max_model_len": "512", "num_blocks": "128", "max_num_seqs": "4", "max_num_batched_tokens": "128",
+          "num_threads": "1"}
 SHM = Path("/dev/shm")
 
 
@@ -159,26 +161,28 @@ def test_sigterm_drains_in_flight_requests_then_aborts_the_rest(tmp_path):
 
 def test_engine_failure_fails_the_request_and_the_model_goes_not_ready(tmp_path):
     server = new_server(tmp_path, dict(PARAMS))
-    server.env = {"DEEPINFER_FAULT_STEP": "20"}  # a fatal fault inside the 20th engine step
+    server.env = {"DEEPINFER_FAULT_STEP": "10"}  # a fatal fault inside the 10th engine step
     with server:
         client = StreamClient(server.grpc_url)
         try:
             rid = _stream(client, 200)
             results = {rid: Result()}
-            _collect(client, results, lambda _: len(results[rid].texts) >= 5)
+            _collect(client, results, lambda _: len(results[rid].texts) >= 3)
             last_token = time.monotonic()
             _collect(client, results, lambda finals: rid in finals, timeout_s=60)
-            took = time.monotonic() - last_token  # 15 more steps, then the fault: seconds, never a hang
+            # 7 more steps, then the fault: seconds (a hang runs into the 60 s above); a loaded machine was seen
+            # to take 1.4 s a step.
+            took = time.monotonic() - last_token
             assert results[rid].texts, "tokens of the steps before the fault arrived"
-            assert "fault injected at engine step 20" in (results[rid].error or ""), results[rid]
-            assert took < 20, took
-            print(f"error {took:.1f} s after the 5th token")
+            assert "fault injected at engine step 10" in (results[rid].error or ""), results[rid]
+            assert took < 30, took
+            print(f"error {took:.1f} s after the 3rd token")
             _wait_for(lambda: not server_ready(server.http_url), 5, "the model to report not ready")
             status, body = http_generate(server.http_url, {"text_input": "hi", "max_tokens": 2}, timeout_s=10)
             assert status != 200, body
             # The log says why (pb_utils log lines reach the file a moment later than the state change).
             _wait_for(lambda: "the engine failed and cannot go on; unloading the model so that Triton reports it "
                               "not ready. Cause: engine step failed: FatalEngineError: fault injected at engine "
-                              "step 20" in server.log_path.read_text(), 10, "the log to say why")
+                              "step 10" in server.log_path.read_text(), 10, "the log to say why")
         finally:
             client.close()
