@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from backend_lib.executor.process_group import Rendezvous, error_key, joined_key
+from backend_lib.faults import FatalEngineError
 
 _PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,8 +24,9 @@ def worker_python() -> str:
     return os.environ.get("DEEPINFER_PYTHON") or sys.executable
 
 
-class RankFailure(RuntimeError):
-    """A rank died, hung past the timeout or failed to load; the message names it."""
+class RankFailure(FatalEngineError):
+    """A rank died, hung past the timeout or failed to load; the message names it. Fatal: a group that lost a
+    rank cannot run another step, so the engine ends every request and the model goes not ready."""
 
 
 class WorkerPool:

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -78,6 +79,23 @@ Segment& lookup(int64_t handle) {
   return *it->second;
 }
 
+// A peer that was killed stays a zombie until its parent reaps it, and kill(pid, 0) still succeeds on a zombie:
+// read its state from /proc as well.
+bool process_alive(int64_t pid) {
+  if (pid <= 0) return true;  // not attached yet
+  if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return false;
+  std::string path = "/proc/" + std::to_string(pid) + "/stat";
+  FILE* file = std::fopen(path.c_str(), "r");
+  if (file == nullptr) return true;  // no /proc: trust kill()
+  char buffer[512] = {0};
+  size_t n = std::fread(buffer, 1, sizeof(buffer) - 1, file);
+  std::fclose(file);
+  const char* close_paren = std::strrchr(buffer, ')');
+  if (n == 0 || close_paren == nullptr || close_paren[1] == 0) return true;
+  char state = close_paren[2];
+  return state != 'Z' && state != 'X';
+}
+
 void wait_for_all(Segment& s, uint64_t target) {
   auto start = std::chrono::steady_clock::now();
   auto last_check = start;
@@ -91,8 +109,7 @@ void wait_for_all(Segment& s, uint64_t target) {
       if (now - last_check < std::chrono::milliseconds(50)) continue;
       last_check = now;
       int64_t pid = s.line(r)->pid;
-      TORCH_CHECK(pid <= 0 || kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH,
-                  "shm all-reduce: tensor-parallel rank ", r, " (pid ", pid, ") is gone");
+      TORCH_CHECK(process_alive(pid), "shm all-reduce: tensor-parallel rank ", r, " (pid ", pid, ") is gone");
       double waited = std::chrono::duration<double>(now - start).count();
       TORCH_CHECK(waited < s.timeout_s, "shm all-reduce: tensor-parallel rank ", r, " did not arrive within ",
                   s.timeout_s, " s");

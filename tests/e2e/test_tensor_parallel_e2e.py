@@ -4,11 +4,13 @@ behave as with one rank, greedy output equals the one-rank offline engine, and n
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 
 import pytest
-from triton_helpers import StreamClient, http_generate, metric, metrics, new_server
+from triton_helpers import StreamClient, http_generate, metric, metrics, new_server, server_ready
 
 from backend_lib.offline import LLM
 from backend_lib.sampling_params import SamplingParams
@@ -102,3 +104,33 @@ def test_no_worker_outlives_the_server(model_dir, tmp_path):
     while started & set(_worker_pids()):
         assert time.monotonic() < deadline, "a worker rank outlived tritonserver"
         time.sleep(0.2)
+
+
+def test_killed_worker_fails_the_request_and_the_model_goes_not_ready(model_dir, tmp_path):
+    overrides = {**SETTINGS, "model": str(model_dir), "tensor_parallel_size": "2", "distributed_timeout_s": "30"}
+    before = set(_worker_pids())
+    with new_server(tmp_path, overrides) as server:
+        (worker,) = set(_worker_pids()) - before
+        client = StreamClient(server.grpc_url)
+        try:
+            client.send(_request("Count to one thousand:", sampling_parameters=json.dumps(
+                {"temperature": 0, "max_tokens": 200, "ignore_eos": True})))
+            _, error = client.next_response()  # running: the first token came back
+            assert error is None
+            os.kill(worker, signal.SIGKILL)
+            killed = time.monotonic()
+            while True:
+                response, error = client.next_response(timeout_s=30)
+                if error is not None:
+                    break
+            assert time.monotonic() - killed < 10
+            assert "tensor-parallel rank 1" in str(error)
+        finally:
+            client.close()
+        deadline = time.monotonic() + 10
+        while server_ready(server.http_url):
+            assert time.monotonic() < deadline, "the model still reports ready after losing a rank"
+            time.sleep(0.2)
+        status, body = http_generate(server.http_url, {"text_input": "hi", "max_tokens": 2}, timeout_s=10)
+        assert status != 200, body
+    assert not set(_worker_pids()) - before
