@@ -32,51 +32,84 @@ class RankLayout:
     gather_bytes_per_token: int  # this rank's logits shard per sampled token (all-gather)
 
 
-def _linear_bytes(module: nn.Module) -> tuple[int, bool]:
-    """(bytes, replicated) of a BlockLinear by its shard shape: fp8 with one fp32 scale per 128x128 block."""
+def _linear_bytes(module: nn.Module) -> int:
+    """A BlockLinear by its shard shape: fp8 with one fp32 scale per 128x128 block, as the releases store them."""
     out, inp = module.out_features, module.in_features
-    scales = math.ceil(out / module.block_size[0]) * math.ceil(inp / module.block_size[1]) * FP32_BYTES
-    return out * inp * FP8_BYTES + scales, module.shard is None
+    return out * inp * FP8_BYTES + math.ceil(out / 128) * math.ceil(inp / 128) * FP32_BYTES
 
 
-def deepseek_v3_layout(tp: int, expert_parallel: bool, args=None) -> RankLayout:
-    from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm, RoutedExperts, Router
-    from backend_lib.models.deepseek_v3 import DeepseekV3Args, DeepseekV3ForCausalLM
+def _tensor_bytes(name: str, tensor: torch.Tensor) -> int:
+    """Packed integer codes at their size, routers and scales in fp32, every other float tensor in bf16."""
+    if not tensor.dtype.is_floating_point:
+        return tensor.numel() * tensor.element_size()
+    fp32 = name.endswith(("gate.weight", "scale", "e_score_correction_bias", "gate.bias"))
+    return tensor.numel() * (FP32_BYTES if fp32 else BF16_BYTES)
 
-    args = args or DeepseekV3Args()  # the released DeepSeek-V3 dimensions
-    par = ParallelContext(rank=0, world_size=tp, expert_parallel=expert_parallel,
-                          group=None if tp == 1 else "layout only: no collective runs")
-    with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(args, dtype=torch.bfloat16, par=par)
-    total = replicated = 0
+
+def _weight_bytes(model: nn.Module) -> int:
+    """This rank's weights: BlockLinears by shard shape, every other parameter / buffer by its (shard) tensor."""
+    from backend_lib.models.deepseek_layers import BlockLinear, RoutedExperts
+
+    total = 0
     for name, module in model.named_modules():
         if name.startswith("mtp"):
             continue
         if isinstance(module, BlockLinear):
-            nbytes, whole = _linear_bytes(module)
-            if name == "lm_head":
-                nbytes, whole = module.out_features * module.in_features * BF16_BYTES, False  # bf16 as released
-        elif isinstance(module, RoutedExperts):
+            total += _linear_bytes(module)
+        elif isinstance(module, RoutedExperts):  # V3's stacked experts: allocated at load, sized by their shapes
             per_expert = sum(math.prod(shape) for shape in module.shapes.values())
-            nbytes, whole = module.num_experts * (per_expert * FP8_BYTES + per_expert // (128 * 128) * FP32_BYTES), False
-        elif isinstance(module, Router):
-            nbytes, whole = module.weight.numel() * FP32_BYTES, True
-        elif isinstance(module, RMSNorm):
-            nbytes, whole = module.weight.numel() * BF16_BYTES, True
-        elif isinstance(module, nn.Embedding):
-            nbytes, whole = module.weight.numel() * BF16_BYTES, tp == 1
-        else:
-            continue
-        total += nbytes
-        replicated += nbytes if whole else 0
-    layers = args.num_hidden_layers
+            total += module.num_experts * (per_expert * FP8_BYTES + per_expert // (128 * 128) * FP32_BYTES)
+        for leaf, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if tensor is None or isinstance(module, BlockLinear) or leaf.startswith(("cos", "sin", "inv_freq")):
+                continue
+            total += _tensor_bytes(f"{name}.{leaf}", tensor)
+    return total
+
+
+def _layout(model: nn.Module, whole: nn.Module, tp: int, expert_parallel: bool, num_layers: int, hidden: int,
+            vocab_local: int) -> RankLayout:
+    total, unsplit = _weight_bytes(model), _weight_bytes(whole)
+    # total = replicated + sharded / tp and unsplit = replicated + sharded
+    replicated = 0 if tp == 1 else max(0, (tp * total - unsplit) // (tp - 1))
+    per_slot = sum(math.prod(shape) for shape in model.kv_cache_shapes(1))
     return RankLayout(
         tp=tp, expert_parallel=expert_parallel, weight_bytes=total, replicated_bytes=replicated,
-        # MLA's latent is shared by all heads: every rank caches the whole latent of its requests.
-        kv_bytes_per_token=layers * args.latent_dim * BF16_BYTES,
-        allreduces_per_step=0 if tp == 1 else 2 * layers + 1,
-        allreduce_bytes_per_token=args.hidden_size * BF16_BYTES,
-        gather_bytes_per_token=model.vocab_rows.size * FP32_BYTES)
+        kv_bytes_per_token=per_slot * BF16_BYTES,
+        # one after attention and one after the MLP / MoE in every layer, one after the embedding
+        allreduces_per_step=0 if tp == 1 else 2 * num_layers + 1,
+        allreduce_bytes_per_token=hidden * BF16_BYTES, gather_bytes_per_token=vocab_local * FP32_BYTES)
+
+
+def _context(tp: int, expert_parallel: bool) -> ParallelContext:
+    return ParallelContext(rank=0, world_size=tp, expert_parallel=expert_parallel,
+                           group=None if tp == 1 else "layout only: no collective runs")
+
+
+def deepseek_v3_layout(tp: int, expert_parallel: bool, args=None) -> RankLayout:
+    from backend_lib.models.deepseek_v3 import DeepseekV3Args, DeepseekV3ForCausalLM
+
+    args = args or DeepseekV3Args()  # the released DeepSeek-V3 dimensions
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(args, dtype=torch.bfloat16, par=_context(tp, expert_parallel))
+        whole = DeepseekV3ForCausalLM(args, dtype=torch.bfloat16)
+    return _layout(model, whole, tp, expert_parallel, args.num_hidden_layers, args.hidden_size,
+                   model.vocab_rows.size)
+
+
+def deepseek_v4_layout(tp: int, expert_parallel: bool) -> RankLayout:
+    """DeepSeek-V4-Flash's dimensions (transformers' DeepseekV4Config defaults), fp8 weights and fp4 experts."""
+    from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
+
+    from backend_lib.models.deepseek_v4 import DeepseekV4Args, DeepseekV4ForCausalLM
+
+    config = DeepseekV4Config().to_dict()
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "fp4"}
+    args = DeepseekV4Args.from_hf_config(config)
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(args, dtype=torch.bfloat16, par=_context(tp, expert_parallel))
+        whole = DeepseekV4ForCausalLM(args, dtype=torch.bfloat16)
+    return _layout(model, whole, tp, expert_parallel, args.num_hidden_layers, args.hidden_size,
+                   args.vocab_size // tp)
 
 
 def describe(layout: RankLayout, hbm_gib: float, context: int) -> str:
@@ -100,8 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ep", action="store_true", help="experts partitioned (enable_expert_parallel)")
     parser.add_argument("--hbm-gib", type=float, default=24.0, help="device memory of one rank (trn2 core: 24)")
     parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--arch", choices=["deepseek_v3", "deepseek_v4"], default="deepseek_v3")
     args = parser.parse_args(argv)
-    print(describe(deepseek_v3_layout(args.tp, args.ep), args.hbm_gib, args.context))
+    layout = deepseek_v3_layout if args.arch == "deepseek_v3" else deepseek_v4_layout
+    print(describe(layout(args.tp, args.ep), args.hbm_gib, args.context))
     return 0
 
 
