@@ -16,6 +16,7 @@ from backend_lib.config import EngineConfig, config_to_flat
 from backend_lib.executor.process_group import host_rendezvous, init_group, leave_group, pin_rank_threads
 from backend_lib.executor.rank import RankState, build_rank
 from backend_lib.executor.workers import RankFailure, WorkerPool
+from backend_lib.model_runner import ModelRunner
 from backend_lib.models.parallel import ParallelContext
 from backend_lib.outputs import RunnerOutput, SchedulerOutput
 
@@ -27,8 +28,9 @@ class Executor:
         parallel = config.parallel
         self.pool: WorkerPool | None = None
         self.failed: str | None = None
+        self.state: RankState | None = None
         if parallel.tensor_parallel_size == 1:
-            self.state: RankState = build_rank(config, ParallelContext())
+            self.state = build_rank(config, ParallelContext())
             return
         rendezvous = host_rendezvous(parallel, config_to_flat(config))
         self.pool = WorkerPool(rendezvous, range(1, parallel.ranks_per_node), parallel.tensor_parallel_size,
@@ -36,11 +38,11 @@ class Executor:
         try:
             pin_rank_threads(config, 0)
             self.pool.wait_joined()
-            self.par = init_group(rendezvous, config, 0)
+            par = init_group(rendezvous, config, 0)
             log.info("tensor parallel: %d ranks (%d per node, expert parallel %s), rendezvous %s:%d",
                      parallel.tensor_parallel_size, parallel.ranks_per_node, parallel.enable_expert_parallel,
                      rendezvous.master_addr, rendezvous.master_port)
-            self.state = build_rank(config, self.par)
+            self.state = build_rank(config, par)
         except Exception as exc:
             failure = self.pool.failure()
             self.failed = failure or str(exc)
@@ -56,7 +58,7 @@ class Executor:
         return self.state.model
 
     @property
-    def runner(self):
+    def runner(self) -> ModelRunner:
         return self.state.runner
 
     @property
@@ -66,11 +68,11 @@ class Executor:
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         if self.failed:
             raise RankFailure(self.failed)
-        if self.pool is None:
-            return self.state.runner.execute(scheduler_output)
         try:
             return self.state.runner.execute(scheduler_output)
-        except RuntimeError as exc:  # a collective failed: a peer died, or hung past distributed_timeout_s
+        except RuntimeError as exc:  # with ranks: a collective failed (a peer died, or hung past the timeout)
+            if self.pool is None:
+                raise
             self.failed = self.pool.wait_failure(grace_s=2.0) or f"a tensor-parallel collective failed: {exc}"
             log.error("engine cannot go on: %s", self.failed)
             raise RankFailure(self.failed) from exc
@@ -80,7 +82,7 @@ class Executor:
         if self.pool is None:
             return
         pool, self.pool = self.pool, None
-        if not self.failed and hasattr(self, "state"):
+        if not self.failed and self.state is not None:
             try:
                 self.state.runner.shutdown_workers()
             except RuntimeError as exc:
