@@ -50,15 +50,19 @@ class CacheConfig:
     """Paged KV cache geometry."""
 
     block_size: int = 16
-    num_blocks: int = 0  # 0 = derive from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0
+    num_blocks: int = 0  # 0 = derive from kv_cache_memory_gb, or from the free memory (backend_lib/kv_sizing.py)
+    kv_cache_memory_gb: float = 0.0  # 0 = auto: kv_cache_memory_fraction of the memory free after loading weights
+    kv_cache_memory_fraction: float = 0.5  # like vLLM's gpu_memory_utilization, of what is free, not of the total
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
                  f"block_size must be a power of two in [1, 128], got {self.block_size}")
         _require(self.num_blocks >= 0, f"num_blocks must be >= 0 (0 = auto), got {self.num_blocks}")
-        _require(self.kv_cache_memory_gb > 0, f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        _require(self.kv_cache_memory_gb >= 0,
+                 f"kv_cache_memory_gb must be >= 0 (0 = auto), got {self.kv_cache_memory_gb}")
+        _require(0 < self.kv_cache_memory_fraction <= 0.95,
+                 f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}")
 
 
 @dataclass
@@ -98,6 +102,8 @@ def _int_tuple(name: str, value: Any) -> tuple[int, ...]:
     """Bucket lists arrive as tuples/lists (Python) or comma-separated strings (Triton parameters, CLI flags)."""
     if isinstance(value, str):
         value = [v for v in value.replace(" ", "").split(",") if v]
+    elif isinstance(value, int):
+        value = [value]
     try:
         out = tuple(int(v) for v in value)
     except (TypeError, ValueError):

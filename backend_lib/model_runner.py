@@ -75,7 +75,7 @@ class ModelRunner:
         num_slots = (num_blocks + 1) * block_size
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                           for shape in model.kv_cache_shapes(num_slots)]
-        self.sampler = Sampler()
+        self.sampler = Sampler() if channel is None or channel.par.is_driver else None  # only the driver samples
         spec = spec or SpecConfig()
         k = spec.num_speculative_tokens
         self.spec_method = spec.method if k > 0 else "none"

@@ -46,6 +46,7 @@ _ENGINE_PARAMETERS: dict[str, tuple[str, type]] = {
     "block_size": ("block_size", int),
     "num_blocks": ("num_blocks", int),
     "kv_cache_memory_gb": ("kv_cache_memory_gb", float),
+    "kv_cache_memory_fraction": ("kv_cache_memory_fraction", float),
     "enable_prefix_caching": ("enable_prefix_caching", bool),
     "max_num_batched_tokens": ("max_num_batched_tokens", int),
     "enable_chunked_prefill": ("enable_chunked_prefill", bool),

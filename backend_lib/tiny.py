@@ -1,6 +1,11 @@
 """`deepinfer make-tiny`: small random checkpoints (config.json, sharded safetensors + index, byte-level BPE
 tokenizer.json) that load in transformers and in our engine, for tests, demos and benchmarks.
 
+DeepSeek-V4 directories are written by transformers' own ``save_pretrained``, so they hold the release layout
+(``attn.wq_a``, ``attn.compressor.wkv``, ``ffn.experts.N.w1``, ``hc_attn_fn``...) that real checkpoints use. The
+defaults give every layer type (sliding, CSA, HCA), hash-routed and top-k MoE layers, ``hc_mult`` 4, and a window
+of 8 with compress rates 4 and 8, so a 40-token prompt crosses five sliding windows and ten CSA windows.
+
 Weights come from transformers' own random init with ``initializer_range`` 0.2 (0.02 makes greedy output
 collapse to one token), with the router correction bias and the norm weights perturbed so that every term of
 the math is exercised. ``fp8=True`` quantizes every projection inside the decoder layers to float8_e4m3fn with
@@ -12,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +27,7 @@ from safetensors.torch import save_file
 
 from kernels.quant import DEFAULT_BLOCK, quantize_block_fp8
 
-ARCHS = ("deepseek_v3", "llama")
+ARCHS = ("deepseek_v3", "deepseek_v4", "llama")
 TOKENIZER_VOCAB = 320
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
 _CORPUS = (
@@ -40,6 +46,17 @@ DEEPSEEK_V3_DEFAULTS: dict[str, Any] = dict(
     qk_nope_head_dim=32, n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
     norm_topk_prob=True, max_position_embeddings=1024, rope_interleave=True,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+DEEPSEEK_V4_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=TOKENIZER_VOCAB, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
+    num_attention_heads=4, head_dim=32, q_lora_rank=32, partial_rotary_factor=0.25, num_experts_per_tok=2,
+    n_routed_experts=8, n_shared_experts=1, routed_scaling_factor=1.5, scoring_func="sqrtsoftplus",
+    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                 "compressed_sparse_attention"],
+    mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=8, index_head_dim=16, index_topk=3,
+    swiglu_limit=2.0, max_position_embeddings=1024, rope_theta=10000.0, compress_rope_theta=160000.0,
 )
 LLAMA_DEFAULTS: dict[str, Any] = dict(
     vocab_size=TOKENIZER_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -76,6 +93,67 @@ def _perturb(model: torch.nn.Module, gen: torch.Generator) -> None:
                 tensor.add_(0.1 * torch.randn(tensor.shape, generator=gen))
             elif name.endswith("e_score_correction_bias"):
                 tensor.copy_(0.05 * torch.randn(tensor.shape, generator=gen))
+
+
+def _perturb_v4(model: torch.nn.Module, gen: torch.Generator) -> None:
+    """V4 parameters that transformers initializes to constants: attention sinks, compressor position biases,
+    mHC biases and scales, and the hash-routing table (zeros would send every token to expert 0)."""
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name.endswith(".sinks"):
+                tensor.copy_(torch.randn(tensor.shape, generator=gen))
+            elif name.endswith("position_bias") or name.endswith("hc.base") or name.endswith("hc_base"):
+                tensor.copy_(0.5 * torch.randn(tensor.shape, generator=gen))
+            elif name.endswith("hc.scale") or name.endswith("hc_scale"):
+                tensor.add_(0.2 * torch.randn(tensor.shape, generator=gen))
+            elif name.endswith("tid2eid"):
+                vocab, top_k = tensor.shape
+                num_experts = model.config.n_routed_experts
+                tensor.copy_(torch.rand(vocab, num_experts, generator=gen).argsort(dim=-1)[:, :top_k])
+
+
+def _make_tiny_v4(out: Path, kwargs: dict[str, Any], gen: torch.Generator, num_shards: int) -> None:
+    """Random V4 through transformers' own init and ``save_pretrained`` (release tensor names)."""
+    import transformers
+
+    config = transformers.DeepseekV4Config(**kwargs)
+    model = transformers.DeepseekV4ForCausalLM(config).float().eval()
+    _perturb(model, gen)
+    _perturb_v4(model, gen)
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    model.save_pretrained(str(out), max_shard_size=total // num_shards + 1)
+
+
+_V4_FP8 = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])\.weight$")
+_V4_EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+
+
+def _quantize_v4(out: Path, fp8: bool, fp4_experts: bool, num_shards: int) -> None:
+    """Rewrite a saved V4 as the release quantizes it: attention and shared-expert projections fp8 e4m3 with 128x128
+    ue8m0 block scales (``--fp8``); routed experts fp4 e2m1 with a ue8m0 scale per 32 inputs (``--fp4-experts``) or
+    fp8 like the rest (``--fp8`` alone). Scales go under the release name ``<module>.scale``."""
+    from safetensors.torch import load_file
+
+    from kernels.fp4 import quantize_fp4
+
+    index = out / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(str(out / file)))
+        (out / file).unlink()
+    for name in list(tensors):
+        base = name[: -len(".weight")]
+        if fp4_experts and _V4_EXPERT.search(name):
+            tensors[name], tensors[base + ".scale"] = quantize_fp4(tensors[name])
+        elif fp8 and (_V4_FP8.search(name) or _V4_EXPERT.search(name)):
+            tensors[name], tensors[base + ".scale"] = quantize_block_fp8(tensors[name], DEFAULT_BLOCK, "ue8m0")
+    _write_shards(tensors, out, num_shards)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(DEFAULT_BLOCK), "scale_fmt": "ue8m0",
+                                  "expert_dtype": "fp4" if fp4_experts else "fp8"}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
 
 
 def _mtp_tensors(config: Any, index: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -144,13 +222,18 @@ def _write_shards(tensors: dict[str, torch.Tensor], out_dir: Path, num_shards: i
 
 def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int = 0, seed: int = 0,
               scale_fmt: str = "float", num_shards: int = 2, initializer_range: float = 0.2,
-              overrides: dict[str, Any] | None = None) -> Path:
+              overrides: dict[str, Any] | None = None, fp4_experts: bool = False) -> Path:
     """Write a tiny random ``arch`` model to ``out_dir``; ``overrides`` replaces config fields."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    if fp8 and arch != "deepseek_v3":
-        raise ValueError("fp8 is only supported for arch 'deepseek_v3'")
-    if mtp_layers < 0 or (mtp_layers and arch != "deepseek_v3"):
+    if arch == "deepseek_v4" and mtp_layers:
+        raise ValueError("deepseek_v4 tiny models have no MTP layers yet: --mtp-layers is not implemented for this "
+                         "arch")
+    if fp4_experts and arch != "deepseek_v4":
+        raise ValueError("fp4_experts is only defined for arch 'deepseek_v4'")
+    if fp8 and arch == "llama":
+        raise ValueError("fp8 is only supported for the DeepSeek archs")
+    if mtp_layers < 0 or (mtp_layers and arch == "llama"):
         raise ValueError(f"mtp_layers must be >= 0 and only set for deepseek_v3, got {mtp_layers} for {arch}")
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
@@ -159,11 +242,18 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok_vocab = build_tokenizer(out)
-    defaults = DEEPSEEK_V3_DEFAULTS if arch == "deepseek_v3" else LLAMA_DEFAULTS
+    defaults = {"deepseek_v3": DEEPSEEK_V3_DEFAULTS, "deepseek_v4": DEEPSEEK_V4_DEFAULTS}.get(arch, LLAMA_DEFAULTS)
     kwargs = {**defaults, **(overrides or {}), "initializer_range": initializer_range,
               "eos_token_id": None, "bos_token_id": None, "pad_token_id": None}
     if kwargs["vocab_size"] < tok_vocab:
         raise ValueError(f"vocab_size must be >= the tokenizer's {tok_vocab}, got {kwargs['vocab_size']}")
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    if arch == "deepseek_v4":
+        _make_tiny_v4(out, {**kwargs, "num_nextn_predict_layers": mtp_layers}, gen, num_shards)
+        if fp8 or fp4_experts:
+            _quantize_v4(out, fp8, fp4_experts, num_shards)
+        return out
     if arch == "deepseek_v3":
         kwargs["num_mtp_layers"] = mtp_layers
         config = transformers.DeepseekV3Config(**kwargs)
@@ -171,8 +261,6 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
     else:
         config = transformers.LlamaConfig(**kwargs)
         model_cls = transformers.LlamaForCausalLM
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
     model = model_cls(config).float().eval()
     _perturb(model, gen)
     tensors = _hf_named_tensors(model)
@@ -200,11 +288,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--fp8", action="store_true", help="float8_e4m3fn weights with 128x128 block scales")
     parser.add_argument("--scale-fmt", choices=("float", "ue8m0"), default="float")
+    parser.add_argument("--fp4-experts", action="store_true",
+                        help="deepseek_v4: e2m1 routed experts with ue8m0 scales per 32 inputs")
     parser.add_argument("--mtp-layers", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     path = make_tiny(args.arch, args.out, fp8=args.fp8, mtp_layers=args.mtp_layers, seed=args.seed,
-                     scale_fmt=args.scale_fmt)
+                     scale_fmt=args.scale_fmt, fp4_experts=args.fp4_experts)
     print(f"wrote a tiny {args.arch} model to {path}")
     return 0
 

@@ -26,6 +26,7 @@ def tiny_dirs(tmp_path_factory):
         "llama": make_tiny("llama", root / "llama"),
         "deepseek": make_tiny("deepseek_v3", root / "deepseek", mtp_layers=1),
         "deepseek_fp8": make_tiny("deepseek_v3", root / "deepseek_fp8", fp8=True, mtp_layers=1),
+        "deepseek_v4": make_tiny("deepseek_v4", root / "deepseek_v4"),
     }
 
 
@@ -49,6 +50,8 @@ def _assert_same(reference, results) -> None:
     ("deepseek", {"enable_expert_parallel": True}),
     ("deepseek_fp8", {}),
     ("deepseek_fp8", {"enable_expert_parallel": True}),
+    ("deepseek_v4", {}),
+    ("deepseek_v4", {"enable_expert_parallel": True}),
 ])
 def test_two_ranks_match_one(tiny_dirs, model, settings):
     reference = _generate(str(tiny_dirs[model]))
@@ -147,3 +150,64 @@ def test_two_nodes_on_localhost_match_one(tiny_dirs):
     finally:
         node1.kill()
     _assert_same(_generate(model), results)
+
+
+def test_neuron_layout_reads_the_sharding_code():
+    """The layout report (docs/NEURON.md) comes from the model's own shards: DeepSeek-V3 at TP=64 + EP holds about
+    1/64 of the sharded weights per rank plus the replicated latent projections, router and norms."""
+    from backend_lib.neuron.layout import deepseek_v3_layout
+
+    whole, split = deepseek_v3_layout(1, False), deepseek_v3_layout(64, True)
+    sharded = whole.weight_bytes - split.replicated_bytes
+    assert split.weight_bytes - split.replicated_bytes == pytest.approx(sharded / 64, rel=0.02)
+    assert split.allreduces_per_step == 2 * 61 + 1 and whole.allreduces_per_step == 0
+    assert split.kv_bytes_per_token == whole.kv_bytes_per_token  # the latent is not split by heads
+
+
+def test_compiled_regions_per_rank_match_eager(tiny_dirs):
+    """Each rank compiles its own regions with the all-reduces inside the graphs (fullgraph: a collective that broke
+    the graph would fail the build); greedy ids equal the one-rank eager engine."""
+    model = str(tiny_dirs["llama"])
+    compiled = _generate(model, tensor_parallel_size=2, compile_backend="aot_eager", batch_buckets="1,2,4",
+                         width_buckets="8", max_model_len=128)
+    _assert_same(_generate(model), compiled)
+
+
+def test_graph_lint_accepts_static_collectives_and_names_others():
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from backend_lib.neuron.graph_lint import GraphLintError, LintBackend, lint_region
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+
+        def reduce(x):  # what ParallelContext.all_reduce does on Neuron (no shared-memory op there)
+            dist.all_reduce(x, group=group)
+            return x * 2
+
+        backend = LintBackend("reduce")
+        torch._dynamo.reset()
+        torch.compile(reduce, backend=backend, fullgraph=True, dynamic=False)(torch.ones(4))
+        assert backend.graphs_checked >= 1
+        assert lint_region(reduce, torch.ones(4), region="all-reduce").tolist() == [2.0] * 4
+
+        def exchange(x):
+            return funcol.all_to_all_single(x, [4], [4], group) + 1
+
+        with pytest.raises(GraphLintError, match=r"\[collective\]"):
+            lint_region(exchange, torch.ones(4), region="all-to-all")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_lint_graphs_per_rank():
+    from backend_lib.neuron.lint_ranks import lint_with_ranks
+
+    results = lint_with_ranks(["llama"], 2)
+    assert {r.rank for r in results} == {0, 1}
+    assert [r for r in results if r.error] == []
+    assert any(r.rank == 1 and "decode" in r.region for r in results)

@@ -36,7 +36,7 @@ class Executor:
         try:
             pin_rank_threads(config, 0)
             self.pool.wait_joined()
-            self.par = init_group(rendezvous, parallel, 0)
+            self.par = init_group(rendezvous, config, 0)
             log.info("tensor parallel: %d ranks (%d per node, expert parallel %s), rendezvous %s:%d",
                      parallel.tensor_parallel_size, parallel.ranks_per_node, parallel.enable_expert_parallel,
                      rendezvous.master_addr, rendezvous.master_port)

@@ -21,8 +21,11 @@ import torch.distributed as dist
 
 from backend_lib.config import EngineConfig, ParallelConfig
 from backend_lib.models.parallel import ParallelContext
+from kernels.cpu_kernels import load_cpu_kernels
 
 CONFIG_KEY = "deepinfer/config"
+SHM_KEY = "deepinfer/shm_all_reduce"
+_SHM_SLOT_BYTES = 4 << 20  # per rank and buffer set; larger tensors go in pieces
 _PR_SET_PDEATHSIG = 1
 
 
@@ -56,14 +59,42 @@ def join_rendezvous(master_addr: str, master_port: int, timeout_s: float) -> tup
     return Rendezvous(store, master_addr, master_port), json.loads(store.get(CONFIG_KEY))
 
 
-def init_group(rendezvous: Rendezvous, parallel: ParallelConfig, rank: int) -> ParallelContext:
-    """Join the gloo group (every rank calls it; it returns when all have)."""
+def init_group(rendezvous: Rendezvous, config: EngineConfig, rank: int) -> ParallelContext:
+    """Join the gloo group (every rank calls it; it returns when all have), with the shared-memory all-reduce when
+    every rank is on this host."""
+    parallel = config.parallel
     rendezvous.store.set(joined_key(rank), "1")
     dist.init_process_group("gloo", store=dist.PrefixStore("group", rendezvous.store), rank=rank,
                             world_size=parallel.tensor_parallel_size,
                             timeout=datetime.timedelta(seconds=parallel.distributed_timeout_s))
+    shm_handle = None
+    if parallel.nnodes == 1 and config.model.device == "cpu":
+        # Every rank must take the same path: all use the segment only if all could build the kernel.
+        built = torch.tensor([int(load_cpu_kernels())], dtype=torch.int64)
+        dist.all_reduce(built, op=dist.ReduceOp.MIN)
+        if built.item():
+            shm_handle = _attach_shm_all_reduce(rendezvous, parallel, rank)
     return ParallelContext(rank=rank, world_size=parallel.tensor_parallel_size,
-                           expert_parallel=parallel.enable_expert_parallel, group=dist.group.WORLD)
+                           expert_parallel=parallel.enable_expert_parallel, group=dist.group.WORLD,
+                           shm_handle=shm_handle)
+
+
+def _attach_shm_all_reduce(rendezvous: Rendezvous, parallel: ParallelConfig, rank: int) -> int:
+    """Rank 0 creates the segment and names it in the store; once every rank has mapped it, the name is removed,
+    so no /dev/shm entry survives the engine however it ends."""
+    if rank == 0:
+        name = f"/deepinfer_allreduce_{os.getpid()}_{rendezvous.master_port}"
+        handle = torch.ops.deepinfer.shm_all_reduce_attach(name, 0, parallel.tensor_parallel_size, _SHM_SLOT_BYTES,
+                                                           parallel.distributed_timeout_s, True)
+        rendezvous.store.set(SHM_KEY, name)
+    else:
+        name = rendezvous.store.get(SHM_KEY).decode()
+        handle = torch.ops.deepinfer.shm_all_reduce_attach(name, rank, parallel.tensor_parallel_size,
+                                                           _SHM_SLOT_BYTES, parallel.distributed_timeout_s, False)
+    dist.barrier()
+    if rank == 0:
+        torch.ops.deepinfer.shm_all_reduce_unlink(name)
+    return handle
 
 
 def leave_group() -> None:

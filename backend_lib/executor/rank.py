@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from backend_lib.config import EngineConfig
 from backend_lib.distributed.step_channel import StepChannel
+from backend_lib.kv_sizing import kv_cache_num_blocks
 from backend_lib.model_runner import ModelRunner
 from backend_lib.models.loader import load_model, resolve_model_path
 from backend_lib.models.parallel import ParallelContext
@@ -26,12 +27,11 @@ class RankState:
     num_blocks: int
 
 
-def kv_cache_blocks(config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Blocks of the KV pool: ``num_blocks``, or as many as ``kv_cache_memory_gb`` holds for this rank's shard."""
-    if config.cache.num_blocks:
-        return config.cache.num_blocks
+def kv_cache_blocks(config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype, world_size: int = 1) -> int:
+    """Blocks of the KV pool for this rank's shard (backend_lib/kv_sizing.py: ``num_blocks``, ``kv_cache_memory_gb``,
+    or a fraction of the free memory, which the ranks of one host share)."""
     per_block = ModelRunner.kv_bytes_per_block(model, config.cache.block_size, dtype)
-    return max(4, int(config.cache.kv_cache_memory_gb * 2**30 // per_block))
+    return kv_cache_num_blocks(config, per_block, torch.device(config.model.device), share=world_size)
 
 
 def _agree_on_blocks(num_blocks: int, par: ParallelContext) -> int:
@@ -49,7 +49,7 @@ def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
     device, dtype = torch.device(config.model.device), DTYPES[config.model.dtype]
     model = load_model(resolve_model_path(config.model.model), dtype=dtype, progress=par.is_driver,
                        par=par).to(device).eval()
-    num_blocks = _agree_on_blocks(kv_cache_blocks(config, model, dtype), par)
+    num_blocks = _agree_on_blocks(kv_cache_blocks(config, model, dtype, par.world_size), par)
     # Before the runner: compiled regions trace the packed GEMM (an opaque custom op) that eager steps call.
     if (config.model.host_gemm == "onednn" and hasattr(model, "pack_for_cpu")
             and onednn_gemm_available(device, dtype)):

@@ -26,7 +26,7 @@ def run_worker(rank: int, master_addr: str, master_port: int, timeout_s: float) 
     config = EngineConfig.from_flat(flat)
     try:
         pin_rank_threads(config, rank)
-        par = init_group(rendezvous, config.parallel, rank)
+        par = init_group(rendezvous, config, rank)
         state = build_rank(config, par)
         while state.runner.follow():
             pass

@@ -12,6 +12,7 @@ _ARCHITECTURES = MappingProxyType({
     "LlamaForCausalLM": ("backend_lib.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("backend_lib.models.llama", "LlamaForCausalLM"),
     "DeepseekV3ForCausalLM": ("backend_lib.models.deepseek_v3", "DeepseekV3ForCausalLM"),
+    "DeepseekV4ForCausalLM": ("backend_lib.models.deepseek_v4", "DeepseekV4ForCausalLM"),
 })
 
 _GGUF_ARCHITECTURES = MappingProxyType({

@@ -1,11 +1,12 @@
-"""A tiny DeepSeek-V3 model served through a real tritonserver streams the same tokens as the offline engine."""
+"""Tiny DeepSeek-V3 and DeepSeek-V4 models served through a real tritonserver (the same model.py, no per-arch code)
+stream the same tokens as the offline engine, over gRPC streaming and HTTP."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 import pytest
-from triton_helpers import StreamClient, new_server
+from triton_helpers import StreamClient, http_generate, new_server
 
 from backend_lib.offline import LLM
 from backend_lib.sampling_params import SamplingParams
@@ -22,9 +23,9 @@ TEXT_PROMPTS = ("The quick brown fox", "Mixture of experts routes every token")
 ID_PROMPT = [5, 17, 42, 99, 150, 7, 211, 64]
 
 
-@pytest.fixture(scope="module")
-def deepseek_dir(tmp_path_factory) -> Path:
-    return make_tiny("deepseek_v3", tmp_path_factory.mktemp("tiny_deepseek_v3"))
+@pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v4"])
+def deepseek_dir(request, tmp_path_factory) -> Path:
+    return make_tiny(request.param, tmp_path_factory.mktemp(f"tiny_{request.param}"))
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +78,15 @@ def test_concurrent_text_and_input_ids_stream_offline_tokens(grpc, offline):
     results = grpc.collect(request_ids)
     for request_id, prompt in zip(request_ids, prompts):
         _assert_same(results[request_id], offline[repr(prompt)])
+
+
+def test_http_generate_and_generate_stream_give_offline_tokens(deepseek_triton, offline):
+    prompt = TEXT_PROMPTS[0]
+    expected = offline[repr(prompt)]
+    body = {"text_input": prompt, **GREEDY, "exclude_input_in_output": True, "return_finish_reason": True}
+    status, [single] = http_generate(deepseek_triton.http_url, body)
+    assert status == 200, single
+    assert single["text_output"] == expected.text and single["finish_reason"] == "length"
+    status, events = http_generate(deepseek_triton.http_url, {**body, "stream": True}, stream=True)
+    assert status == 200 and len(events) > 1
+    assert "".join(e["text_output"] for e in events) == expected.text

@@ -1,0 +1,419 @@
+"""DeepSeek-V4 causal LM (transformers 5.24 ``DeepseekV4ForCausalLM``) over the engine's paged cache.
+
+The cache, first version: the runner contract is unchanged (paged slots, ``meta.slot_mapping``, block tables), so
+chunked prefill, batching, preemption, sessions and prefix caching need no scheduler change. Per token and layer:
+
+* ``kv``  ``[num_layers, S, head_dim]``: the token's K = V (every layer);
+* ``csa`` ``[num_csa_layers, S, 4D + D + 4Di + Di]``: the compressor's projections of the token ``[kv_a | kv_b |
+  gate_a | gate_b]``, the compressed entry of the window that closes at the token, then the same two for the
+  lightning indexer at ``index_head_dim``;
+* ``hca`` ``[num_hca_layers, S, 2D + D]``: the HCA compressor's ``[kv | gate]`` and entry.
+
+Attention reads the last ``sliding_window`` tokens and the entries at window-closing positions through the block
+table. An entry depends only on its prefix, so shared prefix blocks stay correct. This stores per-token state for
+the whole context: memory grows like a plain MQA cache (times the compressor state), not like the bounded hybrid
+cache of issue 13 (a fixed per-request sliding-window ring and buffers plus paged compressed entries only; see
+docs/ARCHITECTURE.md), and attention gathers the full entry list of the table, which grows with the context.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm, build_rope
+from backend_lib.models.deepseek_v4_attention import (
+    CSA, HCA, LAYER_TYPES, SLIDING, LayerCache, StepContext, V4Attention, V4AttentionDims, V4Rope,
+)
+from backend_lib.models.deepseek_v4_layers import (
+    HASH_MOE, MOE_IMPLS, SCORING_FUNCS, TOPK_MOE, V4DecoderLayer, V4MoE, V4MoEDims,
+)
+from backend_lib.models.parallel import ParallelContext, Shard, vocab_parallel_embedding
+from kernels.attention_metadata import AttentionMetadata
+from kernels.compressed_attention import TokenPages
+from kernels.hyper_connections import HyperConnectionSpec, hc_head_collapse
+from kernels.quant import DEFAULT_BLOCK
+
+if TYPE_CHECKING:
+    from backend_lib.models.loader import LoadOptions
+
+_LEGACY_RATE_TYPES = {0: SLIDING, 4: CSA, 128: HCA}
+
+
+@dataclass(frozen=True)
+class DeepseekV4Args:
+    """The DeepseekV4Config fields that change the math (defaults: transformers' DeepseekV4Config)."""
+
+    vocab_size: int = 129280
+    hidden_size: int = 4096
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 43
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 1
+    head_dim: int = 512
+    q_lora_rank: int = 1024
+    rope_head_dim: int = 64  # head_dim * partial_rotary_factor
+    num_experts_per_tok: int = 6
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    scoring_func: str = "sqrtsoftplus"
+    routed_scaling_factor: float = 1.5
+    max_position_embeddings: int = 1048576
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    compress_rope_scaling: dict | None = None  # the YaRN parameters of the "compress" rotary, None for default
+    layer_types: tuple[str, ...] = ()
+    compress_rates: tuple[tuple[str, int], ...] = ((CSA, 4), (HCA, 128))
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    mlp_layer_types: tuple[str, ...] = ()
+    swiglu_limit: float = 10.0
+    sliding_window: int = 128
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    num_nextn_predict_layers: int = 0
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    fp8_block_size: tuple[int, int] = DEFAULT_BLOCK
+    expert_dtype: str | None = None  # quantized checkpoints: "fp8" or "fp4" routed experts; None when unquantized
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> "DeepseekV4Args":
+        names = {f.name for f in fields(cls)} - {"layer_types", "mlp_layer_types", "compress_rates",
+                                                  "rope_head_dim", "compress_rope_scaling"}
+        kw: dict[str, Any] = {k: v for k, v in config.items() if k in names and v is not None}
+        n = int(config.get("num_hidden_layers", cls.num_hidden_layers))
+        quant = config.get("quantization_config")
+        if quant:
+            if quant.get("quant_method") != "fp8":
+                raise ValueError(f"quantization_config.quant_method must be 'fp8', got {quant.get('quant_method')!r}")
+            kw["fp8_block_size"] = tuple(quant.get("weight_block_size") or DEFAULT_BLOCK)
+            kw["expert_dtype"] = quant.get("expert_dtype", config.get("expert_dtype")) or "fp8"
+        rates = dict(cls.compress_rates)
+        rates.update(config.get("compress_rates") or {})
+        for legacy, kind in (("compress_rate_csa", CSA), ("compress_rate_hca", HCA)):
+            if config.get(legacy) is not None:
+                rates[kind] = int(config[legacy])
+        kw["compress_rates"] = tuple(sorted(rates.items()))
+        layer_types = config.get("layer_types")
+        if layer_types is None and config.get("compress_ratios") is not None:
+            layer_types = [_LEGACY_RATE_TYPES[r] for r in config["compress_ratios"]]
+        if layer_types is None:  # transformers' default schedule: two HCA layers, then CSA / HCA interleaved
+            layer_types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+        kw["layer_types"] = tuple(layer_types[:n])
+        mlp_types = config.get("mlp_layer_types")
+        if mlp_types is None:
+            num_hash = int(config.get("num_hash_layers", 3))
+            mlp_types = [HASH_MOE] * min(n, num_hash) + [TOPK_MOE] * max(0, n - num_hash)
+        kw["mlp_layer_types"] = tuple(mlp_types[:n])
+        head_dim = int(config.get("head_dim", cls.head_dim))
+        factor = config.get("partial_rotary_factor")
+        if factor is None:
+            legacy = config.get("qk_rope_head_dim")
+            factor = legacy / head_dim if legacy is not None else 64 / 512
+        kw["rope_head_dim"] = int(head_dim * factor)
+        kw["num_nextn_predict_layers"] = int(config.get("num_nextn_predict_layers") or 0)
+        kw["compress_rope_scaling"] = _compress_rope_scaling(config)
+        if config.get("attention_bias") or config.get("mlp_bias"):
+            raise ValueError("attention_bias / mlp_bias must be false for DeepSeek-V4")
+        args = cls(**kw)
+        args.validate()
+        return args
+
+    def validate(self) -> None:
+        n = self.num_hidden_layers
+        if len(self.layer_types) != n or any(t not in LAYER_TYPES for t in self.layer_types):
+            raise ValueError(f"layer_types must list num_hidden_layers={n} entries from {LAYER_TYPES}, "
+                             f"got {list(self.layer_types)}")
+        if len(self.mlp_layer_types) != n or any(t not in (HASH_MOE, TOPK_MOE) for t in self.mlp_layer_types):
+            raise ValueError(f"mlp_layer_types must list num_hidden_layers={n} entries from "
+                             f"{(HASH_MOE, TOPK_MOE)}, got {list(self.mlp_layer_types)}")
+        if self.num_key_value_heads != 1:
+            raise ValueError(f"num_key_value_heads must be 1 (shared-KV MQA), got {self.num_key_value_heads}")
+        if self.n_shared_experts != 1:
+            raise ValueError(f"n_shared_experts must be 1 for DeepSeek-V4, got {self.n_shared_experts}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act must be 'silu', got {self.hidden_act!r}")
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}")
+        if self.rope_head_dim % 2 or not 0 < self.rope_head_dim <= min(self.head_dim, self.index_head_dim):
+            raise ValueError(f"head_dim * partial_rotary_factor must be even and in (0, min(head_dim, "
+                             f"index_head_dim)], got {self.rope_head_dim}")
+        for kind, rate in self.compress_rates:
+            if kind in self.layer_types and rate < 1:
+                raise ValueError(f"compress_rates[{kind!r}] must be >= 1, got {rate}")
+        if self.expert_dtype not in (None, "fp8", "fp4"):
+            raise ValueError(f"quantization_config.expert_dtype must be 'fp8' or 'fp4', got {self.expert_dtype!r}")
+        if self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+    def rate(self, layer_type: str) -> int:
+        return dict(self.compress_rates).get(layer_type, 0) if layer_type != SLIDING else 0
+
+    def count(self, layer_type: str) -> int:
+        return sum(1 for t in self.layer_types if t == layer_type)
+
+
+def _compress_rope_scaling(config: dict[str, Any]) -> dict | None:
+    """The "compress" rotary's YaRN parameters (transformers nests them under ``rope_parameters["compress"]``;
+    older configs give a flat ``rope_parameters`` / ``rope_scaling``); None for plain RoPE."""
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    compress = dict(rope["compress"]) if isinstance(rope.get("compress"), dict) else {
+        k: v for k, v in rope.items() if k != "main"}
+    rope_type = compress.get("rope_type", compress.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "yarn":
+        raise ValueError(f"rope_parameters['compress'].rope_type must be 'default' or 'yarn', got {rope_type!r}")
+    compress.setdefault("attention_factor", 1.0)  # the V4 reference does not scale cos / sin
+    compress.setdefault("original_max_position_embeddings", config.get("max_position_embeddings", 1048576))
+    return compress
+
+
+_EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+# what transformers' save_pretrained writes -> the release names our modules carry
+_SAVED_NAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
+                "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
+_QUANTIZED = (torch.float8_e4m3fn, torch.int8, torch.uint8)
+_KEEP_FP32 = re.compile(r"(hc_\w+|attn_sink|\.ape|ffn\.gate\.\w+|ffn\.\w+_scale)$")
+
+
+def _whole(tensor: Any) -> torch.Tensor:
+    """A checkpoint tensor read whole (a lazy tensor reads on ``narrow``; a torch tensor returns itself)."""
+    return tensor.narrow(0, 0, tensor.shape[0])
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(self, args: DeepseekV4Args, dtype: torch.dtype = torch.float32,
+                 par: ParallelContext = ParallelContext(), moe_impl: str = "dynamic",
+                 dequantize_fp8_at_load: bool = False) -> None:
+        super().__init__()
+        if moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
+        self.args, self.dtype, self.par = args, dtype, par
+        self.dequantize_fp8_at_load = dequantize_fp8_at_load
+        a = args
+        main = build_rope(a.rope_head_dim, a.rope_theta, None, a.max_position_embeddings, True)
+        compress = build_rope(a.rope_head_dim, a.compress_rope_theta, a.compress_rope_scaling,
+                              a.max_position_embeddings, True)
+        self.main_rope = V4Rope(main.inv_freq, main.attention_factor)
+        self.compress_rope = V4Rope(compress.inv_freq, compress.attention_factor)
+        self.hc = HyperConnectionSpec(a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps)
+        self.vocab_start, vocab_local = par.even(a.vocab_size, "vocab_size")
+        self.embed = nn.Module()
+        self.embed.weight = nn.Parameter(torch.zeros(vocab_local, a.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(self._layer(i, moe_impl) for i in range(a.num_hidden_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.head = BlockLinear(a.hidden_size, vocab_local)
+        self.hc_head_fn = nn.Parameter(torch.zeros(a.hc_mult, a.hc_mult * a.hidden_size), requires_grad=False)
+        self.hc_head_base = nn.Parameter(torch.zeros(a.hc_mult), requires_grad=False)
+        self.hc_head_scale = nn.Parameter(torch.ones(1), requires_grad=False)
+        self.shards = {"embed.weight": Shard(0, self.vocab_start, vocab_local),
+                       "head.weight": Shard(0, self.vocab_start, vocab_local)}
+        # each layer's index inside its cache tensor (kv: every layer; csa / hca: layers of that type)
+        self.cache_index = [sum(1 for t in a.layer_types[:i] if t == a.layer_types[i])
+                            for i in range(a.num_hidden_layers)]
+        self.to(dtype)
+        for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
+            if _KEEP_FP32.search(name) and tensor.is_floating_point():
+                tensor.data = tensor.data.float()
+
+    def _layer(self, index: int, moe_impl: str) -> V4DecoderLayer:
+        a = self.args
+        layer_type = a.layer_types[index]
+        dims = V4AttentionDims(a.hidden_size, a.num_attention_heads, a.head_dim, a.q_lora_rank, a.o_groups,
+                               a.o_lora_rank, a.sliding_window, a.rms_norm_eps, layer_type, a.rate(layer_type),
+                               a.index_n_heads, a.index_head_dim, a.index_topk)
+        attn = V4Attention(dims, self.main_rope, self.compress_rope, self.par, a.fp8_block_size)
+        moe = V4MoEDims(a.hidden_size, a.moe_intermediate_size, a.n_routed_experts, a.num_experts_per_tok,
+                        a.vocab_size, a.routed_scaling_factor, a.scoring_func, a.swiglu_limit,
+                        a.mlp_layer_types[index] == HASH_MOE)
+        packed = a.expert_dtype == "fp4" and not self.dequantize_fp8_at_load
+        ffn = V4MoE(moe, self.par, a.fp8_block_size, impl=moe_impl, packed_fp4=packed)
+        return V4DecoderLayer(attn, ffn, a.hidden_size, a.rms_norm_eps, self.hc)
+
+    @classmethod
+    def from_hf_config(cls, config: dict, dtype: torch.dtype, options: "LoadOptions | None" = None,
+                       par: ParallelContext | None = None) -> "DeepseekV4ForCausalLM":
+        dequantize = bool(getattr(options, "dequantize_fp8_at_load", False))
+        par = par or getattr(options, "par", None) or ParallelContext()  # the loader's rank, unless given here
+        return cls(DeepseekV4Args.from_hf_config(config), dtype=dtype, par=par, dequantize_fp8_at_load=dequantize)
+
+    def set_moe_impl(self, impl: str) -> None:
+        """"dynamic" (grouped dispatch, eager) or "static" (fixed shapes, for compiled regions)."""
+        if impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {impl!r}")
+        for layer in self.layers:
+            layer.ffn.impl = impl
+
+    # ---- the model-runner contract -------------------------------------------------------------------
+    def _widths(self) -> tuple[int, int, int]:
+        a = self.args
+        d, di = a.head_dim, a.index_head_dim
+        return d, 4 * d + d + 4 * di + di, 2 * d + d
+
+    def kv_cache_shapes(self, num_slots: int) -> list[tuple[int, ...]]:
+        kv, csa, hca = self._widths()
+        a = self.args
+        return [(a.num_hidden_layers, num_slots, kv), (a.count(CSA), num_slots, csa), (a.count(HCA), num_slots, hca)]
+
+    def _layer_cache(self, index: int, caches: list[torch.Tensor]) -> LayerCache:
+        d, di = self.args.head_dim, self.args.index_head_dim
+        kv = caches[0][index]
+        layer_type, k = self.args.layer_types[index], self.cache_index[index]
+        if layer_type == SLIDING:
+            return LayerCache(kv)
+        if layer_type == HCA:
+            row = caches[2][k]
+            return LayerCache(kv, state=row[:, :2 * d], entries=row[:, 2 * d:])
+        row = caches[1][k]
+        return LayerCache(kv, state=row[:, :4 * d], entries=row[:, 4 * d:5 * d],
+                          index_state=row[:, 5 * d:5 * d + 4 * di], index_entries=row[:, 5 * d + 4 * di:])
+
+    def _pages(self, positions: torch.Tensor, meta: AttentionMetadata, num_slots: int) -> TokenPages:
+        """Each token's block table: decode rows repeated per query, prefill rows per chunk token."""
+        scratch = num_slots // meta.block_size - 1
+        tables = []
+        if meta.num_decodes:
+            tables.append(meta.decode_block_tables.repeat_interleave(meta.decode_query_len, dim=0))
+        if meta.num_prefills:
+            lens = torch.tensor(meta.prefill_query_lens, device=positions.device)
+            tables.append(meta.prefill_block_tables.repeat_interleave(lens, dim=0,
+                                                                      output_size=sum(meta.prefill_query_lens)))
+        width = max(t.shape[1] for t in tables)
+        padded = [torch.nn.functional.pad(t.long(), (0, width - t.shape[1]), value=scratch) for t in tables]
+        return TokenPages(positions, torch.cat(padded), meta.block_size)
+
+    def forward(self, input_ids: torch.Tensor,  # [T] int64
+                positions: torch.Tensor,  # [T] int64
+                kv_caches: list,  # see kv_cache_shapes: layer-major roots, or per-layer views (compiled regions)
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden]."""
+        pages = self._pages(positions, meta, kv_caches[0][0].shape[0])
+        h = vocab_parallel_embedding(input_ids, self.embed.weight, self.vocab_start, self.par)
+        ctx = StepContext(pages, meta.slot_mapping, self.main_rope.at(positions, h.dtype),
+                          self.compress_rope.at(positions, h.dtype))
+        streams = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
+        for i, layer in enumerate(self.layers):
+            streams = layer(streams, input_ids, ctx, self._layer_cache(i, kv_caches))
+        collapsed = hc_head_collapse(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.hc)
+        return self.norm(collapsed)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
+        return self.par.all_gather_last(self.head(hidden)).float()
+
+    # ---- weights -------------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Release-layout tensors (``layers.N.attn.wq_a.weight``, with or without ``model.``), as transformers'
+        ``save_pretrained`` writes them. Tensors may be lazy: each rank ``narrow``s out its shard before reading."""
+        shards = {f"{prefix}.{key}" if prefix else key: shard for prefix, module in self.named_modules()
+                  for key, shard in getattr(module, "shards", {}).items()}
+        loaded: set[str] = set()
+        pending: dict[str, dict[str, Any]] = {}  # quantized module -> {"weight", "scale"} until both arrived
+        for raw_name, tensor in weights:
+            name = raw_name[len("model."):] if raw_name.startswith("model.") else raw_name
+            name = _SAVED_NAMES.get(name, name)
+            if self._is_mtp(name):
+                continue  # MTP drafts are not supported for V4 yet; the main model does not read them
+            base, _, leaf = name.rpartition(".")
+            if leaf in ("scale", "weight_scale_inv") or (leaf == "weight" and tensor.dtype in _QUANTIZED):
+                entry = pending.setdefault(base, {})
+                entry["weight" if leaf == "weight" else "scale"] = tensor
+                if len(entry) == 2:
+                    self._set_quantized(base, raw_name, pending.pop(base), shards)
+                    loaded.add(base + ".weight")
+                continue
+            expert = _EXPERT.match(name)
+            if expert:
+                self._set_expert(expert, tensor, None)
+                loaded.add(name)
+                continue
+            shard = shards.get(name)
+            value = shard.take(tensor) if shard is not None else _whole(tensor)
+            self._set(name, raw_name, value)
+            loaded.add(name)
+        if pending:
+            raise ValueError(f"quantized weights without their scale (or scales without weights): {sorted(pending)}")
+        if "head.weight" not in loaded and self.args.tie_word_embeddings:
+            self.head.weight = self.embed.weight
+            loaded.add("head.weight")
+        missing = sorted(self._expected_names() - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+    def _set_expert(self, expert: re.Match, weight: Any, scale: Any) -> None:
+        moe = self.layers[int(expert.group(1))].ffn
+        local = moe.local_expert(int(expert.group(2)))
+        if local is not None:  # else another rank's expert (expert parallelism)
+            moe.set_expert(local, expert.group(3), weight, scale)
+
+    def _set_quantized(self, base: str, raw_name: str, entry: dict[str, Any], shards: dict[str, Shard]) -> None:
+        """An fp8 projection (kept fp8, dequantized block-wise inside the linear) or an fp4 / fp8 expert."""
+        expert = _EXPERT.match(base + ".weight")
+        if expert:
+            self._set_expert(expert, entry["weight"], entry["scale"])
+            return
+        target = self.get_submodule(base) if base else None
+        if not isinstance(target, BlockLinear) or entry["weight"].dtype != torch.float8_e4m3fn:
+            raise ValueError(f"unexpected quantized checkpoint tensor {raw_name!r}")
+        weight, scale = entry["weight"], entry["scale"]
+        shard = shards.get(base + ".weight")
+        if shard is not None:
+            block = self.args.fp8_block_size[shard.dim]
+            if shard.start % block or (shard.size % block and shard.start + shard.size != weight.shape[shard.dim]):
+                raise ValueError(f"{raw_name}: this rank's shard ({shard}) does not fall on the {block}-wide fp8 "
+                                 f"scale blocks; choose a tensor_parallel_size that keeps shards block-aligned")
+            weight = shard.take(weight)
+            scale = Shard(shard.dim, shard.start // block, -(-shard.size // block)).take(scale)
+        target.set_weight(_whole(weight), _whole(scale).float(), self.dtype, self.dequantize_fp8_at_load)
+
+    def _is_mtp(self, name: str) -> bool:
+        layer = _LAYER.match(name)
+        return name.startswith("mtp.") or (layer is not None and int(layer.group(1)) >= self.args.num_hidden_layers)
+
+    def _set(self, name: str, raw_name: str, value: torch.Tensor) -> None:
+        owner, _, leaf = name.rpartition(".")
+        try:
+            target = self.get_submodule(owner)
+        except AttributeError as err:
+            raise ValueError(f"unexpected checkpoint tensor {raw_name!r}") from err
+        if isinstance(target, BlockLinear) and leaf == "weight":
+            target.set_weight(value, None, self.dtype, False)
+            return
+        current = getattr(target, leaf, None)
+        if not isinstance(current, torch.Tensor) or isinstance(target, BlockLinear):
+            raise ValueError(f"unexpected checkpoint tensor {raw_name!r}")
+        if tuple(current.shape) != tuple(value.shape):
+            raise ValueError(f"{raw_name}: shape {tuple(value.shape)} != expected {tuple(current.shape)}")
+        with torch.no_grad():
+            current.copy_(value.to(current.dtype))
+
+    def _expected_names(self) -> set[str]:
+        names = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, BlockLinear)}
+        names |= {n for n, _ in self.named_parameters()}
+        names |= {n for n, _ in self.named_buffers() if n.endswith(("gate.bias", "gate.tid2eid"))}
+        names -= {n for n in names if n.endswith((".gate_up", ".down"))}
+        for i, layer in enumerate(self.layers):
+            moe = layer.ffn
+            for local in range(moe.num_local_experts):
+                names |= {f"layers.{i}.ffn.experts.{moe.first_expert + local}.{w}.weight" for w in ("w1", "w2", "w3")}
+        return names
+
+    @property
+    def arch(self) -> DeepseekV4Args:
+        """The engine reads ``model.arch.vocab_size``."""
+        return self.args
+
+    @property
+    def has_mtp_weights(self) -> bool:
+        return False

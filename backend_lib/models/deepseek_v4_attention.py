@@ -1,0 +1,205 @@
+"""DeepSeek-V4 attention, per layer type, over the paged per-token cache (see ``kernels/compressed_attention.py``).
+
+Every layer: shared-KV MQA (one K = V head) with q LoRA, an unweighted per-head q norm, interleaved partial RoPE on
+the trailing ``rope_dim`` channels (undone on the output with the conjugate rotation), per-head sinks, the
+sliding-window branch and the grouped low-rank output projection. ``heavily_compressed_attention`` adds the entries
+of a non-overlapping compressor (all visible ones attended); ``compressed_sparse_attention`` adds an overlapping
+two-series compressor whose entries a lightning indexer filters to the ``index_topk`` best per query.
+
+Module and tensor names follow the release checkpoint (``attn.wq_a``, ``attn.compressor.wkv``, ``attn.indexer.wq_b``)
+so loading needs no renaming. Tensor parallelism shards the query heads (``wq_b``, ``attn_sink``) and the output
+groups (``wo_a`` rows, ``wo_b`` columns, one all-reduce); the single KV head, the compressors and the indexer are
+small and stay whole on every rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm
+from backend_lib.models.parallel import ParallelContext, Shard
+from kernels.compressed_attention import (
+    TokenPages, gather_rows, indexer_select, pool_heavily_compressed, pool_overlapping, sink_attention,
+)
+from kernels.hyper_connections import unweighted_rms_norm
+from kernels.interleaved_rope import apply_tail_rope, rope_cos_sin
+from kernels.quant import DEFAULT_BLOCK
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+LAYER_TYPES = (SLIDING, CSA, HCA)
+
+
+@dataclass(frozen=True)
+class V4Rope:
+    """One of V4's two rotaries ("main" for sliding layers, "compress" for CSA / HCA layers and compressors)."""
+
+    inv_freq: torch.Tensor  # [P / 2] float32
+    attention_scaling: float
+
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # [T]
+        return rope_cos_sin(self.inv_freq, positions, self.attention_scaling, dtype)
+
+
+@dataclass(frozen=True)
+class V4AttentionDims:
+    hidden: int
+    num_heads: int
+    head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    eps: float
+    layer_type: str
+    compress_rate: int  # 0 for sliding layers
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What every layer of one step shares: token pages, the step's slots, and each rotary's cos / sin."""
+
+    pages: TokenPages
+    slot_mapping: torch.Tensor  # [T] int64
+    main_rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, P / 2]
+    compress_rope: tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """One layer's views into the cache tensors (each ``[num_slots, width]``)."""
+
+    kv: torch.Tensor  # [S, D] K = V per token
+    state: torch.Tensor | None = None  # [S, (1 or 2) * 2D] compressor projections [kv | gate] per token
+    entries: torch.Tensor | None = None  # [S, D] compressed entry of the window closing at the slot's token
+    index_state: torch.Tensor | None = None  # [S, 4 Di] indexer compressor projections
+    index_entries: torch.Tensor | None = None  # [S, Di]
+
+
+class Compressor(nn.Module):
+    """Pools every ``rate`` tokens' projections into one entry (kv_norm, then RoPE at the window's first position).
+
+    ``overlap`` (CSA and its indexer): projections are ``2 * dim`` wide, two series A | B, and entry ``w`` pools
+    series A of window ``w - 1`` with series B of window ``w``. Otherwise (HCA) one series, non-overlapping.
+    """
+
+    def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float, rope: V4Rope,
+                 block_size: tuple[int, int]) -> None:
+        super().__init__()
+        self.dim, self.rate, self.overlap, self.rope = dim, rate, overlap, rope
+        width = 2 * dim if overlap else dim
+        self.wkv = BlockLinear(hidden, width, block_size=block_size)
+        self.wgate = BlockLinear(hidden, width, block_size=block_size)
+        self.ape = nn.Parameter(torch.zeros(rate, width), requires_grad=False)
+        self.norm = RMSNorm(dim, eps)
+
+    @property
+    def state_width(self) -> int:
+        return 2 * self.wkv.out_features
+
+    def forward(self, x: torch.Tensor,  # [T, hidden] the attention block's normed input
+                ctx: StepContext,
+                state: torch.Tensor,  # [S, state_width]
+                entries: torch.Tensor) -> None:  # [S, dim]
+        """Store this step's projections, then the candidate entry of the window ending at every token."""
+        state[ctx.slot_mapping] = torch.cat([self.wkv(x), self.wgate(x)], dim=-1).to(state.dtype)
+        span = 2 * self.rate if self.overlap else self.rate
+        pos, exists = ctx.pages.recent(span)
+        window = gather_rows(state, ctx.pages.slots(pos)).to(x.dtype)
+        ape = self.ape.to(x.dtype)
+        pooled = pool_overlapping(window, exists, ape) if self.overlap else pool_heavily_compressed(window, ape)
+        cos, sin = self.rope.at(ctx.pages.positions - self.rate + 1, x.dtype)
+        entries[ctx.slot_mapping] = apply_tail_rope(self.norm(pooled), cos, sin).to(entries.dtype)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: its own overlapping compressor at ``index_head_dim`` plus scoring queries and weights."""
+
+    def __init__(self, d: V4AttentionDims, rope: V4Rope, block_size: tuple[int, int]) -> None:
+        super().__init__()
+        self.d = d
+        self.wq_b = BlockLinear(d.q_lora_rank, d.index_n_heads * d.index_head_dim, block_size=block_size)
+        self.weights_proj = BlockLinear(d.hidden, d.index_n_heads, block_size=block_size)
+        self.compressor = Compressor(d.hidden, d.index_head_dim, d.compress_rate, True, d.eps, rope, block_size)
+
+    def forward(self, x: torch.Tensor,  # [T, hidden]
+                q_residual: torch.Tensor,  # [T, q_lora_rank]
+                ctx: StepContext, cache: LayerCache,
+                entry_slots: torch.Tensor,  # [T, E]
+                visible: torch.Tensor,  # [T, E] bool
+                ) -> torch.Tensor:  # [T, E] bool
+        d = self.d
+        self.compressor(x, ctx, cache.index_state, cache.index_entries)
+        q = self.wq_b(q_residual).view(-1, d.index_n_heads, d.index_head_dim)
+        q = apply_tail_rope(q, *ctx.compress_rope)
+        head_weights = self.weights_proj(x).float() * d.index_n_heads ** -0.5
+        keys = gather_rows(cache.index_entries, entry_slots).to(x.dtype)
+        return indexer_select(q, keys, head_weights, visible, d.index_topk)
+
+
+class V4Attention(nn.Module):
+    def __init__(self, d: V4AttentionDims, main_rope: V4Rope, compress_rope: V4Rope, par: ParallelContext,
+                 block_size: tuple[int, int] = DEFAULT_BLOCK) -> None:
+        super().__init__()
+        if d.layer_type not in LAYER_TYPES:
+            raise ValueError(f"layer_types entries must be one of {LAYER_TYPES}, got {d.layer_type!r}")
+        if d.num_heads % d.o_groups:
+            raise ValueError(f"o_groups ({d.o_groups}) must divide num_attention_heads ({d.num_heads})")
+        self.d, self.par = d, par
+        self.scale = d.head_dim ** -0.5
+        head_start, self.num_heads = par.even(d.num_heads, "num_attention_heads")
+        group_start, self.o_groups = par.even(d.o_groups, "o_groups")
+        rank = d.o_lora_rank
+        self.wq_a = BlockLinear(d.hidden, d.q_lora_rank, block_size=block_size)
+        self.q_norm = RMSNorm(d.q_lora_rank, d.eps)
+        self.wq_b = BlockLinear(d.q_lora_rank, self.num_heads * d.head_dim, block_size=block_size)
+        self.wkv = BlockLinear(d.hidden, d.head_dim, block_size=block_size)
+        self.norm = RMSNorm(d.head_dim, d.eps)
+        self.wo_a = BlockLinear(d.num_heads * d.head_dim // d.o_groups, self.o_groups * rank, block_size=block_size)
+        self.wo_b = BlockLinear(self.o_groups * rank, d.hidden, block_size=block_size)
+        self.attn_sink = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
+        self.compressor = None if d.layer_type == SLIDING else Compressor(
+            d.hidden, d.head_dim, d.compress_rate, d.layer_type == CSA, d.eps, compress_rope, block_size)
+        self.indexer = Indexer(d, compress_rope, block_size) if d.layer_type == CSA else None
+        # checkpoint tensor -> the part this rank holds (tensors not listed are whole on every rank)
+        self.shards = {
+            "wq_b.weight": Shard(0, head_start * d.head_dim, self.num_heads * d.head_dim),
+            "attn_sink": Shard(0, head_start, self.num_heads),
+            "wo_a.weight": Shard(0, group_start * rank, self.o_groups * rank),
+            "wo_b.weight": Shard(1, group_start * rank, self.o_groups * rank),
+        }
+
+    def forward(self, x: torch.Tensor,  # [T, hidden] normed block input
+                ctx: StepContext, cache: LayerCache) -> torch.Tensor:  # [T, hidden]
+        d = self.d
+        cos, sin = ctx.main_rope if d.layer_type == SLIDING else ctx.compress_rope
+        q_residual = self.q_norm(self.wq_a(x))
+        q = unweighted_rms_norm(self.wq_b(q_residual).view(-1, self.num_heads, d.head_dim), d.eps)
+        q = apply_tail_rope(q, cos, sin)
+        kv = apply_tail_rope(self.norm(self.wkv(x)), cos, sin)
+        cache.kv[ctx.slot_mapping] = kv.to(cache.kv.dtype)
+
+        pos, allowed = ctx.pages.recent(d.sliding_window)
+        keys = gather_rows(cache.kv, ctx.pages.slots(pos))
+        if self.compressor is not None:
+            self.compressor(x, ctx, cache.state, cache.entries)
+            entry_pos, visible = ctx.pages.entries(d.compress_rate)
+            entry_slots = ctx.pages.slots(entry_pos)
+            if self.indexer is not None:
+                visible = self.indexer(x, q_residual, ctx, cache, entry_slots, visible)
+            keys = torch.cat([keys, gather_rows(cache.entries, entry_slots)], dim=1)
+            allowed = torch.cat([allowed, visible], dim=1)
+        out = sink_attention(q, keys.to(q.dtype), allowed, self.attn_sink, self.scale)
+        out = apply_tail_rope(out, cos, -sin)
+        return self.par.all_reduce(self.wo_b(self._grouped_output(out)))
+
+    def _grouped_output(self, out: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [T, G * R]
+        """Block-diagonal ``wo_a``: each group of heads has its own projection to ``o_lora_rank``."""
+        groups = out.reshape(out.shape[0], self.o_groups, -1).transpose(0, 1)  # [G, T, H * D / G]
+        weight = self.wo_a.dense_weight(out.dtype)
+        weight = weight.view(self.o_groups, -1, weight.shape[-1]).transpose(1, 2)  # [G, H * D / G, R]
+        return torch.bmm(groups, weight).transpose(0, 1).flatten(1)

@@ -1,0 +1,242 @@
+"""DeepSeek-V4 feed-forward and decoder layer: hash-routed and top-k MoE with a clipped SwiGLU, and the mHC residual.
+
+MoE: the router scores experts with ``sqrtsoftplus`` (or sigmoid / softmax); ``moe`` layers pick the top-k of the
+scores plus the correction bias, ``hash_moe`` layers take a fixed ``tid2eid[token id]`` table; either way the chosen
+experts' raw scores are renormalized and scaled by ``routed_scaling_factor``. Every SwiGLU (routed experts and the
+one shared expert) clamps the gate from above and the up projection on both sides at ``swiglu_limit``.
+
+Tensor parallelism: each expert's intermediate units (and the shared expert's) are split across ranks, or with
+expert parallelism whole experts are; either way every rank's output is a partial sum, joined by one all-reduce.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm
+from backend_lib.models.deepseek_v4_attention import LayerCache, StepContext, V4Attention
+from backend_lib.models.parallel import ParallelContext, Shard
+from kernels.fp4 import FP4_GROUP, dequantize_fp4
+from kernels.hyper_connections import HyperConnectionSpec, hc_collapse, hc_expand, hc_mixes
+from kernels.quant import DEFAULT_BLOCK, dequantize_block_fp8
+
+SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
+MOE_IMPLS = ("dynamic", "static")
+HASH_MOE, TOPK_MOE = "hash_moe", "moe"
+
+
+@dataclass(frozen=True)
+class V4MoEDims:
+    hidden: int
+    intermediate: int  # moe_intermediate_size (routed experts and the shared expert)
+    num_experts: int
+    top_k: int
+    vocab_size: int
+    routed_scaling_factor: float
+    scoring_func: str
+    swiglu_limit: float
+    hash_routed: bool
+
+
+def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:  # [N, I] each
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def expert_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:  # [T, E] float32
+    if scoring_func == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if scoring_func == "sigmoid":
+        return logits.sigmoid()
+    return logits.softmax(dim=-1)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, d: V4MoEDims, par: ParallelContext, block_size: tuple[int, int]) -> None:
+        super().__init__()
+        self.limit = d.swiglu_limit
+        start, size = par.even(d.intermediate, "moe_intermediate_size")
+        self.w1 = BlockLinear(d.hidden, size, block_size=block_size)
+        self.w3 = BlockLinear(d.hidden, size, block_size=block_size)
+        self.w2 = BlockLinear(size, d.hidden, block_size=block_size)
+        self.shards = {"w1.weight": Shard(0, start, size), "w3.weight": Shard(0, start, size),
+                       "w2.weight": Shard(1, start, size)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> partial [T, hidden]
+        return self.w2(clipped_swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class V4MoE(nn.Module):
+    """Router + this rank's routed experts (stacked ``gate_up`` [E, 2I, H] and ``down`` [E, H, I]) + shared expert.
+
+    ``packed_fp4``: the experts stay as the checkpoint stores them (int8 with two e2m1 codes per byte,
+    ``gate_up`` [E, 2I, H/2] and ``down`` [E, H, I/2], ue8m0 scales per 32 inputs in ``*_scale``), a quarter of the
+    fp16 bytes; each expert is dequantized in one vectorized op when it runs. Otherwise they are dense."""
+
+    def __init__(self, d: V4MoEDims, par: ParallelContext, block_size: tuple[int, int] = DEFAULT_BLOCK,
+                 impl: str = "dynamic", packed_fp4: bool = False) -> None:
+        super().__init__()
+        if d.scoring_func not in SCORING_FUNCS:
+            raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, got {d.scoring_func!r}")
+        self.d, self.par, self.impl = d, par, impl
+        if par.expert_parallel:
+            self.first_expert, self.num_local_experts = par.balanced(d.num_experts, "n_routed_experts")
+            self.inter_start, self.inter_size = 0, d.intermediate
+        else:
+            self.first_expert, self.num_local_experts = 0, d.num_experts
+            self.inter_start, self.inter_size = par.even(d.intermediate, "moe_intermediate_size")
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.zeros(d.num_experts, d.hidden), requires_grad=False)
+        if d.hash_routed:
+            self.gate.register_buffer("tid2eid", torch.zeros(d.vocab_size, d.top_k, dtype=torch.int64))
+        else:
+            self.gate.register_buffer("bias", torch.zeros(d.num_experts))
+        self.packed_fp4, self.block_size = packed_fp4, block_size
+        num, inter = self.num_local_experts, self.inter_size
+        if packed_fp4:
+            if d.hidden % FP4_GROUP or inter % FP4_GROUP:
+                raise ValueError(f"fp4 experts need hidden_size ({d.hidden}) and this rank's moe_intermediate_size "
+                                 f"({inter}) to be multiples of {FP4_GROUP}")
+            self.register_buffer("gate_up", torch.zeros(num, 2 * inter, d.hidden // 2, dtype=torch.int8))
+            self.register_buffer("gate_up_scale", torch.zeros(num, 2 * inter, d.hidden // FP4_GROUP))
+            self.register_buffer("down", torch.zeros(num, d.hidden, inter // 2, dtype=torch.int8))
+            self.register_buffer("down_scale", torch.zeros(num, d.hidden, inter // FP4_GROUP))
+        else:
+            self.register_buffer("gate_up", torch.zeros(num, 2 * inter, d.hidden))
+            self.register_buffer("down", torch.zeros(num, d.hidden, inter))
+        self.shared_experts = SharedExpert(d, par, block_size)
+
+    # ---- loading ---------------------------------------------------------------------------------------
+    def local_expert(self, expert: int) -> int | None:
+        """This rank's slot of a checkpoint expert, None when another rank holds it."""
+        if not 0 <= expert < self.d.num_experts:
+            raise ValueError(f"expert index must be in [0, n_routed_experts={self.d.num_experts}), got {expert}")
+        local = expert - self.first_expert
+        return local if 0 <= local < self.num_local_experts else None
+
+    def set_expert(self, local: int, proj: str, weight,  # checkpoint (maybe lazy) tensor: dense, fp8 or packed fp4
+                   scale=None) -> None:  # its scales (fp8 block grid, or fp4 per 32 inputs), None when dense
+        hidden, inter, start, size = self.d.hidden, self.d.intermediate, self.inter_start, self.inter_size
+        name = f"experts.{local + self.first_expert}.{proj}"
+        fp4 = scale is not None and weight.dtype in (torch.int8, torch.uint8)
+        rows, cols = (hidden, inter) if proj == "w2" else (inter, hidden)
+        expected = (rows, cols // 2) if fp4 else (rows, cols)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"{name}: shape {tuple(weight.shape)} != {expected}")
+        if fp4 and self.packed_fp4:
+            if proj == "w2" and (start % FP4_GROUP or size % FP4_GROUP):
+                raise ValueError(f"{name}: this rank's intermediate slice [{start}, {start + size}) does not fall on "
+                                 f"the {FP4_GROUP}-wide fp4 scale groups")
+            codes, scales = ((Shard(1, start // 2, size // 2), Shard(1, start // FP4_GROUP, size // FP4_GROUP))
+                             if proj == "w2" else (Shard(0, start, size),) * 2)
+            self._store(local, proj, codes.take(weight), scales.take(scale).float())
+            return
+        if scale is not None:  # dequantized at load: fp8 experts, or fp4 when asked to
+            whole_weight, whole_scale = weight.narrow(0, 0, rows), scale.narrow(0, 0, scale.shape[0])
+            weight = (dequantize_fp4(whole_weight, whole_scale) if fp4
+                      else dequantize_block_fp8(whole_weight, whole_scale, self.block_size))
+        if self.packed_fp4:
+            raise ValueError(f"{name}: the layer holds packed fp4 experts but the checkpoint gives this one as "
+                             f"{weight.dtype}; experts of one checkpoint must share one format")
+        self._store(local, proj, (Shard(1, start, size) if proj == "w2" else Shard(0, start, size)).take(weight))
+
+    def _store(self, local: int, proj: str,
+               weight: torch.Tensor,  # [rows, cols] dense, or [rows, cols / 2] packed fp4 (this rank's part)
+               scale: torch.Tensor | None = None) -> None:  # [rows, cols / 32] for packed fp4
+        size = self.inter_size
+        rows = slice(None) if proj == "w2" else slice(0, size) if proj == "w1" else slice(size, 2 * size)
+        target = "down" if proj == "w2" else "gate_up"
+        with torch.no_grad():
+            getattr(self, target)[local, rows].copy_(weight.to(getattr(self, target).dtype))
+            if scale is not None:
+                getattr(self, target + "_scale")[local, rows].copy_(scale)
+
+    def _dense(self, which: str, dtype: torch.dtype, expert: int | None = None) -> torch.Tensor:
+        """``gate_up`` or ``down`` of one local expert (or all of them), dequantized when packed."""
+        weight = getattr(self, which)
+        if expert is not None:
+            weight = weight[expert]
+        if not self.packed_fp4:
+            return weight.to(dtype)
+        scale = getattr(self, which + "_scale")
+        return dequantize_fp4(weight, scale if expert is None else scale[expert], dtype)
+
+    # ---- forward ---------------------------------------------------------------------------------------
+    def route(self, x: torch.Tensor,  # [T, hidden]
+              input_ids: torch.Tensor,  # [T] int64
+              ) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] float32, expert ids [T, k] int64
+        scores = expert_scores(F.linear(x.float(), self.gate.weight.float()), self.d.scoring_func)
+        if self.d.hash_routed:
+            ids = self.gate.tid2eid[input_ids].long()
+        else:
+            ids = torch.topk(scores + self.gate.bias.float(), self.d.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.d.routed_scaling_factor, ids
+
+    def forward(self, x: torch.Tensor,  # [T, hidden]
+                input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        weights, ids = self.route(x, input_ids)
+        local_ids = ids - self.first_expert  # experts of other ranks fall outside [0, num_local_experts)
+        run = self._dynamic if self.impl == "dynamic" else self._static
+        routed = run(x, weights, local_ids)
+        return self.par.all_reduce(routed + self.shared_experts(x))
+
+    def _dynamic(self, x: torch.Tensor,  # [T, hidden]
+                 weights: torch.Tensor,  # [T, k] float32
+                 local_ids: torch.Tensor,  # [T, k] int64, outside [0, num_local_experts) for other ranks' experts
+                 ) -> torch.Tensor:  # [T, hidden]
+        """Each local expert over its own tokens, ascending expert id, accumulated with ``index_add_`` (the order
+        transformers uses). Data-dependent shapes: eager only."""
+        out = torch.zeros_like(x)
+        mask = F.one_hot(local_ids.clamp(-1, self.num_local_experts) + 1,
+                         num_classes=self.num_local_experts + 2)[..., 1:-1].permute(2, 1, 0)  # [E, k, T]
+        for e in (mask.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist():
+            slot, token = torch.where(mask[e])
+            gate_up = F.linear(x[token], self._dense("gate_up", x.dtype, e))
+            h = clipped_swiglu(*gate_up.chunk(2, dim=-1), self.d.swiglu_limit)
+            y = F.linear(h, self._dense("down", x.dtype, e)) * weights[token, slot, None].to(x.dtype)
+            out.index_add_(0, token, y)
+        return out
+
+    def _static(self, x: torch.Tensor,  # [T, hidden]
+                weights: torch.Tensor,  # [T, k] float32
+                local_ids: torch.Tensor,  # [T, k] int64
+                ) -> torch.Tensor:  # [T, hidden]
+        """Fixed shapes for compiled regions: every local expert over every token, combined by a dense
+        [T, E] weight matrix that is zero off each token's choices."""
+        num = self.num_local_experts
+        inside = (local_ids >= 0) & (local_ids < num)
+        dense = torch.zeros(x.shape[0], num + 1, dtype=weights.dtype, device=x.device)
+        dense = dense.scatter_add_(1, torch.where(inside, local_ids, num), weights)[:, :num]
+        gate_up = torch.einsum("th,eih->eti", x, self._dense("gate_up", x.dtype))
+        h = clipped_swiglu(*gate_up.chunk(2, dim=-1), self.d.swiglu_limit)
+        y = torch.einsum("eti,ehi->eth", h, self._dense("down", x.dtype))
+        return torch.einsum("eth,te->th", y, dense.to(x.dtype))
+
+
+class V4DecoderLayer(nn.Module):
+    """mHC around attention and MoE: collapse the streams (pre), run the block, expand (post) + mix (comb)."""
+
+    def __init__(self, attn: V4Attention, ffn: V4MoE, hidden: int, eps: float, hc: HyperConnectionSpec) -> None:
+        super().__init__()
+        self.attn, self.ffn, self.hc = attn, ffn, hc
+        self.attn_norm = RMSNorm(hidden, eps)
+        self.ffn_norm = RMSNorm(hidden, eps)
+        mixes = (2 + hc.hc_mult) * hc.hc_mult
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", nn.Parameter(torch.zeros(mixes, hc.hc_mult * hidden), requires_grad=False))
+            setattr(self, f"hc_{site}_base", nn.Parameter(torch.zeros(mixes), requires_grad=False))
+            setattr(self, f"hc_{site}_scale", nn.Parameter(torch.ones(3), requires_grad=False))
+
+    def forward(self, streams: torch.Tensor,  # [T, hc, hidden]
+                input_ids: torch.Tensor,  # [T] int64
+                ctx: StepContext, cache: LayerCache) -> torch.Tensor:  # [T, hc, hidden]
+        pre, post, comb = hc_mixes(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.hc)
+        out = self.attn(self.attn_norm(hc_collapse(streams, pre)), ctx, cache)
+        streams = hc_expand(out, streams, post, comb)
+        pre, post, comb = hc_mixes(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.hc)
+        out = self.ffn(self.ffn_norm(hc_collapse(streams, pre)), input_ids)
+        return hc_expand(out, streams, post, comb)

@@ -1,0 +1,126 @@
+"""DeepSeek-V4 attention over a paged per-token cache: sliding window + compressed entries, with sinks.
+
+Every token of a step reads its request's earlier tokens through the request's block table (``TokenPages``), so
+decode rows, prefill chunks that continue a cached prefix and padded rows are all handled by one set of gathers
+with shapes fixed by the step (no host syncs):
+
+* the sliding-window keys are the last ``window`` positions up to the token itself;
+* a compressor "window" of ``rate`` tokens closes at position ``(w + 1) * rate - 1``; its compressed entry is
+  stored at the slot of that position, so entry ``w`` is visible to query ``t`` iff ``w < (t + 1) // rate``;
+* the pooled candidate is computed for *every* token (as if its window closed there) and written at the token's
+  slot: only the slots of window-closing positions are ever read, so the others are harmless scratch, and the step
+  needs no data-dependent list of closing windows.
+
+Gathers clamp negative positions to 0 and mask them; masked keys are zeroed before the weighted sum, so stale
+slot contents never reach an output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class TokenPages:
+    """Per step token: its position and its request's block table (scratch-padded to a common width)."""
+
+    positions: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [T, width] int64
+    block_size: int
+
+    @property
+    def capacity(self) -> int:
+        """Positions addressable through the tables (static for the step)."""
+        return self.block_tables.shape[1] * self.block_size
+
+    def slots(self, pos: torch.Tensor  # [T, K] int64, negative allowed (read as position 0, mask them)
+              ) -> torch.Tensor:  # [T, K] int64 cache slots
+        pos = pos.clamp(min=0)
+        block = pos // self.block_size
+        # pos - block * size rather than %: remainder is slow on Neuron (graph lint rule)
+        return self.block_tables.gather(1, block) * self.block_size + (pos - block * self.block_size)
+
+    def recent(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions ``t - length + 1 .. t`` of every token ([T, length]) and whether each exists (>= 0)."""
+        offsets = torch.arange(1 - length, 1, device=self.positions.device)
+        pos = self.positions[:, None] + offsets[None, :]
+        return pos, pos >= 0
+
+    def entries(self, rate: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Closing positions of every compressor window the tables can hold ([T, E]) and which each token sees."""
+        num_entries = self.capacity // rate
+        index = torch.arange(num_entries, device=self.positions.device)
+        pos = ((index + 1) * rate - 1)[None, :].expand(self.positions.shape[0], -1)
+        visible = index[None, :] < ((self.positions + 1) // rate)[:, None]
+        return pos, visible
+
+
+def gather_rows(layer_cache: torch.Tensor,  # [num_slots, C] one layer of one cache tensor
+                slots: torch.Tensor,  # [T, K] int64
+                ) -> torch.Tensor:  # [T, K, C]
+    return layer_cache.index_select(0, slots.flatten()).view(*slots.shape, layer_cache.shape[-1])
+
+
+def pool_window(kv: torch.Tensor,  # [T, n, D] the window's per-token values
+                gate: torch.Tensor,  # [T, n, D] gate logits (position bias included, -inf for absent tokens)
+                ) -> torch.Tensor:  # [T, D]
+    """Gated softmax pooling over the window's tokens, per channel (softmax in fp32)."""
+    return (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
+
+
+def pool_heavily_compressed(state: torch.Tensor,  # [T, rate, 2D]: per token [kv | gate], window order
+                            position_bias: torch.Tensor,  # [rate, D]
+                            ) -> torch.Tensor:  # [T, D]
+    """HCA: one entry per non-overlapping window of ``rate`` tokens."""
+    dim = position_bias.shape[-1]
+    return pool_window(state[..., :dim], state[..., dim:] + position_bias)
+
+
+def pool_overlapping(state: torch.Tensor,  # [T, 2 * rate, 4D]: per token [kv_a | kv_b | gate_a | gate_b]
+                     exists: torch.Tensor,  # [T, 2 * rate] bool: the position is >= 0
+                     position_bias: torch.Tensor,  # [rate, 2D]: [bias_a | bias_b]
+                     ) -> torch.Tensor:  # [T, D]
+    """CSA (and its indexer): entry ``w`` pools series A of window ``w - 1`` with series B of window ``w``, an
+    overlapping width of ``2 * rate`` at stride ``rate``. Window 0 has no predecessor: those slots get weight 0."""
+    rate, dim = position_bias.shape[0], position_bias.shape[1] // 2
+    previous, current = state[:, :rate], state[:, rate:]
+    kv = torch.cat([previous[..., :dim], current[..., dim:2 * dim]], dim=1)
+    gate = torch.cat([previous[..., 2 * dim:3 * dim] + position_bias[:, :dim],
+                      current[..., 3 * dim:] + position_bias[:, dim:]], dim=1)
+    kv = torch.where(exists[..., None], kv, torch.zeros_like(kv))
+    gate = torch.where(exists[..., None], gate, torch.full_like(gate, float("-inf")))
+    return pool_window(kv, gate)
+
+
+def indexer_select(q: torch.Tensor,  # [T, Hi, Di] post-rope index queries
+                   keys: torch.Tensor,  # [T, E, Di] compressed index keys
+                   head_weights: torch.Tensor,  # [T, Hi] already scaled by Hi ** -0.5
+                   visible: torch.Tensor,  # [T, E] bool
+                   top_k: int) -> torch.Tensor:  # [T, E] bool: the entries each query attends
+    """Lightning indexer: ``sum_h w[t, h] * relu(q[t, h] . k[s]) / sqrt(Di)``; the ``top_k`` best visible entries."""
+    scores = F.relu(torch.einsum("thd,ted->the", q.float(), keys.float())) * q.shape[-1] ** -0.5
+    scores = (scores * head_weights.float()[..., None]).sum(dim=1)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    k = min(top_k, scores.shape[1])
+    if k == 0:
+        return visible
+    picked = torch.zeros_like(visible).scatter_(1, scores.topk(k, dim=-1).indices, True)
+    return picked & visible
+
+
+def sink_attention(q: torch.Tensor,  # [T, H, D] post-rope queries
+                   keys: torch.Tensor,  # [T, K, D] one shared K = V head per token
+                   allowed: torch.Tensor,  # [T, K] bool
+                   sinks: torch.Tensor,  # [H] float32 per-head sink logits
+                   scale: float) -> torch.Tensor:  # [T, H, D]
+    """Softmax over each query's allowed keys plus one per-head sink logit that takes mass but carries no value."""
+    keys = torch.where(allowed[..., None], keys, torch.zeros_like(keys))
+    scores = torch.einsum("thd,tkd->thk", q, keys) * scale
+    scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
+    sink = sinks.to(scores.dtype)[None, :, None].expand(q.shape[0], -1, 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+    return torch.einsum("thk,tkd->thd", probs.to(keys.dtype), keys)
