@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +26,19 @@ _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
     "AVX2": ["-mavx2", "-mfma"],
 }
+
+
+def _remove_stale_build_lock(build_dir: Path, stale_after_s: float = 600.0) -> None:
+    """torch's build lock has no owner: a build killed midway leaves it, and every later load waits on it forever.
+    A build takes seconds to a minute; a lock older than ``stale_after_s`` is such a leftover."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > stale_after_s:
+        logger.warning("deepinfer: removing a stale C++ build lock (%.0f s old): %s", age, lock)
+        lock.unlink(missing_ok=True)
 
 
 def cpu_kernels_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -40,9 +54,11 @@ def load_cpu_kernels() -> bool:
     capability = torch.backends.cpu.get_cpu_capability()
     # The sources' hash in the name: two checkouts (or versions) on one machine never load each other's build.
     digest = hashlib.sha1(b"".join(path.read_bytes() for path in sources)).hexdigest()[:10]
+    name = f"deepinfer_cpu_kernels_{capability.lower()}_{digest}"
+    _remove_stale_build_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
     try:
         # -fopenmp: at::parallel_for's OpenMP body lives in the headers; the process's libgomp (torch's) serves it.
-        cpp_extension.load(name=f"deepinfer_cpu_kernels_{capability.lower()}_{digest}",
+        cpp_extension.load(name=name,
                            sources=[str(path) for path in sources],
                            is_python_module=False, verbose=False,
                            extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS.get(capability, [])],
