@@ -275,6 +275,13 @@ def test_yarn_compress_rope_matches_transformers():
         assert rope.attention_scaling == getattr(rotary, f"{kind}_attention_scaling"), kind
 
 
+def test_mtp_drafts_are_refused_with_a_clear_error(tmp_path):
+    """V4's MTP layers are not implemented: spec_method mtp must fail at engine build, not draft garbage."""
+    path = make_tiny("deepseek_v4", tmp_path, seed=10)
+    with pytest.raises(ValueError, match="MTP weights"):
+        _engine(path, num_blocks=16, method="mtp", num_speculative_tokens=1)
+
+
 def test_config_errors_name_the_field():
     from backend_lib.models.deepseek_v4 import DeepseekV4Args
     base = dict(num_hidden_layers=2, layer_types=["sliding_attention"] * 2, mlp_layer_types=["moe"] * 2)
