@@ -99,13 +99,9 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(rate, width), requires_grad=False)
         self.norm = RMSNorm(dim, eps)
 
-    @property
-    def state_width(self) -> int:
-        return 2 * self.wkv.out_features
-
     def forward(self, x: torch.Tensor,  # [T, hidden] the attention block's normed input
                 ctx: StepContext,
-                state: torch.Tensor,  # [S, state_width]
+                state: torch.Tensor,  # [S, 2 * width]: [kv | gate] projections per slot
                 entries: torch.Tensor) -> None:  # [S, dim]
         """Store this step's projections, then the candidate entry of the window ending at every token."""
         state[ctx.slot_mapping] = torch.cat([self.wkv(x), self.wgate(x)], dim=-1).to(state.dtype)
