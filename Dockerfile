@@ -68,4 +68,7 @@ print('\n'.join(r for r in requires('deepinfer') if 'extra ==' not in r and not 
 COPY model_repository /models
 
 EXPOSE 8000 8001 8002
-CMD ["tritonserver", "--model-repository=/models"]
+# Explicit model control: a model whose engine died unloads itself, so Triton reports it not ready (and an
+# orchestrator can drain it with POST /v2/repository/models/deepinfer/unload before stopping the container).
+CMD ["tritonserver", "--model-repository=/models", "--model-control-mode=explicit", "--load-model=deepinfer", \
+     "--strict-readiness=true"]

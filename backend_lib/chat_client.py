@@ -70,12 +70,11 @@ class ChatSession:
         self._client.async_stream_infer(self._model, inputs, sequence_id=self.session_id,
                                         sequence_start=not self._started, sequence_end=False,
                                         enable_empty_final_response=True)
-        self._started = True
         pieces: list[str] = []
         finish_reason, num_tokens = "", 0
         while True:
             result, error = self._results.get(timeout=timeout_s)
-            if error is not None:
+            if error is not None:  # a refused first turn (e.g. server busy) leaves the next one to START again
                 raise RuntimeError(f"server error: {error}")
             text = result.as_numpy("text_output")
             if text is not None and text.size:
@@ -91,6 +90,7 @@ class ChatSession:
             if count is not None and count.size:
                 num_tokens += int(count.reshape(-1)[0])
             if result.get_response().parameters["triton_final_response"].bool_param:
+                self._started = True
                 return TurnResult("".join(pieces), finish_reason, num_tokens)
 
     def close(self) -> None:
@@ -131,7 +131,11 @@ def main(argv: list[str] | None = None) -> int:
                 print("(new conversation)")
                 continue
             sys.stdout.write("assistant> ")
-            result = chat.send(line, out=sys.stdout)
+            try:
+                result = chat.send(line, out=sys.stdout)
+            except RuntimeError as exc:  # e.g. the history no longer leaves room for max_tokens: say so, go on
+                print(f"\n[{exc}]\n(/reset starts a new conversation)")
+                continue
             sys.stdout.write("\n" if result.finish_reason != "length" else " [max_tokens reached]\n")
             sys.stdout.flush()
     except KeyboardInterrupt:

@@ -1,4 +1,4 @@
-"""`deepinfer` command line: generate | serve | chat | make-tiny | lint-graphs."""
+"""`deepinfer` command line: generate | serve | chat | make-tiny | lint-graphs | worker."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +11,7 @@ _DELEGATES = {
     "chat": ("backend_lib.chat_client", "interactive multi-turn chat over gRPC streaming (a session)"),
     "make-tiny": ("backend_lib.tiny", "write a tiny random model directory for tests and demos"),
     "lint-graphs": ("backend_lib.neuron.graph_lint", "check every compiled region for what neuronx-cc rejects"),
+    "worker": ("backend_lib.executor.node", "run this machine's ranks of a multi-node tensor-parallel engine"),
 }
 
 
@@ -25,13 +26,18 @@ def _generate(argv: list[str]) -> int:
     parser.add_argument("--top-k", type=int, default=-1)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (processes) the model is split over")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="partition MoE experts across the ranks instead of sharding each expert")
     args = parser.parse_args(argv)
 
     from backend_lib.config import EngineConfig
     from backend_lib.engine import LLMEngine
     from backend_lib.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig.from_flat({"model": args.model, "dtype": args.dtype}))
+    engine = LLMEngine(EngineConfig.from_flat({"model": args.model, "dtype": args.dtype,
+                                               "tensor_parallel_size": args.tensor_parallel_size,
+                                               "enable_expert_parallel": args.enable_expert_parallel}))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
@@ -41,6 +47,7 @@ def _generate(argv: list[str]) -> int:
             sys.stdout.write(output.new_text)
             sys.stdout.flush()
     sys.stdout.write("\n")
+    engine.close()
     return 0
 
 

@@ -11,6 +11,10 @@ from typing import Any
 _DTYPES = ("float32", "bfloat16", "float16")
 _SPEC_METHODS = ("none", "ngram", "mtp")
 _COMPILE_BACKENDS = ("none", "auto", "inductor", "aot_eager", "neuron")
+# Admission defaults per running slot: a burst of 8 batches' worth waits (the last one about 8 batch lifetimes),
+# more is refused at once; sessions hold history (and KV until evicted), so more of them may stay open.
+WAITING_PER_SEQ = 8
+SESSIONS_PER_SEQ = 32
 
 
 def _require(condition: bool, message: str) -> None:
@@ -46,15 +50,19 @@ class CacheConfig:
     """Paged KV cache geometry."""
 
     block_size: int = 16
-    num_blocks: int = 0  # 0 = derive from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0
+    num_blocks: int = 0  # 0 = derive from kv_cache_memory_gb, or from the free memory (backend_lib/kv_sizing.py)
+    kv_cache_memory_gb: float = 0.0  # 0 = auto: kv_cache_memory_fraction of the memory free after loading weights
+    kv_cache_memory_fraction: float = 0.5  # like vLLM's gpu_memory_utilization, of what is free, not of the total
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
                  f"block_size must be a power of two in [1, 128], got {self.block_size}")
         _require(self.num_blocks >= 0, f"num_blocks must be >= 0 (0 = auto), got {self.num_blocks}")
-        _require(self.kv_cache_memory_gb > 0, f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        _require(self.kv_cache_memory_gb >= 0,
+                 f"kv_cache_memory_gb must be >= 0 (0 = auto), got {self.kv_cache_memory_gb}")
+        _require(0 < self.kv_cache_memory_fraction <= 0.95,
+                 f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}")
 
 
 @dataclass
@@ -94,6 +102,8 @@ def _int_tuple(name: str, value: Any) -> tuple[int, ...]:
     """Bucket lists arrive as tuples/lists (Python) or comma-separated strings (Triton parameters, CLI flags)."""
     if isinstance(value, str):
         value = [v for v in value.replace(" ", "").split(",") if v]
+    elif isinstance(value, int):
+        value = [value]
     try:
         out = tuple(int(v) for v in value)
     except (TypeError, ValueError):
@@ -122,26 +132,90 @@ class CompileConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Tensor / expert parallelism over torch.distributed (names as vLLM uses them)."""
+
+    tensor_parallel_size: int = 1  # ranks; rank 0 is the driver (where the engine lives), the rest worker processes
+    enable_expert_parallel: bool = False  # MoE experts partitioned across the ranks instead of each one sharded
+    nnodes: int = 1  # machines; ranks on nodes 1.. are started there by `deepinfer worker`
+    master_addr: str = "127.0.0.1"  # where the driver's rendezvous store listens (node 0's address)
+    master_port: int = 0  # 0 = a free port (one machine only)
+    distributed_timeout_s: float = 60.0  # a collective (or a worker joining) slower than this is a rank failure
+
+    def __post_init__(self) -> None:
+        _require(1 <= self.tensor_parallel_size <= 1024,
+                 f"tensor_parallel_size must be in [1, 1024], got {self.tensor_parallel_size}")
+        _require(1 <= self.nnodes <= self.tensor_parallel_size and self.tensor_parallel_size % self.nnodes == 0,
+                 f"nnodes must divide tensor_parallel_size={self.tensor_parallel_size}, got {self.nnodes}")
+        _require(self.nnodes == 1 or self.master_port > 0,
+                 f"nnodes={self.nnodes} needs an explicit master_port (the workers on other nodes dial it)")
+        _require(0 <= self.master_port <= 65535, f"master_port must be in [0, 65535], got {self.master_port}")
+        _require(self.distributed_timeout_s > 0,
+                 f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+
+@dataclass
+class RequestLimits:
+    """Caps on what one request can make the server hold; beyond one, the request is refused with a ValueError
+    (INVALID_ARG) naming the field and the limit. Each bounds memory or per-token work that grows with the
+    request, not the model: the context itself is bounded by max_model_len."""
+
+    max_prompt_chars: int = 1_048_576  # text_input characters (tokenized on the caller's thread)
+    max_input_ids: int = 0  # input_ids length; 0 = what max_model_len allows (a longer prompt can never run)
+    max_messages: int = 1024  # chat messages in one request
+    max_messages_chars: int = 1_048_576  # characters of every message's keys and values together
+    max_stop_strings: int = 16  # each is matched against every new token's text
+    max_stop_string_chars: int = 256  # per stop string
+    max_stop_token_ids: int = 64
+    max_logprobs: int = 20  # top-n alternatives per token (vLLM's default max_logprobs)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            lowest = 0 if f.name in ("max_input_ids", "max_logprobs") else 1
+            _require(isinstance(value, int) and not isinstance(value, bool) and value >= lowest,
+                     f"{f.name} must be an integer >= {lowest}, got {value!r}")
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    limits: RequestLimits = field(default_factory=RequestLimits)
     session_idle_timeout_s: float = 600.0
     seed: int = 0  # seeds the per-request seeds of unseeded sampled requests
     num_threads: int = 0  # torch intra-op threads; 0 = all cores
+    # Admission control (AsyncEngine): requests waiting for a slot (inbox + scheduler queue) and open sessions.
+    # Beyond either, a request is refused at once (EngineBusyError -> UNAVAILABLE) instead of queueing without
+    # bound. 0 = derived from max_num_seqs (set in __post_init__, so the config holds the value in force).
+    max_waiting_requests: int = 0
+    max_sessions: int = 0
 
     def __post_init__(self) -> None:
         _require(self.session_idle_timeout_s > 0,
                  f"session_idle_timeout_s must be > 0, got {self.session_idle_timeout_s}")
         _require(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")
+        _require(self.max_waiting_requests >= 0,
+                 f"max_waiting_requests must be >= 0 (0 = {WAITING_PER_SEQ} x max_num_seqs), "
+                 f"got {self.max_waiting_requests}")
+        _require(self.max_sessions >= 0,
+                 f"max_sessions must be >= 0 (0 = {SESSIONS_PER_SEQ} x max_num_seqs), got {self.max_sessions}")
+        self.max_waiting_requests = self.max_waiting_requests or WAITING_PER_SEQ * self.scheduler.max_num_seqs
+        self.max_sessions = self.max_sessions or SESSIONS_PER_SEQ * self.scheduler.max_num_seqs
 
     @classmethod
     def from_flat(cls, values: dict[str, Any]) -> "EngineConfig":
         """Build from flat ``name -> value`` pairs (Triton parameters, CLI flags); unknown names are errors."""
         sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig,
-                    "compile": CompileConfig}
+                    "compile": CompileConfig, "parallel": ParallelConfig, "limits": RequestLimits}
         owner = {f.name: section for section, klass in sections.items() for f in fields(klass)}
         top = {f.name for f in fields(cls)} - set(sections)
         grouped: dict[str, dict[str, Any]] = {name: {} for name in sections}
@@ -154,3 +228,15 @@ class EngineConfig:
             else:
                 raise ValueError(f"unknown engine setting {name!r}")
         return cls(**{name: sections[name](**kw) for name, kw in grouped.items()}, **top_values)
+
+
+def config_to_flat(config: EngineConfig) -> dict[str, Any]:
+    """The inverse of ``EngineConfig.from_flat`` (what the driver hands its worker ranks)."""
+    flat: dict[str, Any] = {}
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if hasattr(value, "__dataclass_fields__"):
+            flat.update({g.name: getattr(value, g.name) for g in fields(value)})
+        else:
+            flat[f.name] = value
+    return flat

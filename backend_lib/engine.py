@@ -13,20 +13,19 @@ from dataclasses import dataclass, field
 import torch
 
 from backend_lib.config import EngineConfig
-from backend_lib.model_runner import ModelRunner
-from backend_lib.models.loader import load_model, resolve_model_path
+from backend_lib.errors import EngineBusyError
+from backend_lib.executor.executor import Executor
+from backend_lib.executor.rank import DTYPES
+from backend_lib.limits import check_context, check_params, check_prompt
+from backend_lib.models.loader import resolve_model_path
 from backend_lib.outputs import (EngineStats, RequestMetrics, RequestOutput, RunnerOutput, SessionControl,
                                  TokenLogprob)
 from backend_lib.request import Request, RequestStatus
 from backend_lib.sampling_params import SamplingParams
 from backend_lib.scheduler import Scheduler
 from backend_lib.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
-from kernels.cpu_kernels import cpu_kernels_supported, load_cpu_kernels
-from kernels.onednn_gemm import onednn_gemm_available
 
 Prompt = str | list[int] | list[dict]
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -67,26 +66,12 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.model.device)
-        self.dtype = _DTYPES[config.model.dtype]
-        path = resolve_model_path(config.model.model)
-        self.model = load_model(path, dtype=self.dtype).to(self.device).eval()
-        self.tokenizer = Tokenizer.load(path)
+        self.dtype = DTYPES[config.model.dtype]
+        self.tokenizer = Tokenizer.load(resolve_model_path(config.model.model))
+        self.executor = Executor(config)
+        self.model, self.runner = self.executor.model, self.executor.runner
         self.vocab_size = self.model.arch.vocab_size
-        block_size = config.cache.block_size
-        num_blocks = config.cache.num_blocks or max(
-            4, int(config.cache.kv_cache_memory_gb * 2**30
-                   // ModelRunner.kv_bytes_per_block(self.model, block_size, self.dtype)))
-        # Before the runner: compiled regions trace the packed GEMM (an opaque custom op) that eager steps call.
-        if (config.model.host_gemm == "onednn" and hasattr(self.model, "pack_for_cpu")
-                and onednn_gemm_available(self.device, self.dtype)):
-            self.model.pack_for_cpu()
-        if (config.model.host_attention == "cpp" and hasattr(self.model, "use_cpu_attention")
-                and cpu_kernels_supported(self.device, self.dtype) and load_cpu_kernels()):
-            self.model.use_cpu_attention()
-        self.runner = ModelRunner(self.model, num_blocks, block_size, self.vocab_size, self.device, self.dtype,
-                                  spec=config.spec, compile_config=config.compile,
-                                  max_num_seqs=config.scheduler.max_num_seqs,
-                                  max_model_len=config.model.max_model_len)
+        num_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.model.max_model_len,
                                    num_lookahead_slots=self.runner.num_lookahead_slots)
         self.num_blocks = num_blocks
@@ -121,10 +106,10 @@ class LLMEngine:
         Reads nothing a step changes (tokenizer, vocabulary, limits), so another thread may call it while a step
         runs: AsyncEngine does, so that a new request never waits for the step in flight."""
         params = params or SamplingParams()
-        self._check_ids("stop_token_ids", list(params.stop_token_ids))
+        self._check_limits(prompt, params)
         prompt_ids = self.tokenize(prompt)
         self._check_ids("input_ids", prompt_ids)
-        self._check_length(prompt_ids, "")
+        check_context(len(prompt_ids), params, self.config.model.max_model_len)
         return PreparedRequest(request_id, prompt_ids, params)
 
     def add_prepared(self, prepared: PreparedRequest) -> None:
@@ -140,7 +125,7 @@ class LLMEngine:
             return
         params = params or SamplingParams()
         self._check_unused(request_id)
-        self._check_ids("stop_token_ids", list(params.stop_token_ids))
+        self._check_limits(prompt, params)  # the new turn's prompt; the history is bounded by max_model_len
         chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
         history: list[int] = []
         state = self._session_for_turn(session)
@@ -151,7 +136,7 @@ class LLMEngine:
         new_ids = self.tokenize(prompt, add_special_tokens=not history)
         self._check_ids("input_ids", new_ids)
         prompt_ids = history + new_ids
-        self._check_length(prompt_ids, " (session history included)")
+        check_context(len(prompt_ids), params, self.config.model.max_model_len, " (session history included)")
         self._queue(request_id, prompt_ids, params, session=session, num_history_tokens=len(history),
                     text_turn=not chat)
         self._sessions[session.session_id].running_request_id = request_id
@@ -162,11 +147,11 @@ class LLMEngine:
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
 
-    def _check_length(self, prompt_ids: list[int], what: str) -> None:
-        limit = self.config.model.max_model_len
-        if len(prompt_ids) >= limit:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens{what}; max_model_len is {limit}, which must "
-                             "leave room for at least one new token")
+    def _check_limits(self, prompt: Prompt, params: SamplingParams) -> None:
+        """What one request may make the server hold (RequestLimits), before tokenizing it."""
+        check_params(self.config.limits, params, self.vocab_size)
+        self._check_ids("stop_token_ids", list(params.stop_token_ids))
+        check_prompt(self.config.limits, prompt, self.config.model.max_model_len)
 
     def _queue(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                session: SessionControl | None = None, num_history_tokens: int = 0, text_turn: bool = True,
@@ -189,6 +174,8 @@ class LLMEngine:
         sid = control.session_id
         now = time.monotonic()
         if control.start:
+            if sid not in self._sessions:
+                self._check_session_room()
             if sid in self._sessions:
                 if self._sessions[sid].running_request_id is not None:
                     raise ValueError(f"session {sid} has a turn still running; cannot START it again")
@@ -202,6 +189,16 @@ class LLMEngine:
             raise ValueError(f"session {sid} already has a turn running (request {state.running_request_id})")
         state.last_used = now
         return state
+
+    def _check_session_room(self) -> None:
+        """A new session beyond max_sessions is refused (EngineBusyError), after closing the idle ones: the step
+        loop closes them only when it idles, and a busy engine must not refuse sessions for expired ones."""
+        limit = self.config.max_sessions
+        if len(self._sessions) >= limit:
+            self.close_idle_sessions()
+        if len(self._sessions) >= limit:
+            raise EngineBusyError(f"server busy: {len(self._sessions)} sessions are open, the limit "
+                                  f"(max_sessions {limit}); end one or retry later", "max_sessions")
 
     def _close_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
@@ -237,7 +234,7 @@ class LLMEngine:
                 metrics.first_scheduled_time = now
         # Nothing to run (e.g. every request waits for blocks, or errors found while scheduling).
         runner_output = (RunnerOutput(sampled_token_ids=[]) if scheduler_output.is_empty
-                         else self.runner.execute(scheduler_output))
+                         else self.executor.execute(scheduler_output))
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         logprobs_by_id = {}
         if runner_output.logprobs is not None:
@@ -320,6 +317,10 @@ class LLMEngine:
         return outputs
 
     # ---- introspection --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the worker ranks (tensor parallelism); idempotent. The engine cannot step afterwards."""
+        self.executor.close()
+
     def stats(self) -> EngineStats:
         counters = self.scheduler.stats_counters()
         return EngineStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,

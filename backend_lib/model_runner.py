@@ -10,6 +10,11 @@ into the scratch block and whose logits are never read, so padding cannot change
 exactly its own positions). ``_execute_spec`` verifies every sampling chunk's drafts with the rejection sampler
 (a chunk without drafts is plain sampling: the same seeded draw) and proposes the next drafts: n-gram on the host
 after the one sync, MTP on device before it.
+
+Tensor parallelism: the driver (rank 0) prepares the inputs and publishes them on its ``StepChannel``; every
+other rank runs ``follow`` in a loop: it receives the same tensors and runs the same forward (the collectives
+inside the model pair up rank by rank), takes part in the logits all-gather, and for MTP receives the verified
+tokens to run the same draft pass. Only the driver samples.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from backend_lib.config import CompileConfig, SpecConfig
+from backend_lib.distributed.step_channel import StepChannel, StepOp
 from backend_lib.neuron.regions import build_regions
 from backend_lib.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput, TokenLogprob
 from backend_lib.sampler import Sampler, SamplingMetadata, SamplingRow
@@ -58,8 +64,9 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, vocab_size: int,
                  device: torch.device, dtype: torch.dtype, spec: SpecConfig | None = None,
                  compile_config: CompileConfig | None = None, max_num_seqs: int = 32,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, channel: StepChannel | None = None) -> None:
         self.model = model
+        self.channel = channel
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks  # one block past the pool: padded rows write here
@@ -68,7 +75,7 @@ class ModelRunner:
         num_slots = (num_blocks + 1) * block_size
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                           for shape in model.kv_cache_shapes(num_slots)]
-        self.sampler = Sampler()
+        self.sampler = Sampler() if channel is None or channel.par.is_driver else None  # only the driver samples
         spec = spec or SpecConfig()
         k = spec.num_speculative_tokens
         self.spec_method = spec.method if k > 0 else "none"
@@ -154,13 +161,62 @@ class ModelRunner:
             row_starts=row_starts,
         )
 
+    # ---- tensor parallelism: what the driver sends, what the workers run ------------------------------
+    def _publish(self, inputs: ModelInputs, extra: dict[str, torch.Tensor]) -> None:
+        meta = inputs.meta
+        self.channel.publish(StepOp.STEP, {
+            "input_ids": inputs.input_ids, "positions": inputs.positions, "slot_mapping": meta.slot_mapping,
+            "decode_block_tables": meta.decode_block_tables, "decode_seq_lens": meta.decode_seq_lens,
+            "prefill_block_tables": meta.prefill_block_tables,
+            "prefill_query_lens": torch.tensor(meta.prefill_query_lens, dtype=torch.int64),
+            "prefill_seq_lens": torch.tensor(meta.prefill_seq_lens, dtype=torch.int64),
+            "logits_indices": inputs.logits_indices,
+            "scalars": torch.tensor([meta.num_decodes, meta.decode_query_len], dtype=torch.int64), **extra})
+
+    def _received_inputs(self, t: dict[str, torch.Tensor]) -> ModelInputs:
+        num_decodes, decode_query_len = t["scalars"].tolist()
+        prefill_query_lens = t["prefill_query_lens"].tolist()
+        meta = AttentionMetadata(
+            block_size=self.block_size, slot_mapping=t["slot_mapping"], num_decodes=num_decodes,
+            decode_query_len=decode_query_len, decode_block_tables=t["decode_block_tables"],
+            decode_seq_lens=t["decode_seq_lens"], num_prefills=len(prefill_query_lens),
+            prefill_query_lens=prefill_query_lens, prefill_seq_lens=t["prefill_seq_lens"].tolist(),
+            prefill_block_tables=t["prefill_block_tables"])
+        return ModelInputs(input_ids=t["input_ids"], positions=t["positions"], meta=meta,
+                           logits_indices=t["logits_indices"], order=[], sampling_chunks=[], row_starts=[])
+
+    @torch.inference_mode()
+    def follow(self) -> bool:
+        """One step on a worker rank, mirroring the driver's ``execute``; False when the driver shuts down."""
+        message = self.channel.receive()
+        if message.op == StepOp.SHUTDOWN:
+            return False
+        t = message.tensors
+        inputs = self._received_inputs(t)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if inputs.logits_indices.numel():
+            self.model.compute_logits(hidden[inputs.logits_indices])  # the driver samples from the gathered rows
+        if "mtp_first_rows" in t:
+            verified = self.channel.receive().tensors["verified"]
+            self._mtp_drafts(hidden, inputs, t["mtp_next_ids"], t["mtp_first_rows"], t["mtp_tables"], verified)
+        elif "mtp_next_ids" in t:
+            self.mtp.step(t["mtp_next_ids"], hidden, inputs.positions + 1, inputs.meta)
+        return True
+
+    def shutdown_workers(self) -> None:
+        if self.channel is not None:
+            self.channel.publish(StepOp.SHUTDOWN)
+
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         chunks = scheduler_output.chunks
         inputs = self.prepare(scheduler_output)
+        mtp_host = self._mtp_host_inputs(chunks, inputs)
+        if self.channel is not None:
+            self._publish(inputs, mtp_host)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if self.spec_method != "none" or any(c.draft_token_ids for c in chunks):
-            return self._execute_spec(chunks, inputs, hidden)
+            return self._execute_spec(chunks, inputs, hidden, mtp_host)
         sampled: list[list[int]] = [[] for _ in chunks]
         if not inputs.sampling_chunks:
             return RunnerOutput(sampled_token_ids=sampled)
@@ -202,13 +258,14 @@ class ModelRunner:
                                         eos_token_ids=r.eos_token_ids))
         return rows
 
-    def _execute_spec(self, chunks: list[ScheduledChunk], inputs: ModelInputs, hidden: torch.Tensor) -> RunnerOutput:
+    def _execute_spec(self, chunks: list[ScheduledChunk], inputs: ModelInputs, hidden: torch.Tensor,
+                      mtp_host: dict[str, torch.Tensor]) -> RunnerOutput:
         sampled: list[list[int]] = [[] for _ in chunks]
         proposals: list[list[int]] = [[] for _ in chunks]
         sampling = inputs.sampling_chunks
         if not sampling:
             if self.mtp is not None:  # keep the MTP cache complete for the prefill tokens
-                self._mtp_first_pass(chunks, inputs, hidden)
+                self.mtp.step(mtp_host["mtp_next_ids"], hidden, inputs.positions + 1, inputs.meta)
             return RunnerOutput(sampled_token_ids=sampled, draft_token_ids=proposals)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         meta = SamplingMetadata.build(self._verify_rows(chunks, inputs), self.vocab_size, self.device)
@@ -216,7 +273,11 @@ class ModelRunner:
         verified = rejection_sample(logits, layout, meta, sampler=self.sampler)
         to_read = [verified.token_ids.flatten()]
         if self.mtp is not None:
-            to_read.append(self._mtp_propose(chunks, inputs, hidden, verified.token_ids).flatten())
+            if self.channel is not None:
+                self.channel.publish(StepOp.RESULT, {"verified": verified.token_ids})
+            drafts = self._mtp_drafts(hidden, inputs, mtp_host["mtp_next_ids"], mtp_host["mtp_first_rows"],
+                                      mtp_host["mtp_tables"], verified.token_ids)
+            to_read.append(drafts.flatten())
         # The one host sync of the step: verified tokens (and MTP drafts) together.
         flat = torch.cat(to_read).tolist()
         width = verified.token_ids.shape[1]
@@ -273,25 +334,34 @@ class ModelRunner:
             next_ids[row:row + known_end - chunk.start] = tokens[chunk.start + 1:known_end + 1]
         return next_ids
 
-    def _mtp_first_pass(self, chunks: list[ScheduledChunk], inputs: ModelInputs, hidden: torch.Tensor) -> None:
-        next_ids = torch.tensor(self._next_token_ids(chunks, inputs), dtype=torch.int64, device=self.device)
-        self.mtp.step(next_ids, hidden, inputs.positions + 1, inputs.meta)
-
-    def _mtp_propose(self, chunks: list[ScheduledChunk], inputs: ModelInputs, hidden: torch.Tensor,
-                     verified: torch.Tensor,  # [S, W] rejection output
-                     ) -> torch.Tensor:  # [S, k]
+    def _mtp_host_inputs(self, chunks: list[ScheduledChunk], inputs: ModelInputs) -> dict[str, torch.Tensor]:
+        """What the MTP passes need from the host: the known next token of every row and, when the step
+        samples, the row of each sampling chunk's last token before its drafts and the chunks' block tables."""
+        if self.mtp is None:
+            return {}
+        host = {"mtp_next_ids": torch.tensor(self._next_token_ids(chunks, inputs), dtype=torch.int64,
+                                             device=self.device)}
         sampling = inputs.sampling_chunks
+        if sampling:
+            first_rows = [inputs.row_starts[i] + chunks[i].num_tokens - chunks[i].num_draft_tokens - 1
+                          for i in sampling]
+            host["mtp_first_rows"] = torch.tensor(first_rows, dtype=torch.int64, device=self.device)
+            host["mtp_tables"] = self._block_table([chunks[i].block_ids for i in sampling])
+        return host
+
+    def _mtp_drafts(self, hidden: torch.Tensor,  # [T, H] this step's final-norm hidden
+                    inputs: ModelInputs,
+                    next_ids: torch.Tensor,  # [T] int64 known next tokens (0 where the verifier decides)
+                    first_rows: torch.Tensor,  # [S] int64
+                    tables: torch.Tensor,  # [S, W'] int32
+                    verified: torch.Tensor,  # [S, W] rejection output
+                    ) -> torch.Tensor:  # [S, k]
         # One spare element at the end takes the writes of padding columns (never read).
-        next_ids = torch.tensor(self._next_token_ids(chunks, inputs) + [0], dtype=torch.int64, device=self.device)
+        next_ids = torch.cat([next_ids, next_ids.new_zeros(1)])
         spare = int(next_ids.shape[0]) - 1
-        # Row of each sampling chunk's last token before its drafts; the verifier's output follows it.
-        first_rows = [inputs.row_starts[i] + chunks[i].num_tokens - chunks[i].num_draft_tokens - 1 for i in sampling]
         width = verified.shape[1]
-        targets = torch.tensor([[r + j for j in range(width)] for r in first_rows], dtype=torch.int64,
-                               device=self.device).view(len(sampling), width)
-        valid = verified >= 0
-        targets = torch.where(valid, targets, torch.full_like(targets, spare))
+        targets = first_rows[:, None] + torch.arange(width, dtype=torch.int64, device=self.device)[None, :]
+        targets = torch.where(verified >= 0, targets, torch.full_like(targets, spare))
         next_ids = next_ids.index_put((targets.flatten(),), verified.flatten())[:spare]
-        select = torch.tensor(first_rows, dtype=torch.int64, device=self.device) + num_accepted(verified)
-        tables = self._block_table([chunks[i].block_ids for i in sampling])
+        select = first_rows + num_accepted(verified)
         return self.mtp.propose(hidden, next_ids, inputs.positions, inputs.meta, select, tables)

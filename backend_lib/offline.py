@@ -31,6 +31,16 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the worker ranks of a tensor-parallel engine (they also die with this process)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  ) -> list[GenerationResult]:
         """Runs all prompts as one continuous batch; results in prompt order."""

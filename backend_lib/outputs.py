@@ -86,6 +86,8 @@ class RequestOutput:
     error: str | None = None
     # Ended before it ran because the engine refused its input (e.g. a session protocol error): the client's fault.
     rejected: bool = False
+    # Rejected because the engine was at an admission limit (max_sessions), not for its input: retry later.
+    busy: bool = False
     metrics: RequestMetrics | None = None
 
 
@@ -108,6 +110,9 @@ class EngineStats:
     # Per draft position j (0-based): drafts verified there, and accepted there (cumulative).
     spec_drafts_per_position: list[int] = field(default_factory=list)
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    # Admission refusals (AsyncEngine, cumulative): past max_waiting_requests, and session STARTs past max_sessions.
+    num_refused_waiting: int = 0
+    num_refused_sessions: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:

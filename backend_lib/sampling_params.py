@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-MAX_LOGPROBS = 20
+DEFAULT_MAX_TOKENS = 16  # vLLM's default
 _SEED_LIMIT = 2**31
 
 
@@ -50,7 +50,9 @@ def _require(condition: bool, message: str) -> None:
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    # None (unset) becomes DEFAULT_MAX_TOKENS, cut short where max_model_len ends the request; a value the client
+    # set must fit: the engine refuses prompt + max_tokens > max_model_len (``max_tokens_set`` tells them apart).
+    max_tokens: int | None = None
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 = off
@@ -63,13 +65,15 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
-    logprobs: int | None = None  # number of top alternatives to return, 0..20; None = no logprobs
+    logprobs: int | None = None  # number of top alternatives to return (the engine caps it); None = no logprobs
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     speculative: bool = True  # per-request opt-out of speculative decoding
 
     def __post_init__(self) -> None:
-        self.max_tokens = _as_int("max_tokens", self.max_tokens)
+        # Not a dataclass field: from_dict must not accept it, and equal requests stay equal.
+        self.max_tokens_set = self.max_tokens is not None
+        self.max_tokens = _as_int("max_tokens", self.max_tokens if self.max_tokens_set else DEFAULT_MAX_TOKENS)
         _require(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
 
         self.temperature = _as_float("temperature", self.temperature)
@@ -111,8 +115,8 @@ class SamplingParams:
 
         if self.logprobs is not None:
             self.logprobs = _as_int("logprobs", self.logprobs)
-            _require(0 <= self.logprobs <= MAX_LOGPROBS,
-                     f"logprobs must be in [0, {MAX_LOGPROBS}] (or null), got {self.logprobs}")
+            # The upper bound is a server setting (RequestLimits.max_logprobs): the engine checks it.
+            _require(self.logprobs >= 0, f"logprobs must be >= 0 (or null), got {self.logprobs}")
 
     @staticmethod
     def _check_stop(stop: Any) -> list[str]:
@@ -162,14 +166,20 @@ class SamplingParams:
             values = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
             raise ValueError(f"sampling_parameters is not valid JSON: {exc}") from exc
+        except RecursionError:  # Python's parser recurses per nesting level
+            raise ValueError("sampling_parameters is not valid JSON: nested too deeply") from None
         if not isinstance(values, dict):
             raise ValueError(
                 f"sampling_parameters is not valid JSON: expected an object, got {type(values).__name__}")
         return cls.from_dict(values)
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: (list(v) if isinstance(v, list) else v)
-                for name, v in ((f, getattr(self, f)) for f in self.field_names())}
+        """The fields as from_dict takes them; an unset max_tokens stays unset (None)."""
+        values = {name: (list(v) if isinstance(v, list) else v)
+                  for name, v in ((f, getattr(self, f)) for f in self.field_names())}
+        if not self.max_tokens_set:
+            values["max_tokens"] = None
+        return values
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())

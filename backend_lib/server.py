@@ -6,10 +6,23 @@ The nvidia-pytriton wheel carries tritonserver 2.51, libtritonserver and the Pyt
 libraries and this interpreter's lib dir (the stub links libpython), and DEEPINFER_SITE_DIRS holding the
 project and this environment's site-packages, which model.py puts on sys.path (the stub's Python runs
 isolated and does not know our venv).
+
+Lifecycle. tritonserver dies with the launcher (a parent-death signal) and its stub with tritonserver (the stub's
+watchdog, see lifeline.py); our shm regions carry a per-launcher prefix and are removed on stop. The model is
+loaded in explicit model-control mode, for two reasons: a model whose engine died can unload itself (Triton
+then reports it not ready), and a drain can unload it. Triton 2.51 on SIGINT/SIGTERM closes its HTTP and gRPC
+endpoints at once, so in-flight streams never get their last responses; unloading the model instead makes
+Triton refuse new requests (not ready) while the in-flight streams run to their end. The unload itself does not
+tell when they ended: Triton finalizes the model only once every client closed its gRPC stream, and an idle
+client may never do so; the engine's gauges on /metrics (requests running + waiting) do. So
+``stop(drain_timeout_s)``: unload, wait until the engine is idle or the deadline, then the stop file (the model
+aborts what is left), then SIGINT, then SIGKILL once Triton's exit timeout is over (an open client stream keeps
+Triton waiting that long, after which Triton 2.51 was seen to crash and hang instead of exiting).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -25,8 +38,14 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backend_lib import lifeline
+from backend_lib.shutdown import ExitNow, ShutdownSignals
+
 MODEL_NAME = "deepinfer"
 _STOP_FILE_GRACE_S = 1.0  # the model polls the stop file every 0.5 s
+_DRAIN_POLL_S = 0.3
+_METRICS_REFRESH_S = 0.6  # the model refreshes its gauges every 0.5 s: two idle reads this far apart agree
+_IN_FLIGHT_GAUGES = ("deepinfer_num_requests_running", "deepinfer_num_requests_waiting")
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 MODEL_SOURCE = PROJECT_ROOT / "model_repository" / MODEL_NAME
 
@@ -118,6 +137,8 @@ def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> di
     # The stub's Python runs isolated (no PYTHONPATH); model.py adds these itself, ahead of its own site-packages.
     site = [str(PROJECT_ROOT), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
     env["DEEPINFER_SITE_DIRS"] = os.pathsep.join(dict.fromkeys(site))
+    # Worker ranks (tensor parallelism) are started from the stub, whose sys.executable is not a Python.
+    env["DEEPINFER_PYTHON"] = sys.executable
     return env
 
 
@@ -137,10 +158,14 @@ class TritonServer:
     overrides: dict[str, str] = field(default_factory=dict)
     workdir: Path | None = None  # model repository + log; a temporary dir when None
     log_verbose: int = 0
-    exit_timeout_s: int = 30  # how long Triton lets in-flight requests finish on shutdown before unloading
+    # How long Triton waits on shutdown for the model to unload (requests were drained or aborted before: this
+    # only covers finalize, and idle client streams that hold the model); then stop() kills what is left.
+    exit_timeout_s: int = 10
     process: subprocess.Popen | None = None
     log_path: Path | None = None
     stop_file: Path | None = None  # created on stop(): the model then aborts in-flight requests
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for tritonserver and the model
+    shm_prefix: str = ""  # the Python backend's shm-region-prefix-name, unique to this launcher; set by start()
 
     @property
     def http_url(self) -> str:
@@ -163,19 +188,26 @@ class TritonServer:
                    f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}",
                    f"--metrics-port={self.metrics_port}", "--allow-metrics=true", "--allow-cpu-metrics=true",
                    f"--log-verbose={self.log_verbose}", f"--exit-timeout-secs={self.exit_timeout_s}",
-                   "--exit-on-error=true", "--strict-readiness=true"]
+                   "--exit-on-error=true", "--strict-readiness=true",
+                   "--model-control-mode=explicit", f"--load-model={MODEL_NAME}"]
+        lifeline.remove_stale_shm_regions()  # left by launchers that were killed before their stubs could
+        self.shm_prefix = lifeline.shm_prefix()
+        command.append(f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}")
         self.stop_file = work / "stopping"
         self.stop_file.unlink(missing_ok=True)
         env = server_env(install)
+        env.update(self.env)
         env["DEEPINFER_STOP_FILE"] = str(self.stop_file)
         with open(self.log_path, "ab") as log:
-            # Own process group: stop() signals tritonserver and its Python stub together.
+            # Own process group: stop() signals tritonserver and its Python stub together. The parent-death
+            # signal: if this process dies without stop() (SIGKILL, OOM killer), tritonserver dies with it.
             self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
+                                            stdin=subprocess.DEVNULL, start_new_session=True,
+                                            preexec_fn=lifeline.die_with_parent(signal.SIGKILL))
         try:
             self._wait_ready(timeout_s)
         except BaseException:
-            self.stop()
+            self.kill()  # never ready: no request to drain or abort
             raise
         return self
 
@@ -204,27 +236,81 @@ class TritonServer:
         raise TimeoutError(f"model {MODEL_NAME} not ready within {timeout_s:.0f} s; log {self.log_path}:\n"
                            f"{self.log_tail()}")
 
-    def stop(self, timeout_s: float = 60.0) -> int | None:
-        """Stop file (the model aborts in-flight requests), SIGINT (Triton unloads the model), SIGKILL after
-        ``timeout_s``."""
+    def _repository(self, path: str, body: dict | None = None, timeout_s: float = 5.0) -> object:
+        request = urllib.request.Request(f"http://localhost:{self.http_port}/v2/repository{path}",
+                                         data=json.dumps(body or {}).encode(), method="POST")
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            payload = response.read()
+        return json.loads(payload) if payload else None
+
+    def requests_in_flight(self) -> int | None:
+        """Requests running or waiting in the engine (its gauges on /metrics); None when they cannot be read."""
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=2) as response:
+                text = response.read().decode()
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return None
+        values = [float(line.rsplit(None, 1)[1]) for line in text.splitlines() if line.startswith(_IN_FLIGHT_GAUGES)]
+        return int(sum(values)) if values else None
+
+    def drain(self, timeout_s: float) -> bool:
+        """Stop taking requests and let the in-flight ones finish: unload the model (Triton then answers new
+        requests with an error and reports it not ready; in-flight streams go on) and wait until the engine is
+        idle. True when it was within ``timeout_s``."""
+        try:
+            self._repository(f"/models/{MODEL_NAME}/unload")
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            print(f"deepinfer: could not unload the model to drain it ({exc}); aborting in-flight requests",
+                  file=sys.stderr, flush=True)
+            return False
+        deadline = time.monotonic() + timeout_s
+        idle_since = None
+        while time.monotonic() < deadline:
+            if self.process is None or self.process.poll() is not None:
+                return False
+            if self.requests_in_flight() == 0:
+                idle_since = idle_since or time.monotonic()
+                if time.monotonic() - idle_since >= _METRICS_REFRESH_S:
+                    return True
+            else:  # busy, or unknown (metrics off): wait for the deadline
+                idle_since = None
+            time.sleep(_DRAIN_POLL_S)
+        return False
+
+    def stop(self, timeout_s: float = 60.0, drain_timeout_s: float = 0.0) -> int | None:
+        """Drain for up to ``drain_timeout_s`` (0: no drain), then the stop file (the model aborts in-flight
+        requests), SIGINT (Triton unloads the model), SIGKILL after ``timeout_s``; finally remove our shm regions."""
         process = self.process
         if process is None:
             return None
         if process.poll() is None:
-            if self.stop_file is not None:
+            drained = drain_timeout_s > 0 and self.drain(drain_timeout_s)
+            if self.stop_file is not None and not drained:
                 # Triton unloads a decoupled model only after its streams end: let the model end them first.
                 self.stop_file.touch()
                 time.sleep(_STOP_FILE_GRACE_S)
             self._signal_group(process, signal.SIGINT)
             try:
-                process.wait(timeout=timeout_s)
+                process.wait(timeout=min(timeout_s, self.exit_timeout_s + 5))
             except subprocess.TimeoutExpired:
-                self._signal_group(process, signal.SIGKILL)
-                process.wait(timeout=30)
-        # The stub may outlive a killed server: end what is left of the group we started.
-        self._signal_group(process, signal.SIGKILL)
-        self.process = None
+                print(f"deepinfer: tritonserver did not exit within its exit timeout ({self.exit_timeout_s} s; "
+                      "client streams left open hold the model): killing it", file=sys.stderr, flush=True)
+        self.kill()
         return process.returncode
+
+    def kill(self) -> None:
+        """End at once what is left of the process group we started (the stub may outlive a killed server), and
+        remove our shm regions."""
+        process = self.process
+        if process is not None:
+            self._signal_group(process, signal.SIGKILL)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                print(f"deepinfer: tritonserver {process.pid} did not die within 30 s of SIGKILL", file=sys.stderr)
+        self.process = None
+        if self.shm_prefix:
+            lifeline.remove_shm_regions(self.shm_prefix)
 
     @staticmethod
     def _signal_group(process: subprocess.Popen, sig: int) -> None:
@@ -277,24 +363,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None, help="where to write the model repository and log")
     parser.add_argument("--log-verbose", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the model to load")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="on SIGTERM or Ctrl-C: seconds in-flight requests may take to finish (new ones are "
+                             "refused) before they are aborted; a second Ctrl-C exits at once")
     args = parser.parse_args(argv)
+    if args.drain_timeout < 0:
+        raise SystemExit(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
 
     overrides = _parse_overrides(args.param)
     if args.model is not None:
         overrides["model"] = str(Path(args.model).expanduser().resolve())
     server = TritonServer(http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
                           overrides=overrides, workdir=args.workdir, log_verbose=args.log_verbose)
+    signals = ShutdownSignals().install()
     print("Starting tritonserver (loading the model takes a while) ...", flush=True)
     try:
         server.start(timeout_s=args.timeout)
+        signals.serving = True
         print(banner(server), flush=True)
-        while server.process is not None and server.process.poll() is None:
-            time.sleep(0.5)
-        print(f"tritonserver exited with code {server.process.returncode if server.process else None}:\n"
-              f"{server.log_tail()}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\nStopping tritonserver ...", flush=True)
+        while signals.requested is None and server.process is not None and server.process.poll() is None:
+            time.sleep(0.2)
+        if signals.requested is None:
+            print(f"tritonserver exited with code {server.process.returncode if server.process else None}:\n"
+                  f"{server.log_tail()}", file=sys.stderr)
+            return 1
+        print(f"Draining in-flight requests (up to {args.drain_timeout:g} s), then stopping tritonserver ...",
+              flush=True)
+        server.stop(drain_timeout_s=args.drain_timeout)
         return 0
+    except ExitNow as exc:
+        print(f"\n{exc}: exiting at once", file=sys.stderr, flush=True)
+        return 130
     finally:
-        server.stop()
+        server.kill()  # whatever happened above: no tritonserver, stub or shm region of ours outlives us

@@ -46,6 +46,7 @@ _ENGINE_PARAMETERS: dict[str, tuple[str, type]] = {
     "block_size": ("block_size", int),
     "num_blocks": ("num_blocks", int),
     "kv_cache_memory_gb": ("kv_cache_memory_gb", float),
+    "kv_cache_memory_fraction": ("kv_cache_memory_fraction", float),
     "enable_prefix_caching": ("enable_prefix_caching", bool),
     "max_num_batched_tokens": ("max_num_batched_tokens", int),
     "enable_chunked_prefill": ("enable_chunked_prefill", bool),
@@ -61,6 +62,22 @@ _ENGINE_PARAMETERS: dict[str, tuple[str, type]] = {
     "prefill_buckets": ("prefill_buckets", str),
     "seed": ("seed", int),
     "num_threads": ("num_threads", int),
+    "tensor_parallel_size": ("tensor_parallel_size", int),
+    "enable_expert_parallel": ("enable_expert_parallel", bool),
+    "nnodes": ("nnodes", int),
+    "master_addr": ("master_addr", str),
+    "master_port": ("master_port", int),
+    "distributed_timeout_s": ("distributed_timeout_s", float),
+    "max_waiting_requests": ("max_waiting_requests", int),
+    "max_sessions": ("max_sessions", int),
+    "max_prompt_chars": ("max_prompt_chars", int),
+    "max_input_ids": ("max_input_ids", int),
+    "max_messages": ("max_messages", int),
+    "max_messages_chars": ("max_messages_chars", int),
+    "max_stop_strings": ("max_stop_strings", int),
+    "max_stop_string_chars": ("max_stop_string_chars", int),
+    "max_stop_token_ids": ("max_stop_token_ids", int),
+    "max_logprobs": ("max_logprobs", int),
 }
 ENGINE_PARAMETER_NAMES = tuple(_ENGINE_PARAMETERS)
 # Parameters of the Triton model itself, not the engine.
@@ -215,6 +232,17 @@ def _coerce(name: str, value: Any) -> Any:
     return value
 
 
+def _parse_json(what: str, text: str) -> Any:
+    """json.loads with every failure a ValueError naming ``what``: Python's parser recurses per nesting level, so
+    a deeply nested document ("[[[[...") raises RecursionError, not JSONDecodeError."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{what} is not valid JSON: nested too deeply") from None
+
+
 def _decode_prompt(inputs: Mapping[str, np.ndarray]) -> str | list[int] | list[dict[str, str]]:
     given = [name for name in PROMPT_INPUTS if name in inputs]
     if len(given) != 1:
@@ -230,18 +258,15 @@ def _decode_prompt(inputs: Mapping[str, np.ndarray]) -> str | list[int] | list[d
         ids = np.asarray(inputs[name])
         if ids.dtype.kind not in "iu":
             raise ValueError(f"input_ids must be INT32, got {ids.dtype}")
-        flat = [int(i) for i in ids.reshape(-1)]
+        # tolist() converts in C (Python ints, exact for uint64 too): the length cap is the engine's
+        # (RequestLimits.max_input_ids), and a per-element Python loop made a huge tensor cost seconds first.
+        flat = ids.reshape(-1).tolist()
         if not flat:
             raise ValueError("input_ids is empty: the prompt must have at least one token")
-        negative = [i for i in flat if i < 0]
-        if negative:
-            raise ValueError(f"input_ids must be >= 0, got {negative[0]}")
+        if min(flat) < 0:
+            raise ValueError(f"input_ids must be >= 0, got {min(flat)}")
         return flat
-    text = _text(name, inputs[name])
-    try:
-        messages = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"messages is not valid JSON: {exc}") from None
+    messages = _parse_json("messages", _text(name, inputs[name]))
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty JSON list of {\"role\": ..., \"content\": ...} objects")
     for i, message in enumerate(messages):
@@ -288,10 +313,7 @@ def decode_request(inputs: Mapping[str, np.ndarray], parameters_json: str = "{}"
         raise ValueError(f"unknown input {unknown_inputs[0]!r} (allowed: {', '.join(INPUT_NAMES)})")
     prompt = _decode_prompt(inputs)
 
-    try:
-        request_parameters = json.loads(parameters_json or "{}")
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"request parameters are not valid JSON: {exc}") from None
+    request_parameters = _parse_json("request parameters", parameters_json or "{}")
     if not isinstance(request_parameters, dict):
         raise ValueError("request parameters must be a JSON object")
     extra = {k: v for k, v in request_parameters.items() if k in SESSION_PARAMETERS}
@@ -303,10 +325,7 @@ def decode_request(inputs: Mapping[str, np.ndarray], parameters_json: str = "{}"
 
     if "sampling_parameters" in inputs:
         text = _text("sampling_parameters", inputs["sampling_parameters"])
-        try:
-            from_json = json.loads(text) if text.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"sampling_parameters is not valid JSON: {exc}") from None
+        from_json = _parse_json("sampling_parameters", text) if text.strip() else {}
         if not isinstance(from_json, dict):
             raise ValueError(f"sampling_parameters must be a JSON object, got {type(from_json).__name__}")
         # vLLM clients send null for "use the default".

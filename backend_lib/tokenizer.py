@@ -157,6 +157,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
+        try:  # tokenizers raises TypeError on a lone surrogate (e.g. a JSON "\ud800" escape in messages)
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"text is not valid Unicode: lone surrogate {text[exc.start]!r} at {exc.start}") from None
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -174,15 +178,20 @@ class Tokenizer:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         for index, message in enumerate(messages):
-            if not isinstance(message, dict) or "role" not in message:
-                raise ValueError(f"messages[{index}] must be a dict with a 'role' key, got {message!r}")
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise ValueError(f"messages[{index}] must be a dict with a string 'role', got {message!r}")
         if self._compiled_template is None:
             self._compiled_template = _compile_chat_template(self.chat_template)
         # Templates test for missing keys, so None values (as OpenAI-style clients send) are dropped.
         cleaned = [{key: value for key, value in message.items() if value is not None} for message in messages]
-        return self._compiled_template.render(
-            messages=cleaned, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
-            **self._special_tokens)  # tools / documents are defined (as None) exactly as transformers passes them
+        try:
+            return self._compiled_template.render(
+                messages=cleaned, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+                **self._special_tokens)  # tools / documents are defined (as None) exactly as transformers passes them
+        except (jinja2.TemplateError, TypeError) as exc:
+            # The messages do not fit the template (a missing field, roles it refuses via raise_exception, a value
+            # of a type it cannot format): the client's input, so a ValueError naming it, not an internal error.
+            raise ValueError(f"messages do not fit the model's chat template: {exc}") from exc
 
     def with_chat_template(self, chat_template: str | None) -> "Tokenizer":
         """The same tokenizer with another chat template (a deployment's override); the backend is shared."""

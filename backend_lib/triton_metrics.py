@@ -56,6 +56,11 @@ class TritonMetrics:
             "deepinfer_prompt_tokens_computed_total",
             "Prompt tokens run through the model (the rest came from the prefix cache or a session's KV)")
         self.preemptions = cumulative("deepinfer_preemptions_total", "Requests preempted to free KV blocks")
+        # Admission control: refused at once with UNAVAILABLE instead of queued.
+        self.refused_waiting = cumulative("deepinfer_requests_refused_waiting_total",
+                                          "Requests refused because max_waiting_requests were already waiting")
+        self.refused_sessions = cumulative("deepinfer_sessions_refused_total",
+                                           "Session STARTs refused because max_sessions sessions were open")
         requests = family(name="deepinfer_requests_total", description="Finished requests by finish reason",
                           kind=counter)
         self._families.append(requests)
@@ -124,6 +129,8 @@ class TritonMetrics:
         self.generation_tokens.advance_to(stats.num_generation_tokens)
         self.computed_prompt_tokens.advance_to(stats.num_computed_prompt_tokens)
         self.preemptions.advance_to(stats.num_preemptions)
+        self.refused_waiting.advance_to(stats.num_refused_waiting)
+        self.refused_sessions.advance_to(stats.num_refused_sessions)
         self.spec_draft_tokens.advance_to(stats.spec_draft_tokens)
         self.spec_accepted_tokens.advance_to(stats.spec_accepted_tokens)
         self.spec_num_drafts.advance_to(stats.spec_num_drafts)

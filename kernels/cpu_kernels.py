@@ -3,13 +3,15 @@
 torch compiles the sources for the instruction set torch itself dispatches to on this CPU (AVX-512, AVX2 or
 baseline x86-64; not -march=native, so a build cached on a shared volume never meets a CPU that lacks its
 instructions) and caches the library under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR): only the first
-engine start on a machine pays the ~7 s build. The ops are registered with the dispatcher
+engine start on a machine pays the ~7 s build. Ops: paged decode attention, and the shared-memory all-reduce of
+tensor-parallel ranks on one machine (shm_all_reduce.cpp). The ops are registered with the dispatcher
 (``torch.ops.deepinfer.*``) and have fake kernels, so compiled regions keep each as one opaque call, as they do
 the packed GEMM.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("paged_decode_attention.cpp",)
+_SOURCES = ("paged_decode_attention.cpp", "shm_all_reduce.cpp")
 # torch.backends.cpu.get_cpu_capability() -> compiler flags (x86-64; anything else builds for the baseline).
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
@@ -34,11 +36,14 @@ def load_cpu_kernels() -> bool:
     """Builds (once per machine) and loads the C++ ops; False, with the reason logged, when that fails."""
     from torch.utils import cpp_extension
 
-    sources = [str(Path(__file__).parent / "csrc" / name) for name in _SOURCES]
+    sources = [Path(__file__).parent / "csrc" / name for name in _SOURCES]
     capability = torch.backends.cpu.get_cpu_capability()
+    # The sources' hash in the name: two checkouts (or versions) on one machine never load each other's build.
+    digest = hashlib.sha1(b"".join(path.read_bytes() for path in sources)).hexdigest()[:10]
     try:
         # -fopenmp: at::parallel_for's OpenMP body lives in the headers; the process's libgomp (torch's) serves it.
-        cpp_extension.load(name=f"deepinfer_cpu_kernels_{capability.lower()}", sources=sources,
+        cpp_extension.load(name=f"deepinfer_cpu_kernels_{capability.lower()}_{digest}",
+                           sources=[str(path) for path in sources],
                            is_python_module=False, verbose=False,
                            extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS.get(capability, [])],
                            extra_ldflags=["-fopenmp"])
@@ -50,5 +55,9 @@ def load_cpu_kernels() -> bool:
     def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
           seq_lens: torch.Tensor, query_len: int, block_size: int, scale: float) -> torch.Tensor:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("deepinfer::shm_all_reduce")
+    def _(x: torch.Tensor, handle: int) -> torch.Tensor:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     return True

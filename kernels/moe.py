@@ -99,12 +99,14 @@ def moe_dynamic(x: torch.Tensor,  # [T, H]
                 topk_weights: torch.Tensor,  # [T, k]
                 topk_ids: torch.Tensor,  # [T, k] int64
                 experts: ExpertWeights) -> torch.Tensor:
-    """Grouped dispatch: each expert runs over its own tokens only. Returns [T, H] in x.dtype."""
+    """Grouped dispatch: each expert runs over its own tokens only. Returns [T, H] in x.dtype.
+
+    An id equal to ``experts.num_experts`` is the sink: an expert another rank holds (expert parallelism)."""
     out = torch.zeros_like(x)
     num_experts = experts.num_experts
-    # [E, k, T]: which (slot, token) pairs picked each expert
-    expert_mask = F.one_hot(topk_ids, num_classes=num_experts).permute(2, 1, 0)
-    hit = (expert_mask.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist()
+    # [E + 1, k, T]: which (slot, token) pairs picked each expert; row E is the sink
+    expert_mask = F.one_hot(topk_ids, num_classes=num_experts + 1).permute(2, 1, 0)
+    hit = (expert_mask[:num_experts].sum(dim=(1, 2)) > 0).nonzero().flatten().tolist()
     bs = experts.block_size
     for e in hit:
         slot, token = torch.where(expert_mask[e])
@@ -120,9 +122,9 @@ def moe_dynamic(x: torch.Tensor,  # [T, H]
 def routing_matrix(topk_weights: torch.Tensor,  # [T, k]
                    topk_ids: torch.Tensor,  # [T, k] int64
                    num_experts: int) -> torch.Tensor:
-    """Dense [T, E] routing weights, zero off each token's top-k."""
-    dense = torch.zeros(topk_ids.shape[0], num_experts, dtype=topk_weights.dtype, device=topk_weights.device)
-    return dense.scatter_add_(1, topk_ids, topk_weights)
+    """Dense [T, E] routing weights, zero off each token's top-k (ids equal to E, the sink, are dropped)."""
+    dense = torch.zeros(topk_ids.shape[0], num_experts + 1, dtype=topk_weights.dtype, device=topk_weights.device)
+    return dense.scatter_add_(1, topk_ids, topk_weights)[:, :num_experts]
 
 
 def moe_static(x: torch.Tensor,  # [T, H]

@@ -128,6 +128,7 @@ def test_bad_input_is_rejected_with_the_field_name(tiny_llama_dir):
         ("", SamplingParams(), "prompt is empty"),
         ([], SamplingParams(), "prompt is empty"),
         (list(range(300)), SamplingParams(), "max_model_len"),
+        (list(range(200)), SamplingParams(max_tokens=100), "max_tokens is 100"),
         ([engine.vocab_size], SamplingParams(), "outside the vocabulary"),
         ([-1], SamplingParams(), "outside the vocabulary"),
         ("hi", SamplingParams(stop_token_ids=[engine.vocab_size + 5]), "stop_token_ids"),

@@ -42,8 +42,7 @@ BAD_VALUES = [
     ("seed", 2**31, "[0, 2147483647]"),
     ("seed", 1.5, "integer"),
     ("seed", True, "integer"),
-    ("logprobs", 21, "[0, 20]"),
-    ("logprobs", -1, "[0, 20]"),
+    ("logprobs", -1, ">= 0"),  # the upper bound is the server's max_logprobs (tests/test_limits.py)
     ("logprobs", "5", "integer"),
     ("stop", [""], "non-empty"),
     ("stop", [1], "non-empty strings"),
@@ -128,3 +127,20 @@ def test_clone_validates_and_copies():
         p.clone(top_p=0)
     with pytest.raises(ValueError, match="unknown sampling field 'bogus'"):
         p.clone(bogus=1)
+
+
+def test_unset_max_tokens_is_the_default_and_stays_unset_through_round_trips():
+    """The engine refuses prompt + max_tokens > max_model_len only when the client set max_tokens; an unset one
+    keeps vLLM's default (16), cut short at max_model_len."""
+    unset = SamplingParams()
+    assert unset.max_tokens == 16 and not unset.max_tokens_set
+    assert SamplingParams(max_tokens=None).max_tokens == 16
+    assert SamplingParams(max_tokens=16).max_tokens_set
+    assert unset.to_dict()["max_tokens"] is None
+    assert not SamplingParams.from_dict(unset.to_dict()).max_tokens_set
+    assert not SamplingParams.from_json(unset.to_json()).max_tokens_set
+    assert not unset.clone(temperature=0.0).max_tokens_set
+    assert SamplingParams.from_dict({"max_tokens": 16}).max_tokens_set
+    assert SamplingParams(max_tokens=8).clone(temperature=0.0).max_tokens == 8
+    with pytest.raises(ValueError, match="unknown sampling field 'max_tokens_set'"):
+        SamplingParams.from_dict({"max_tokens_set": True})

@@ -136,3 +136,12 @@ def test_per_position_gauges_grow_with_the_positions_reported(pb):
     assert len(pb.series(family)) == 2  # one series per position, created once
     assert pb.value(family, position="0") == pytest.approx(0.75)
     assert pb.value(family, position="1") == 0.0
+
+
+def test_admission_refusal_counters_follow_engine_stats(pb):
+    metrics = TritonMetrics(pb, LABELS)
+    metrics.refresh(_stats(num_refused_waiting=3, num_refused_sessions=1))
+    metrics.refresh(_stats(num_refused_waiting=5, num_refused_sessions=1))
+    assert pb.kind("deepinfer_requests_refused_waiting_total") == "counter"
+    assert pb.value("deepinfer_requests_refused_waiting_total") == 5
+    assert pb.value("deepinfer_sessions_refused_total") == 1

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backend_lib.models.parallel import ParallelContext, Shard, read_shard
 from kernels.attention_metadata import AttentionMetadata
 from kernels.mla import mla_decode_absorbed, mla_prefill, split_kv_b, write_latent_cache
 from kernels.moe import ExpertWeights, RouterConfig, grouped_topk, moe_dynamic, moe_static
@@ -112,20 +114,50 @@ class WeightSlot(nn.Module):
         self.register_buffer("weight", None)
 
 
+def take_block_fp8(weight: Any,  # [out, in] float8_e4m3fn, possibly lazy
+                   scale_inv: Any,  # [ceil(out/b0), ceil(in/b1)]
+                   shard: Shard, block_size: tuple[int, int],
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's part of a block-fp8 weight and its scale grid. A shard that starts on a block edge, or lies
+    inside one block, keeps its own grid (fp8 stays fp8); one that cuts a block elsewhere has no grid of its own,
+    so it is dequantized (the same values, in ``dtype``) and its scale is None."""
+    b = block_size[shard.dim]
+    first, last = shard.start // b, (shard.start + shard.size - 1) // b
+    scales = scale_inv.narrow(shard.dim, first, last - first + 1)
+    if shard.start % b == 0 or first == last:
+        return shard.take(weight), read_shard(scales, None)
+    covered = min((last + 1) * b, weight.shape[shard.dim]) - first * b
+    region = dequantize_block_fp8(weight.narrow(shard.dim, first * b, covered), read_shard(scales, None),
+                                  block_size, dtype=dtype)
+    return region.narrow(shard.dim, shard.start - first * b, shard.size), None
+
+
 class BlockLinear(nn.Module):
-    """Linear layer whose weight is either float or float8_e4m3fn with a per-block ``weight_scale_inv``."""
+    """Linear layer whose weight is either float or float8_e4m3fn with a per-block ``weight_scale_inv``.
+
+    ``shard`` says which part of the checkpoint weight this rank keeps (rows: column-parallel; columns:
+    row-parallel); the layer's own shape is the shard's."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 block_size: tuple[int, int] = DEFAULT_BLOCK) -> None:
+                 block_size: tuple[int, int] = DEFAULT_BLOCK, shard: Shard | None = None) -> None:
         super().__init__()
+        self.shard = shard
+        if shard is not None:
+            in_features, out_features = (in_features, shard.size) if shard.dim == 0 else (shard.size, out_features)
         self.in_features, self.out_features, self.block_size = in_features, out_features, block_size
         self.register_buffer("weight", None)
         self.register_buffer("weight_scale_inv", None)
         self.register_buffer("bias", None)
         self.has_bias = bias
 
-    def set_weight(self, weight: torch.Tensor,  # [out, in]
-                   scale_inv: torch.Tensor | None, dtype: torch.dtype, dequantize: bool) -> None:
+    def set_weight(self, weight: Any,  # [out, in] of the checkpoint, possibly lazy
+                   scale_inv: Any, dtype: torch.dtype, dequantize: bool) -> None:
+        if self.shard is not None:
+            if scale_inv is None:
+                weight = self.shard.take(weight)
+            else:
+                weight, scale_inv = take_block_fp8(weight, scale_inv, self.shard, self.block_size, dtype)
+        weight, scale_inv = read_shard(weight, None), None if scale_inv is None else read_shard(scale_inv, None)
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"weight shape {tuple(weight.shape)} != expected "
                              f"{(self.out_features, self.in_features)}")
@@ -153,14 +185,22 @@ class BlockLinear(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, block_size: tuple[int, int]) -> None:
+    """gate/up column-parallel, down row-parallel. With ``reduce`` the ranks' partial sums are all-reduced here;
+    without, the owner does it (a MoE adds its shared expert's partial sum to the routed one and reduces once)."""
+
+    def __init__(self, hidden: int, intermediate: int, block_size: tuple[int, int], par: ParallelContext,
+                 reduce: bool = True) -> None:
         super().__init__()
-        self.gate_proj = BlockLinear(hidden, intermediate, block_size=block_size)
-        self.up_proj = BlockLinear(hidden, intermediate, block_size=block_size)
-        self.down_proj = BlockLinear(intermediate, hidden, block_size=block_size)
+        self.par, self.reduce = par, reduce
+        start, size = par.even(intermediate, "the MLP intermediate size")
+        rows, columns = Shard(0, start, size), Shard(1, start, size)
+        self.gate_proj = BlockLinear(hidden, intermediate, block_size=block_size, shard=rows)
+        self.up_proj = BlockLinear(hidden, intermediate, block_size=block_size, shard=rows)
+        self.down_proj = BlockLinear(intermediate, hidden, block_size=block_size, shard=columns)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.par.all_reduce(y) if self.reduce else y
 
 
 class Router(nn.Module):
@@ -172,23 +212,48 @@ class Router(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """Stacked expert projections, filled one checkpoint expert at a time."""
+    """Stacked expert projections, filled one checkpoint expert at a time.
+
+    Tensor parallel: every rank holds every expert, each cut to 1/N of its intermediate units. Expert parallel:
+    every rank holds 1/N of the experts whole (``expert_start`` onwards); the others' weights are never read."""
 
     PROJS = ("gate_proj", "up_proj", "down_proj")
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, block_size: tuple[int, int]) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, block_size: tuple[int, int],
+                 par: ParallelContext) -> None:
         super().__init__()
-        self.num_experts, self.block_size = num_experts, block_size
+        self.total_experts, self.block_size = num_experts, block_size
+        if par.expert_parallel:
+            self.expert_start, self.num_experts = par.even(num_experts, "n_routed_experts")
+            self.shards: dict[str, Shard | None] = dict.fromkeys(self.PROJS)
+        else:
+            self.expert_start, self.num_experts = 0, num_experts
+            start, size = par.even(intermediate, "moe_intermediate_size")
+            self.shards = {"gate_proj": Shard(0, start, size), "up_proj": Shard(0, start, size),
+                           "down_proj": Shard(1, start, size)}
+            intermediate = size
         self.shapes = {"gate_proj": (intermediate, hidden), "up_proj": (intermediate, hidden),
                        "down_proj": (hidden, intermediate)}
         for proj in self.PROJS:
             self.register_buffer(proj, None)
             self.register_buffer(proj + "_scale_inv", None)
 
-    def set_expert(self, expert: int, proj: str, weight: torch.Tensor, scale_inv: torch.Tensor | None,
+    def holds(self, expert: int) -> bool:
+        return self.expert_start <= expert < self.expert_start + self.num_experts
+
+    def set_expert(self, expert: int, proj: str, weight: Any, scale_inv: Any,
                    dtype: torch.dtype, dequantize: bool) -> None:
-        if not 0 <= expert < self.num_experts:
-            raise ValueError(f"expert index must be in [0, {self.num_experts}), got {expert}")
+        if not 0 <= expert < self.total_experts:
+            raise ValueError(f"expert index must be in [0, {self.total_experts}), got {expert}")
+        if not self.holds(expert):
+            return  # another rank's expert
+        shard = self.shards[proj]
+        if shard is not None and scale_inv is not None:
+            weight, scale_inv = take_block_fp8(weight, scale_inv, shard, self.block_size, dtype)
+        elif shard is not None:
+            weight = shard.take(weight)
+        weight, scale_inv = read_shard(weight, None), None if scale_inv is None else read_shard(scale_inv, None)
+        expert -= self.expert_start
         if tuple(weight.shape) != self.shapes[proj]:
             raise ValueError(f"experts.{expert}.{proj} shape {tuple(weight.shape)} != {self.shapes[proj]}")
         if scale_inv is not None and dequantize:
@@ -212,20 +277,39 @@ class RoutedExperts(nn.Module):
 
 
 class MoE(nn.Module):
+    """Router (replicated, fp32), routed experts (sharded or partitioned) and the shared expert (sharded).
+
+    Every rank holds every token (attention is tensor parallel), so dispatch under expert parallelism is local:
+    each rank runs its own experts over the tokens routed to them (``local_routing``), and the combine is the one
+    all-reduce that also joins the shared expert's partial sums."""
+
     def __init__(self, hidden: int, moe_intermediate: int, n_shared: int, router: RouterConfig,
-                 block_size: tuple[int, int], impl: str = "dynamic") -> None:
+                 block_size: tuple[int, int], par: ParallelContext, impl: str = "dynamic") -> None:
         super().__init__()
-        self.router_cfg, self.impl = router, impl
+        self.router_cfg, self.impl, self.par = router, impl, par
         self.gate = Router(router.num_experts, hidden)
-        self.experts = RoutedExperts(router.num_experts, hidden, moe_intermediate, block_size)
-        self.shared_experts = DenseMLP(hidden, moe_intermediate * n_shared, block_size) if n_shared else None
+        self.experts = RoutedExperts(router.num_experts, hidden, moe_intermediate, block_size, par)
+        self.shared_experts = (DenseMLP(hidden, moe_intermediate * n_shared, block_size, par, reduce=False)
+                               if n_shared else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         logits = F.linear(x.float(), self.gate.weight.float())
         weights, ids = grouped_topk(logits, self.gate.e_score_correction_bias, self.router_cfg)
+        ids = local_routing(ids, self.experts.expert_start, self.experts.num_experts)
         run = moe_dynamic if self.impl == "dynamic" else moe_static
         y = run(x, weights, ids, self.experts.weights())
-        return y if self.shared_experts is None else y + self.shared_experts(x)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return self.par.all_reduce(y)
+
+
+def local_routing(topk_ids: torch.Tensor,  # [T, k] int64 global expert ids
+                  expert_start: int, num_local: int) -> torch.Tensor:  # [T, k] local ids; num_local = elsewhere
+    """Expert-parallel dispatch: ids of this rank's experts become local indices, every other id the sink index
+    ``num_local`` that the MoE kernels skip."""
+    local = topk_ids - expert_start
+    inside = (local >= 0) & (local < num_local)
+    return torch.where(inside, local, torch.full_like(local, num_local))
 
 
 @dataclass(frozen=True)
@@ -246,23 +330,38 @@ class MLADims:
 
 
 class MLAttention(nn.Module):
-    def __init__(self, d: MLADims, rope: RopeSpec, block_size: tuple[int, int]) -> None:
+    """MLA with its heads split across tensor-parallel ranks. The latent (``kv_a_proj_with_mqa``) is shared by
+    all heads, so every rank computes and caches the whole latent of its requests; the per-head up-projections
+    (``q_b_proj``, ``kv_b_proj``) are column-parallel and ``o_proj`` row-parallel, joined by one all-reduce."""
+
+    def __init__(self, d: MLADims, rope: RopeSpec, block_size: tuple[int, int], par: ParallelContext) -> None:
         super().__init__()
-        self.d, self.rope = d, rope
+        self.par = par
+        head_start, local_heads = par.even(d.num_heads, "num_attention_heads")
+        total_heads, self.rope = d.num_heads, rope
+        self.d = d = MLADims(**{**d.__dict__, "num_heads": local_heads})
         # same operation order as transformers (scale * m * m) for bit-identical scores
         self.scale = d.qk_head_dim ** -0.5 * rope.softmax_mscale * rope.softmax_mscale
+
+        def head_rows(per_head: int) -> Shard:
+            return Shard(0, head_start * per_head, local_heads * per_head)
+
         if d.q_lora_rank is None:
-            self.q_proj = BlockLinear(d.hidden, d.num_heads * d.qk_head_dim, block_size=block_size)
+            self.q_proj = BlockLinear(d.hidden, total_heads * d.qk_head_dim, block_size=block_size,
+                                      shard=head_rows(d.qk_head_dim))
         else:
             self.q_a_proj = BlockLinear(d.hidden, d.q_lora_rank, d.attention_bias, block_size)
             self.q_a_layernorm = RMSNorm(d.q_lora_rank, 1e-6)  # transformers builds it with its default eps
-            self.q_b_proj = BlockLinear(d.q_lora_rank, d.num_heads * d.qk_head_dim, block_size=block_size)
+            self.q_b_proj = BlockLinear(d.q_lora_rank, total_heads * d.qk_head_dim, block_size=block_size,
+                                        shard=head_rows(d.qk_head_dim))
         self.kv_a_proj_with_mqa = BlockLinear(d.hidden, d.kv_lora_rank + d.qk_rope_head_dim, d.attention_bias,
                                               block_size)
         self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, 1e-6)
-        self.kv_b_proj = BlockLinear(d.kv_lora_rank, d.num_heads * (d.qk_nope_head_dim + d.v_head_dim),
-                                     block_size=block_size)
-        self.o_proj = BlockLinear(d.num_heads * d.v_head_dim, d.hidden, d.attention_bias, block_size)
+        self.kv_b_proj = BlockLinear(d.kv_lora_rank, total_heads * (d.qk_nope_head_dim + d.v_head_dim),
+                                     block_size=block_size, shard=head_rows(d.qk_nope_head_dim + d.v_head_dim))
+        # Its bias is added once, on the driver, before the all-reduce.
+        self.o_proj = BlockLinear(total_heads * d.v_head_dim, d.hidden, d.attention_bias and par.is_driver,
+                                  block_size, shard=Shard(1, head_start * d.v_head_dim, local_heads * d.v_head_dim))
 
     def forward(self, x: torch.Tensor,  # [T, hidden]
                 cos: torch.Tensor, sin: torch.Tensor,  # [T, P/2]
@@ -299,7 +398,7 @@ class MLAttention(nn.Module):
             out[start:end] = mla_prefill(q_nope[start:end], q_rope[start:end], blocks,
                                          meta.prefill_block_tables[i], meta.prefill_seq_lens[i], kv_b, self.scale)
             start = end
-        return self.o_proj(out.flatten(1))
+        return self.par.all_reduce(self.o_proj(out.flatten(1)))
 
 
 class DecoderLayer(nn.Module):

@@ -20,6 +20,7 @@ from backend_lib.models.deepseek_layers import (
     MOE_IMPLS, BlockLinear, DecoderLayer, DenseMLP, MLADims, MLAttention, MoE, MTPLayer, RMSNorm,
     RoutedExperts, WeightSlot, build_rope, rope_cos_sin,
 )
+from backend_lib.models.parallel import ParallelContext, Shard, read_shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
 from kernels.moe import RouterConfig
 from kernels.quant import DEFAULT_BLOCK
@@ -116,18 +117,22 @@ _EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)
 
 class DeepseekV3ForCausalLM(nn.Module):
     def __init__(self, args: DeepseekV3Args, dtype: torch.dtype = torch.float32,
-                 dequantize_fp8_at_load: bool = False, moe_impl: str = "dynamic") -> None:
+                 dequantize_fp8_at_load: bool = False, moe_impl: str = "dynamic",
+                 par: ParallelContext | None = None) -> None:
         super().__init__()
         if moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
         self.args, self.dtype, self.dequantize_fp8_at_load = args, dtype, dequantize_fp8_at_load
+        self.par = par = par or ParallelContext()
         self.rope = build_rope(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling,
                                args.max_position_embeddings, args.rope_interleave)
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
+        # Vocabulary-parallel embedding and head: each rank keeps 1/N of the rows.
+        self.vocab_rows = Shard(0, *par.even(args.vocab_size, "vocab_size"))
+        self.embed_tokens = nn.Embedding(self.vocab_rows.size, args.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(self._layer(i, moe_impl) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = BlockLinear(args.hidden_size, args.vocab_size)
+        self.lm_head = BlockLinear(args.hidden_size, args.vocab_size, shard=self.vocab_rows)
         n = args.num_hidden_layers
         self.mtp = nn.ModuleList(self._layer(n + j, moe_impl, mtp=True) for j in range(args.num_nextn_predict_layers))
         self.to(dtype)
@@ -139,11 +144,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         a, bs = self.args, self.args.fp8_block_size
         dims = MLADims(a.hidden_size, a.num_attention_heads, a.q_lora_rank, a.kv_lora_rank, a.qk_nope_head_dim,
                        a.qk_rope_head_dim, a.v_head_dim, a.attention_bias, a.rms_norm_eps)
-        attn = MLAttention(dims, self.rope, bs)
+        attn = MLAttention(dims, self.rope, bs, self.par)
         if index >= a.first_k_dense_replace:
-            mlp: nn.Module = MoE(a.hidden_size, a.moe_intermediate_size, a.n_shared_experts, a.router(), bs, moe_impl)
+            mlp: nn.Module = MoE(a.hidden_size, a.moe_intermediate_size, a.n_shared_experts, a.router(), bs,
+                                 self.par, moe_impl)
         else:
-            mlp = DenseMLP(a.hidden_size, a.intermediate_size, bs)
+            mlp = DenseMLP(a.hidden_size, a.intermediate_size, bs, self.par)
         if mtp:
             return MTPLayer(attn, mlp, a.hidden_size, a.rms_norm_eps, bs)
         return DecoderLayer(attn, mlp, a.hidden_size, a.rms_norm_eps)
@@ -152,7 +158,8 @@ class DeepseekV3ForCausalLM(nn.Module):
     def from_hf_config(cls, config: dict, dtype: torch.dtype,
                        options: "LoadOptions | None" = None) -> "DeepseekV3ForCausalLM":
         dequantize = bool(getattr(options, "dequantize_fp8_at_load", False))
-        return cls(DeepseekV3Args.from_hf_config(config), dtype=dtype, dequantize_fp8_at_load=dequantize)
+        return cls(DeepseekV3Args.from_hf_config(config), dtype=dtype, dequantize_fp8_at_load=dequantize,
+                   par=getattr(options, "par", None))
 
     def set_moe_impl(self, impl: str) -> None:
         """"dynamic" (grouped dispatch, eager) or "static" (fixed shapes, for compiled regions)."""
@@ -171,15 +178,19 @@ class DeepseekV3ForCausalLM(nn.Module):
                 kv_caches: list[torch.Tensor],  # [[num_layers, num_slots, R + P]]
                 meta: AttentionMetadata) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] (what compute_logits and the MTP proposer consume)."""
-        h = self.embed_tokens(input_ids)
+        h = self.embed(input_ids)
         cos, sin = rope_cos_sin(self.rope, positions, h.dtype)
         cache = kv_caches[0]
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, cache[i], meta)
         return self.norm(h)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, hidden]
+        return vocab_parallel_embedding(input_ids, self.embed_tokens.weight, self.vocab_rows.start, self.par)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
-        return self.lm_head(hidden).float()
+        """Every rank gets the full vocabulary row (all-gathered from the ranks' vocabulary shards)."""
+        return self.par.all_gather_last(self.lm_head(hidden).float())
 
     # ---- weights -------------------------------------------------------------------------------------
     def _internal_name(self, name: str) -> str:
@@ -215,7 +226,8 @@ class DeepseekV3ForCausalLM(nn.Module):
                 if leaf not in ("weight", "weight_scale_inv", "bias"):
                     raise ValueError(f"unexpected checkpoint tensor {name!r}")
                 if leaf == "bias":
-                    target.bias = tensor.to(self.dtype)
+                    if target.has_bias:  # a row-parallel bias lives on the driver only
+                        target.bias = read_shard(tensor, None).to(self.dtype)
                     continue
                 entry = pending.setdefault(owner, {})
                 entry[leaf] = tensor
@@ -225,12 +237,15 @@ class DeepseekV3ForCausalLM(nn.Module):
                     loaded.add(owner)
                 continue
             if isinstance(target, WeightSlot) and leaf == "weight":
-                target.weight = tensor.to(self.dtype)
+                # MTP's own embedding / head copies: the main model's are used (see spec_decode/mtp.py)
+                if self.par.world_size == 1:
+                    target.weight = read_shard(tensor, None).to(self.dtype)
                 loaded.add(internal)
                 continue
             param = getattr(target, leaf, None)
             if not isinstance(param, torch.Tensor):
                 raise ValueError(f"unexpected checkpoint tensor {name!r}")
+            tensor = read_shard(tensor, self.vocab_rows if internal == "embed_tokens.weight" else None)
             if param.shape != tensor.shape:
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
             with torch.no_grad():

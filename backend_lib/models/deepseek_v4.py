@@ -244,8 +244,9 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     @classmethod
     def from_hf_config(cls, config: dict, dtype: torch.dtype, options: "LoadOptions | None" = None,
-                       par: ParallelContext = ParallelContext()) -> "DeepseekV4ForCausalLM":
+                       par: ParallelContext | None = None) -> "DeepseekV4ForCausalLM":
         dequantize = bool(getattr(options, "dequantize_fp8_at_load", False))
+        par = par or getattr(options, "par", None) or ParallelContext()  # the loader's rank, unless given here
         return cls(DeepseekV4Args.from_hf_config(config), dtype=dtype, par=par, dequantize_fp8_at_load=dequantize)
 
     def set_moe_impl(self, impl: str) -> None:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from backend_lib.models.layers import Linear, RMSNorm, RotaryEmbedding, VocabEmbedding, copy_into, linear, silu_and_mul
+from backend_lib.models.parallel import ParallelContext, Shard, read_shard, vocab_parallel_embedding
 from kernels.attention import paged_attention, write_kv
 from kernels.attention_metadata import AttentionMetadata
 from kernels.onednn_gemm import PackedWeight
@@ -109,18 +110,31 @@ class LlamaArchConfig:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype) -> None:
+    """Heads split across tensor-parallel ranks by whole KV-head groups (a query head stays with its KV head).
+    The split may be uneven (SmolLM2's 3 KV heads on 2 ranks: 2 + 1), so any rank count up to the KV heads works;
+    ``o_proj`` is row-parallel and one all-reduce joins the ranks."""
+
+    def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype, par: ParallelContext) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        self.q_size = arch.num_heads * arch.head_dim
-        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.par = par
+        group = arch.num_heads // arch.num_kv_heads
+        kv_start, self.num_kv_heads = par.balanced(arch.num_kv_heads, "num_key_value_heads")
+        self.num_heads, self.head_dim = self.num_kv_heads * group, arch.head_dim
+        self.q_size = self.num_heads * arch.head_dim
+        self.kv_size = self.num_kv_heads * arch.head_dim
         self.scale = arch.head_dim ** -0.5
+        # Which rows of the checkpoint's q/k/v_proj (and columns of o_proj) this rank keeps.
+        self.checkpoint_rows = {"q": Shard(0, kv_start * group * arch.head_dim, self.q_size),
+                                "k": Shard(0, kv_start * arch.head_dim, self.kv_size),
+                                "v": Shard(0, kv_start * arch.head_dim, self.kv_size)}
+        self.o_columns = Shard(1, kv_start * group * arch.head_dim, self.q_size)
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, arch.attention_bias, dtype)
-        self.o_proj = Linear(self.q_size, arch.hidden_size, arch.attention_bias, dtype)
+        # The bias is added once, on the driver, before the all-reduce.
+        self.o_proj = Linear(self.q_size, arch.hidden_size, arch.attention_bias and par.is_driver, dtype)
         self.cpu_decode_kernel = False  # the C++ decode attention (kernels/cpu_kernels.py), set by the engine
 
     def shard_rows(self, shard: str) -> slice:
-        """Rows of the fused qkv_proj that hold the checkpoint's q_proj, k_proj or v_proj."""
+        """Rows of the fused qkv_proj that hold this rank's part of the checkpoint's q_proj, k_proj or v_proj."""
         offsets = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size), "v": (self.q_size + self.kv_size,
                                                                                    self.kv_size)}
         start, size = offsets[shard]
@@ -143,31 +157,36 @@ class LlamaAttention(nn.Module):
         write_kv(k_cache, k, meta.slot_mapping)
         write_kv(v_cache, v.view(num_tokens, self.num_kv_heads, self.head_dim), meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.cpu_decode_kernel)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.par.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype) -> None:
+    """gate/up column-parallel, down row-parallel: each rank runs 1/N of the intermediate units."""
+
+    def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype, par: ParallelContext) -> None:
         super().__init__()
-        self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias, dtype)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias, dtype)
+        self.par = par
+        start, self.intermediate_size = par.even(arch.intermediate_size, "intermediate_size")
+        self.checkpoint_rows = Shard(0, start, self.intermediate_size)
+        self.down_columns = Shard(1, start, self.intermediate_size)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * self.intermediate_size, arch.mlp_bias, dtype)
+        self.down_proj = Linear(self.intermediate_size, arch.hidden_size, arch.mlp_bias and par.is_driver, dtype)
 
     def shard_rows(self, shard: str) -> slice:
         start = 0 if shard == "gate" else self.intermediate_size
         return slice(start, start + self.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.par.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype) -> None:
+    def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype, par: ParallelContext) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(arch, dtype)
+        self.self_attn = LlamaAttention(arch, dtype, par)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(arch, dtype)
+        self.mlp = LlamaMLP(arch, dtype, par)
 
     def forward(
         self,
@@ -195,10 +214,14 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.dtype = dtype
         self.options = options
-        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, dtype) for _ in range(arch.num_layers))
+        self.par = par = options.par if options is not None else ParallelContext()
+        # Vocabulary-parallel embedding and head: each rank keeps 1/N of the rows.
+        vocab_start, vocab_local = par.even(arch.vocab_size, "vocab_size")
+        self.vocab_rows = Shard(0, vocab_start, vocab_local)
+        self.embed_tokens = VocabEmbedding(vocab_local, arch.hidden_size, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, dtype, par) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, False, dtype)
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, vocab_local, False, dtype)
         self.packed_head: PackedWeight | None = None
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings)
 
@@ -208,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
         return cls(LlamaArchConfig.from_hf_config(config), dtype, options)
 
     def kv_cache_shapes(self, num_slots: int) -> list[tuple[int, ...]]:
-        shape = (self.arch.num_layers, num_slots, self.arch.num_kv_heads, self.arch.head_dim)
+        shape = (self.arch.num_layers, num_slots, self.layers[0].self_attn.num_kv_heads, self.arch.head_dim)
         return [shape, shape]  # K, V
 
     def forward(
@@ -219,13 +242,14 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], final-normed
         k_caches, v_caches = kv_caches
-        hidden = self.embed_tokens(input_ids)
+        hidden = vocab_parallel_embedding(input_ids, self.embed_tokens.weight, self.vocab_rows.start, self.par)
         for i, layer in enumerate(self.layers):
             hidden = layer(positions, hidden, k_caches[i], v_caches[i], self.rotary, meta)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [N, hidden] -> [N, vocab] float32
-        return linear(hidden, self._head_weight(), None, self.packed_head).float()
+        """Every rank gets the full vocabulary row (all-gathered from the ranks' vocabulary shards)."""
+        return self.par.all_gather_last(linear(hidden, self._head_weight(), None, self.packed_head).float())
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -242,15 +266,16 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.self_attn.cpu_decode_kernel = True
 
-    def _target(self, name: str) -> tuple[str, torch.Tensor] | None:
-        """(loaded-key, destination view) for a checkpoint name; None for names that carry nothing to load."""
+    def _target(self, name: str) -> tuple[str, torch.Tensor, Shard | None] | None:
+        """(loaded-key, destination view, this rank's part of the checkpoint tensor or None for all of it) for a
+        checkpoint name; None for names that carry nothing to load."""
         if name == "model.embed_tokens.weight":
-            return name, self.embed_tokens.weight
+            return name, self.embed_tokens.weight, self.vocab_rows
         if name == "model.norm.weight":
-            return name, self.norm.weight
+            return name, self.norm.weight, None
         if name == "lm_head.weight":
             # Tied checkpoints sometimes store the head too; it is the embedding again.
-            return None if self.lm_head is None else (name, self.lm_head.weight)
+            return None if self.lm_head is None else (name, self.lm_head.weight, self.vocab_rows)
         match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
         if match is None:
             raise ValueError(f"unexpected weight {name!r} for LlamaForCausalLM")
@@ -262,17 +287,28 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"unexpected weight {name!r} for LlamaForCausalLM with {len(self.layers)} layers")
         layer = self.layers[index]
         kind = parts.group("kind")
+        attn, mlp = layer.self_attn, layer.mlp
+        shard: Shard | None = None
         if parts.group("attn") in ("q", "k", "v"):
-            param = getattr(layer.self_attn.qkv_proj, kind)
-            view = None if param is None else param[layer.self_attn.shard_rows(parts.group("attn"))]
+            param = getattr(attn.qkv_proj, kind)
+            view = None if param is None else param[attn.shard_rows(parts.group("attn"))]
+            shard = attn.checkpoint_rows[parts.group("attn")]
         elif parts.group("mlp") in ("gate", "up"):
-            param = getattr(layer.mlp.gate_up_proj, kind)
-            view = None if param is None else param[layer.mlp.shard_rows(parts.group("mlp"))]
+            param = getattr(mlp.gate_up_proj, kind)
+            view = None if param is None else param[mlp.shard_rows(parts.group("mlp"))]
+            shard = mlp.checkpoint_rows
+        elif parts.group("attn") == "o" or parts.group("mlp") == "down":
+            if kind == "bias":  # row-parallel bias: whole, on the driver only
+                if not self.par.is_driver:
+                    return None
+            else:
+                shard = attn.o_columns if parts.group("attn") == "o" else mlp.down_columns
+            view = getattr(layer.get_submodule(parts.group("module")), kind, None)
         else:
             view = getattr(layer.get_submodule(parts.group("module")), kind, None)
         if view is None:
             raise ValueError(f"weight {name!r} is a bias but the config has no bias for that projection")
-        return name, view
+        return name, view, shard
 
     def _expected_keys(self) -> set[str]:
         keys = {"model.embed_tokens.weight", "model.norm.weight"} | (set() if self.lm_head is None
@@ -280,10 +316,14 @@ class LlamaForCausalLM(nn.Module):
         for i in range(len(self.layers)):
             for kind, with_bias in (("weight", True), ("bias", self.arch.attention_bias)):
                 if with_bias:
-                    keys |= {f"model.layers.{i}.self_attn.{p}_proj.{kind}" for p in "qkvo"}
+                    keys |= {f"model.layers.{i}.self_attn.{p}_proj.{kind}" for p in "qkv"}
+                    if kind == "weight" or self.par.is_driver:
+                        keys.add(f"model.layers.{i}.self_attn.o_proj.{kind}")
             for kind, with_bias in (("weight", True), ("bias", self.arch.mlp_bias)):
                 if with_bias:
-                    keys |= {f"model.layers.{i}.mlp.{p}_proj.{kind}" for p in ("gate", "up", "down")}
+                    keys |= {f"model.layers.{i}.mlp.{p}_proj.{kind}" for p in ("gate", "up")}
+                    if kind == "weight" or self.par.is_driver:
+                        keys.add(f"model.layers.{i}.mlp.down_proj.{kind}")
             keys |= {f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}.post_attention_layernorm.weight"}
         return keys
 
@@ -294,8 +334,8 @@ class LlamaForCausalLM(nn.Module):
             target = self._target(name)
             if target is None:
                 continue
-            key, view = target
-            copy_into(view, tensor, name)
+            key, view, shard = target
+            copy_into(view, read_shard(tensor, shard), name)
             loaded.add(key)
         missing = sorted(self._expected_keys() - loaded)
         if missing:

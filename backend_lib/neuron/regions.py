@@ -280,12 +280,12 @@ def resolve_backend(config: CompileConfig | None, platform: Platform) -> str | N
     return None if backend == "eager" else backend
 
 
-def build_regions(model: torch.nn.Module, sampler: Sampler, kv_caches: list[torch.Tensor], num_blocks: int,
+def build_regions(model: torch.nn.Module, sampler: Sampler | None, kv_caches: list[torch.Tensor], num_blocks: int,
                   block_size: int, vocab_size: int, config: CompileConfig | None = None,
                   max_num_seqs: int = 32, max_model_len: int | None = None,
-                  platform: Platform | None = None) -> tuple[torch.nn.Module, Sampler | CompiledSampler]:
+                  platform: Platform | None = None) -> tuple[torch.nn.Module, Sampler | CompiledSampler | None]:
     """The runner's model and sampler, wrapped in compiled regions (and warmed up) when compiling is on;
-    unchanged otherwise. Bucket defaults: powers of two up to ``max_num_seqs`` rows and up to the blocks of
+    unchanged otherwise. A worker rank has no sampler (the driver samples): None stays None. Bucket defaults: powers of two up to ``max_num_seqs`` rows and up to the blocks of
     ``max_model_len`` (default: the pool) from 8."""
     platform = platform or detect_platform()
     backend = resolve_backend(config, platform)
@@ -296,11 +296,12 @@ def build_regions(model: torch.nn.Module, sampler: Sampler, kv_caches: list[torc
     buckets = BucketSpec.build(max_num_seqs, max_len, block_size, config.batch_buckets or None,
                                config.width_buckets or None, config.prefill_buckets or None)
     compiled_model = CompiledModel(model, buckets, backend, scratch_block=num_blocks)
-    compiled_sampler = CompiledSampler(buckets, backend, vocab_size, sampler)
+    compiled_sampler = CompiledSampler(buckets, backend, vocab_size, sampler) if sampler is not None else None
     model_s = compiled_model.warm_up(kv_caches, progress=config.compile_progress)
-    sampler_s = compiled_sampler.warm_up(kv_caches[0].device, progress=config.compile_progress)
+    sampler_s = compiled_sampler.warm_up(kv_caches[0].device, progress=config.compile_progress) if sampler else 0.0
     if config.compile_progress:
+        sampler_graphs = len(compiled_sampler.stats.compiled_keys) if compiled_sampler is not None else 0
         print(f"deepinfer: compiled {len(compiled_model.stats.compiled_keys)} model and "
-              f"{len(compiled_sampler.stats.compiled_keys)} sampler graphs with {backend} in "
+              f"{sampler_graphs} sampler graphs with {backend} in "
               f"{model_s:.1f} s + {sampler_s:.1f} s", file=sys.stderr)
     return compiled_model, compiled_sampler

@@ -51,7 +51,7 @@ class MTPProposer:
              positions: torch.Tensor,  # [T] int64: MTP positions (rope)
              meta: AttentionMetadata) -> torch.Tensor:  # [T, H] shared_head-normed MTP hidden
         layer = self.layer
-        embeds = layer.enorm(self.model.embed_tokens(token_ids))
+        embeds = layer.enorm(self.model.embed(token_ids))
         x = layer.eh_proj(torch.cat([embeds, layer.hnorm(hidden)], dim=-1))
         cos, sin = rope_cos_sin(self.model.rope, positions, x.dtype)
         x = layer(x, cos, sin, self.cache, meta)

@@ -5,6 +5,12 @@ with ``serving.decode_request`` and hands it to the engine (returning None: deco
 thread drains every request's stream, sends the deltas, polls cancellation (-> engine.abort) and ends
 every request, errors included, with TRITONSERVER_RESPONSE_COMPLETE_FINAL; finalize shuts the engine
 down (each stream then ends) and joins the thread, so unload never hangs.
+
+Faults: if the engine dies (AsyncEngine.on_failure), every request has already ended with the error; the model
+logs why and unloads itself (pb_utils.unload_model, which needs --model-control-mode=explicit, as `deepinfer
+serve` runs it), so Triton reports it not ready and answers new requests with an error: in Triton 2.51 nothing
+else a Python model does (not even its stub exiting) turns its ready endpoint false. A watchdog ends this stub,
+and removes its shm region, if tritonserver dies (lifeline.py).
 """
 from __future__ import annotations
 
@@ -39,7 +45,8 @@ def _use_site_dirs() -> None:
 _use_site_dirs()
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
-from backend_lib import serving  # noqa: E402  (after the path set-up above)
+from backend_lib import lifeline, serving  # noqa: E402  (after the path set-up above)
+from backend_lib.errors import EngineBusyError  # noqa: E402
 from backend_lib.triton_metrics import TritonMetrics  # noqa: E402
 
 # Poll periods of the response thread (outputs and new requests wake it at once): each is_cancelled() is a round
@@ -70,7 +77,9 @@ class TritonPythonModel:
             raise ValueError("deepinfer needs model_transaction_policy { decoupled: true } in config.pbtxt")
         parameters = {name: value["string_value"] for name, value in config.get("parameters", {}).items()}
         self._options = serving.serving_options_from_parameters(parameters)
+        self._watchdog = lifeline.ParentWatchdog(self._orphaned).start()  # before the (long) engine build
         self._engine = serving.build_engine(parameters)
+        self._model_name = args["model_name"]
         tokenizer = self._engine.tokenizer
         self._decode_token = lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
         self._metrics = self._make_metrics(args)
@@ -82,6 +91,7 @@ class TritonPythonModel:
         # Set when the engine delivered outputs or a request came in: the response thread sleeps until then.
         self._wake = threading.Event()
         self._engine.on_outputs = self._wake.set
+        self._engine.on_failure = self._engine_failed
         self._thread = threading.Thread(target=self._response_loop, name="deepinfer-responses", daemon=True)
         self._thread.start()
 
@@ -103,8 +113,10 @@ class TritonPythonModel:
                     raise ValueError("the server is shutting down")
                 decoded = self._decode(request)
                 stream = self._engine.add_request(request_id, decoded.prompt, decoded.params, decoded.session)
-            except ValueError as exc:  # the client's fault: report it and keep serving
-                self._send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+            except (ValueError, EngineBusyError) as exc:  # bad input, or an admission limit (retry later)
+                busy = isinstance(exc, EngineBusyError)
+                code = pb_utils.TritonError.UNAVAILABLE if busy else pb_utils.TritonError.INVALID_ARG
+                self._send_error(sender, str(exc), code)
                 continue
             except Exception as exc:
                 self._logger.log_error(f"[deepinfer] request {request_id} failed: {traceback.format_exc()}")
@@ -194,8 +206,9 @@ class TritonPythonModel:
     def _send_final(self, item: _Active, output: Any) -> None:
         if item.cancelled:
             self._send_error(item.sender, "request cancelled", pb_utils.TritonError.CANCELLED)
-        elif output.rejected:  # e.g. a session protocol error, found when the engine took the turn in
-            self._send_error(item.sender, output.error, pb_utils.TritonError.INVALID_ARG)
+        elif output.rejected:  # e.g. a session protocol error or max_sessions, found when the engine took it in
+            code = pb_utils.TritonError.UNAVAILABLE if output.busy else pb_utils.TritonError.INVALID_ARG
+            self._send_error(item.sender, output.error, code)
         elif output.finish_reason == "error":
             self._send_error(item.sender, output.error or "the engine failed this request")
         else:
@@ -239,6 +252,23 @@ class TritonPythonModel:
         """
         return bool(self._stop_file) and os.path.exists(self._stop_file)
 
+    # -- lifecycle: faults ----------------------------------------------------------------------------
+
+    def _engine_failed(self, reason: str) -> None:
+        """The engine cannot go on (called on its thread, after every request got the error): go not ready."""
+        self._logger.log_error(f"[deepinfer] the engine failed and cannot go on; unloading the model so that "
+                               f"Triton reports it not ready. Cause: {reason}")
+        try:
+            pb_utils.unload_model(self._model_name)
+        except Exception:
+            self._logger.log_error("[deepinfer] could not unload the model (Triton needs "
+                                   "--model-control-mode=explicit): it stays ready, but every request gets the "
+                                   f"engine's error: {traceback.format_exc()}")
+
+    @staticmethod
+    def _orphaned() -> None:
+        lifeline.exit_orphaned_stub(lifeline.stub_shm_region())
+
     def finalize(self) -> None:
         self._logger.log_info("[deepinfer] finalize: aborting in-flight requests")
         self._closing.set()
@@ -248,4 +278,5 @@ class TritonPythonModel:
         if self._thread.is_alive():
             self._logger.log_error("[deepinfer] response thread did not stop within "
                                    f"{_JOIN_TIMEOUT_S:.0f} s; unloading anyway")
+        self._watchdog.stop()
         self._logger.log_info("[deepinfer] finalize: done")

@@ -1,0 +1,1 @@
+"""torch.distributed pieces below the model runner: the driver-to-worker step channel."""

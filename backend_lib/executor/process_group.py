@@ -1,0 +1,126 @@
+"""Joining the tensor-parallel process group, and what every rank process does to its own threads and lifetime.
+
+Rendezvous is torch.distributed's TCPStore (the store torchrun's workers use): the driver hosts it at
+``master_addr:master_port``, publishes the engine configuration in it, and every rank, local or on another node,
+joins the gloo group through it. Keys under ``deepinfer/`` carry the configuration and each rank's progress
+(joined, failed with a message), so the driver can name a rank that never arrived or failed to load.
+"""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from backend_lib.config import EngineConfig, ParallelConfig
+from backend_lib.models.parallel import ParallelContext
+from kernels.cpu_kernels import load_cpu_kernels
+
+CONFIG_KEY = "deepinfer/config"
+SHM_KEY = "deepinfer/shm_all_reduce"
+_SHM_SLOT_BYTES = 4 << 20  # per rank and buffer set; larger tensors go in pieces
+_PR_SET_PDEATHSIG = 1
+
+
+def joined_key(rank: int) -> str:
+    return f"deepinfer/joined/{rank}"
+
+
+def error_key(rank: int) -> str:
+    return f"deepinfer/error/{rank}"
+
+
+@dataclass
+class Rendezvous:
+    store: Any  # torch.distributed.TCPStore
+    master_addr: str
+    master_port: int
+
+
+def host_rendezvous(parallel: ParallelConfig, flat_config: dict[str, Any]) -> Rendezvous:
+    """The driver's store (a free port when master_port is 0), holding the configuration for the workers."""
+    store = dist.TCPStore(parallel.master_addr, parallel.master_port, parallel.tensor_parallel_size, True,
+                          timeout=datetime.timedelta(seconds=parallel.distributed_timeout_s),
+                          wait_for_workers=False)
+    store.set(CONFIG_KEY, json.dumps(flat_config))
+    return Rendezvous(store, parallel.master_addr, store.port)
+
+
+def join_rendezvous(master_addr: str, master_port: int, timeout_s: float) -> tuple[Rendezvous, dict[str, Any]]:
+    """A worker's client store and the engine configuration the driver published."""
+    store = dist.TCPStore(master_addr, master_port, None, False, timeout=datetime.timedelta(seconds=timeout_s))
+    return Rendezvous(store, master_addr, master_port), json.loads(store.get(CONFIG_KEY))
+
+
+def init_group(rendezvous: Rendezvous, config: EngineConfig, rank: int) -> ParallelContext:
+    """Join the gloo group (every rank calls it; it returns when all have), with the shared-memory all-reduce when
+    every rank is on this host."""
+    parallel = config.parallel
+    rendezvous.store.set(joined_key(rank), "1")
+    dist.init_process_group("gloo", store=dist.PrefixStore("group", rendezvous.store), rank=rank,
+                            world_size=parallel.tensor_parallel_size,
+                            timeout=datetime.timedelta(seconds=parallel.distributed_timeout_s))
+    shm_handle = None
+    if parallel.nnodes == 1 and config.model.device == "cpu":
+        # Every rank must take the same path: all use the segment only if all could build the kernel.
+        built = torch.tensor([int(load_cpu_kernels())], dtype=torch.int64)
+        dist.all_reduce(built, op=dist.ReduceOp.MIN)
+        if built.item():
+            shm_handle = _attach_shm_all_reduce(rendezvous, parallel, rank)
+    return ParallelContext(rank=rank, world_size=parallel.tensor_parallel_size,
+                           expert_parallel=parallel.enable_expert_parallel, group=dist.group.WORLD,
+                           shm_handle=shm_handle)
+
+
+def _attach_shm_all_reduce(rendezvous: Rendezvous, parallel: ParallelConfig, rank: int) -> int:
+    """Rank 0 creates the segment and names it in the store; once every rank has mapped it, the name is removed,
+    so no /dev/shm entry survives the engine however it ends."""
+    if rank == 0:
+        name = f"/deepinfer_allreduce_{os.getpid()}_{rendezvous.master_port}"
+        handle = torch.ops.deepinfer.shm_all_reduce_attach(name, 0, parallel.tensor_parallel_size, _SHM_SLOT_BYTES,
+                                                           parallel.distributed_timeout_s, True)
+        rendezvous.store.set(SHM_KEY, name)
+    else:
+        name = rendezvous.store.get(SHM_KEY).decode()
+        handle = torch.ops.deepinfer.shm_all_reduce_attach(name, rank, parallel.tensor_parallel_size,
+                                                           _SHM_SLOT_BYTES, parallel.distributed_timeout_s, False)
+    dist.barrier()
+    if rank == 0:
+        torch.ops.deepinfer.shm_all_reduce_unlink(name)
+    return handle
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def pin_rank_threads(config: EngineConfig, rank: int) -> None:
+    """Give each rank of a node its own cores and as many torch threads: ranks that share cores stall each other's
+    OpenMP barriers. Pins the calling thread (which runs the rank's torch ops; OpenMP workers inherit it)."""
+    local_rank, per_node = rank % config.parallel.ranks_per_node, config.parallel.ranks_per_node
+    cores = sorted(os.sched_getaffinity(0))
+    if per_node == 1 or len(cores) < per_node:
+        return
+    share = len(cores) // per_node
+    mine = cores[local_rank * share:(local_rank + 1) * share]
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(config.num_threads or len(mine))
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """A worker must not outlive the process that started it: the kernel sends SIGKILL when the parent exits
+    (PR_SET_PDEATHSIG), and a parent that is already gone ends us now."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:
+        os._exit(1)

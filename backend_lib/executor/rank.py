@@ -1,0 +1,65 @@
+"""What every rank builds, the driver and the workers alike: its shard of the model, the host kernels, its KV cache
+and a model runner. One function, so that every rank makes the same decisions (the collectives inside the model
+pair up only if every rank runs the same code)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from backend_lib.config import EngineConfig
+from backend_lib.distributed.step_channel import StepChannel
+from backend_lib.kv_sizing import kv_cache_num_blocks
+from backend_lib.model_runner import ModelRunner
+from backend_lib.models.loader import load_model, resolve_model_path
+from backend_lib.models.parallel import ParallelContext
+from kernels.cpu_kernels import cpu_kernels_supported, load_cpu_kernels
+from kernels.onednn_gemm import onednn_gemm_available
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RankState:
+    model: torch.nn.Module
+    runner: ModelRunner
+    num_blocks: int
+
+
+def kv_cache_blocks(config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype, world_size: int = 1) -> int:
+    """Blocks of the KV pool for this rank's shard (backend_lib/kv_sizing.py: ``num_blocks``, ``kv_cache_memory_gb``,
+    or a fraction of the free memory, which the ranks of one host share)."""
+    per_block = ModelRunner.kv_bytes_per_block(model, config.cache.block_size, dtype)
+    return kv_cache_num_blocks(config, per_block, torch.device(config.model.device), share=world_size)
+
+
+def _agree_on_blocks(num_blocks: int, par: ParallelContext) -> int:
+    """Every rank's pool must have the driver's block count (the scheduler's block ids index them all). The
+    driver's shard holds the most KV heads (shares are uneven only in the first ranks' favour), so its count fits
+    every rank's memory budget."""
+    if par.world_size == 1:
+        return num_blocks
+    count = torch.tensor([num_blocks], dtype=torch.int64)
+    dist.broadcast(count, src=0, group=par.group)
+    return int(count.item())
+
+
+def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
+    device, dtype = torch.device(config.model.device), DTYPES[config.model.dtype]
+    model = load_model(resolve_model_path(config.model.model), dtype=dtype, progress=par.is_driver,
+                       par=par).to(device).eval()
+    num_blocks = _agree_on_blocks(kv_cache_blocks(config, model, dtype, par.world_size), par)
+    # Before the runner: compiled regions trace the packed GEMM (an opaque custom op) that eager steps call.
+    if (config.model.host_gemm == "onednn" and hasattr(model, "pack_for_cpu")
+            and onednn_gemm_available(device, dtype)):
+        model.pack_for_cpu()
+    if (config.model.host_attention == "cpp" and hasattr(model, "use_cpu_attention")
+            and cpu_kernels_supported(device, dtype) and load_cpu_kernels()):
+        model.use_cpu_attention()
+    channel = StepChannel(par) if par.world_size > 1 else None
+    runner = ModelRunner(model, num_blocks, config.cache.block_size, model.arch.vocab_size, device, dtype,
+                         spec=config.spec, compile_config=config.compile,
+                         max_num_seqs=config.scheduler.max_num_seqs, max_model_len=config.model.max_model_len,
+                         channel=channel)
+    return RankState(model, runner, num_blocks)

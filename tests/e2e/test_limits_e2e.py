@@ -1,0 +1,80 @@
+"""Limits through a real tritonserver: max_tokens beyond the context is a 400 naming it; a burst past
+max_waiting_requests and a session START past max_sessions are refused at once ("server busy", Triton's
+UNAVAILABLE) while the admitted requests complete; /metrics counts both refusals.
+
+Triton 2.51's /generate answers 400 for every model error whatever its Triton code (measured here with
+INVALID_ARG, INTERNAL and UNAVAILABLE); newer servers map UNAVAILABLE to 503. So a refusal is told apart by its
+message here, and 503 is accepted for when the server is upgraded."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from conftest import SERVER_PARAMETERS
+from triton_helpers import http_generate, metric, metrics, new_server, server_ready
+
+from backend_lib.server import TritonServer
+
+pytestmark = pytest.mark.e2e
+
+MAX_MODEL_LEN = 256
+BURST = 12
+NEW_TOKENS = 24
+BUSY = (400, 503)  # 503 where the server maps UNAVAILABLE to it (see above)
+
+
+@pytest.fixture(scope="module")
+def small_triton(tmp_path_factory) -> TritonServer:
+    # 2 running + 2 waiting at most: a burst of 12 must be partly refused.
+    overrides = {**SERVER_PARAMETERS, "max_model_len": str(MAX_MODEL_LEN), "max_num_seqs": "2",
+                 "max_waiting_requests": "2", "max_sessions": "1"}
+    with new_server(tmp_path_factory.mktemp("triton_limits"), overrides) as server:
+        yield server
+
+
+def _wait_for(condition, timeout_s: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def test_limits_refuse_clearly_and_the_admitted_requests_complete(small_triton):
+    url = small_triton.http_url
+    status, [answer] = http_generate(url, {"text_input": "Hello", "max_tokens": 1_000_000_000})
+    error = answer.get("error", "")
+    assert status == 400 and "max_tokens is 1000000000" in error, answer
+    assert f"max_model_len is {MAX_MODEL_LEN}" in error
+    assert "prompt has" in error
+
+    body = {"text_input": "Count: one, two, three,", "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_num_output_tokens": True}
+    with ThreadPoolExecutor(max_workers=BURST) as pool:
+        results = list(pool.map(lambda _: http_generate(url, body), range(BURST)))
+    refused = [answer for status, [answer] in results if status in BUSY]
+    done = [answer for status, [answer] in results if status == 200]
+    assert len(refused) + len(done) == BURST, [(status, answer.get("error")) for status, [answer] in results]
+    assert refused and done, [status for status, _ in results]
+    assert all(answer["error"].startswith("server busy:") and "(max_waiting_requests 2)" in answer["error"]
+               for answer in refused), refused
+    assert all(answer["num_output_tokens"] == NEW_TOKENS for answer in done), done
+
+    status, _ = http_generate(url, {"text_input": "Hi", "max_tokens": 2, "sequence_id": 41, "sequence_start": True})
+    assert status == 200
+    status, [answer] = http_generate(url, {"text_input": "Hi", "max_tokens": 2, "sequence_id": 42,
+                                           "sequence_start": True})
+    assert status in BUSY and answer["error"].startswith("server busy:") and "(max_sessions 1)" in answer["error"]
+    status, _ = http_generate(url, {"text_input": " Bye", "max_tokens": 2, "sequence_id": 41, "sequence_end": True})
+    assert status == 200
+
+    def counted() -> bool:
+        values = metrics(small_triton.metrics_url)
+        return (metric(values, "deepinfer_requests_refused_waiting_total") == len(refused)
+                and metric(values, "deepinfer_sessions_refused_total") == 1)
+    _wait_for(counted, what="the refusal counters to reach what was refused")
+    assert server_ready(url)
+    status, [ok] = http_generate(url, {"text_input": "Hello", "max_tokens": 2})
+    assert status == 200 and ok["text_output"].startswith("Hello")

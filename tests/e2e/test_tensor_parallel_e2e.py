@@ -1,0 +1,104 @@
+"""Tensor parallelism through a real tritonserver: `tensor_parallel_size=2` (the Triton stub is rank 0 and starts
+rank 1) on a tiny fp8 DeepSeek-V3 with expert parallelism and MTP drafts. Streams, HTTP, sessions and cancellation
+behave as with one rank, greedy output equals the one-rank offline engine, and no worker outlives the server."""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+from triton_helpers import StreamClient, http_generate, metric, metrics, new_server
+
+from backend_lib.offline import LLM
+from backend_lib.sampling_params import SamplingParams
+from backend_lib.tiny import make_tiny
+
+pytestmark = pytest.mark.e2e
+
+SETTINGS = {"max_model_len": "256", "num_blocks": "128", "block_size": "16", "max_num_seqs": "8",
+            "max_num_batched_tokens": "128", "spec_method": "mtp", "num_speculative_tokens": "2"}
+PROMPTS = ["What is the capital of France?", "Once upon a time there was a tiny model",
+           "Mixture of experts routes every token"]
+GREEDY = {"temperature": 0, "max_tokens": 16, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny("deepseek_v3", tmp_path_factory.mktemp("tp_e2e") / "ds", fp8=True, mtp_layers=1)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    with LLM(str(model_dir), **{k: int(v) for k, v in SETTINGS.items() if v.isdigit()}) as llm:
+        return llm.generate(PROMPTS, SamplingParams(**GREEDY))
+
+
+def _worker_pids() -> list[int]:
+    out = subprocess.run(["pgrep", "-f", "backend_lib.executor.worker"], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+@pytest.fixture(scope="module")
+def tp_server(model_dir, tmp_path_factory):
+    overrides = {**SETTINGS, "model": str(model_dir), "tensor_parallel_size": "2", "enable_expert_parallel": "true"}
+    with new_server(tmp_path_factory.mktemp("triton_tp"), overrides) as server:
+        yield server
+
+
+def _request(prompt: str, **extra) -> dict:
+    return {"text_input": prompt, "sampling_parameters": json.dumps(GREEDY), "stream": True,
+            "exclude_input_in_output": True, **extra}
+
+
+def test_streams_equal_the_one_rank_engine(tp_server, reference):
+    client = StreamClient(tp_server.grpc_url)
+    try:
+        ids = [client.send(_request(p)) for p in PROMPTS]  # concurrent: batched across both ranks
+        results = client.collect(ids)
+    finally:
+        client.close()
+    for request_id, expected in zip(ids, reference):
+        assert results[request_id].error is None
+        assert results[request_id].all_ids == expected.token_ids
+    body = {"text_input": PROMPTS[0], **GREEDY, "exclude_input_in_output": True}
+    status, (response,) = http_generate(tp_server.http_url, body)
+    assert status == 200 and response["text_output"] == reference[0].text
+
+
+def test_session_turns_and_cancellation(tp_server, reference):
+    client = StreamClient(tp_server.grpc_url)
+    try:
+        first = client.generate(_request(PROMPTS[1]), sequence_id=777, sequence_start=True)
+        second = client.generate(_request(" and then"), sequence_id=777, sequence_end=True)
+        assert first.error is None and first.all_ids == reference[1].token_ids
+        assert second.error is None and len(second.all_ids) == GREEDY["max_tokens"]
+        used_before = metric(metrics(tp_server.metrics_url), "deepinfer_kv_blocks_used")
+        client.send(_request("Count to one thousand:", sampling_parameters=json.dumps(
+            {"temperature": 0, "max_tokens": 200, "ignore_eos": True})))
+        for _ in range(3):
+            _, error = client.next_response()
+            assert error is None
+    finally:
+        client.close(cancel=True)
+    deadline = time.monotonic() + 30
+    while metric(metrics(tp_server.metrics_url), "deepinfer_kv_blocks_used") > used_before:
+        assert time.monotonic() < deadline, "the cancelled request's blocks did not return"
+        time.sleep(0.3)
+
+
+def test_no_worker_outlives_the_server(model_dir, tmp_path):
+    overrides = {**SETTINGS, "model": str(model_dir), "tensor_parallel_size": "2"}
+    before = set(_worker_pids())
+    with new_server(tmp_path, overrides) as server:
+        started = set(_worker_pids()) - before
+        assert len(started) == 1
+        client = StreamClient(server.grpc_url)
+        try:
+            assert client.generate(_request(PROMPTS[2])).error is None
+        finally:
+            client.close()
+    deadline = time.monotonic() + 15
+    while started & set(_worker_pids()):
+        assert time.monotonic() < deadline, "a worker rank outlived tritonserver"
+        time.sleep(0.2)

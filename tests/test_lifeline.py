@@ -1,0 +1,80 @@
+"""Process hygiene without a server: the parent-death signal, shm region naming and sweeping, the stub's parent
+watchdog, and the launcher's signal handling (a second Ctrl-C exits at once)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from backend_lib import lifeline
+from backend_lib.shutdown import ExitNow, ShutdownSignals
+
+
+def _wait_for(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_child_dies_with_its_parent():
+    """A middle process starts a sleeper with die_with_parent and is SIGKILLed: the sleeper dies too."""
+    code = ("import subprocess, sys, time; from backend_lib.lifeline import die_with_parent; "
+            "p = subprocess.Popen(['sleep', '300'], preexec_fn=die_with_parent()); print(p.pid, flush=True); "
+            "time.sleep(300)")
+    middle = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    try:
+        sleeper = int(middle.stdout.readline())
+        assert lifeline.pid_alive(sleeper)
+        middle.kill()
+        middle.wait(timeout=10)
+        _wait_for(lambda: not lifeline.pid_alive(sleeper))
+    finally:
+        middle.kill()
+        middle.wait(timeout=10)
+
+
+def test_shm_regions_are_named_per_launcher_and_swept_when_it_is_gone(tmp_path):
+    prefix = lifeline.shm_prefix()
+    assert prefix.startswith(f"deepinfer_{os.getpid()}_")
+    ours = tmp_path / f"{prefix}region"
+    stale = tmp_path / "deepinfer_999999999_abcd_region"  # a launcher pid that cannot exist
+    foreign = tmp_path / "triton_python_backend_shm_region_x"
+    for path in (ours, stale, foreign):
+        path.write_bytes(b"x")
+    assert lifeline.remove_stale_shm_regions(tmp_path) == [stale.name]  # ours: its launcher (we) runs
+    assert lifeline.remove_shm_regions(prefix, tmp_path) == [ours.name]
+    assert foreign.exists()  # never someone else's
+
+
+def test_parent_watchdog_fires_when_the_parent_changes(monkeypatch):
+    parent = os.getppid()
+    fired = threading.Event()
+    watchdog = lifeline.ParentWatchdog(fired.set, poll_s=0.01).start()
+    try:
+        assert not fired.wait(0.1)
+        monkeypatch.setattr(lifeline.os, "getppid", lambda: parent + 1)  # as after the parent died
+        assert fired.wait(5)
+    finally:
+        watchdog.stop()
+
+
+def test_first_signal_asks_for_a_drain_and_the_second_exits_at_once():
+    signals = ShutdownSignals()
+    signals.serving = True
+    signals.handle(signal.SIGTERM)
+    assert signals.requested == "SIGTERM"
+    with pytest.raises(ExitNow, match="SIGINT"):
+        signals.handle(signal.SIGINT)
+    signals.handle(signal.SIGINT)  # a third one does not interrupt the cleanup
+
+
+def test_a_signal_before_the_server_is_up_exits_at_once():
+    with pytest.raises(ExitNow):
+        ShutdownSignals().handle(signal.SIGINT)
