@@ -11,8 +11,9 @@ with shapes fixed by the step (no host syncs):
   slot: only the slots of window-closing positions are ever read, so the others are harmless scratch, and the step
   needs no data-dependent list of closing windows.
 
-Gathers clamp negative positions to 0 and mask them; masked keys are zeroed before the weighted sum, so stale
-slot contents never reach an output.
+Gathers clamp negative positions to 0 and mask them; masked keys get probability 0, so stale slot contents never
+reach an output. Decode rows gather their keys per token (``TokenPages``); a prefill chunk gathers them once for all
+its queries (``ChunkPages``).
 """
 from __future__ import annotations
 
@@ -57,9 +58,41 @@ class TokenPages:
         return pos, visible
 
 
+@dataclass(frozen=True)
+class ChunkPages:
+    """One prefill chunk: ``length`` consecutive positions from ``first`` (host ints) under one block table. Its
+    queries share their keys, gathered once ([1, K]) instead of per token: a long context's entries are read once
+    per chunk, not once per query."""
+
+    first: int
+    length: int
+    block_table: torch.Tensor  # [1, width] int64
+    block_size: int
+
+    @property
+    def positions(self) -> torch.Tensor:  # [L] int64
+        return torch.arange(self.first, self.first + self.length, device=self.block_table.device)
+
+    def slots(self, pos: torch.Tensor) -> torch.Tensor:  # [1, K] int64 -> [1, K] slots
+        return TokenPages(pos[0], self.block_table, self.block_size).slots(pos)
+
+    def recent(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions from ``first - length + 1`` to the last query ([1, K]) and each query's window ([L, K])."""
+        q = self.positions
+        pos = torch.arange(self.first - length + 1, self.first + self.length, device=q.device)
+        allowed = (pos[None, :] <= q[:, None]) & (pos[None, :] > q[:, None] - length) & (pos >= 0)[None, :]
+        return pos[None, :], allowed
+
+    def entries(self, rate: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Closing positions of the windows closed by the last query ([1, E]) and which each query sees ([L, E])."""
+        index = torch.arange((self.first + self.length) // rate, device=self.block_table.device)
+        visible = index[None, :] < ((self.positions + 1) // rate)[:, None]
+        return ((index + 1) * rate - 1)[None, :], visible
+
+
 def gather_rows(layer_cache: torch.Tensor,  # [num_slots, C] one layer of one cache tensor
-                slots: torch.Tensor,  # [T, K] int64
-                ) -> torch.Tensor:  # [T, K, C]
+                slots: torch.Tensor,  # [G, K] int64 (G = T per-token keys, or 1 shared by a chunk)
+                ) -> torch.Tensor:  # [G, K, C]
     return layer_cache.index_select(0, slots.flatten()).view(*slots.shape, layer_cache.shape[-1])
 
 
@@ -95,12 +128,12 @@ def pool_overlapping(state: torch.Tensor,  # [T, 2 * rate, 4D]: per token [kv_a 
 
 
 def indexer_select(q: torch.Tensor,  # [T, Hi, Di] post-rope index queries
-                   keys: torch.Tensor,  # [T, E, Di] compressed index keys
+                   keys: torch.Tensor,  # [T or 1, E, Di] compressed index keys (per query, or shared)
                    head_weights: torch.Tensor,  # [T, Hi] already scaled by Hi ** -0.5
                    visible: torch.Tensor,  # [T, E] bool
                    top_k: int) -> torch.Tensor:  # [T, E] bool: the entries each query attends
     """Lightning indexer: ``sum_h w[t, h] * relu(q[t, h] . k[s]) / sqrt(Di)``; the ``top_k`` best visible entries."""
-    scores = F.relu(torch.einsum("thd,ted->the", q.float(), keys.float())) * q.shape[-1] ** -0.5
+    scores = F.relu(torch.matmul(q.float(), keys.float().transpose(1, 2))) * q.shape[-1] ** -0.5
     scores = (scores * head_weights.float()[..., None]).sum(dim=1)
     scores = scores.masked_fill(~visible, float("-inf"))
     k = min(top_k, scores.shape[1])
@@ -111,16 +144,17 @@ def indexer_select(q: torch.Tensor,  # [T, Hi, Di] post-rope index queries
 
 
 def sink_attention(q: torch.Tensor,  # [T, H, D] post-rope queries
-                   keys: torch.Tensor,  # [T, K, D] one shared K = V head per token
+                   keys: torch.Tensor,  # [T or 1, K, D] one K = V head (per query, or shared by a chunk)
                    allowed: torch.Tensor,  # [T, K] bool
                    sinks: torch.Tensor,  # [H] float32 per-head sink logits
                    scale: float) -> torch.Tensor:  # [T, H, D]
-    """Softmax over each query's allowed keys plus one per-head sink logit that takes mass but carries no value."""
-    keys = torch.where(allowed[..., None], keys, torch.zeros_like(keys))
-    scores = torch.einsum("thd,tkd->thk", q, keys) * scale
+    """Softmax over each query's allowed keys plus one per-head sink logit that takes mass but carries no value.
+    Keys that are not allowed get probability exactly 0; every cache row holds finite values (zeros, or a value
+    some step wrote), so they add nothing."""
+    scores = torch.matmul(q, keys.transpose(1, 2)) * scale
     scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
     sink = sinks.to(scores.dtype)[None, :, None].expand(q.shape[0], -1, 1)
     logits = torch.cat([scores, sink], dim=-1)
     logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
-    return torch.einsum("thk,tkd->thd", probs.to(keys.dtype), keys)
+    return torch.matmul(probs.to(keys.dtype), keys)

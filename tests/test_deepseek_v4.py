@@ -175,7 +175,7 @@ def test_engine_greedy_matches_transformers_chunked_batched_preempted_and_in_ses
     path, _, hf = tiny
     engine = _engine(path, max_num_batched_tokens=7, num_blocks=24)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    prompts = {f"r{n}": _tokens(n, 40 + n) for n in (5, 40, 13, 23)}
+    prompts = {f"r{n}": _tokens(n, 40 + n) for n in (3, 40, 13, 23)}  # 3: before the first CSA window closes
     for rid, prompt in prompts.items():
         engine.add_request(rid, prompt, params)
     got = _drive(engine)
@@ -273,6 +273,13 @@ def test_yarn_compress_rope_matches_transformers():
     for kind, rope in (("main", ours.main_rope), ("compress", ours.compress_rope)):
         assert torch.equal(rope.inv_freq, getattr(rotary, f"{kind}_inv_freq")), kind
         assert rope.attention_scaling == getattr(rotary, f"{kind}_attention_scaling"), kind
+
+
+def test_mtp_drafts_are_refused_with_a_clear_error(tmp_path):
+    """V4's MTP layers are not implemented: spec_method mtp must fail at engine build, not draft garbage."""
+    path = make_tiny("deepseek_v4", tmp_path, seed=10)
+    with pytest.raises(ValueError, match="MTP weights"):
+        _engine(path, num_blocks=16, method="mtp", num_speculative_tokens=1)
 
 
 def test_config_errors_name_the_field():

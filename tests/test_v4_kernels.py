@@ -82,7 +82,8 @@ def test_window_pooling_matches_a_per_window_loop():
         assert torch.allclose(got, _pool_reference(kv, gate), atol=1e-6), w
     hca = tokens[:rate, :2 * dim]  # HCA: [kv | gate] of one window
     got = pool_heavily_compressed(hca[None], bias[:, :dim])[0]
-    reference = _pool_reference([hca[i, :dim] for i in range(rate)], [hca[i, dim:] + bias[i, :dim] for i in range(rate)])
+    reference = _pool_reference([hca[i, :dim] for i in range(rate)],
+                                [hca[i, dim:] + bias[i, :dim] for i in range(rate)])
     assert torch.allclose(got, reference, atol=1e-6)
 
 

@@ -34,7 +34,7 @@ from backend_lib.models.deepseek_v4_layers import (
 )
 from backend_lib.models.parallel import ParallelContext, Shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
-from kernels.compressed_attention import TokenPages
+from kernels.compressed_attention import ChunkPages, TokenPages
 from kernels.hyper_connections import HyperConnectionSpec, hc_head_collapse
 from kernels.quant import DEFAULT_BLOCK
 
@@ -294,6 +294,21 @@ class DeepseekV4ForCausalLM(nn.Module):
         padded = [torch.nn.functional.pad(t.long(), (0, width - t.shape[1]), value=scratch) for t in tables]
         return TokenPages(positions, torch.cat(padded), meta.block_size)
 
+    @staticmethod
+    def _groups(pages: TokenPages, meta: AttentionMetadata) -> tuple:
+        """Decode rows keep per-token keys; each prefill chunk shares one gather of its context's keys."""
+        groups: list = []
+        nd = meta.num_decode_tokens
+        if nd:
+            groups.append((0, nd, TokenPages(pages.positions[:nd], pages.block_tables[:nd], meta.block_size)))
+        start = nd
+        for i, length in enumerate(meta.prefill_query_lens):
+            first = meta.prefill_seq_lens[i] - length
+            table = meta.prefill_block_tables[i:i + 1].long()
+            groups.append((start, start + length, ChunkPages(first, length, table, meta.block_size)))
+            start += length
+        return tuple(groups)
+
     def forward(self, input_ids: torch.Tensor,  # [T] int64
                 positions: torch.Tensor,  # [T] int64
                 kv_caches: list,  # see kv_cache_shapes: layer-major roots, or per-layer views (compiled regions)
@@ -302,7 +317,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         pages = self._pages(positions, meta, kv_caches[0][0].shape[0])
         h = vocab_parallel_embedding(input_ids, self.embed.weight, self.vocab_start, self.par)
         ctx = StepContext(pages, meta.slot_mapping, self.main_rope.at(positions, h.dtype),
-                          self.compress_rope.at(positions, h.dtype))
+                          self.compress_rope.at(positions, h.dtype), self._groups(pages, meta))
         streams = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.layers):
             streams = layer(streams, input_ids, ctx, self._layer_cache(i, kv_caches))

@@ -21,7 +21,7 @@ from torch import nn
 from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm
 from backend_lib.models.parallel import ParallelContext, Shard
 from kernels.compressed_attention import (
-    TokenPages, gather_rows, indexer_select, pool_heavily_compressed, pool_overlapping, sink_attention,
+    ChunkPages, TokenPages, gather_rows, indexer_select, pool_heavily_compressed, pool_overlapping, sink_attention,
 )
 from kernels.hyper_connections import unweighted_rms_norm
 from kernels.interleaved_rope import apply_tail_rope, rope_cos_sin
@@ -61,12 +61,14 @@ class V4AttentionDims:
 
 @dataclass(frozen=True)
 class StepContext:
-    """What every layer of one step shares: token pages, the step's slots, and each rotary's cos / sin."""
+    """What every layer of one step shares: token pages, the step's slots, each rotary's cos / sin, and the query
+    groups attention runs over (decode rows with per-token keys, then each prefill chunk with shared keys)."""
 
     pages: TokenPages
     slot_mapping: torch.Tensor  # [T] int64
     main_rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, P / 2]
     compress_rope: tuple[torch.Tensor, torch.Tensor]
+    groups: tuple[tuple[int, int, TokenPages | ChunkPages], ...]  # (first row, end row, pages)
 
 
 @dataclass(frozen=True)
@@ -97,13 +99,9 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(rate, width), requires_grad=False)
         self.norm = RMSNorm(dim, eps)
 
-    @property
-    def state_width(self) -> int:
-        return 2 * self.wkv.out_features
-
     def forward(self, x: torch.Tensor,  # [T, hidden] the attention block's normed input
                 ctx: StepContext,
-                state: torch.Tensor,  # [S, state_width]
+                state: torch.Tensor,  # [S, 2 * width]: [kv | gate] projections per slot
                 entries: torch.Tensor) -> None:  # [S, dim]
         """Store this step's projections, then the candidate entry of the window ending at every token."""
         state[ctx.slot_mapping] = torch.cat([self.wkv(x), self.wgate(x)], dim=-1).to(state.dtype)
@@ -126,19 +124,21 @@ class Indexer(nn.Module):
         self.weights_proj = BlockLinear(d.hidden, d.index_n_heads, block_size=block_size)
         self.compressor = Compressor(d.hidden, d.index_head_dim, d.compress_rate, True, d.eps, rope, block_size)
 
-    def forward(self, x: torch.Tensor,  # [T, hidden]
+    def queries(self, x: torch.Tensor,  # [T, hidden]
                 q_residual: torch.Tensor,  # [T, q_lora_rank]
-                ctx: StepContext, cache: LayerCache,
-                entry_slots: torch.Tensor,  # [T, E]
-                visible: torch.Tensor,  # [T, E] bool
-                ) -> torch.Tensor:  # [T, E] bool
+                ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hi, Di], [T, Hi]
         d = self.d
-        self.compressor(x, ctx, cache.index_state, cache.index_entries)
         q = self.wq_b(q_residual).view(-1, d.index_n_heads, d.index_head_dim)
-        q = apply_tail_rope(q, *ctx.compress_rope)
-        head_weights = self.weights_proj(x).float() * d.index_n_heads ** -0.5
-        keys = gather_rows(cache.index_entries, entry_slots).to(x.dtype)
-        return indexer_select(q, keys, head_weights, visible, d.index_topk)
+        return apply_tail_rope(q, *ctx.compress_rope), self.weights_proj(x).float() * d.index_n_heads ** -0.5
+
+    def select(self, q: torch.Tensor,  # [L, Hi, Di] this group's index queries
+               head_weights: torch.Tensor,  # [L, Hi]
+               cache: LayerCache,
+               entry_slots: torch.Tensor,  # [L or 1, E]
+               visible: torch.Tensor,  # [L, E] bool
+               ) -> torch.Tensor:  # [L, E] bool
+        keys = gather_rows(cache.index_entries, entry_slots).to(q.dtype)
+        return indexer_select(q, keys, head_weights, visible, self.d.index_topk)
 
 
 class V4Attention(nn.Module):
@@ -183,19 +183,34 @@ class V4Attention(nn.Module):
         kv = apply_tail_rope(self.norm(self.wkv(x)), cos, sin)
         cache.kv[ctx.slot_mapping] = kv.to(cache.kv.dtype)
 
-        pos, allowed = ctx.pages.recent(d.sliding_window)
-        keys = gather_rows(cache.kv, ctx.pages.slots(pos))
+        index_q = None
         if self.compressor is not None:
             self.compressor(x, ctx, cache.state, cache.entries)
-            entry_pos, visible = ctx.pages.entries(d.compress_rate)
-            entry_slots = ctx.pages.slots(entry_pos)
-            if self.indexer is not None:
-                visible = self.indexer(x, q_residual, ctx, cache, entry_slots, visible)
-            keys = torch.cat([keys, gather_rows(cache.entries, entry_slots)], dim=1)
-            allowed = torch.cat([allowed, visible], dim=1)
-        out = sink_attention(q, keys.to(q.dtype), allowed, self.attn_sink, self.scale)
+        if self.indexer is not None:
+            self.indexer.compressor(x, ctx, cache.index_state, cache.index_entries)
+            index_q = self.indexer.queries(x, q_residual, ctx)
+        parts = [self._attend(q[start:end], None if index_q is None else (index_q[0][start:end], index_q[1][start:end]),
+                              pages, cache)
+                 for start, end, pages in ctx.groups]
+        out = torch.cat(parts) if len(parts) > 1 else parts[0]
         out = apply_tail_rope(out, cos, -sin)
         return self.par.all_reduce(self.wo_b(self._grouped_output(out)))
+
+    def _attend(self, q: torch.Tensor,  # [L, H, D] one group's queries
+                index_q: tuple[torch.Tensor, torch.Tensor] | None,  # its index queries [L, Hi, Di], weights [L, Hi]
+                pages: TokenPages | ChunkPages, cache: LayerCache) -> torch.Tensor:  # [L, H, D]
+        """Sliding window plus (CSA: the indexer's picks among) the visible compressed entries."""
+        d = self.d
+        pos, allowed = pages.recent(d.sliding_window)
+        keys = gather_rows(cache.kv, pages.slots(pos))
+        if self.compressor is not None:
+            entry_pos, visible = pages.entries(d.compress_rate)
+            entry_slots = pages.slots(entry_pos)
+            if index_q is not None:
+                visible = self.indexer.select(*index_q, cache, entry_slots, visible)
+            keys = torch.cat([keys, gather_rows(cache.entries, entry_slots)], dim=1)
+            allowed = torch.cat([allowed, visible], dim=1)
+        return sink_attention(q, keys.to(q.dtype), allowed, self.attn_sink, self.scale)
 
     def _grouped_output(self, out: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [T, G * R]
         """Block-diagonal ``wo_a``: each group of heads has its own projection to ``o_lora_rank``."""

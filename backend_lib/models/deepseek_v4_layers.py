@@ -188,8 +188,11 @@ class V4MoE(nn.Module):
                  weights: torch.Tensor,  # [T, k] float32
                  local_ids: torch.Tensor,  # [T, k] int64, outside [0, num_local_experts) for other ranks' experts
                  ) -> torch.Tensor:  # [T, hidden]
-        """Each local expert over its own tokens, ascending expert id, accumulated with ``index_add_`` (the order
-        transformers uses). Data-dependent shapes: eager only."""
+        """Each local expert over its own tokens, ascending expert id, accumulated with ``index_add_``. Dense experts
+        run as one grouped GEMM per projection where torch has it (as transformers does); packed fp4 experts one by
+        one, each dequantized when it runs. Data-dependent shapes: eager only."""
+        if not self.packed_fp4 and hasattr(torch, "_grouped_mm"):
+            return self._grouped(x, weights, local_ids)
         out = torch.zeros_like(x)
         mask = F.one_hot(local_ids.clamp(-1, self.num_local_experts) + 1,
                          num_classes=self.num_local_experts + 2)[..., 1:-1].permute(2, 1, 0)  # [E, k, T]
@@ -200,6 +203,26 @@ class V4MoE(nn.Module):
             y = F.linear(h, self._dense("down", x.dtype, e)) * weights[token, slot, None].to(x.dtype)
             out.index_add_(0, token, y)
         return out
+
+    def _grouped(self, x: torch.Tensor,  # [T, hidden]
+                 weights: torch.Tensor,  # [T, k] float32
+                 local_ids: torch.Tensor,  # [T, k] int64
+                 ) -> torch.Tensor:  # [T, hidden]
+        """(token, choice) pairs sorted by expert, two grouped GEMMs over the experts' row ranges, one scatter-add.
+        Pairs routed to other ranks' experts sort last, past every range, and are zeroed before the add."""
+        num, top_k = self.num_local_experts, local_ids.shape[1]
+        ids = local_ids.flatten()
+        ids = torch.where((ids >= 0) & (ids < num), ids, torch.full_like(ids, num))
+        sorted_ids, order = torch.sort(ids, stable=True)
+        tokens = order // top_k
+        counts = torch.bincount(sorted_ids, minlength=num + 1)[:num]
+        offsets = torch.cumsum(counts, dim=0).to(torch.int32)
+        gate_up = torch._grouped_mm(x[tokens], self.gate_up.to(x.dtype).transpose(-2, -1), offs=offsets)
+        h = clipped_swiglu(*gate_up.chunk(2, dim=-1), self.d.swiglu_limit)
+        y = torch._grouped_mm(h, self.down.to(x.dtype).transpose(-2, -1), offs=offsets)  # [T * k, hidden]
+        scale = weights.flatten()[order].to(x.dtype)[:, None]
+        y = torch.where((sorted_ids < num)[:, None], y * scale, torch.zeros_like(y))
+        return torch.zeros_like(x).index_add_(0, tokens, y)
 
     def _static(self, x: torch.Tensor,  # [T, hidden]
                 weights: torch.Tensor,  # [T, k] float32
