@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 
 from backend_lib.openai_api.schema import ErrorBody, ErrorResponse
+from backend_lib.sampling_params import SamplingParams
 
 _BUSY_PREFIXES = ("server busy:", "the server is shutting down")
 _SERVER_FAULT_PREFIXES = ("internal error", "the engine failed")
@@ -39,14 +40,15 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
 def from_model_error(message: str, known_fields: dict[str, str]) -> OpenAIError:
     """The Triton model's error message -> an OpenAIError with the right status.
 
-    ``known_fields`` maps the engine's field names to the names the client used (e.g. logprobs ->
-    top_logprobs): the engine's message starts with the field it refuses, which becomes ``param``."""
+    The engine's message starts with the field it refuses, which becomes ``param``; ``known_fields`` maps the
+    engine's names to the ones the client used where they differ (e.g. logprobs -> top_logprobs)."""
     if message.startswith(_BUSY_PREFIXES):
         return OpenAIError(503, message, "server_busy", code="server_busy")
     if message.startswith(_SERVER_FAULT_PREFIXES):
         return OpenAIError(500, message, "server_error")
     match = _LEADING_NAME.match(message)
-    param = known_fields.get(match.group(1)) if match else None
+    name = match.group(1) if match else ""
+    param = known_fields.get(name, name if name in SamplingParams.field_names() else None)
     return OpenAIError(400, message, "invalid_request_error", param)
 
 
