@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend_lib.openai_api import translate
@@ -86,7 +87,10 @@ class OpenAIFront:
             raise
         stream = _Stream(kind, request_id, created, self.settings.served_model_name, model_request.logprobs,
                          include_usage)
-        return StreamingResponse(stream.events(first, deltas), media_type="text/event-stream",
+        events = stream.events(first, deltas)
+        # On a disconnect Starlette cancels the sending task, which may leave the generator parked at a yield;
+        # closing it afterwards (a no-op when it finished) cancels the Triton request without waiting for GC.
+        return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose),
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
 
 
