@@ -53,8 +53,8 @@ def test_models_lists_the_served_model(client):
 
 
 def test_chat_greedy_equals_grpc_streaming_and_not(client, grpc):
-    reference = _grpc(grpc, "messages", json.dumps(QUESTION), temperature=0, max_tokens=24)
-    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24)
+    reference = _grpc(grpc, "messages", json.dumps(QUESTION), temperature=0, max_tokens=12)
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=12)
     assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-") and reply.created > 0
     choice = reply.choices[0]
     assert choice.message.role == "assistant" and choice.message.content == reference.text
@@ -64,7 +64,7 @@ def test_chat_greedy_equals_grpc_streaming_and_not(client, grpc):
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
 
     chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0,
-                                                 max_completion_tokens=24, stream=True,
+                                                 max_completion_tokens=12, stream=True,
                                                  stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference.text
@@ -75,14 +75,14 @@ def test_chat_greedy_equals_grpc_streaming_and_not(client, grpc):
 
 
 def test_completions_text_and_token_ids(client, grpc):
-    reference = _grpc(grpc, "text_input", STORY, temperature=0, max_tokens=20, ignore_eos=True)
-    reply = client.completions.create(model=MODEL, prompt=STORY, temperature=0, max_tokens=20,
+    reference = _grpc(grpc, "text_input", STORY, temperature=0, max_tokens=12, ignore_eos=True)
+    reply = client.completions.create(model=MODEL, prompt=STORY, temperature=0, max_tokens=12,
                                       extra_body={"ignore_eos": True})
     assert reply.object == "text_completion" and reply.id.startswith("cmpl-")
     assert reply.choices[0].text == reference.text and reply.choices[0].finish_reason == "length"
-    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (reference.num_input_tokens, 20)
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (reference.num_input_tokens, 12)
 
-    streamed = list(client.completions.create(model=MODEL, prompt=STORY, temperature=0, max_tokens=20,
+    streamed = list(client.completions.create(model=MODEL, prompt=STORY, temperature=0, max_tokens=12,
                                               stream=True, extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].text for c in streamed) == reference.text
     assert streamed[-1].choices[0].finish_reason == "length"
@@ -95,10 +95,10 @@ def test_completions_text_and_token_ids(client, grpc):
 
 
 def test_stop_string_cuts_the_text(client):
-    free = client.completions.create(model=MODEL, prompt=STORY, temperature=0, max_tokens=24,
+    free = client.completions.create(model=MODEL, prompt=STORY, temperature=0, max_tokens=16,
                                      extra_body={"ignore_eos": True}).choices[0].text
     word = free.split()[len(free.split()) // 2]
-    stopped = client.completions.create(model=MODEL, prompt=STORY, temperature=0, max_tokens=24, stop=[word])
+    stopped = client.completions.create(model=MODEL, prompt=STORY, temperature=0, max_tokens=16, stop=[word])
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].text == free[:free.index(word)]
 
@@ -106,7 +106,7 @@ def test_stop_string_cuts_the_text(client):
 def test_seeded_sampling_is_reproducible(client):
     def sample(seed: int) -> str:
         return client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=1.0, top_p=0.95,
-                                              seed=seed, max_tokens=16, extra_body={"top_k": 50}).choices[0].message.content
+                                              seed=seed, max_tokens=8, extra_body={"top_k": 50}).choices[0].message.content
     assert sample(1234) == sample(1234)
 
 
@@ -175,13 +175,13 @@ def test_session_headers_continue_a_conversation(client):
     first_turn = [{"role": "user", "content": "My name is Ada. Say hello."}]
     second_turn = [{"role": "user", "content": "What is my name?"}]
     session = {"X-Session-Id": "openai-e2e-1"}
-    first = client.chat.completions.create(model=MODEL, messages=first_turn, temperature=0, max_tokens=16,
+    first = client.chat.completions.create(model=MODEL, messages=first_turn, temperature=0, max_tokens=12,
                                            extra_headers={**session, "X-Session-Start": "true"})
-    second = client.chat.completions.create(model=MODEL, messages=second_turn, temperature=0, max_tokens=16,
+    second = client.chat.completions.create(model=MODEL, messages=second_turn, temperature=0, max_tokens=12,
                                             extra_headers={**session, "X-Session-End": "true"})
     # The session turn sees the whole conversation: the same answer as the full history sent without a session.
     history = first_turn + [{"role": "assistant", "content": first.choices[0].message.content}] + second_turn
-    stateless = client.chat.completions.create(model=MODEL, messages=history, temperature=0, max_tokens=16)
+    stateless = client.chat.completions.create(model=MODEL, messages=history, temperature=0, max_tokens=12)
     assert second.choices[0].message.content == stateless.choices[0].message.content
     assert second.usage.prompt_tokens == stateless.usage.prompt_tokens
     # The session ended: another turn is refused, naming the session.
