@@ -4,7 +4,7 @@ Started by benchmarks/aiperf.sh, which installs AIPerf into its own venv and pas
 `deepinfer serve --openai-port` server (the serving benchmark's engine settings); for each concurrency level the
 gRPC closed loop of benchmarks/serving.py (its own process at nice 10) and then `aiperf profile` on
 /v1/chat/completions (streaming, the same 32 chat prompts, 128 new tokens, greedy, EOS ignored, token counts from
-the server's usage). AIPerf needs a Hugging Face tokenizer: the bundled GGUF's tokenizer is saved as one.
+the server's usage, so AIPerf's builtin tokenizer only reads the dataset: no Hugging Face download).
 Writes benchmarks/results/openai.md and openai.png.
 """
 from __future__ import annotations
@@ -38,37 +38,26 @@ class Row:
     itl_p50_ms: float
 
 
-def export_tokenizer(directory: Path) -> Path:
-    """The bundled model's tokenizer as a Hugging Face directory (tokenizer.json + config), for AIPerf."""
-    from backend_lib.models.loader import default_model_path
-    from backend_lib.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.load(default_model_path())
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer._backend.save(str(directory / "tokenizer.json"))  # the tokenizers backend is what AIPerf loads
-    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
-    return directory
-
-
-def write_dataset(prompts: list, path: Path) -> Path:
-    """AIPerf's single_turn JSONL: the workload's single user message per line."""
+def write_dataset(prompts: list, new_tokens: int, path: Path) -> Path:
+    """AIPerf's single_turn JSONL: the workload's single user message and its output length per line."""
     lines = []
     for messages in prompts:
         if len(messages) != 1 or messages[0]["role"] != "user":
             raise ValueError(f"the workload's prompts must be one user message each, got {messages!r}")
-        lines.append(json.dumps({"text": messages[0]["content"]}))
+        lines.append(json.dumps({"text": messages[0]["content"], "output_length": new_tokens}))
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-def aiperf_level(aiperf: str, url: str, tokenizer: Path, dataset: Path, concurrency: int, requests: int,
-                 new_tokens: int, out: Path, client_nice: int) -> Row:
+def aiperf_level(aiperf: str, url: str, dataset: Path, concurrency: int, requests: int,
+                 out: Path, client_nice: int) -> Row:
     # At the gRPC client's priority: both load generators take the engine's idle cycles, not its running ones.
-    command = ["nice", "-n", str(client_nice), aiperf, "profile", "--model", "deepinfer", "--tokenizer", str(tokenizer), "--url", url,
+    command = ["nice", "-n", str(client_nice), aiperf, "profile", "--model", "deepinfer", "--tokenizer", "builtin",
+               "--url", url,
                "--endpoint-type", "chat", "--streaming", "--input-file", str(dataset),
                "--custom-dataset-type", "single_turn", "--concurrency", str(concurrency),
                "--request-count", str(requests), "--warmup-request-count", "1", "--use-server-token-count",
-               "--extra-inputs", f"max_tokens:{new_tokens}", "--extra-inputs", "ignore_eos:true",
+               "--extra-inputs", "ignore_eos:true",
                "--extra-inputs", "temperature:0", "--ui-type", "none", "--artifact-dir", str(out)]
     subprocess.run(command, check=True)
     exports = sorted(out.rglob("profile_export_aiperf.json"))
@@ -148,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
 
     load_before = os.getloadavg()[0]
     prompts, new_tokens = serving.load_workload(args.workload)
-    tokenizer = export_tokenizer(args.work / "tokenizer")
-    dataset = write_dataset(prompts, args.work / "workload.jsonl")
+    args.work.mkdir(parents=True, exist_ok=True)
+    dataset = write_dataset(prompts, new_tokens, args.work / "workload.jsonl")
     server = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                           openai_port=free_port(), overrides={k: str(v) for k, v in serving.ENGINE_SETTINGS.items()})
     rows = []
@@ -159,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         for c in (int(x) for x in args.concurrency.split(",")):
             n = min(len(prompts), c * args.requests_per_stream)
             rows.append(grpc_level(server.grpc_url, prompts[:n], new_tokens, c, args.client_nice))
-            rows.append(aiperf_level(args.aiperf, f"localhost:{server.openai_port}", tokenizer, dataset, c, n,
-                                     new_tokens, args.work / f"aiperf-c{c}", args.client_nice))
+            rows.append(aiperf_level(args.aiperf, f"localhost:{server.openai_port}", dataset, c, n,
+                                     args.work / f"aiperf-c{c}", args.client_nice))
             print(f"concurrency {c}: gRPC {rows[-2].tok_s:.1f} tok/s, OpenAI {rows[-1].tok_s:.1f} tok/s", flush=True)
     finally:
         server.stop()

@@ -33,7 +33,7 @@ def test_chat_request_maps_fields_and_messages():
 @pytest.mark.parametrize("fields, param", [
     ({"n": 2}, "n"), ({"logit_bias": {"1": 2.0}}, "logit_bias"), ({"tools": [{"type": "function"}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"), ({"top_logprobs": 2}, "top_logprobs"),
-    ({"max_tokens": 1, "max_completion_tokens": 1}, "max_completion_tokens"),
+    ({"max_tokens": 1, "max_completion_tokens": 2}, "max_completion_tokens"),
 ])
 def test_chat_fields_we_cannot_honour_are_refused(fields, param):
     with pytest.raises(OpenAIError) as raised:

@@ -157,8 +157,10 @@ def chat_request(request: ChatCompletionRequest, session: Session | None) -> Mod
         # "developer" is the newer name OpenAI gives the system role; chat templates know "system".
         role = "system" if message.role == "developer" else message.role
         messages.append({"role": role, "content": _message_text(index, message.content)})
-    if request.max_completion_tokens is not None and request.max_tokens is not None:
-        raise bad_request("give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
+    if None not in (request.max_completion_tokens, request.max_tokens) and \
+            request.max_completion_tokens != request.max_tokens:
+        raise bad_request(f"max_tokens ({request.max_tokens}) and max_completion_tokens "
+                          f"({request.max_completion_tokens}) differ: give one of them", param="max_completion_tokens")
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     sampling = _sampling(request, max_tokens)
     if request.top_logprobs is not None and not request.logprobs:
