@@ -4,7 +4,7 @@ Started by benchmarks/aiperf.sh, which installs AIPerf into its own venv and pas
 `deepinfer serve --openai-port` server (the serving benchmark's engine settings); for each concurrency level the
 gRPC closed loop of benchmarks/serving.py (its own process at nice 10) and then `aiperf profile` on
 /v1/chat/completions (streaming, the same 32 chat prompts, 128 new tokens, greedy, EOS ignored, token counts from
-the server's usage, so AIPerf's builtin tokenizer only reads the dataset: no Hugging Face download).
+the server's usage; AIPerf still loads a tokenizer: the bundled model's, saved as a Hugging Face directory).
 Writes benchmarks/results/openai.md and openai.png.
 """
 from __future__ import annotations
@@ -38,6 +38,16 @@ class Row:
     itl_p50_ms: float
 
 
+def export_tokenizer(directory: Path) -> Path:
+    """The bundled model's tokenizer as a Hugging Face directory: AIPerf loads one even when the server counts the
+    tokens, and this machine cannot download any (AIPerf's "builtin" tokenizer downloads its encoding)."""
+    from backend_lib.models.loader import default_model_path
+    from backend_lib.tokenizer import Tokenizer
+
+    Tokenizer.load(default_model_path()).save_pretrained(str(directory))
+    return directory
+
+
 def write_dataset(prompts: list, new_tokens: int, path: Path) -> Path:
     """AIPerf's single_turn JSONL: the workload's single user message and its output length per line."""
     lines = []
@@ -49,10 +59,10 @@ def write_dataset(prompts: list, new_tokens: int, path: Path) -> Path:
     return path
 
 
-def aiperf_level(aiperf: str, url: str, dataset: Path, concurrency: int, requests: int,
+def aiperf_level(aiperf: str, url: str, tokenizer: Path, dataset: Path, concurrency: int, requests: int,
                  out: Path, client_nice: int) -> Row:
     # At the gRPC client's priority: both load generators take the engine's idle cycles, not its running ones.
-    command = ["nice", "-n", str(client_nice), aiperf, "profile", "--model", "deepinfer", "--tokenizer", "builtin",
+    command = ["nice", "-n", str(client_nice), aiperf, "profile", "--model", "deepinfer", "--tokenizer", str(tokenizer),
                "--url", url,
                "--endpoint-type", "chat", "--streaming", "--input-file", str(dataset),
                "--custom-dataset-type", "single_turn", "--concurrency", str(concurrency),
@@ -139,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts, new_tokens = serving.load_workload(args.workload)
     args.work.mkdir(parents=True, exist_ok=True)
     dataset = write_dataset(prompts, new_tokens, args.work / "workload.jsonl")
+    tokenizer = export_tokenizer(args.work / "tokenizer")
     server = TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                           openai_port=free_port(), overrides={k: str(v) for k, v in serving.ENGINE_SETTINGS.items()})
     rows = []
@@ -148,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in (int(x) for x in args.concurrency.split(",")):
             n = min(len(prompts), c * args.requests_per_stream)
             rows.append(grpc_level(server.grpc_url, prompts[:n], new_tokens, c, args.client_nice))
-            rows.append(aiperf_level(args.aiperf, f"localhost:{server.openai_port}", dataset, c, n,
+            rows.append(aiperf_level(args.aiperf, f"localhost:{server.openai_port}", tokenizer, dataset, c, n,
                                      args.work / f"aiperf-c{c}", args.client_nice))
             print(f"concurrency {c}: gRPC {rows[-2].tok_s:.1f} tok/s, OpenAI {rows[-1].tok_s:.1f} tok/s", flush=True)
     finally:
