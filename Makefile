@@ -1,5 +1,6 @@
 # Two commands on a fresh machine: `make serve` and `make test`.
 PYTHON ?= python3
+OPENAI_PORT ?= 9000
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -20,7 +21,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/deepinfer serve
+	$(VENV)/bin/deepinfer serve --openai-port $(OPENAI_PORT)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -rs

@@ -166,6 +166,8 @@ class TritonServer:
     stop_file: Path | None = None  # created on stop(): the model then aborts in-flight requests
     env: dict[str, str] = field(default_factory=dict)  # extra environment for tritonserver and the model
     shm_prefix: str = ""  # the Python backend's shm-region-prefix-name, unique to this launcher; set by start()
+    openai_port: int | None = None  # the OpenAI-compatible front (backend_lib/openai_api) listens here when set
+    openai_process: subprocess.Popen | None = None
 
     @property
     def http_url(self) -> str:
@@ -178,6 +180,10 @@ class TritonServer:
     @property
     def metrics_url(self) -> str:
         return f"http://localhost:{self.metrics_port}/metrics"
+
+    @property
+    def openai_url(self) -> str | None:
+        return f"http://localhost:{self.openai_port}/v1" if self.openai_port is not None else None
 
     def start(self, timeout_s: float = 600.0) -> "TritonServer":
         install = prepare_tritonserver()
@@ -206,10 +212,47 @@ class TritonServer:
                                             preexec_fn=lifeline.die_with_parent(signal.SIGKILL))
         try:
             self._wait_ready(timeout_s)
+            if self.openai_port is not None:
+                self._start_openai_front(work)
         except BaseException:
             self.kill()  # never ready: no request to drain or abort
             raise
         return self
+
+    def _start_openai_front(self, work: Path) -> None:
+        """The OpenAI front as a child that dies with this process (parent-death signal), once Triton is ready."""
+        command = [sys.executable, "-m", "backend_lib.openai_api", f"--port={self.openai_port}",
+                   f"--grpc-url={self.grpc_url}", f"--triton-model={MODEL_NAME}", f"--parent-pid={os.getpid()}"]
+        # Not tritonserver's environment: its LD_LIBRARY_PATH holds the wheel's bundled libraries.
+        front_env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p))
+        with open(work / "openai.log", "ab") as log:
+            self.openai_process = subprocess.Popen(command, env=front_env, stdout=log, stderr=subprocess.STDOUT,
+                                                   stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.openai_process.poll() is not None:
+                raise RuntimeError(f"the OpenAI front exited with code {self.openai_process.returncode}; log "
+                                   f"{work / 'openai.log'}:\n{(work / 'openai.log').read_text(errors='replace')[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"http://localhost:{self.openai_port}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"the OpenAI front on port {self.openai_port} was not ready within 60 s")
+
+    def _stop_openai_front(self) -> None:
+        process, self.openai_process = self.openai_process, None
+        if process is None or process.poll() is not None:
+            return
+        process.terminate()  # uvicorn closes its streams (their Triton requests are cancelled) and exits
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
 
     def log_tail(self, lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -279,12 +322,14 @@ class TritonServer:
 
     def stop(self, timeout_s: float = 60.0, drain_timeout_s: float = 0.0) -> int | None:
         """Drain for up to ``drain_timeout_s`` (0: no drain), then the stop file (the model aborts in-flight
-        requests), SIGINT (Triton unloads the model), SIGKILL after ``timeout_s``; finally remove our shm regions."""
+        requests), SIGINT (Triton unloads the model), SIGKILL after ``timeout_s``; finally remove our shm regions.
+        The OpenAI front stops when the drain is over, before Triton goes."""
         process = self.process
         if process is None:
             return None
         if process.poll() is None:
             drained = drain_timeout_s > 0 and self.drain(drain_timeout_s)
+            self._stop_openai_front()  # its clients' requests end before Triton goes
             if self.stop_file is not None and not drained:
                 # Triton unloads a decoupled model only after its streams end: let the model end them first.
                 self.stop_file.touch()
@@ -301,6 +346,7 @@ class TritonServer:
     def kill(self) -> None:
         """End at once what is left of the process group we started (the stub may outlive a killed server), and
         remove our shm regions."""
+        self._stop_openai_front()
         process = self.process
         if process is not None:
             self._signal_group(process, signal.SIGKILL)
@@ -340,14 +386,19 @@ def banner(server: TritonServer) -> str:
     chat = ('{"messages": "[{\\"role\\": \\"user\\", \\"content\\": \\"What is the capital of France?\\"}]", '
             '"max_tokens": 32, "temperature": 0}')
     stream = '{"text_input": "Once upon a time", "max_tokens": 32, "temperature": 0.7, "stream": true}'
+    openai_chat = (f'{{"model": "{MODEL_NAME}", "messages": [{{"role": "user", "content": "What is the capital of '
+                   'France?"}], "max_tokens": 32, "temperature": 0}')
     return "\n".join([
         f"DeepInfer is serving model '{MODEL_NAME}'",
         f"  HTTP     http://{server.http_url}   (/v2/models/{MODEL_NAME}/generate, /generate_stream)",
         f"  gRPC     {server.grpc_url}        (streaming: tritonclient.grpc, `deepinfer chat --url {server.grpc_url}`)",
         f"  metrics  {server.metrics_url}",
+        *([f"  OpenAI   {server.openai_url}   (/models, /completions, /chat/completions)"] if server.openai_url else []),
         "Try:",
         f"  curl -s http://{server.http_url}/v2/models/{MODEL_NAME}/generate -d '{chat}'",
         f"  curl -sN http://{server.http_url}/v2/models/{MODEL_NAME}/generate_stream -d '{stream}'",
+        *([f"  curl -s {server.openai_url}/chat/completions -H 'Content-Type: application/json' -d "
+           f"'{openai_chat}'"] if server.openai_url else []),
         f"Log: {server.log_path}   Stop: Ctrl-C",
     ])
 
@@ -358,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--openai-port", type=int, default=None,
+                        help="also serve an OpenAI-compatible API on this port (a child process that forwards to "
+                             "the model over gRPC)")
     parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                         help="engine setting from config.pbtxt, e.g. --param max_num_seqs=8 (repeatable)")
     parser.add_argument("--workdir", type=Path, default=None, help="where to write the model repository and log")
@@ -374,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is not None:
         overrides["model"] = str(Path(args.model).expanduser().resolve())
     server = TritonServer(http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-                          overrides=overrides, workdir=args.workdir, log_verbose=args.log_verbose)
+                          openai_port=args.openai_port, overrides=overrides, workdir=args.workdir,
+                          log_verbose=args.log_verbose)
     signals = ShutdownSignals().install()
     print("Starting tritonserver (loading the model takes a while) ...", flush=True)
     try:
@@ -382,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
         signals.serving = True
         print(banner(server), flush=True)
         while signals.requested is None and server.process is not None and server.process.poll() is None:
+            if server.openai_process is not None and server.openai_process.poll() is not None:
+                print(f"the OpenAI front exited with code {server.openai_process.returncode}", file=sys.stderr)
+                return 1
             time.sleep(0.2)
         if signals.requested is None:
             print(f"tritonserver exited with code {server.process.returncode if server.process else None}:\n"

@@ -169,6 +169,20 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    def save_pretrained(self, directory: str) -> None:
+        """A Hugging Face tokenizer directory (tokenizer.json + tokenizer_config.json), e.g. for tools that load
+        tokenizers with transformers' AutoTokenizer while this machine cannot reach the hub."""
+        os.makedirs(directory, exist_ok=True)
+        self._backend.save(os.path.join(directory, "tokenizer.json"))
+        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+        for name, token_id in (("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id)):
+            if token_id is not None:
+                config[name] = self._backend.id_to_token(token_id)
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        with open(os.path.join(directory, "tokenizer_config.json"), "w") as out:
+            json.dump(config, out)
+
     # ------------------------------------------------------------------ chat
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:

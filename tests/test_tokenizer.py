@@ -393,3 +393,11 @@ def test_stop_strings_empty_and_invalid():
     with pytest.raises(ValueError, match="stops"):
         StopStringMatcher(["ok", ""])
 
+
+
+def test_save_pretrained_round_trips(ours, tmp_path):
+    ours.save_pretrained(str(tmp_path))
+    again = Tokenizer.from_pretrained(str(tmp_path))
+    text = "The capital of France is Paris. <|im_end|> héllo"
+    assert again.encode(text) == ours.encode(text)
+    assert (again.eos_token_id, again.chat_template) == (ours.eos_token_id, ours.chat_template)

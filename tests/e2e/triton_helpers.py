@@ -18,10 +18,13 @@ MODEL = "deepinfer"
 _DTYPES = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "FP32": np.float32}
 
 
-def new_server(workdir: Any, overrides: dict[str, str], exit_timeout_s: float = 15) -> TritonServer:
-    """A tritonserver on free ports; ``with new_server(...) as server`` starts it and always stops it."""
+def new_server(workdir: Any, overrides: dict[str, str], exit_timeout_s: float = 15,
+               openai: bool = False) -> TritonServer:
+    """A tritonserver on free ports (with ``openai``, its OpenAI front too); ``with new_server(...) as server``
+    starts it and always stops it."""
     return TritonServer(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                        overrides=overrides, workdir=workdir, exit_timeout_s=exit_timeout_s)
+                        openai_port=free_port() if openai else None, overrides=overrides, workdir=workdir,
+                        exit_timeout_s=exit_timeout_s)
 
 
 def make_inputs(values: dict[str, Any], dtypes: dict[str, str] | None = None) -> list[grpcclient.InferInput]:

@@ -1,0 +1,227 @@
+"""The OpenAI-compatible HTTP front (FastAPI): /v1/models, /v1/completions, /v1/chat/completions, /health.
+
+Every call becomes one request to our Triton model over gRPC streaming (triton_stream.py), so one engine
+serves both APIs and Triton's metrics and logs see every request. Streaming answers are server-sent events
+ending in ``data: [DONE]``; the first model response is awaited before the HTTP status is sent, so a refused
+request (bad field, busy server, unknown session) gets its real status, not a 200 with an error event.
+State (the gRPC channel, the settings) lives on ``app.state.front``.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from backend_lib.openai_api import translate
+from backend_lib.openai_api.errors import OpenAIError
+from backend_lib.openai_api.schema import (ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionRequest,
+                                           ModelCard, ModelList)
+from backend_lib.openai_api.translate import ModelDelta, ModelRequest, Totals
+from backend_lib.openai_api.triton_stream import TritonStreamClient
+
+logger = logging.getLogger("deepinfer.openai")
+_DISCONNECT_POLL_S = 0.5
+_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class FrontSettings:
+    grpc_url: str  # Triton's gRPC endpoint, e.g. localhost:8001
+    triton_model: str = "deepinfer"
+    served_model_name: str = "deepinfer"  # the name clients give as "model"
+
+
+def _sse(payload: BaseModel | dict) -> bytes:
+    body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return b"data: " + body.encode("utf-8") + b"\n\n"
+
+
+class OpenAIFront:
+    """Turns one OpenAI call into one Triton request and its responses into the OpenAI answer."""
+
+    def __init__(self, settings: FrontSettings) -> None:
+        self.settings = settings
+        self.created = int(time.time())
+        self.client: TritonStreamClient | None = None
+
+    async def start(self) -> None:
+        self.client = TritonStreamClient(self.settings.grpc_url, self.settings.triton_model)
+
+    async def stop(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    def check_model(self, model: str) -> None:
+        if model != self.settings.served_model_name:
+            raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
+                                   f"{self.settings.served_model_name!r}", "invalid_request_error", "model",
+                              "model_not_found")
+
+    async def respond(self, kind: Literal["chat", "completion"], model_request: ModelRequest, include_usage: bool,
+                      http_request: Request) -> Response:
+        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        assert self.client is not None, "the front is not started"
+        deltas = self.client.generate(request_id, model_request)
+        if not model_request.stream:
+            totals = await _until_disconnected(http_request, _gather(deltas))
+            build = translate.chat_response if kind == "chat" else translate.completion_response
+            answer = build(request_id, created, self.settings.served_model_name, totals, model_request.logprobs)
+            return Response(answer.model_dump_json(), media_type="application/json")
+        try:
+            first = await anext(deltas)  # an error here raises with its status: nothing was sent yet
+        except BaseException:
+            await deltas.aclose()
+            raise
+        stream = _Stream(kind, request_id, created, self.settings.served_model_name, model_request.logprobs,
+                         include_usage)
+        events = stream.events(first, deltas)
+        # On a disconnect Starlette cancels the sending task, which may leave the generator parked at a yield;
+        # closing it afterwards (a no-op when it finished) cancels the Triton request without waiting for GC.
+        return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose),
+                                 headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
+
+
+async def _gather(deltas: AsyncIterator[ModelDelta]) -> Totals:
+    totals = Totals()
+    async for delta in deltas:
+        totals.add(delta)
+    return totals
+
+
+async def _until_disconnected(http_request: Request, work: Awaitable[Totals]) -> Totals:
+    """Runs ``work``; if the HTTP client goes away first, cancels it (which cancels the Triton request)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await http_request.is_disconnected():
+                raise OpenAIError(499, "the client closed the connection", "client_closed_request")
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+@dataclass
+class _Stream:
+    """One request's server-sent events: chunks, the usage chunk when asked for, then [DONE]."""
+
+    kind: Literal["chat", "completion"]
+    request_id: str
+    created: int
+    model: str
+    logprobs: bool
+    include_usage: bool
+
+    async def events(self, first: ModelDelta, deltas: AsyncIterator[ModelDelta]) -> AsyncIterator[bytes]:
+        totals = Totals()
+        try:
+            if self.kind == "chat":
+                yield _sse(translate.chat_chunk(self.request_id, self.created, self.model, None, False))
+            delta: ModelDelta | None = first
+            while delta is not None:
+                yield self._chunk(delta, len("".join(totals.text)) if self.logprobs else 0)
+                totals.add(delta)
+                delta = await anext(deltas, None)
+            if self.include_usage:
+                chunk_type = ChatCompletionChunk if self.kind == "chat" else Completion
+                yield _sse(chunk_type(id=self.request_id, created=self.created, model=self.model, choices=[],
+                                      usage=totals.usage))
+        except OpenAIError as exc:  # the status is sent: the error goes as an event, as OpenAI's API does
+            logger.warning("request %s failed mid-stream: %s", self.request_id, exc.message)
+            yield _sse(exc.body())
+        finally:
+            # Also on a client disconnect (this generator is cancelled): closing cancels the Triton request.
+            await deltas.aclose()
+        yield _DONE
+
+    def _chunk(self, delta: ModelDelta, text_offset: int) -> bytes:
+        if self.kind == "chat":
+            return _sse(translate.chat_chunk(self.request_id, self.created, self.model, delta, self.logprobs))
+        return _sse(translate.completion_chunk(self.request_id, self.created, self.model, delta, text_offset,
+                                               self.logprobs))
+
+
+def _error_response(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": str(exc)}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    return OpenAIError(400, message, "invalid_request_error", param)
+
+
+def create_app(settings: FrontSettings) -> FastAPI:
+    front = OpenAIFront(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await front.start()
+        yield
+        await front.stop()
+
+    app = FastAPI(title="DeepInfer OpenAI-compatible API", lifespan=lifespan)
+    app.state.front = front
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error_response(OpenAIError(exc.status_code, str(exc.detail), kind))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error")
+        return _error_response(OpenAIError(500, f"internal error: {exc}", "server_error"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        assert front.client is not None
+        if await front.client.ready():
+            return Response(status_code=200)
+        raise OpenAIError(503, f"model {settings.triton_model} is not ready in Triton", "server_unavailable")
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=settings.served_model_name, created=front.created)])
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        front.check_model(body.model)
+        model_request = translate.completion_request(body, translate.session_from_headers(request.headers))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await front.respond("completion", model_request, include_usage, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        front.check_model(body.model)
+        model_request = translate.chat_request(body, translate.session_from_headers(request.headers))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await front.respond("chat", model_request, include_usage, request)
+
+    return app

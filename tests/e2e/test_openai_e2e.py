@@ -1,0 +1,189 @@
+"""The OpenAI front (`deepinfer serve --openai-port`) driven by the official `openai` client against a real server.
+
+One server start for the module: tritonserver with the bundled SmolLM2 plus the front, as `deepinfer serve`
+starts them. The gRPC path of the same server is the reference for greedy text and token counts.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from urllib.parse import urlparse
+
+import openai
+import pytest
+from conftest import SERVER_PARAMETERS
+from triton_helpers import StreamClient, metric, metrics, new_server
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "deepinfer"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+STORY = "Once upon a time, in a small village by the sea,"
+RETURN_COUNTS = {"return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    with new_server(tmp_path_factory.mktemp("openai"), dict(SERVER_PARAMETERS), openai=True) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.openai_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def grpc(served):
+    stream = StreamClient(served.grpc_url)
+    yield stream
+    stream.close()
+
+
+def _grpc(grpc: StreamClient, prompt_input: str, prompt, **sampling):
+    result = grpc.generate({prompt_input: prompt, "sampling_parameters": json.dumps(sampling), "stream": True,
+                            **RETURN_COUNTS})
+    assert result.error is None, result.error
+    return result
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_greedy_equals_grpc_streaming_and_not(client, grpc):
+    reference = _grpc(grpc, "messages", json.dumps(QUESTION), temperature=0, max_tokens=12)
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=12)
+    assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-") and reply.created > 0
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == reference.text
+    assert choice.finish_reason == reference.finish_reason
+    assert reply.usage.prompt_tokens == reference.num_input_tokens
+    assert reply.usage.completion_tokens == sum(reference.num_output_tokens)
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0,
+                                                 max_completion_tokens=12, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference.text
+    assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [reference.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage == reply.usage
+
+
+def test_completions_text_and_token_ids(client, grpc):
+    reference = _grpc(grpc, "text_input", STORY, temperature=0, max_tokens=12, ignore_eos=True)
+    reply = client.completions.create(model=MODEL, prompt=STORY, temperature=0, max_tokens=12,
+                                      extra_body={"ignore_eos": True})
+    assert reply.object == "text_completion" and reply.id.startswith("cmpl-")
+    assert reply.choices[0].text == reference.text and reply.choices[0].finish_reason == "length"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (reference.num_input_tokens, 12)
+
+    streamed = list(client.completions.create(model=MODEL, prompt=STORY, temperature=0, max_tokens=12,
+                                              stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in streamed) == reference.text
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+    ids = grpc.generate({"text_input": STORY, "sampling_parameters": json.dumps({"max_tokens": 1, "temperature": 0}),
+                         "stream": True}).all_ids  # any ids do: the model's own first token, then the story's
+    by_ids = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=8)
+    assert by_ids.usage.prompt_tokens == len(ids)
+    assert by_ids.choices[0].text == _grpc(grpc, "input_ids", ids, temperature=0, max_tokens=8).text
+
+
+def test_stop_string_cuts_the_text(client):
+    free = client.completions.create(model=MODEL, prompt=STORY, temperature=0, max_tokens=16,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    word = free.split()[len(free.split()) // 2]
+    stopped = client.completions.create(model=MODEL, prompt=STORY, temperature=0, max_tokens=16, stop=[word])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == free[:free.index(word)]
+
+
+def test_seeded_sampling_is_reproducible(client):
+    def sample(seed: int) -> str:
+        return client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=1.0, top_p=0.95,
+                                              seed=seed, max_tokens=8, extra_body={"top_k": 50}).choices[0].message.content
+    assert sample(1234) == sample(1234)
+
+
+def test_logprobs_in_both_layouts(client):
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=4,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    completion = client.completions.create(model=MODEL, prompt=STORY, temperature=0, max_tokens=4, logprobs=3)
+    lp = completion.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert lp.text_offset[0] == 0 and all(len(top) == 3 for top in lp.top_logprobs)
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"temperature": -1.0}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"n": 2}, "n"),
+    ({"max_tokens": 100000}, "max_tokens"),
+    ({"extra_body": {"top_k": "many"}}, "top_k"),
+], ids=["temperature", "top_p", "n", "max_tokens", "top_k-type"])
+def test_bad_field_is_a_400_naming_it(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, **kwargs)
+    error = raised.value.body
+    assert raised.value.status_code == 400 and error["param"] == param and param in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_a_404(client):
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.chat.completions.create(model="gpt-4o", messages=QUESTION)
+    assert raised.value.body["code"] == "model_not_found" and "gpt-4o" in raised.value.body["message"]
+
+
+def test_disconnect_mid_stream_frees_the_blocks(served):
+    def used() -> float:
+        return metric(metrics(served.metrics_url), "deepinfer_kv_blocks_used")
+
+    def aborted() -> float:
+        return metric(metrics(served.metrics_url), "deepinfer_requests_total", finish_reason="abort")
+
+    aborted_before = aborted()
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    url = urlparse(served.openai_url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    for _ in range(8):
+        assert response.readline().startswith((b"data: ", b"\n", b"\r\n"))
+    deadline = time.monotonic() + 10
+    while used() == 0 and time.monotonic() < deadline:  # the gauge refreshes every 0.5 s
+        time.sleep(0.2)
+    assert used() > 0
+    connection.sock.shutdown(2)  # the client goes away mid-stream
+    connection.close()
+    deadline = time.monotonic() + 20
+    while (used() > 0 or aborted() == aborted_before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert used() == 0 and aborted() == aborted_before + 1
+
+
+def test_session_headers_continue_a_conversation(client):
+    first_turn = [{"role": "user", "content": "My name is Ada. Say hello."}]
+    second_turn = [{"role": "user", "content": "What is my name?"}]
+    session = {"X-Session-Id": "openai-e2e-1"}
+    first = client.chat.completions.create(model=MODEL, messages=first_turn, temperature=0, max_tokens=12,
+                                           extra_headers={**session, "X-Session-Start": "true"})
+    second = client.chat.completions.create(model=MODEL, messages=second_turn, temperature=0, max_tokens=12,
+                                            extra_headers={**session, "X-Session-End": "true"})
+    # The session turn sees the whole conversation: the same answer as the full history sent without a session.
+    history = first_turn + [{"role": "assistant", "content": first.choices[0].message.content}] + second_turn
+    stateless = client.chat.completions.create(model=MODEL, messages=history, temperature=0, max_tokens=12)
+    assert second.choices[0].message.content == stateless.choices[0].message.content
+    assert second.usage.prompt_tokens == stateless.usage.prompt_tokens
+    # The session ended: another turn is refused, naming the session.
+    with pytest.raises(openai.BadRequestError, match="unknown session"):
+        client.chat.completions.create(model=MODEL, messages=second_turn, max_tokens=4, extra_headers=session)

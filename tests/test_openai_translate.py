@@ -1,0 +1,128 @@
+"""The OpenAI front's translation layer without a server: requests -> model requests, responses -> OpenAI."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from backend_lib.openai_api import translate
+from backend_lib.openai_api.errors import OpenAIError, from_model_error
+from backend_lib.openai_api.schema import ChatCompletionRequest, CompletionRequest
+from backend_lib.openai_api.translate import ModelDelta, Session, Totals
+from backend_lib.openai_api.triton_stream import _bytes_elements, build_infer_request, parse_response
+
+
+def _chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model="deepinfer", messages=[{"role": "user", "content": "hi"}], **fields)
+
+
+def test_chat_request_maps_fields_and_messages():
+    request = ChatCompletionRequest(model="deepinfer", messages=[
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        max_completion_tokens=7, temperature=0.5, stop="x", seed=3, logprobs=True, top_logprobs=2, top_k=5,
+        ignore_eos=True, user="someone")
+    model = translate.chat_request(request, None)
+    assert model.prompt_input == "messages"
+    assert json.loads(model.prompt) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
+    assert model.sampling == {"max_tokens": 7, "temperature": 0.5, "stop": "x", "seed": 3, "logprobs": 2,
+                              "top_k": 5, "ignore_eos": True}
+    assert model.logprobs and model.field_names == {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"}
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"n": 2}, "n"), ({"logit_bias": {"1": 2.0}}, "logit_bias"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"max_tokens": 1, "max_completion_tokens": 2}, "max_completion_tokens"),
+])
+def test_chat_fields_we_cannot_honour_are_refused(fields, param):
+    with pytest.raises(OpenAIError) as raised:
+        translate.chat_request(_chat(**fields), None)
+    assert raised.value.status == 400 and raised.value.param == param
+
+
+def test_completion_prompts():
+    assert translate.completion_request(CompletionRequest(model="m", prompt="abc"), None).prompt_input == "text_input"
+    by_ids = translate.completion_request(CompletionRequest(model="m", prompt=[[1, 2, 3]], logprobs=2), None)
+    assert (by_ids.prompt_input, by_ids.prompt, by_ids.sampling) == ("input_ids", [1, 2, 3], {"logprobs": 2})
+    with pytest.raises(OpenAIError, match="one prompt per request"):
+        translate.completion_request(CompletionRequest(model="m", prompt=["a", "b"]), None)
+    with pytest.raises(OpenAIError, match="echo"):
+        translate.completion_request(CompletionRequest(model="m", prompt="a", echo=True), None)
+
+
+def test_session_headers():
+    assert translate.session_from_headers({}) is None
+    assert translate.session_from_headers({"x-session-id": "42", "x-session-start": "true"}) == Session(42, True)
+    assert translate.session_from_headers({"x-session-id": "chat-a", "x-session-end": "1"}) == \
+        Session("chat-a", False, True)
+    for headers in ({"x-session-start": "true"}, {"x-session-id": "1", "x-session-end": "maybe"},
+                    {"x-session-id": str(2**63)}, {"x-session-id": "0"}):
+        with pytest.raises(OpenAIError):
+            translate.session_from_headers(headers)
+
+
+def test_model_errors_get_their_status_and_param():
+    busy = from_model_error("server busy: 300 requests are waiting for a slot", {})
+    assert (busy.status, busy.type) == (503, "server_busy")
+    bad = from_model_error("logprobs must be >= 0 (or null), got -1", {"logprobs": "top_logprobs"})
+    assert (bad.status, bad.param) == (400, "top_logprobs")
+    assert from_model_error("temperature must be >= 0, got -1", {}).param == "temperature"
+    assert from_model_error("internal error: boom", {}).status == 500
+    assert from_model_error("unknown session 'x'", {}).status == 400
+    assert set(bad.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_infer_request_carries_inputs_outputs_and_session():
+    model = translate.chat_request(_chat(temperature=0), Session("s1", start=True))
+    infer = build_infer_request("deepinfer", "chatcmpl-1", model)
+    inputs = {i.name: i for i in infer.inputs}
+    assert json.loads(inputs["messages"].contents.bytes_contents[0]) == [{"role": "user", "content": "hi"}]
+    assert json.loads(inputs["sampling_parameters"].contents.bytes_contents[0]) == {"temperature": 0}
+    assert inputs["stream"].contents.bool_contents[0] is False
+    assert {o.name for o in infer.outputs} == {"text_output", "finish_reason", "num_input_tokens", "num_output_tokens"}
+    assert infer.parameters["sequence_id"].string_param == "s1" and infer.parameters["sequence_start"].bool_param
+    ids = build_infer_request("deepinfer", "cmpl-1", translate.completion_request(
+        CompletionRequest(model="m", prompt=[5, 6]), Session(9)))
+    assert list(next(i for i in ids.inputs if i.name == "input_ids").contents.int_contents) == [5, 6]
+    assert ids.parameters["sequence_id"].int64_param == 9
+
+
+def _bytes_tensor(*items: bytes) -> bytes:
+    return b"".join(len(item).to_bytes(4, "little") + item for item in items)
+
+
+def test_parse_response_reads_raw_outputs():
+    from tritonclient.grpc import service_pb2
+
+    result = service_pb2.ModelInferResponse()
+    logprobs = [{"7": {"logprob": -0.5, "rank": 2, "decoded_token": "a"},
+                 "3": {"logprob": -0.1, "rank": 1, "decoded_token": "b"}}]
+    for name, raw in (("text_output", _bytes_tensor("héllo".encode())), ("num_output_tokens", (2).to_bytes(4, "little")),
+                      ("num_input_tokens", (11).to_bytes(4, "little")), ("finish_reason", _bytes_tensor(b"length")),
+                      ("logprobs", _bytes_tensor(json.dumps(logprobs).encode()))):
+        result.outputs.add(name=name)
+        result.raw_output_contents.append(raw)
+    delta = parse_response(result)
+    assert (delta.text, delta.num_output_tokens, delta.num_input_tokens, delta.finish_reason) == \
+        ("héllo", 2, 11, "length")
+    assert _bytes_elements(_bytes_tensor(b"a", b"", b"bc")) == [b"a", b"", b"bc"]
+
+    chat = translate.chat_logprobs(delta.logprobs).content[0]
+    assert (chat.token, chat.logprob, [t.token for t in chat.top_logprobs]) == ("a", -0.5, ["b", "a"])
+    completion = translate.completion_logprobs(delta.logprobs, 5)
+    assert completion.tokens == ["a"] and completion.top_logprobs == [{"b": -0.1, "a": -0.5}]
+    assert completion.text_offset == [5]
+
+
+def test_totals_and_chunks():
+    totals = Totals()
+    totals.add(ModelDelta("Hel", 1, 9, "None"))
+    totals.add(ModelDelta("lo", 1, 9, "length"))
+    answer = translate.chat_response("chatcmpl-x", 1, "deepinfer", totals, False)
+    assert answer.choices[0].message.content == "Hello" and answer.choices[0].finish_reason == "length"
+    assert answer.usage.model_dump() == {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}
+    opening = translate.chat_chunk("chatcmpl-x", 1, "deepinfer", None, False)
+    assert opening.choices[0].delta.role == "assistant" and opening.choices[0].finish_reason is None
+    chunk = translate.completion_chunk("cmpl-x", 1, "deepinfer", ModelDelta("lo", 1, 9, "stop"), 3, False)
+    assert chunk.choices[0].text == "lo" and chunk.choices[0].finish_reason == "stop"
