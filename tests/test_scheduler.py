@@ -397,7 +397,8 @@ def test_stats_counters_fill_engine_stats():
     stats = EngineStats(num_running=0, num_waiting=0, kv_blocks_total=64, **counters)
     assert stats.num_prompt_tokens == 3 and stats.num_generation_tokens == 2 and stats.kv_blocks_used == 0
     owned = {f.name for f in fields(EngineStats)} - {"num_running", "num_waiting", "kv_blocks_total",
-                                                     "num_sessions"}  # spec_* counters are the scheduler's
+                                                     "num_sessions",  # spec_* counters are the scheduler's
+                                                     "num_refused_waiting", "num_refused_sessions"}  # AsyncEngine's
     assert set(counters) == owned
 
 
