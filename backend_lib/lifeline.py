@@ -36,15 +36,16 @@ def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None]:
     as long as the server (the main thread of `deepinfer serve` and of pytest do).
     """
     parent = os.getpid()
+    return lambda: set_parent_death_signal(sig, parent)
 
-    def preexec() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-        if os.getppid() != parent:  # the parent died before prctl: the signal will never come
-            os._exit(1)
 
-    return preexec
+def set_parent_death_signal(sig: int, parent_pid: int) -> None:
+    """In the child: ``sig`` when the parent dies (PR_SET_PDEATHSIG); a parent already gone ends us now."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:  # the parent died before prctl: the signal will never come
+        os._exit(1)
 
 
 def shm_prefix() -> str:

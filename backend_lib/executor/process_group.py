@@ -7,12 +7,10 @@ joins the gloo group through it. Keys under ``deepinfer/`` carry the configurati
 """
 from __future__ import annotations
 
-import ctypes
 import datetime
 import json
 import os
 import signal
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,13 +18,13 @@ import torch
 import torch.distributed as dist
 
 from backend_lib.config import EngineConfig, ParallelConfig
+from backend_lib.lifeline import set_parent_death_signal
 from backend_lib.models.parallel import ParallelContext
 from kernels.cpu_kernels import load_cpu_kernels
 
 CONFIG_KEY = "deepinfer/config"
 SHM_KEY = "deepinfer/shm_all_reduce"
 _SHM_SLOT_BYTES = 4 << 20  # per rank and buffer set; larger tensors go in pieces
-_PR_SET_PDEATHSIG = 1
 
 
 def joined_key(rank: int) -> str:
@@ -116,11 +114,5 @@ def pin_rank_threads(config: EngineConfig, rank: int) -> None:
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """A worker must not outlive the process that started it: the kernel sends SIGKILL when the parent exits
-    (PR_SET_PDEATHSIG), and a parent that is already gone ends us now."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent_pid:
-        os._exit(1)
+    """A worker must not outlive the process that started it: SIGKILL when it exits (lifeline)."""
+    set_parent_death_signal(signal.SIGKILL, parent_pid)
