@@ -35,6 +35,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -185,7 +186,7 @@ class TritonServer:
     def openai_url(self) -> str | None:
         return f"http://localhost:{self.openai_port}/v1" if self.openai_port is not None else None
 
-    def start(self, timeout_s: float = 600.0) -> "TritonServer":
+    def start(self, timeout_s: float = 600.0, stop_requested: Callable[[], bool] | None = None) -> "TritonServer":
         install = prepare_tritonserver()
         work = self.workdir or Path(tempfile.mkdtemp(prefix="deepinfer-serve-"))
         repo = write_model_repository(work / "models", self.overrides)
@@ -211,7 +212,7 @@ class TritonServer:
                                             stdin=subprocess.DEVNULL, start_new_session=True,
                                             preexec_fn=lifeline.die_with_parent(signal.SIGKILL))
         try:
-            self._wait_ready(timeout_s)
+            self._wait_ready(timeout_s, stop_requested or (lambda: False))
             if self.openai_port is not None:
                 self._start_openai_front(work)
         except BaseException:
@@ -267,14 +268,16 @@ class TritonServer:
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
 
-    def _wait_ready(self, timeout_s: float) -> None:
+    def _wait_ready(self, timeout_s: float, stop_requested: Callable[[], bool]) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with code {self.process.returncode} before the model "
                                    f"was ready; log {self.log_path}:\n{self.log_tail()}")
-            if self.is_ready():
+            if self.is_ready():  # first: a stop asked for after the model came up is a drain, not an abort
                 return
+            if stop_requested():
+                raise ExitNow("stop requested before the model was ready")
             time.sleep(0.5)
         raise TimeoutError(f"model {MODEL_NAME} not ready within {timeout_s:.0f} s; log {self.log_path}:\n"
                            f"{self.log_tail()}")
@@ -433,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     signals = ShutdownSignals().install()
     print("Starting tritonserver (loading the model takes a while) ...", flush=True)
     try:
-        server.start(timeout_s=args.timeout)
+        server.start(timeout_s=args.timeout, stop_requested=signals.stop_requested)
         signals.serving = True
         print(banner(server), flush=True)
         while signals.requested is None and server.process is not None and server.process.poll() is None:

@@ -75,6 +75,20 @@ def test_first_signal_asks_for_a_drain_and_the_second_exits_at_once():
     signals.handle(signal.SIGINT)  # a third one does not interrupt the cleanup
 
 
-def test_a_signal_before_the_server_is_up_exits_at_once():
-    with pytest.raises(ExitNow):
-        ShutdownSignals().handle(signal.SIGINT)
+def test_a_signal_while_loading_stops_the_start_but_one_after_ready_drains():
+    """The launcher polls readiness: a SIGTERM that lands between the model turning ready and the launcher seeing
+    it must still drain (requests may run already); one that lands while the model loads ends the start."""
+    from types import SimpleNamespace
+
+    from backend_lib.server import TritonServer
+
+    signals = ShutdownSignals()
+    signals.handle(signal.SIGTERM)  # not serving yet: recorded, not raised
+    assert signals.stop_requested()
+    server = TritonServer(overrides={})
+    server.process = SimpleNamespace(poll=lambda: None)
+    server.is_ready = lambda: True
+    server._wait_ready(5, signals.stop_requested)  # ready wins: the caller then drains
+    server.is_ready = lambda: False
+    with pytest.raises(ExitNow, match="before the model was ready"):
+        server._wait_ready(5, signals.stop_requested)
