@@ -7,12 +7,11 @@ INVALID_ARG, INTERNAL and UNAVAILABLE); newer servers map UNAVAILABLE to 503. So
 message here, and 503 is accepted for when the server is upgraded."""
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import SERVER_PARAMETERS
-from triton_helpers import http_generate, metric, metrics, new_server, server_ready
+from triton_helpers import http_generate, metric, metrics, new_server, server_ready, wait_for
 
 from backend_lib.server import TritonServer
 
@@ -31,15 +30,6 @@ def small_triton(tmp_path_factory) -> TritonServer:
                  "max_waiting_requests": "2", "max_sessions": "1"}
     with new_server(tmp_path_factory.mktemp("triton_limits"), overrides) as server:
         yield server
-
-
-def _wait_for(condition, timeout_s: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def test_limits_refuse_clearly_and_the_admitted_requests_complete(small_triton):
@@ -74,7 +64,7 @@ def test_limits_refuse_clearly_and_the_admitted_requests_complete(small_triton):
         values = metrics(small_triton.metrics_url)
         return (metric(values, "deepinfer_requests_refused_waiting_total") == len(refused)
                 and metric(values, "deepinfer_sessions_refused_total") == 1)
-    _wait_for(counted, what="the refusal counters to reach what was refused")
+    wait_for(counted, what="the refusal counters to reach what was refused")
     assert server_ready(url)
     status, [ok] = http_generate(url, {"text_input": "Hello", "max_tokens": 2})
     assert status == 200 and ok["text_output"].startswith("Hello")

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from triton_helpers import Result, StreamClient, _absorb, http_generate, new_server, server_ready
+from triton_helpers import Result, StreamClient, _absorb, http_generate, new_server, server_ready, wait_for
 
 import backend_lib
 from backend_lib.lifeline import pid_alive
@@ -24,16 +24,6 @@ PROJECT_ROOT = Path(backend_lib.__file__).resolve().parents[1]
 PARAMS = {"max_model_len": "512", "num_blocks": "128", "max_num_seqs": "4", "max_num_batched_tokens": "128",
           "num_threads": "1"}
 SHM = Path("/dev/shm")
-
-
-def _wait_for(condition, timeout_s: float, what: str) -> float:
-    """Seconds until ``condition()`` held; fails after ``timeout_s``."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if condition():
-            return time.monotonic() - start
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def _children(pid: int) -> list[tuple[int, list[str]]]:
@@ -61,7 +51,7 @@ class Serve:
         self.output = open(workdir / "serve.out", "wb")
         self.process = subprocess.Popen(command, env=env, stdout=self.output, stderr=subprocess.STDOUT,
                                         cwd=PROJECT_ROOT)
-        _wait_for(lambda: self.process.poll() is not None or server_ready(self.http_url), 300, "the model")
+        wait_for(lambda: self.process.poll() is not None or server_ready(self.http_url), 300, "the model")
         assert self.process.poll() is None, (workdir / "serve.out").read_text()
         [(self.triton_pid, _)] = [c for c in _children(self.process.pid) if c[1][0].endswith("tritonserver")]
         [(self.stub_pid, stub_argv)] = [c for c in _children(self.triton_pid) if "stub" in c[1][0]]
@@ -116,7 +106,7 @@ def test_sigkill_of_serve_leaves_no_tritonserver_stub_or_shm_region(tmp_path):
         time.sleep(1.0)
         serve.process.kill()  # SIGKILL: its `finally` never runs
         serve.process.wait(timeout=10)
-        took = _wait_for(lambda: not serve.leftovers(), 10, "no tritonserver, stub or shm region left")
+        took = wait_for(lambda: not serve.leftovers(), 10, "no tritonserver, stub or shm region left")
         print(f"everything gone {took:.1f} s after SIGKILL")
         # The kernel killed tritonserver (parent-death signal); the stub's watchdog removed the region.
         assert f"the stub (pid {serve.stub_pid}) removes its shm region" in (tmp_path / "tritonserver.log").read_text()
@@ -138,7 +128,7 @@ def test_sigterm_drains_in_flight_requests_then_aborts_the_rest(tmp_path):
         _collect(client, results, lambda _: all(r.texts for r in results.values()))  # both are streaming
         start = time.monotonic()
         serve.process.send_signal(signal.SIGTERM)
-        _wait_for(lambda: not server_ready(serve.http_url), 5, "the model to report not ready while draining")
+        wait_for(lambda: not server_ready(serve.http_url), 5, "the model to report not ready while draining")
         status, _ = http_generate(serve.http_url, {"text_input": "hi", "max_tokens": 2}, timeout_s=10)
         assert status != 200  # new requests are refused during the drain
         _collect(client, results, lambda finals: len(finals) == 2, timeout_s=drain_s + 30)
@@ -177,11 +167,11 @@ def test_engine_failure_fails_the_request_and_the_model_goes_not_ready(tmp_path)
             assert "fault injected at engine step 10" in (results[rid].error or ""), results[rid]
             assert took < 30, took
             print(f"error {took:.1f} s after the 3rd token")
-            _wait_for(lambda: not server_ready(server.http_url), 5, "the model to report not ready")
+            wait_for(lambda: not server_ready(server.http_url), 5, "the model to report not ready")
             status, body = http_generate(server.http_url, {"text_input": "hi", "max_tokens": 2}, timeout_s=10)
             assert status != 200, body
             # The log says why (pb_utils log lines reach the file a moment later than the state change).
-            _wait_for(lambda: "the engine failed and cannot go on; unloading the model so that Triton reports it "
+            wait_for(lambda: "the engine failed and cannot go on; unloading the model so that Triton reports it "
                               "not ready. Cause: engine step failed: FatalEngineError: fault injected at engine "
                               "step 10" in server.log_path.read_text(), 10, "the log to say why")
         finally:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from triton_helpers import StreamClient, _absorb, metric, metrics, new_server, server_ready
+from triton_helpers import StreamClient, _absorb, metric, metrics, new_server, server_ready, wait_for
 
 from backend_lib.lifeline import pid_alive
 
@@ -168,14 +168,6 @@ def _rss_mb(pid: int) -> float:
     raise AssertionError(f"no VmRSS for {pid}")
 
 
-def _wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.3)
-
-
 def _burst(server) -> int:
     """BURST requests sent at once on one stream: each completes or is refused as busy; the number refused."""
     before = metrics(server.metrics_url)
@@ -205,7 +197,7 @@ def _burst(server) -> int:
                 == completed
                 and metric(values, "deepinfer_requests_refused_waiting_total")
                 - metric(before, "deepinfer_requests_refused_waiting_total") == len(refused))
-    _wait_for(settled, 30, "the burst's blocks to return and its counters to add up")
+    wait_for(settled, 30, "the burst's blocks to return and its counters to add up")
     assert server_ready(server.http_url)
     return len(refused)
 
@@ -256,7 +248,7 @@ def test_soak_mixed_traffic_leaks_nothing(tmp_path):
                     and metric(values, "deepinfer_num_requests_waiting") == 0
                     and metric(values, "deepinfer_requests_total", finish_reason="abort")
                     - metric(before, "deepinfer_requests_total", finish_reason="abort") == len(by_kind["cancel"]))
-        _wait_for(settled, IDLE_TIMEOUT_S + 30, "sessions to close, blocks to return and aborts to be counted")
+        wait_for(settled, IDLE_TIMEOUT_S + 30, "sessions to close, blocks to return and aborts to be counted")
         after = metrics(server.metrics_url)
 
         def delta(name: str, **labels: str) -> float:

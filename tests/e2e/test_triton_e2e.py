@@ -6,7 +6,7 @@ import threading
 import time
 
 import pytest
-from triton_helpers import StreamClient, http_generate, metric, metrics, server_ready
+from triton_helpers import StreamClient, http_generate, metric, metrics, server_ready, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -48,15 +48,6 @@ def _settled(metrics_url: str, name: str, timeout_s: float = 30.0) -> float:
         if value == previous:
             return value
     raise AssertionError(f"{name} kept changing for {timeout_s} s")
-
-
-def _wait_for(condition, timeout_s: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def _ask(grpc: StreamClient, stream: bool):
@@ -136,7 +127,7 @@ def test_two_turn_session_prefills_only_new_tokens(triton, grpc, tokenizer):
 
     def computed() -> float:
         return metric(metrics(triton.metrics_url), "deepinfer_prompt_tokens_computed_total") - before
-    _wait_for(lambda: computed() > 0, what="the computed-prompt-tokens counter to move")
+    wait_for(lambda: computed() > 0, what="the computed-prompt-tokens counter to move")
     # Only the new turn (plus at most the last history token, sampled but never fed) runs through the model.
     assert computed() <= len(turn2) + 1 < second.num_input_tokens
 
@@ -161,7 +152,7 @@ def test_cancel_mid_stream_frees_blocks(triton, grpc):
         for _ in range(3):  # a few deltas arrive: the request is running and holds blocks
             response, error = canceller.next_response()
             assert error is None
-        _wait_for(lambda: metric(metrics(triton.metrics_url), "deepinfer_num_requests_running") >= 1,
+        wait_for(lambda: metric(metrics(triton.metrics_url), "deepinfer_num_requests_running") >= 1,
                   what="the request to show as running")
     finally:
         canceller.close(cancel=True)
@@ -171,7 +162,7 @@ def test_cancel_mid_stream_frees_blocks(triton, grpc):
         return (metric(values, "deepinfer_num_requests_running") == 0
                 and metric(values, "deepinfer_kv_blocks_used") <= used_before
                 and metric(values, "deepinfer_requests_total", finish_reason="abort") == aborted_before + 1)
-    _wait_for(settled, what="the cancelled request's blocks to return to the pool")
+    wait_for(settled, what="the cancelled request's blocks to return to the pool")
     after = grpc.generate({"messages": json.dumps(QUESTION), "sampling_parameters": GREEDY,
                            "exclude_input_in_output": True})
     assert after.error is None and "Paris" in after.text
@@ -225,7 +216,7 @@ def test_metrics_families_present_and_moving(triton, grpc):
         return all(metric(after, name) > metric(before, name) for name in (
             "deepinfer_prompt_tokens_total", "deepinfer_generation_tokens_total",
             "deepinfer_e2e_request_latency_seconds_count", "deepinfer_time_to_first_token_seconds_count"))
-    _wait_for(moved, what="the counters to move")
+    wait_for(moved, what="the counters to move")
     after = metrics(triton.metrics_url)
     assert metric(after, "deepinfer_requests_total", finish_reason="stop") > metric(
         before, "deepinfer_requests_total", finish_reason="stop")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import queue
 import re
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -184,3 +185,13 @@ def server_ready(http_url: str) -> bool:
             return response.status == 200
     except urllib.error.URLError:
         return False
+
+
+def wait_for(condition, timeout_s: float = 30.0, what: str = "condition", poll_s: float = 0.2) -> float:
+    """Seconds until ``condition()`` held; an AssertionError naming ``what`` after ``timeout_s``."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if condition():
+            return time.monotonic() - start
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
