@@ -4,25 +4,27 @@ stub, no /dev/shm region).
 The bug this answers: `deepinfer serve` killed with SIGKILL (a supervisor, the OOM killer) left tritonserver
 running in its own session, and its stub held 2.5 GB and its shared-memory region for 18 minutes. Three links:
 - tritonserver gets a parent-death signal (``die_with_parent``): the kernel kills it when the launcher dies.
-- the stub runs a ``ParentWatchdog``: when tritonserver is gone (the stub's parent pid changes; a dead parent may
-  linger as a zombie, so asking whether it exists is not enough), it removes its shm region and exits at once.
-  The stub's own health thread also notices a dead parent, but it exits through Python's finalization, which can
-  block on our engine's threads; and it leaves the region behind.
+- the stub starts a ``StubGuard``: a small sidecar process that, once tritonserver is gone (not running, or a
+  zombie nobody reaps), kills the stub and removes its shm region. A process, not a thread in the stub: the stub's
+  own health thread also notices a dead parent and exits through ``stub.reset()`` and Python's finalization, and
+  once that has begun, a watchdog thread in the stub may never run again (with one, a loaded CI machine once kept
+  the stub and its region past a test's 10 s deadline).
 - every region of ours is named with ``shm_prefix()`` (the launcher's pid), so a launcher removes its own on stop
   and the regions of launchers that died (``remove_stale_shm_regions``) on start.
 """
 from __future__ import annotations
 
+import argparse
 import ctypes
 import os
 import re
 import secrets
 import signal
+import subprocess
 import sys
-import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
 
 SHM_DIR = Path("/dev/shm")
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -95,38 +97,62 @@ def stub_shm_region() -> str | None:
     return None
 
 
-def exit_orphaned_stub(region: str | None) -> NoReturn:
-    """tritonserver is gone: nobody will unload us or remove our region. Remove it and exit without Python's
-    finalization (which would wait on the engine's threads)."""
-    sys.stderr.write(f"[deepinfer] tritonserver is gone: the stub (pid {os.getpid()}) removes its shm region "
-                     f"{region} and exits\n")
-    sys.stderr.flush()
-    if region:
-        remove_shm_regions(region)
-    os._exit(1)
+def python_executable() -> str:
+    """A Python interpreter for our child processes. Inside the Triton stub ``sys.executable`` is the stub binary, so
+    `deepinfer serve` passes its own interpreter as DEEPINFER_PYTHON; the venv's python is the fallback."""
+    if os.environ.get("DEEPINFER_PYTHON"):
+        return os.environ["DEEPINFER_PYTHON"]
+    if "python" in Path(sys.executable).name:
+        return sys.executable
+    return str(Path(sys.prefix) / "bin" / "python3")
 
 
-class ParentWatchdog:
-    """Calls ``on_orphaned`` once the process's parent changed (the parent died; we were re-parented)."""
+class StubGuard:
+    """The sidecar of a Python-backend stub: it ends the stub and removes its region when tritonserver is gone,
+    and ends itself when the stub is gone (it polls both; it has no parent-death signal because the stub thread
+    that starts it may end before the stub does)."""
 
-    def __init__(self, on_orphaned: Callable[[], None], poll_s: float = 0.2) -> None:
-        self._parent = os.getppid()
-        self._on_orphaned = on_orphaned
-        self._poll_s = poll_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="deepinfer-parent-watchdog", daemon=True)
-
-    def start(self) -> "ParentWatchdog":
-        self._thread.start()
-        return self
+    def __init__(self, region: str | None, poll_s: float = 0.1) -> None:
+        command = [python_executable(), "-m", "backend_lib.lifeline", "--stub-pid", str(os.getpid()),
+                   "--server-pid", str(os.getppid()), "--region", region or "", "--poll-s", str(poll_s)]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            p for p in (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")) if p))
+        self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._poll_s):
-            if os.getppid() != self._parent:
-                self._on_orphaned()
-                return
+
+def guard_stub(stub_pid: int, server_pid: int, region: str, poll_s: float) -> int:
+    """The sidecar's loop (``python -m backend_lib.lifeline``): 0 when the stub ended first, 1 when it ended it."""
+    while True:
+        if not pid_alive(stub_pid):
+            return 0
+        if not pid_alive(server_pid):
+            sys.stderr.write(f"[deepinfer] tritonserver (pid {server_pid}) is gone: killing the stub (pid "
+                             f"{stub_pid}) and removing its shm region {region or '(unknown)'}\n")
+            sys.stderr.flush()
+            try:
+                os.kill(stub_pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended meanwhile
+                pass
+            if region:
+                remove_shm_regions(region)
+            return 1
+        time.sleep(poll_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m backend_lib.lifeline", description=guard_stub.__doc__)
+    parser.add_argument("--stub-pid", type=int, required=True)
+    parser.add_argument("--server-pid", type=int, required=True)
+    parser.add_argument("--region", default="")
+    parser.add_argument("--poll-s", type=float, default=0.1)
+    args = parser.parse_args(argv)
+    return guard_stub(args.stub_pid, args.server_pid, args.region, args.poll_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,12 +13,12 @@ import sys
 
 from backend_lib.config import EngineConfig
 from backend_lib.executor.process_group import join_rendezvous
-from backend_lib.executor.workers import worker_python
+from backend_lib.lifeline import python_executable
 
 
 def torchrun_command(node_rank: int, ranks_per_node: int, master_addr: str, master_port: int,
                      timeout_s: float) -> list[str]:
-    return [worker_python(), "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+    return [python_executable(), "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
             f"--nproc-per-node={ranks_per_node}", "-m", "backend_lib.executor.worker",
             "--rank-base", str(node_rank * ranks_per_node), "--master-addr", master_addr,
             "--master-port", str(master_port), "--timeout", str(timeout_s)]

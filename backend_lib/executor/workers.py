@@ -9,19 +9,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+from backend_lib import lifeline
 from backend_lib.executor.process_group import Rendezvous, error_key, joined_key
 from backend_lib.faults import FatalEngineError
 
 _PROJECT_ROOT = Path(__file__).resolve().parents[2]
-
-
-def worker_python() -> str:
-    """The interpreter for workers: DEEPINFER_PYTHON (set by `deepinfer serve` for the Triton stub) or ours."""
-    return os.environ.get("DEEPINFER_PYTHON") or sys.executable
 
 
 class RankFailure(FatalEngineError):
@@ -35,7 +30,7 @@ class WorkerPool:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
         self.procs = {rank: subprocess.Popen(
-            [worker_python(), "-m", "backend_lib.executor.worker", "--rank", str(rank),
+            [lifeline.python_executable(), "-m", "backend_lib.executor.worker", "--rank", str(rank),
              "--master-addr", rendezvous.master_addr, "--master-port", str(rendezvous.master_port),
              "--parent-pid", str(os.getpid())], env=env) for rank in ranks}
 

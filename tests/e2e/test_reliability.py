@@ -56,6 +56,7 @@ class Serve:
         [(self.triton_pid, _)] = [c for c in _children(self.process.pid) if c[1][0].endswith("tritonserver")]
         [(self.stub_pid, stub_argv)] = [c for c in _children(self.triton_pid) if "stub" in c[1][0]]
         self.region = SHM / stub_argv[2]
+        [(self.guard_pid, _)] = [c for c in _children(self.stub_pid) if "backend_lib.lifeline" in c[1]]
         assert self.region.name.startswith("deepinfer_") and self.region.exists()
 
     @property
@@ -64,10 +65,11 @@ class Serve:
 
     def leftovers(self) -> list[str]:
         return ([f"tritonserver {self.triton_pid}"] * pid_alive(self.triton_pid)
-                + [f"stub {self.stub_pid}"] * pid_alive(self.stub_pid) + [str(self.region)] * self.region.exists())
+                + [f"stub {self.stub_pid}"] * pid_alive(self.stub_pid)
+                + [f"stub guard {self.guard_pid}"] * pid_alive(self.guard_pid) + [str(self.region)] * self.region.exists())
 
     def close(self) -> None:
-        for pid in (self.stub_pid, self.triton_pid, self.process.pid):  # only if a test failed midway
+        for pid in (self.guard_pid, self.stub_pid, self.triton_pid, self.process.pid):  # only if a test failed midway
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
         self.process.wait(timeout=30)
@@ -106,10 +108,13 @@ def test_sigkill_of_serve_leaves_no_tritonserver_stub_or_shm_region(tmp_path):
         time.sleep(1.0)
         serve.process.kill()  # SIGKILL: its `finally` never runs
         serve.process.wait(timeout=10)
-        took = wait_for(lambda: not serve.leftovers(), 10, "no tritonserver, stub or shm region left")
+        try:
+            took = wait_for(lambda: not serve.leftovers(), 10, "no tritonserver, stub, guard or shm region left")
+        except AssertionError as timeout:
+            raise AssertionError(f"{timeout}; still there: {serve.leftovers()}") from None
         print(f"everything gone {took:.1f} s after SIGKILL")
-        # The kernel killed tritonserver (parent-death signal); the stub's watchdog removed the region.
-        assert f"the stub (pid {serve.stub_pid}) removes its shm region" in (tmp_path / "tritonserver.log").read_text()
+        # The kernel killed tritonserver (parent-death signal); the stub's guard killed the stub, removed the region.
+        assert f"killing the stub (pid {serve.stub_pid})" in (tmp_path / "tritonserver.log").read_text()
     finally:
         client.close()
         serve.close()

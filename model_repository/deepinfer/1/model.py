@@ -9,8 +9,8 @@ down (each stream then ends) and joins the thread, so unload never hangs.
 Faults: if the engine dies (AsyncEngine.on_failure), every request has already ended with the error; the model
 logs why and unloads itself (pb_utils.unload_model, which needs --model-control-mode=explicit, as `deepinfer
 serve` runs it), so Triton reports it not ready and answers new requests with an error: in Triton 2.51 nothing
-else a Python model does (not even its stub exiting) turns its ready endpoint false. A watchdog ends this stub,
-and removes its shm region, if tritonserver dies (lifeline.py).
+else a Python model does (not even its stub exiting) turns its ready endpoint false. A sidecar process ends this
+stub, and removes its shm region, if tritonserver dies (lifeline.StubGuard).
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ class TritonPythonModel:
             raise ValueError("deepinfer needs model_transaction_policy { decoupled: true } in config.pbtxt")
         parameters = {name: value["string_value"] for name, value in config.get("parameters", {}).items()}
         self._options = serving.serving_options_from_parameters(parameters)
-        self._watchdog = lifeline.ParentWatchdog(self._orphaned).start()  # before the (long) engine build
+        self._guard = lifeline.StubGuard(lifeline.stub_shm_region())  # before the (long) engine build
         self._engine = serving.build_engine(parameters)
         self._model_name = args["model_name"]
         tokenizer = self._engine.tokenizer
@@ -265,10 +265,6 @@ class TritonPythonModel:
                                    "--model-control-mode=explicit): it stays ready, but every request gets the "
                                    f"engine's error: {traceback.format_exc()}")
 
-    @staticmethod
-    def _orphaned() -> None:
-        lifeline.exit_orphaned_stub(lifeline.stub_shm_region())
-
     def finalize(self) -> None:
         self._logger.log_info("[deepinfer] finalize: aborting in-flight requests")
         self._closing.set()
@@ -278,5 +274,5 @@ class TritonPythonModel:
         if self._thread.is_alive():
             self._logger.log_error("[deepinfer] response thread did not stop within "
                                    f"{_JOIN_TIMEOUT_S:.0f} s; unloading anyway")
-        self._watchdog.stop()
+        self._guard.stop()
         self._logger.log_info("[deepinfer] finalize: done")
