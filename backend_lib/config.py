@@ -10,6 +10,7 @@ from typing import Any
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _SPEC_METHODS = ("none", "ngram", "mtp")
+_HOST_GEMMS = ("auto", "gemv", "onednn", "mkl")
 _COMPILE_BACKENDS = ("none", "auto", "inductor", "aot_eager", "neuron")
 # Admission defaults per running slot: a burst of 8 batches' worth waits (the last one about 8 batch lifetimes),
 # more is refused at once; sessions hold history (and KV until evicted), so more of them may stay open.
@@ -30,16 +31,18 @@ class ModelConfig:
     dtype: str = "float32"
     max_model_len: int = 2048  # prompt + output tokens of one request (or session) at most
     device: str = "cpu"
-    # Host fp32 GEMMs: "onednn" packs weights for oneDNN (about 2x MKL's sgemm at decode batch sizes here),
-    # "mkl" keeps torch's default F.linear (the same kernel transformers uses).
-    host_gemm: str = "onednn"
+    # Host GEMMs on weights packed at load: "auto" keeps two layouts, the blocked few-row kernel (kernels/gemv.py,
+    # near memory bandwidth at decode row counts; fp32 and bf16) for <= GemvPolicy.max_rows rows and oneDNN's
+    # packed GEMM (fp32) above; "gemv" the blocked kernel alone (one layout less); "onednn" oneDNN alone (about
+    # 2x MKL's sgemm at decode batch sizes); "mkl" torch's default F.linear (the kernel transformers uses).
+    host_gemm: str = "auto"
     # Host fp32 decode attention: "cpp" is the C++ kernel in kernels/csrc (built on first use; each KV row read
     # once), "torch" the block gather + SDPA (eager) / fused torch form (compiled) that Neuron runs.
     host_attention: str = "cpp"
 
     def __post_init__(self) -> None:
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        _require(self.host_gemm in ("onednn", "mkl"), f"host_gemm must be 'onednn' or 'mkl', got {self.host_gemm!r}")
+        _require(self.host_gemm in _HOST_GEMMS, f"host_gemm must be one of {_HOST_GEMMS}, got {self.host_gemm!r}")
         _require(self.host_attention in ("cpp", "torch"),
                  f"host_attention must be 'cpp' or 'torch', got {self.host_attention!r}")
         _require(self.max_model_len >= 16, f"max_model_len must be >= 16, got {self.max_model_len}")

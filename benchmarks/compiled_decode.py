@@ -2,7 +2,8 @@
 
 One decode step = all 30 layers + final norm + lm_head for B requests with a 100-token context (block table
 width bucket 8 x 16 tokens), three ways: eager plain torch (F.linear, block gather + SDPA), eager with the host
-kernels (oneDNN's packed GEMM and the C++ decode attention: the engine's host default), and compiled with the
+kernels (the blocked few-row GEMM up to 8 rows, oneDNN's packed GEMM above, and the C++ decode attention: the
+engine's host default), and compiled with the
 same host kernels. The compiled path is CompiledModel (backend_lib/neuron/regions.py): the same
 padding / per-layer cache views the engine uses. The three alternate rep by rep so load changes on a
 shared machine hit both alike. Writes benchmarks/results/compiled_decode.md and .png.
@@ -38,17 +39,18 @@ def decode_inputs(batch: int):
     return torch.randint(0, 49152, (batch,)), torch.full((batch,), CONTEXT - 1), meta
 
 
-def set_host_kernels(model: torch.nn.Module, packs: dict[str, object] | None) -> dict[str, object]:
-    """Swap the model's oneDNN packed weights and C++ decode attention (None: plain F.linear and torch attention);
-    returns the packed weights it had."""
+def set_host_kernels(model: torch.nn.Module, packs: dict[tuple[str, str], object] | None
+                     ) -> dict[tuple[str, str], object]:
+    """Swap the model's packed weights (oneDNN's and the blocked few-row kernel's) and C++ decode attention (None:
+    plain F.linear and torch attention); returns the packed weights it had."""
     for layer in model.layers:
         layer.self_attn.cpu_decode_kernel = packs is not None
     had = {}
-    for name, module in [("", model), *model.named_modules()]:
-        attr = "packed_head" if hasattr(module, "packed_head") else "packed" if hasattr(module, "packed") else None
-        if attr:
-            had[name] = getattr(module, attr)
-            setattr(module, attr, None if packs is None else packs[name])
+    for name, module in model.named_modules():  # the model itself first, as ""
+        for attr in ("packed_head", "packed", "blocked_head", "blocked"):
+            if hasattr(module, attr):
+                had[name, attr] = getattr(module, attr)
+                setattr(module, attr, None if packs is None else packs[name, attr])
     return had
 
 

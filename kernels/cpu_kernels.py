@@ -3,8 +3,9 @@
 torch compiles the sources for the instruction set torch itself dispatches to on this CPU (AVX-512, AVX2 or
 baseline x86-64; not -march=native, so a build cached on a shared volume never meets a CPU that lacks its
 instructions) and caches the library under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR): only the first
-engine start on a machine pays the ~7 s build. Ops: paged decode attention, and the shared-memory all-reduce of
-tensor-parallel ranks on one machine (shm_all_reduce.cpp). The ops are registered with the dispatcher
+engine start on a machine pays the ~7 s build. Ops: paged decode attention, the shared-memory all-reduce of
+tensor-parallel ranks on one machine (shm_all_reduce.cpp), and the few-row GEMM on pre-blocked weights (gemv.cpp,
+which picks its instruction set from the CPU's flags at run time, whatever flags built it; kernels/gemv.py). The ops are registered with the dispatcher
 (``torch.ops.deepinfer.*``) and have fake kernels, so compiled regions keep each as one opaque call, as they do
 the packed GEMM.
 """
@@ -20,7 +21,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("paged_decode_attention.cpp", "shm_all_reduce.cpp")
+_SOURCES = ("paged_decode_attention.cpp", "shm_all_reduce.cpp", "gemv.cpp")
 # torch.backends.cpu.get_cpu_capability() -> compiler flags (x86-64; anything else builds for the baseline).
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
@@ -75,5 +76,10 @@ def load_cpu_kernels() -> bool:
     @torch.library.register_fake("deepinfer::shm_all_reduce")
     def _(x: torch.Tensor, handle: int) -> torch.Tensor:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("deepinfer::blocked_linear")
+    def _(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+          isa: str = "auto") -> torch.Tensor:
+        return x.new_empty(x.shape[0], out_features)
 
     return True

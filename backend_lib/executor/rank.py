@@ -12,9 +12,11 @@ from backend_lib.config import EngineConfig
 from backend_lib.distributed.step_channel import StepChannel
 from backend_lib.kv_sizing import kv_cache_num_blocks
 from backend_lib.model_runner import ModelRunner
+from backend_lib.models.layers import HostGemmPlan
 from backend_lib.models.loader import load_model, resolve_model_path
 from backend_lib.models.parallel import ParallelContext
 from kernels.cpu_kernels import cpu_kernels_supported, load_cpu_kernels
+from kernels.gemv import gemv_available
 from kernels.onednn_gemm import onednn_gemm_available
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,15 +47,22 @@ def _agree_on_blocks(num_blocks: int, par: ParallelContext) -> int:
     return int(count.item())
 
 
+def host_gemm_plan(host_gemm: str, device: torch.device, dtype: torch.dtype) -> HostGemmPlan:
+    """``ModelConfig.host_gemm`` -> the layouts to pack, as far as this device and dtype have the kernels."""
+    onednn = host_gemm in ("auto", "onednn") and onednn_gemm_available(device, dtype)
+    blocked = host_gemm in ("auto", "gemv") and gemv_available(device, dtype)
+    return HostGemmPlan(onednn=onednn, blocked=blocked)
+
+
 def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
     device, dtype = torch.device(config.model.device), DTYPES[config.model.dtype]
     model = load_model(resolve_model_path(config.model.model), dtype=dtype, progress=par.is_driver,
                        par=par).to(device).eval()
     num_blocks = _agree_on_blocks(kv_cache_blocks(config, model, dtype, par.world_size), par)
-    # Before the runner: compiled regions trace the packed GEMM (an opaque custom op) that eager steps call.
-    if (config.model.host_gemm == "onednn" and hasattr(model, "pack_for_cpu")
-            and onednn_gemm_available(device, dtype)):
-        model.pack_for_cpu()
+    # Before the runner: compiled regions trace the packed GEMMs (opaque custom ops) that eager steps call.
+    plan = host_gemm_plan(config.model.host_gemm, device, dtype)
+    if hasattr(model, "pack_for_cpu") and (plan.onednn or plan.blocked):
+        model.pack_for_cpu(plan)
     if (config.model.host_attention == "cpp" and hasattr(model, "use_cpu_attention")
             and cpu_kernels_supported(device, dtype) and load_cpu_kernels()):
         model.use_cpu_attention()

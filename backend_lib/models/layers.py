@@ -2,10 +2,13 @@
 ``load_weights``; every forward is plain torch that a compiled region can trace."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.gemv import GemvPolicy, block_weight, blocked_linear
 from kernels.norm import rms_norm
 from kernels.onednn_gemm import PackedWeight, packed_linear
 from kernels.rope import RopeScaling, apply_rope, rope_cos_sin_cache, rope_inv_freq
@@ -15,8 +18,24 @@ def _empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: PackedWeight | None) -> torch.Tensor:  # x [T, in], weight [out, in] -> [T, out]
+@dataclass(frozen=True)
+class HostGemmPlan:
+    """Which host GEMM layouts ``pack_for_cpu`` builds (backend_lib/executor/rank.py picks from
+    ``ModelConfig.host_gemm``). With both, ``policy`` sends few-row calls to the blocked kernel and the rest to
+    oneDNN; with one, every call takes it."""
+
+    onednn: bool = True  # oneDNN's packed layout (kernels/onednn_gemm.py): fp32
+    blocked: bool = True  # the few-row kernel's blocked layout (kernels/gemv.py): fp32 or bf16
+    policy: GemvPolicy = field(default_factory=GemvPolicy)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None,
+           blocked: torch.Tensor | None = None,
+           policy: GemvPolicy = GemvPolicy()) -> torch.Tensor:  # x [T, in], weight [out, in] -> [T, out]
+    """``blocked``: the weight in kernels.gemv's layout, a module buffer (compiled regions lift it as a graph
+    input; the row count is static inside a graph, so the choice below is made once per graph)."""
+    if blocked is not None and (packed is None or policy.use_blocked(x.shape[0])):
+        return blocked_linear(x, blocked, bias, weight.shape[0])
     if packed is None:
         return F.linear(x, weight, bias)
     return packed_linear(x, weight, bias, packed)
@@ -29,15 +48,21 @@ class Linear(nn.Module):
         self.weight = _empty_param(out_features, in_features, dtype=dtype)
         self.bias = _empty_param(out_features, dtype=dtype) if bias else None
         self.packed: PackedWeight | None = None
+        self.register_buffer("blocked", None, persistent=False)
+        self.gemv_policy = GemvPolicy()
 
-    def pack_for_cpu(self) -> None:
-        """Use oneDNN's packed-weight GEMM on the host: about 2x MKL's sgemm at decode batch sizes on this
-        machine (same products, another summation order), eagerly and in compiled regions. Keeps ``weight``
-        for state dicts and tied heads."""
-        self.packed = PackedWeight(self.weight)
+    def pack_for_cpu(self, plan: HostGemmPlan = HostGemmPlan()) -> None:
+        """Host GEMMs on pre-packed weights, eagerly and in compiled regions: the blocked few-row kernel streams
+        the weights near memory bandwidth at decode row counts; oneDNN's packed GEMM is about 2x MKL's sgemm at
+        larger ones (same products, other summation orders). Keeps ``weight`` for state dicts and tied heads, so
+        each layout is one more copy of the weight."""
+        self.packed = PackedWeight(self.weight) if plan.onednn else None
+        if plan.blocked:
+            self.register_buffer("blocked", block_weight(self.weight), persistent=False)
+        self.gemv_policy = plan.policy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self.weight, self.bias, self.packed, self.blocked, self.gemv_policy)
 
 
 class RMSNorm(nn.Module):

@@ -13,10 +13,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from backend_lib.models.layers import Linear, RMSNorm, RotaryEmbedding, VocabEmbedding, copy_into, linear, silu_and_mul
+from backend_lib.models.layers import (HostGemmPlan, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding, copy_into,
+                                       linear, silu_and_mul)
 from backend_lib.models.parallel import ParallelContext, Shard, read_shard, vocab_parallel_embedding
 from kernels.attention import paged_attention, write_kv
 from kernels.attention_metadata import AttentionMetadata
+from kernels.gemv import GemvPolicy, block_weight
 from kernels.onednn_gemm import PackedWeight
 from kernels.rope import RopeScaling
 
@@ -223,6 +225,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, vocab_local, False, dtype)
         self.packed_head: PackedWeight | None = None
+        self.register_buffer("blocked_head", None, persistent=False)  # kernels.gemv layout of the head
+        self.gemv_policy = GemvPolicy()
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings)
 
     @classmethod
@@ -249,17 +253,22 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [N, hidden] -> [N, vocab] float32
         """Every rank gets the full vocabulary row (all-gathered from the ranks' vocabulary shards)."""
-        return self.par.all_gather_last(linear(hidden, self._head_weight(), None, self.packed_head).float())
+        return self.par.all_gather_last(linear(hidden, self._head_weight(), None, self.packed_head,
+                                                self.blocked_head, self.gemv_policy).float())
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def pack_for_cpu(self) -> None:
-        """Every projection and the head on oneDNN's packed GEMM (see Linear.pack_for_cpu)."""
+    def pack_for_cpu(self, plan: HostGemmPlan = HostGemmPlan()) -> None:
+        """Every projection and the head on the host's packed GEMMs (see Linear.pack_for_cpu). An untied
+        ``lm_head`` is packed once, as the head (compute_logits never calls the module)."""
         for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack_for_cpu()
-        self.packed_head = PackedWeight(self._head_weight())
+            if isinstance(module, Linear) and module is not self.lm_head:
+                module.pack_for_cpu(plan)
+        self.packed_head = PackedWeight(self._head_weight()) if plan.onednn else None
+        if plan.blocked:
+            self.blocked_head = block_weight(self._head_weight())
+        self.gemv_policy = plan.policy
 
     def use_cpu_attention(self) -> None:
         """Decode attention on the C++ host kernel; the caller has loaded it (kernels.cpu_kernels)."""

@@ -1,0 +1,404 @@
+// Few-row GEMM on pre-blocked weights for the host CPU: deepinfer::blocked_linear.
+//
+// Why: a decode step with a few rows is a weight stream; every weight byte is used T times, so the step runs at
+// memory bandwidth or not at all. MKL's sgemm and oneDNN's packed GEMM reach 35-60% of the read bandwidth at
+// T = 1. Here the weight is blocked once at load (kernels/gemv.py) into tiles of 16 output rows, each tile
+// stored k-major: fp32 [tiles, in, 16] (one 64-byte line per k), bf16 [tiles, ceil(in/2), 32] (the 16 rows' pair
+// (k, k+1) in each 32-bit lane, vdpbf16ps's operand layout). A thread's range of tiles is one contiguous stream
+// with no per-call packing; each k step is one weight vector times a broadcast activation per row, into 16
+// fp32 accumulators per row (no horizontal sums). Threads take disjoint tile ranges (at::parallel_for).
+//
+// The same layout is the packed-B panel of a GEMM micro-kernel, so larger T loops over row blocks of 8 (AVX-512)
+// or 4 (AVX2) with two tiles (32 columns) per pass: 16 accumulators, 2 weight loads and 8 broadcasts per 16 FMAs.
+//
+// ISA: chosen at run time from the CPU's flags (never from the build machine): AVX-512 (F/BW/VL/DQ) with
+// vdpbf16ps for bf16 x bf16 where avx512_bf16 exists, else bf16 -> fp32 by shifts and FMA; AVX2 + FMA; plain C++.
+// Functions carry target attributes, so one build holds every path whatever flags the file is compiled with.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define DEEPINFER_X86 1
+#endif
+
+namespace {
+
+constexpr int64_t kTile = 16;  // output rows per tile
+constexpr int kMaxTiles = 2;   // tiles per micro-kernel pass
+constexpr int kMaxRows = 8;    // activation rows per micro-kernel pass
+
+enum class Isa { kScalar, kAvx2, kAvx512, kAvx512Bf16 };
+
+// Operand kinds: fp32 weights; bf16 weights with fp32 activations; bf16 weights with bf16 activations.
+enum class Kind { kF32, kBf16W, kBf16WX };
+
+// acc [kMaxRows][kMaxTiles * kTile] fp32: the micro-kernels write sums there; one epilogue adds bias and stores.
+using MicroKernel = void (*)(const void* x, int64_t ldx, const void* w, int64_t tile_stride, int64_t in, float* acc);
+
+// ---------------------------------------------------------------------------------------------- plain C++ ----
+template <int R, int NT, Kind K>
+void micro_scalar(const void* x_, int64_t ldx, const void* w_, int64_t tile_stride, int64_t in, float* acc) {
+  for (int r = 0; r < R; ++r) std::fill(acc + r * kMaxTiles * kTile, acc + r * kMaxTiles * kTile + NT * kTile, 0.f);
+  for (int t = 0; t < NT; ++t) {
+    for (int64_t k = 0; k < in; ++k) {
+      float wk[kTile];
+      if constexpr (K == Kind::kF32) {
+        const float* w = static_cast<const float*>(w_) + t * tile_stride + k * kTile;
+        for (int c = 0; c < kTile; ++c) wk[c] = w[c];
+      } else {
+        const c10::BFloat16* w = static_cast<const c10::BFloat16*>(w_) + t * tile_stride + (k / 2) * 2 * kTile;
+        for (int c = 0; c < kTile; ++c) wk[c] = static_cast<float>(w[2 * c + (k & 1)]);
+      }
+      for (int r = 0; r < R; ++r) {
+        float xk;
+        if constexpr (K == Kind::kBf16WX) {
+          xk = static_cast<float>(static_cast<const c10::BFloat16*>(x_)[r * ldx + k]);
+        } else {
+          xk = static_cast<const float*>(x_)[r * ldx + k];
+        }
+        float* a = acc + r * kMaxTiles * kTile + t * kTile;
+        for (int c = 0; c < kTile; ++c) a[c] += xk * wk[c];
+      }
+    }
+  }
+}
+
+#ifdef DEEPINFER_X86
+#define TARGET_AVX2 __attribute__((target("avx2,fma")))
+#define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2")))
+#define TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,avx2")))
+
+// ------------------------------------------------------------------------------------------------- AVX2 ------
+// A tile is two ymm halves per row; 4 rows x 2 halves = 8 accumulators (16 ymm registers in all).
+template <int R, int NT, Kind K>
+TARGET_AVX2 void micro_avx2(const void* x_, int64_t ldx, const void* w_, int64_t tile_stride, int64_t in,
+                            float* acc) {
+  static_assert(NT == 1 && R <= 4, "AVX2 has 16 vector registers");
+  __m256 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  const float* x = static_cast<const float*>(x_);
+  if constexpr (K == Kind::kF32) {
+    const float* w = static_cast<const float*>(w_);
+    for (int64_t k = 0; k < in; ++k, w += kTile) {
+      const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xk = _mm256_broadcast_ss(x + r * ldx + k);
+        lo[r] = _mm256_fmadd_ps(w0, xk, lo[r]);
+        hi[r] = _mm256_fmadd_ps(w1, xk, hi[r]);
+      }
+    }
+  } else {  // bf16 pairs: lane = (w[k] low half, w[k+1] high half); a shift or a mask makes each an fp32
+    const __m256i high_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const uint16_t* w = static_cast<const uint16_t*>(w_);
+    for (int64_t k = 0; k < in; k += 2, w += 2 * kTile) {
+      const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+      const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kTile));
+      const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(p0, 16));
+      const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(p1, 16));
+      for (int r = 0; r < R; ++r) {
+        const __m256 xk = _mm256_broadcast_ss(x + r * ldx + k);
+        lo[r] = _mm256_fmadd_ps(e0, xk, lo[r]);
+        hi[r] = _mm256_fmadd_ps(e1, xk, hi[r]);
+      }
+      if (k + 1 < in) {
+        const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(p0, high_mask));
+        const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(p1, high_mask));
+        for (int r = 0; r < R; ++r) {
+          const __m256 xk = _mm256_broadcast_ss(x + r * ldx + k + 1);
+          lo[r] = _mm256_fmadd_ps(o0, xk, lo[r]);
+          hi[r] = _mm256_fmadd_ps(o1, xk, hi[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(acc + r * kMaxTiles * kTile, lo[r]);
+    _mm256_storeu_ps(acc + r * kMaxTiles * kTile + 8, hi[r]);
+  }
+}
+
+// ----------------------------------------------------------------------------------------------- AVX-512 -----
+// Software prefetch this far ahead in each weight stream: the hardware prefetcher stops at 4 KiB pages.
+constexpr int64_t kPrefetchBytes = 1024;
+
+template <int R, int NT, Kind K>
+TARGET_AVX512 void micro_avx512(const void* x_, int64_t ldx, const void* w_, int64_t tile_stride, int64_t in,
+                                float* acc) {
+  static_assert(K != Kind::kBf16WX, "bf16 activations take micro_avx512_bf16 or are widened first");
+  __m512 a[R][NT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) a[r][t] = _mm512_setzero_ps();
+  const float* x = static_cast<const float*>(x_);
+  if constexpr (K == Kind::kF32) {
+    const float* w = static_cast<const float*>(w_);
+    for (int64_t k = 0; k < in; ++k, w += kTile) {
+      __m512 wv[NT];
+      for (int t = 0; t < NT; ++t) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + t * tile_stride) + kPrefetchBytes, _MM_HINT_T0);
+        wv[t] = _mm512_loadu_ps(w + t * tile_stride);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 xk = _mm512_set1_ps(x[r * ldx + k]);
+        for (int t = 0; t < NT; ++t) a[r][t] = _mm512_fmadd_ps(wv[t], xk, a[r][t]);
+      }
+    }
+  } else {
+    const __m512i high_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const uint16_t* w = static_cast<const uint16_t*>(w_);
+    for (int64_t k = 0; k < in; k += 2, w += 2 * kTile) {
+      __m512i pv[NT];
+      for (int t = 0; t < NT; ++t) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + t * tile_stride) + kPrefetchBytes, _MM_HINT_T0);
+        pv[t] = _mm512_loadu_si512(w + t * tile_stride);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 xk = _mm512_set1_ps(x[r * ldx + k]);
+        for (int t = 0; t < NT; ++t)
+          a[r][t] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(pv[t], 16)), xk, a[r][t]);
+      }
+      if (k + 1 < in) {
+        for (int r = 0; r < R; ++r) {
+          const __m512 xk = _mm512_set1_ps(x[r * ldx + k + 1]);
+          for (int t = 0; t < NT; ++t)
+            a[r][t] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(pv[t], high_mask)), xk, a[r][t]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) _mm512_storeu_ps(acc + r * kMaxTiles * kTile + t * kTile, a[r][t]);
+}
+
+// bf16 x bf16: the activation pair (x[k], x[k+1]) is one 32-bit broadcast; vdpbf16ps adds both products.
+template <int R, int NT, Kind K>
+TARGET_AVX512BF16 void micro_avx512_bf16(const void* x_, int64_t ldx, const void* w_, int64_t tile_stride,
+                                         int64_t in, float* acc) {
+  static_assert(K == Kind::kBf16WX, "vdpbf16ps needs bf16 on both sides");
+  __m512 a[R][NT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) a[r][t] = _mm512_setzero_ps();
+  const uint16_t* x = static_cast<const uint16_t*>(x_);
+  const uint16_t* w = static_cast<const uint16_t*>(w_);
+  const int64_t full_pairs = in / 2;
+  for (int64_t p = 0; p < full_pairs; ++p, w += 2 * kTile) {
+    __m512i pv[NT];
+    for (int t = 0; t < NT; ++t) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + t * tile_stride) + kPrefetchBytes, _MM_HINT_T0);
+      pv[t] = _mm512_loadu_si512(w + t * tile_stride);
+    }
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * p, sizeof(pair));
+      const __m512bh xk = (__m512bh)_mm512_set1_epi32(pair);
+      for (int t = 0; t < NT; ++t) a[r][t] = _mm512_dpbf16_ps(a[r][t], (__m512bh)pv[t], xk);
+    }
+  }
+  if (in % 2) {  // the last pair's second weight is zero padding; its activation lies past the row: use zero
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xk = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(x[r * ldx + in - 1]));
+      for (int t = 0; t < NT; ++t)
+        a[r][t] = _mm512_dpbf16_ps(a[r][t], (__m512bh)_mm512_loadu_si512(w + t * tile_stride), xk);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) _mm512_storeu_ps(acc + r * kMaxTiles * kTile + t * kTile, a[r][t]);
+}
+
+bool cpu_has(const char* feature_set) {
+  // __builtin_cpu_supports needs literal names; the sets below are what each path's target attribute uses.
+  const std::string set(feature_set);
+  if (set == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (set == "avx512")
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && cpu_has("avx2");
+  if (set == "avx512bf16") return cpu_has("avx512") && __builtin_cpu_supports("avx512bf16");
+  return false;
+}
+#else
+bool cpu_has(const char*) { return false; }
+#endif  // DEEPINFER_X86
+
+Isa best_isa() {
+  static const Isa isa = cpu_has("avx512bf16") ? Isa::kAvx512Bf16
+                         : cpu_has("avx512")   ? Isa::kAvx512
+                         : cpu_has("avx2")     ? Isa::kAvx2
+                                               : Isa::kScalar;
+  return isa;
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512Bf16: return "avx512_bf16";
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+Isa parse_isa(const std::string& name) {
+  if (name == "auto") return best_isa();
+  for (Isa isa : {Isa::kAvx512Bf16, Isa::kAvx512, Isa::kAvx2, Isa::kScalar}) {
+    if (name == isa_name(isa)) {
+      TORCH_CHECK(static_cast<int>(isa) <= static_cast<int>(best_isa()), "blocked_linear: isa '", name,
+                  "' is not supported by this CPU (best: ", isa_name(best_isa()), ")");
+      return isa;
+    }
+  }
+  TORCH_CHECK(false, "blocked_linear: isa must be auto, avx512_bf16, avx512, avx2 or scalar, got '", name, "'");
+}
+
+// The micro-kernel table of one (ISA, kind): [rows - 1][tiles - 1], and its row / tile block sizes.
+struct KernelSet {
+  MicroKernel fn[kMaxRows][kMaxTiles] = {};
+  int max_rows = 1;
+  int max_tiles = 1;
+};
+
+template <template <int, int, Kind> class Maker, Kind K, int R, int NT>
+void fill_rows(KernelSet& set) {  // entries (R, 1..NT)
+  set.fn[R - 1][NT - 1] = Maker<R, NT, K>::fn;
+  if constexpr (NT > 1) fill_rows<Maker, K, R, NT - 1>(set);
+}
+
+template <template <int, int, Kind> class Maker, Kind K, int R, int MaxNT>
+void fill_all(KernelSet& set) {
+  fill_rows<Maker, K, R, MaxNT>(set);
+  if constexpr (R > 1) fill_all<Maker, K, R - 1, MaxNT>(set);
+}
+
+template <template <int, int, Kind> class Maker, Kind K, int MaxR, int MaxNT>
+KernelSet make_set() {
+  KernelSet set;
+  set.max_rows = MaxR;
+  set.max_tiles = MaxNT;
+  fill_all<Maker, K, MaxR, MaxNT>(set);
+  return set;
+}
+
+template <int R, int NT, Kind K> struct ScalarMaker { static constexpr MicroKernel fn = &micro_scalar<R, NT, K>; };
+#ifdef DEEPINFER_X86
+template <int R, int NT, Kind K> struct Avx2Maker { static constexpr MicroKernel fn = &micro_avx2<R, NT, K>; };
+template <int R, int NT, Kind K> struct Avx512Maker { static constexpr MicroKernel fn = &micro_avx512<R, NT, K>; };
+template <int R, int NT, Kind K> struct Avx512Bf16Maker {
+  static constexpr MicroKernel fn = &micro_avx512_bf16<R, NT, K>;
+};
+#endif
+
+const KernelSet& kernels_for(Isa isa, Kind kind) {
+  static const KernelSet scalar[3] = {make_set<ScalarMaker, Kind::kF32, 4, 1>(),
+                                      make_set<ScalarMaker, Kind::kBf16W, 4, 1>(),
+                                      make_set<ScalarMaker, Kind::kBf16WX, 4, 1>()};
+#ifdef DEEPINFER_X86
+  static const KernelSet avx2[2] = {make_set<Avx2Maker, Kind::kF32, 4, 1>(), make_set<Avx2Maker, Kind::kBf16W, 4, 1>()};
+  static const KernelSet avx512[2] = {make_set<Avx512Maker, Kind::kF32, kMaxRows, kMaxTiles>(),
+                                      make_set<Avx512Maker, Kind::kBf16W, kMaxRows, kMaxTiles>()};
+  static const KernelSet avx512_bf16 = make_set<Avx512Bf16Maker, Kind::kBf16WX, kMaxRows, kMaxTiles>();
+  if (kind == Kind::kBf16WX && isa == Isa::kAvx512Bf16) return avx512_bf16;
+  if (kind != Kind::kBf16WX) {  // bf16 activations without vdpbf16ps are widened to fp32 by the caller
+    if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) return avx512[static_cast<int>(kind)];
+    if (isa == Isa::kAvx2) return avx2[static_cast<int>(kind)];
+  }
+#endif
+  return scalar[static_cast<int>(kind)];
+}
+
+// One pass's sums (+ bias) into y's rows [row0, row0 + rows) and columns [col0, col0 + cols).
+template <typename Out>
+void store_block(const float* acc, const float* bias, Out* y, int64_t out, int64_t row0, int rows, int64_t col0,
+                 int64_t cols) {
+  for (int r = 0; r < rows; ++r) {
+    const float* a = acc + r * kMaxTiles * kTile;
+    Out* dst = y + (row0 + r) * out + col0;
+    if (bias != nullptr) {
+      for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<Out>(a[c] + bias[col0 + c]);
+    } else {
+      for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<Out>(a[c]);
+    }
+  }
+}
+
+at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocked, const c10::optional<at::Tensor>& bias,
+                          int64_t out_features, c10::string_view isa_name_arg) {
+  TORCH_CHECK(x.dim() == 2, "blocked_linear: x must be [rows, in], got ", x.dim(), " dims");
+  TORCH_CHECK(blocked.dim() == 3 && blocked.is_contiguous(),
+              "blocked_linear: blocked must be a contiguous [tiles, k, lanes] tensor from kernels/gemv.py");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "blocked_linear: x must be float32 or bfloat16, got ", x.scalar_type());
+  const bool w_bf16 = blocked.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(w_bf16 || blocked.scalar_type() == at::kFloat, "blocked_linear: blocked weight must be float32 or "
+              "bfloat16, got ", blocked.scalar_type());
+  const int64_t rows = x.size(0), in = x.size(1), tiles = blocked.size(0);
+  const int64_t in_blocked = w_bf16 ? (in + 1) / 2 : in;
+  TORCH_CHECK(blocked.size(1) == in_blocked && blocked.size(2) == (w_bf16 ? 2 : 1) * kTile,
+              "blocked_linear: blocked weight ", blocked.sizes(), " does not match x's in_features ", in);
+  TORCH_CHECK(out_features > (tiles - 1) * kTile && out_features <= tiles * kTile, "blocked_linear: out_features ",
+              out_features, " does not fit ", tiles, " tiles of ", kTile);
+  at::Tensor bias_f32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "blocked_linear: bias must be [", out_features,
+                "], got ", bias->sizes());
+    bias_f32 = bias->to(at::kFloat).contiguous();
+  }
+  const Isa isa = parse_isa(std::string(isa_name_arg));
+  at::Tensor xc = x.contiguous();
+  Kind kind = !w_bf16 ? Kind::kF32 : (xc.scalar_type() == at::kBFloat16 ? Kind::kBf16WX : Kind::kBf16W);
+  if (kind == Kind::kBf16WX && isa != Isa::kAvx512Bf16 && isa != Isa::kScalar) {
+    xc = xc.to(at::kFloat);  // no vdpbf16ps: widen the (few) activation rows, then bf16 -> fp32 by shifts
+    kind = Kind::kBf16W;
+  } else if (kind == Kind::kF32 && xc.scalar_type() == at::kBFloat16) {
+    xc = xc.to(at::kFloat);
+  }
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  if (rows == 0) return y;
+  const KernelSet& set = kernels_for(isa, kind);
+  const int64_t units = (tiles + set.max_tiles - 1) / set.max_tiles;
+  const int64_t tile_stride = blocked.size(1) * blocked.size(2);  // elements per tile
+  const int64_t tile_bytes = tile_stride * blocked.element_size();
+  // Below ~64 KiB of weights a second thread costs more than it saves.
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (tile_bytes * set.max_tiles));
+  const char* x_ptr = static_cast<const char*>(xc.data_ptr());
+  const int64_t x_row_bytes = in * xc.element_size();
+  const char* w_ptr = static_cast<const char*>(blocked.data_ptr());
+  const float* bias_ptr = bias.has_value() ? bias_f32.data_ptr<float>() : nullptr;
+  const bool y_bf16 = y.scalar_type() == at::kBFloat16;
+  void* y_ptr = y.data_ptr();
+  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kMaxRows * kMaxTiles * kTile];
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t tile0 = unit * set.max_tiles;
+      const int nt = static_cast<int>(std::min<int64_t>(set.max_tiles, tiles - tile0));
+      const int64_t col0 = tile0 * kTile, cols = std::min<int64_t>(nt * kTile, out_features - col0);
+      for (int64_t row0 = 0; row0 < rows; row0 += set.max_rows) {
+        const int r = static_cast<int>(std::min<int64_t>(set.max_rows, rows - row0));
+        set.fn[r - 1][nt - 1](x_ptr + row0 * x_row_bytes, in, w_ptr + tile0 * tile_bytes, tile_stride, in, acc);
+        if (y_bf16) {
+          store_block(acc, bias_ptr, static_cast<c10::BFloat16*>(y_ptr), out_features, row0, r, col0, cols);
+        } else {
+          store_block(acc, bias_ptr, static_cast<float*>(y_ptr), out_features, row0, r, col0, cols);
+        }
+      }
+    }
+  });
+  return y;
+}
+
+std::string blocked_linear_isa() { return isa_name(best_isa()); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
+  m.def("blocked_linear(Tensor x, Tensor blocked, Tensor? bias, int out_features, str isa=\"auto\") -> Tensor");
+  m.def("blocked_linear_isa() -> str", &blocked_linear_isa);
+}
+
+TORCH_LIBRARY_IMPL(deepinfer, CPU, m) {
+  m.impl("blocked_linear", &blocked_linear);
+}

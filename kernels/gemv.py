@@ -1,0 +1,83 @@
+"""Few-row GEMM on weights blocked once at load (kernels/csrc/gemv.cpp): y [T, out] = x [T, in] @ W^T (+ bias).
+
+A decode step with a few rows is a stream over the weights; the blocked layout makes each thread's share one
+contiguous stream (no per-call packing), so the kernel reads the weights near the machine's read bandwidth where
+MKL's and oneDNN's GEMMs stop at roughly half of it. The blocked weight is a plain dense tensor, so it is an
+ordinary module buffer: compiled regions take it as a graph input and keep ``deepinfer::blocked_linear`` (a C++
+dispatcher op with a fake kernel) as one opaque call, on any torch version. Weights: fp32, or bf16 with fp32 or
+bf16 activations (output in the activations' dtype).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_kernels import load_cpu_kernels
+
+TILE = 16  # output rows per tile (one 64-byte fp32 vector per k)
+
+
+@dataclass(frozen=True)
+class GemvPolicy:
+    """Which row counts take the blocked kernel when another packed GEMM (oneDNN's) holds the same weight.
+
+    ``max_rows``: measured by benchmarks/gemv.py (the crossover against oneDNN's packed GEMM on SmolLM2's shapes;
+    the blocked kernel wins through T = 8 on the Xeon and Zen machines measured, and loses beyond ~16, where
+    oneDNN's register blocking and cache tiling pay)."""
+
+    max_rows: int = 8
+
+    def __post_init__(self) -> None:
+        if self.max_rows < 1:
+            raise ValueError(f"GemvPolicy.max_rows must be >= 1, got {self.max_rows}")
+
+    def use_blocked(self, rows: int) -> bool:
+        return rows <= self.max_rows
+
+
+def gemv_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """The kernel runs on the host CPU for fp32 and bf16 weights, once the C++ ops are built."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and load_cpu_kernels()
+
+
+def block_weight(weight: torch.Tensor) -> torch.Tensor:  # weight [out, in] -> blocked
+    """fp32 -> [ceil(out/16), in, 16]: tile t, step k holds W[16t:16t+16, k], one vector per k.
+    bf16 -> [ceil(out/16), ceil(in/2), 32]: lane r of step p holds (W[16t+r, 2p], W[16t+r, 2p+1]), the pair
+    layout of vdpbf16ps. Rows past ``out`` and the column past an odd ``in`` are zeros."""
+    if weight.dim() != 2:
+        raise ValueError(f"block_weight: weight must be [out, in], got shape {tuple(weight.shape)}")
+    if weight.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"block_weight: weight dtype must be float32 or bfloat16, got {weight.dtype}")
+    out_features, in_features = weight.shape
+    tiles = -(-out_features // TILE)
+    pair = 2 if weight.dtype == torch.bfloat16 else 1
+    padded_in = -(-in_features // pair) * pair
+    padded = F.pad(weight.detach(), (0, padded_in - in_features, 0, tiles * TILE - out_features))
+    # [tiles, 16, in / pair, pair] -> [tiles, in / pair, 16, pair]
+    blocked = padded.reshape(tiles, TILE, padded_in // pair, pair).permute(0, 2, 1, 3)
+    return blocked.reshape(tiles, padded_in // pair, TILE * pair).contiguous()
+
+
+def unblock_weight(blocked: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:  # -> [out, in]
+    """The inverse of ``block_weight`` (tests, and rebuilding a plain copy if one is ever needed)."""
+    pair = blocked.shape[2] // TILE
+    tiles, steps = blocked.shape[0], blocked.shape[1]
+    plain = blocked.reshape(tiles, steps, TILE, pair).permute(0, 2, 1, 3).reshape(tiles * TILE, steps * pair)
+    return plain[:out_features, :in_features].contiguous()
+
+
+def blocked_linear(x: torch.Tensor,  # [T, in] float32 or bfloat16
+                   blocked: torch.Tensor,  # from block_weight
+                   bias: torch.Tensor | None,  # [out]
+                   out_features: int,
+                   isa: str = "auto") -> torch.Tensor:  # [T, out], x's dtype
+    """``isa`` forces a code path ("avx512_bf16", "avx512", "avx2", "scalar"; tests); "auto" is the best the CPU
+    has."""
+    return torch.ops.deepinfer.blocked_linear(x, blocked, bias, out_features, isa)
+
+
+def kernel_isa() -> str:
+    """The instruction set the kernel picked on this CPU."""
+    return torch.ops.deepinfer.blocked_linear_isa()

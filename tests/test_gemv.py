@@ -1,0 +1,135 @@
+"""The few-row GEMM on blocked weights (kernels/gemv.py, kernels/csrc/gemv.cpp) against torch's matmul.
+
+Every code path this CPU can run is checked (the CPU-flag dispatch picks one; the others are forced by name),
+on shapes that are not multiples of the 16-row tile or of the bf16 pair, at T = 1..8 and past the 8-row block,
+with and without bias, fp32 and bf16 weights, fp32 and bf16 activations. Then the model wiring: a Linear packed
+for the host equals F.linear, compiled regions keep the op as one call with the same result, and a tiny Llama
+packed each way gives transformers' logits.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backend_lib.executor.rank import host_gemm_plan
+from backend_lib.models.layers import HostGemmPlan, Linear
+from backend_lib.models.loader import load_model
+from kernels.gemv import GemvPolicy, block_weight, blocked_linear, gemv_available, kernel_isa, unblock_weight
+
+ISAS = ("avx512_bf16", "avx512", "avx2", "scalar")
+
+
+@pytest.fixture(scope="module")
+def isas() -> list[str]:
+    assert gemv_available(torch.device("cpu"), torch.float32), "the C++ kernels did not build"
+    return list(ISAS[ISAS.index(kernel_isa()):])
+
+
+def _reference(x, weight, bias):  # float64 on the same (rounded) inputs
+    y = x.double() @ weight.double().T
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("weight_dtype,x_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                  (torch.bfloat16, torch.bfloat16)])
+def test_kernel_matches_matmul_on_odd_shapes(isas, weight_dtype, x_dtype):
+    gen = torch.Generator().manual_seed(0)
+    for out_features, in_features in [(37, 53), (16, 16), (100, 577), (33, 1), (50, 130)]:
+        weight = torch.randn(out_features, in_features, generator=gen).to(weight_dtype)
+        bias = torch.randn(out_features, generator=gen)
+        blocked = block_weight(weight)
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 11, 19):
+            x = torch.randn(rows, in_features, generator=gen).to(x_dtype)
+            for with_bias in (False, True):
+                b = bias if with_bias else None
+                want = _reference(x, weight, b)
+                # fp32 sums in another order: ~1e-6 relative; a bf16 output rounds to 2^-8 of the value.
+                tol = 1e-5 * in_features ** 0.5 if x_dtype == torch.float32 else 1e-2 * want.abs().max().item()
+                for isa in isas:
+                    got = blocked_linear(x, blocked, b, out_features, isa)
+                    assert got.dtype == x_dtype and got.shape == (rows, out_features)
+                    err = (got.double() - want).abs().max().item()
+                    assert err <= tol, (isa, out_features, in_features, rows, with_bias, err)
+
+
+def test_block_weight_round_trips_and_pads_with_zeros():
+    for dtype, lanes in ((torch.float32, 16), (torch.bfloat16, 32)):
+        weight = torch.randn(37, 53).to(dtype)
+        blocked = block_weight(weight)
+        assert blocked.shape == (3, 53 if dtype == torch.float32 else 27, lanes)
+        assert torch.equal(unblock_weight(blocked, 37, 53), weight)
+        assert torch.count_nonzero(blocked) == torch.count_nonzero(weight)  # the padding is zeros
+
+
+def test_bad_input_names_the_field(isas):
+    blocked = block_weight(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="in_features 9"):
+        blocked_linear(torch.randn(2, 9), blocked, None, 20)
+    with pytest.raises(RuntimeError, match="out_features 40"):
+        blocked_linear(torch.randn(2, 8), blocked, None, 40)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        blocked_linear(torch.randn(2, 8), blocked, torch.randn(21), 20)
+    with pytest.raises(RuntimeError, match="isa must be"):
+        blocked_linear(torch.randn(2, 8), blocked, None, 20, "sse9")
+    with pytest.raises(ValueError, match="weight dtype"):
+        block_weight(torch.randn(4, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="max_rows"):
+        GemvPolicy(max_rows=0)
+
+
+@pytest.mark.parametrize("plan", [HostGemmPlan(onednn=False), HostGemmPlan(), HostGemmPlan(policy=GemvPolicy(2))])
+def test_packed_linear_equals_f_linear_eager_and_compiled(isas, plan):
+    layer = Linear(70, 45, bias=True, dtype=torch.float32)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()
+    layer.pack_for_cpu(plan)
+    torch._dynamo.reset()  # Linear.forward's graphs per row count add up across the parametrized cases
+    compiled = torch.compile(layer, backend="inductor", fullgraph=True, dynamic=False)
+    for rows in (1, 3, 8, 12):
+        x = torch.randn(rows, 70)
+        want = F.linear(x, layer.weight, layer.bias)
+        eager = layer(x)
+        torch.testing.assert_close(eager, want, atol=1e-4, rtol=0)
+        torch.testing.assert_close(compiled(x), eager, atol=1e-5, rtol=0)
+
+
+def test_compiled_graph_keeps_one_opaque_call(isas):
+    layer = Linear(64, 32, bias=False, dtype=torch.float32)
+    with torch.no_grad():
+        layer.weight.normal_()
+    layer.pack_for_cpu(HostGemmPlan(onednn=False))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch.compile(layer, backend=backend, fullgraph=True)(torch.randn(2, 64))
+    calls = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "blocked_linear" in str(n.target)]
+    assert len(calls) == 1
+
+
+def test_host_gemm_plan_by_mode_and_dtype(isas):
+    cpu = torch.device("cpu")
+    assert host_gemm_plan("auto", cpu, torch.float32) == HostGemmPlan(onednn=True, blocked=True)
+    assert host_gemm_plan("gemv", cpu, torch.float32) == HostGemmPlan(onednn=False, blocked=True)
+    assert host_gemm_plan("onednn", cpu, torch.float32) == HostGemmPlan(onednn=True, blocked=False)
+    assert host_gemm_plan("mkl", cpu, torch.float32) == HostGemmPlan(onednn=False, blocked=False)
+    assert host_gemm_plan("auto", cpu, torch.bfloat16).blocked
+
+
+@pytest.mark.parametrize("plan", [HostGemmPlan(onednn=False), HostGemmPlan()])
+def test_tiny_llama_packed_matches_transformers_logits(isas, tiny_llama_dir, plan):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    model = load_model(str(tiny_llama_dir), torch.float32).eval()
+    model.pack_for_cpu(plan)
+    assert model.blocked_head is not None and model.lm_head.blocked is None  # the head is packed once
+    hidden = torch.randn(5, model.arch.hidden_size)
+    with torch.inference_mode():
+        for rows in (1, 5):  # the blocked kernel; with oneDNN too, rows above policy.max_rows would go there
+            got = model.compute_logits(hidden[:rows])
+            want = hf.lm_head(hidden[:rows])
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
