@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention_metadata import AttentionMetadata
+from kernels.cpu_kernels import CPU_ATTENTION_DTYPES
 
 
 def write_kv(
@@ -74,9 +75,11 @@ def paged_decode_attention(
 
     Query ``i`` of a request sits at position ``seq_len - Q + i``. A padded row (seq_len 0) still sees key 0 so
     its softmax stays finite; its output is garbage that the runner discards. ``cpu_kernel``: the C++ host
-    kernel (kernels/cpu_kernels.py, loaded by the caller), eagerly and as one opaque op inside graphs.
+    kernel (kernels/cpu_kernels.py, loaded by the caller), eagerly and as one opaque op inside graphs, for the
+    dtypes it has (fp32; bf16 q and caches with fp32 math); other dtypes take the torch forms. A bf16 cache in
+    the torch forms runs SDPA in bf16 (fp32 softmax and accumulation inside torch's CPU kernel).
     """
-    if cpu_kernel:
+    if cpu_kernel and q.dtype in CPU_ATTENTION_DTYPES and k_cache.dtype == q.dtype:
         return torch.ops.deepinfer.cpu_paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                                               query_len, block_size, scale)
     num_reqs = block_tables.shape[0]

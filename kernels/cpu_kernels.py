@@ -3,9 +3,10 @@
 torch compiles the sources for the instruction set torch itself dispatches to on this CPU (AVX-512, AVX2 or
 baseline x86-64; not -march=native, so a build cached on a shared volume never meets a CPU that lacks its
 instructions) and caches the library under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR): only the first
-engine start on a machine pays the ~7 s build. Ops: paged decode attention, the shared-memory all-reduce of
-tensor-parallel ranks on one machine (shm_all_reduce.cpp), and the few-row GEMM on pre-blocked weights (gemv.cpp,
-which picks its instruction set from the CPU's flags at run time, whatever flags built it; kernels/gemv.py). The ops are registered with the dispatcher
+engine start on a machine pays the ~7 s build. Ops: paged decode attention (fp32, or bf16 with fp32 math), the
+shared-memory all-reduce of tensor-parallel ranks on one machine (shm_all_reduce.cpp), and the few-row GEMM on
+pre-blocked weights (gemv.cpp, which picks its instruction set from the CPU's flags at run time, whatever flags
+built it; kernels/gemv.py). The ops are registered with the dispatcher
 (``torch.ops.deepinfer.*``) and have fake kernels, so compiled regions keep each as one opaque call, as they do
 the packed GEMM.
 """
@@ -42,8 +43,13 @@ def _remove_stale_build_lock(build_dir: Path, stale_after_s: float = 600.0) -> N
         lock.unlink(missing_ok=True)
 
 
+# Element types of the decode attention kernel: bf16 is widened to fp32 in the kernel (no bf16 instructions
+# needed), so every x86 CPU runs both.
+CPU_ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def cpu_kernels_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32
+    return device.type == "cpu" and dtype in CPU_ATTENTION_DTYPES
 
 
 @functools.cache

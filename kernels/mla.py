@@ -53,6 +53,15 @@ def _decode_mask(seq_lens: torch.Tensor,  # [B] int32
     return k_pos[None, None, :] <= q_pos[:, :, None]
 
 
+def _scores(nope_equation: str, q_nope: torch.Tensor, k_nope: torch.Tensor,
+            rope_equation: str, q_rope: torch.Tensor, k_rope: torch.Tensor, scale: float) -> torch.Tensor:
+    """Scaled scores in fp32 whatever the inputs: bf16 scores (one ulp is 0.06 at 10) would shift the softmax by
+    percents, where transformers' SDPA keeps them in fp32. fp32 inputs run exactly the ops they ran before."""
+    fp32 = torch.float32
+    return (torch.einsum(nope_equation, q_nope.to(fp32), k_nope.to(fp32))
+            + torch.einsum(rope_equation, q_rope.to(fp32), k_rope.to(fp32))) * scale
+
+
 def mla_decode_absorbed(q_nope: torch.Tensor,  # [B, Q, H, Dn]
                         q_rope: torch.Tensor,  # [B, Q, H, P] post-rope
                         cache_blocks: torch.Tensor,  # [num_blocks + 1, block_size, R + P]
@@ -66,8 +75,7 @@ def mla_decode_absorbed(q_nope: torch.Tensor,  # [B, Q, H, Dn]
     ctx = gather_context(cache_blocks, block_tables).to(q_nope.dtype)  # [B, S, C]
     latent, k_rope = ctx[..., :rank], ctx[..., rank:]
     q_latent = torch.einsum("bqhd,hdr->bqhr", q_nope, w_uk)
-    scores = (torch.einsum("bqhr,bsr->bqhs", q_latent, latent)
-              + torch.einsum("bqhp,bsp->bqhs", q_rope, k_rope)) * scale
+    scores = _scores("bqhr,bsr->bqhs", q_latent, latent, "bqhp,bsp->bqhs", q_rope, k_rope, scale)
     mask = _decode_mask(seq_lens, q_nope.shape[1], ctx.shape[1])[:, :, None, :]
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32).to(q_nope.dtype)
     out_latent = torch.einsum("bqhs,bsr->bqhr", probs, latent)
@@ -94,8 +102,7 @@ def mla_decode_expanded(q_nope: torch.Tensor,  # [B, Q, H, Dn]
     ctx = gather_context(cache_blocks, block_tables).to(q_nope.dtype)
     k_nope, v = _expand(ctx[..., :rank], kv_b_weight, num_heads, dn)  # [B, S, H, *]
     k_rope = ctx[..., rank:]
-    scores = (torch.einsum("bqhd,bshd->bqhs", q_nope, k_nope)
-              + torch.einsum("bqhp,bsp->bqhs", q_rope, k_rope)) * scale
+    scores = _scores("bqhd,bshd->bqhs", q_nope, k_nope, "bqhp,bsp->bqhs", q_rope, k_rope, scale)
     mask = _decode_mask(seq_lens, q_nope.shape[1], ctx.shape[1])[:, :, None, :]
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32).to(q_nope.dtype)
     return torch.einsum("bqhs,bshv->bqhv", probs, v)
@@ -117,8 +124,7 @@ def mla_prefill(q_nope: torch.Tensor,  # [L, H, Dn] one request's chunk
     ctx = ctx.to(q_nope.dtype)
     k_nope, v = _expand(ctx[:, :rank], kv_b_weight, num_heads, dn)  # [S, H, *]
     k_rope = ctx[:, rank:]
-    scores = (torch.einsum("lhd,shd->hls", q_nope, k_nope)
-              + torch.einsum("lhp,sp->hls", q_rope, k_rope)) * scale
+    scores = _scores("lhd,shd->hls", q_nope, k_nope, "lhp,sp->hls", q_rope, k_rope, scale)
     q_pos = torch.arange(seq_len - num_q, seq_len, device=q_nope.device)
     mask = torch.arange(seq_len, device=q_nope.device)[None, :] <= q_pos[:, None]  # [L, S]
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32).to(q_nope.dtype)

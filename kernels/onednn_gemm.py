@@ -5,6 +5,13 @@ an opaque ``mkldnn``-layout tensor that torch.compile cannot turn into a fake te
 input (and inductor's own prepacking needs frozen weights: one packed copy per graph). ``PackedWeight`` wraps it
 as a reference-type opaque object and ``onednn_linear`` is a custom op taking it, so a compiled region calls the
 same kernel on the same packed weight as the eager path: one copy, and the same products in both.
+
+bf16 weights pack the same way: oneDNN runs them on AMX tiles or AVX512-BF16 dot products where the CPU has them
+(fp32 accumulation, the output rounded to bf16, as torch's own bf16 ``F.linear``, whose result it equals), and
+emulates bf16 on plain AVX-512. Without AVX-512 oneDNN has no bf16 GEMM, so such a model keeps ``F.linear``.
+SmolLM2 shapes on the Xeon (AMX) host, one thread, packed bf16 against packed fp32 / plain bf16 F.linear:
+head 49152x576 at 1 row 2.9 ms against 8.9 / 6.0, at 32 rows 4.3 ms against 23.6 / 9.0; gate/up 3072x576 at
+32 rows 0.31 ms against 1.05 / 0.44.
 """
 from __future__ import annotations
 
@@ -31,7 +38,18 @@ if register_opaque_type is not None:
 
 
 def onednn_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    """Whether ``PackedWeight`` and ``packed_linear`` serve this device and weight dtype."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    # oneDNN's bf16 GEMM needs AVX-512 (native with AVX512-BF16 / AMX, emulated otherwise).
+    return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def native_bf16_gemm() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), for logs and benchmark reports."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def _register_custom_op():

@@ -11,6 +11,12 @@
 //
 // Semantics are those of kernels/attention.py's paged_decode_attention: query i of a request sits at position
 // max(seq_len - Q + i, 0) and sees keys 0..position; query head h reads KV head h / (H / Hkv).
+//
+// Element types: float32, or bfloat16 q / caches / output with every product, the softmax and the accumulators
+// in fp32. A bf16 slot row is widened to fp32 once (exact: a bf16 is the top half of an fp32) and then serves
+// all the query heads of its KV heads, so the math is the fp32 kernel's and only the loads differ; widening
+// needs AVX-512F (or plain shifts), no bf16 instructions, so every x86 CPU runs it. The output is rounded to
+// bf16 once, at the end (round to nearest even).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -94,41 +100,38 @@ inline void exp_shifted_inplace(float* x, int64_t n, float shift) {
   }
 }
 
-at::Tensor cpu_paged_decode_attention(const at::Tensor& q_in,          // [B*Q, H, D] float32
-                                      const at::Tensor& k_cache,       // [num_slots, Hkv, D] float32
-                                      const at::Tensor& v_cache,       // [num_slots, Hkv, D] float32
-                                      const at::Tensor& block_tables,  // [B, nb] int32
-                                      const at::Tensor& seq_lens,      // [B] int32
-                                      int64_t query_len, int64_t block_size, double scale) {
-  TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and the caches must be 3-D");
-  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat, "q and the caches must be float32");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
-              "block_tables and seq_lens must be int32");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(),
-              "the caches must be contiguous and of one shape");
-  const int64_t num_reqs = block_tables.size(0), width = block_tables.size(1);
-  const int64_t heads = q_in.size(1), head_dim = q_in.size(2), kv_heads = k_cache.size(1);
-  TORCH_CHECK(query_len >= 1 && q_in.size(0) == num_reqs * query_len, "q must have B * query_len rows");
-  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(2) == head_dim, "q and the caches disagree on heads / dim");
-  TORCH_CHECK(seq_lens.size(0) == num_reqs && width >= 1, "seq_lens must have one entry per block-table row");
-  const at::Tensor q = q_in.contiguous();
-  const at::Tensor tables = block_tables.contiguous();
-  const at::Tensor lens = seq_lens.contiguous();
-  const int64_t num_blocks = k_cache.size(0) / block_size;
-  at::Tensor out = at::empty_like(q);
+// n values as fp32: float rows are read in place; bf16 rows are widened into ``scratch``.
+inline const float* as_float(const float* src, float* /*scratch*/, int64_t /*n*/) { return src; }
 
+inline const float* as_float(const at::BFloat16* src, float* scratch, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    _mm512_storeu_ps(scratch + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
+  }
+#endif
+  for (; i < n; ++i) scratch[i] = static_cast<float>(src[i]);
+  return scratch;
+}
+
+template <typename scalar_t>
+void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, int64_t query_len,
+                      int64_t block_size, float scale_f) {
+  const int64_t num_reqs = tables.size(0), width = tables.size(1);
+  const int64_t heads = q.size(1), head_dim = q.size(2), kv_heads = k_cache.size(1);
+  const int64_t num_blocks = k_cache.size(0) / block_size;
   const int64_t group = heads / kv_heads;
   const int64_t rows = query_len * heads;  // one row per (query, head) of a request
   const int64_t max_keys = width * block_size;
   const int64_t slot_stride = kv_heads * head_dim;
-  const float* q_ptr = q.data_ptr<float>();
-  const float* k_ptr = k_cache.data_ptr<float>();
-  const float* v_ptr = v_cache.data_ptr<float>();
+  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
   const int32_t* table_ptr = tables.data_ptr<int32_t>();
   const int32_t* len_ptr = lens.data_ptr<int32_t>();
-  float* out_ptr = out.data_ptr<float>();
-  const float scale_f = static_cast<float>(scale);
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
 
   // One task per request: a slot's K (or V) row for every head is one contiguous read, and the blocks of a
   // request stream in order.
@@ -136,6 +139,7 @@ at::Tensor cpu_paged_decode_attention(const at::Tensor& q_in,          // [B*Q, 
     std::vector<float> scores(rows * max_keys);  // row r = i * heads + h
     std::vector<float> acc(rows * head_dim);
     std::vector<float> denominators(rows);
+    std::vector<float> q_scratch(rows * head_dim), row_scratch(slot_stride);  // widened bf16 (unused for fp32)
     std::vector<int64_t> visible(query_len);  // query i sees positions 0 .. visible[i] - 1
     for (int64_t b = begin; b < end; ++b) {
       const int32_t* table = table_ptr + b * width;
@@ -147,14 +151,14 @@ at::Tensor cpu_paged_decode_attention(const at::Tensor& q_in,          // [B*Q, 
                     num_blocks, " blocks): ", block);
         return (block * block_size + s % block_size) * slot_stride;
       };
-      const float* q_req = q_ptr + b * query_len * heads * head_dim;
+      const float* q_req = as_float(q_ptr + b * rows * head_dim, q_scratch.data(), rows * head_dim);
       for (int64_t i = 0; i < query_len; ++i) {
         const int64_t position = std::max<int64_t>(len_ptr[b] - query_len + i, 0);
         visible[i] = std::min(position + 1, max_keys);
       }
       const int64_t num_keys = visible[query_len - 1];
       for (int64_t s = 0; s < num_keys; ++s) {  // scores: each K row read once
-        const float* key = k_ptr + slot_offset(s);
+        const float* key = as_float(k_ptr + slot_offset(s), row_scratch.data(), slot_stride);
         for (int64_t i = 0; i < query_len; ++i) {
           if (s >= visible[i]) continue;
           for (int64_t h = 0; h < heads; ++h) {
@@ -171,7 +175,7 @@ at::Tensor cpu_paged_decode_attention(const at::Tensor& q_in,          // [B*Q, 
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t s = 0; s < num_keys; ++s) {  // weighted values: each V row read once
-        const float* value_row = v_ptr + slot_offset(s);
+        const float* value_row = as_float(v_ptr + slot_offset(s), row_scratch.data(), slot_stride);
         for (int64_t i = 0; i < query_len; ++i) {
           if (s >= visible[i]) continue;
           for (int64_t h = 0; h < heads; ++h) {
@@ -183,13 +187,47 @@ at::Tensor cpu_paged_decode_attention(const at::Tensor& q_in,          // [B*Q, 
           }
         }
       }
-      float* out_req = out_ptr + b * query_len * heads * head_dim;
+      scalar_t* out_req = out_ptr + b * rows * head_dim;
       for (int64_t r = 0; r < rows; ++r) {
         const float inv = 1.f / denominators[r];
-        for (int64_t d = 0; d < head_dim; ++d) out_req[r * head_dim + d] = acc[r * head_dim + d] * inv;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          out_req[r * head_dim + d] = static_cast<scalar_t>(acc[r * head_dim + d] * inv);
+        }
       }
     }
   });
+}
+
+at::Tensor cpu_paged_decode_attention(const at::Tensor& q_in,          // [B*Q, H, D] float32 or bfloat16
+                                      const at::Tensor& k_cache,       // [num_slots, Hkv, D] q's dtype
+                                      const at::Tensor& v_cache,       // [num_slots, Hkv, D] q's dtype
+                                      const at::Tensor& block_tables,  // [B, nb] int32
+                                      const at::Tensor& seq_lens,      // [B] int32
+                                      int64_t query_len, int64_t block_size, double scale) {
+  TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and the caches must be 3-D");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16,
+              "q must be float32 or bfloat16, got ", q_in.scalar_type());
+  TORCH_CHECK(k_cache.scalar_type() == q_in.scalar_type() && v_cache.scalar_type() == q_in.scalar_type(),
+              "the caches must have q's dtype (", q_in.scalar_type(), "), got ", k_cache.scalar_type(), " and ",
+              v_cache.scalar_type());
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(),
+              "the caches must be contiguous and of one shape");
+  const int64_t num_reqs = block_tables.size(0), width = block_tables.size(1);
+  const int64_t heads = q_in.size(1), head_dim = q_in.size(2), kv_heads = k_cache.size(1);
+  TORCH_CHECK(query_len >= 1 && q_in.size(0) == num_reqs * query_len, "q must have B * query_len rows");
+  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(2) == head_dim, "q and the caches disagree on heads / dim");
+  TORCH_CHECK(seq_lens.size(0) == num_reqs && width >= 1, "seq_lens must have one entry per block-table row");
+  const at::Tensor q = q_in.contiguous();
+  at::Tensor out = at::empty_like(q);
+  if (q.scalar_type() == at::kBFloat16) {
+    decode_attention<at::BFloat16>(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), out,
+                                   query_len, block_size, static_cast<float>(scale));
+  } else {
+    decode_attention<float>(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), out,
+                            query_len, block_size, static_cast<float>(scale));
+  }
   return out;
 }
 
