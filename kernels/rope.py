@@ -72,18 +72,36 @@ def rope_cos_sin_cache(
     return freqs.cos(), freqs.sin()
 
 
+def rope_at(
+    cos_cache: torch.Tensor,  # [max_positions, head_dim/2] float32
+    sin_cache: torch.Tensor,  # [max_positions, head_dim/2] float32
+    positions: torch.Tensor,  # [T] int64
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: [T, 1, head_dim/2] in dtype
+    """The rows of a step's positions, cast to the activations' dtype (as transformers casts them): gathered once
+    a step and shared by every layer's q and k, instead of four gathers and casts per layer."""
+    return (cos_cache.index_select(0, positions).to(dtype)[:, None, :],
+            sin_cache.index_select(0, positions).to(dtype)[:, None, :])
+
+
+def rotate(
+    x: torch.Tensor,  # [T, heads, head_dim]
+    cos: torch.Tensor,  # [T, 1, head_dim/2] (rope_at)
+    sin: torch.Tensor,  # [T, 1, head_dim/2]
+) -> torch.Tensor:  # [T, heads, head_dim]
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    # x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), written on the two halves.
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
 def apply_rope(
     x: torch.Tensor,  # [T, heads, head_dim]
     cos_cache: torch.Tensor,  # [max_positions, head_dim/2]
     sin_cache: torch.Tensor,  # [max_positions, head_dim/2]
     positions: torch.Tensor,  # [T] int64
 ) -> torch.Tensor:  # [T, heads, head_dim]
-    half = x.shape[-1] // 2
-    cos = cos_cache.index_select(0, positions).to(x.dtype)[:, None, :]
-    sin = sin_cache.index_select(0, positions).to(x.dtype)[:, None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    # x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), written on the two halves.
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotate(x, *rope_at(cos_cache, sin_cache, positions, x.dtype))
 
 
 def apply_rope_reference(

@@ -20,7 +20,7 @@ from kernels.attention import paged_attention, write_kv
 from kernels.attention_metadata import AttentionMetadata
 from kernels.gemv import GemvPolicy, block_weight
 from kernels.onednn_gemm import PackedWeight
-from kernels.rope import RopeScaling
+from kernels.rope import RopeScaling, rope_at, rotate
 
 if TYPE_CHECKING:
     from backend_lib.models.loader import LoadOptions
@@ -144,18 +144,16 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,  # [T] int64
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [T, 1, D/2] of the step's positions (rope_at)
         hidden: torch.Tensor,  # [T, hidden]
         k_cache: torch.Tensor,  # [num_slots, Hkv, D] (this layer)
         v_cache: torch.Tensor,  # [num_slots, Hkv, D]
-        rotary: RotaryEmbedding,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q = rotate(q.view(num_tokens, self.num_heads, self.head_dim), *rope)
+        k = rotate(k.view(num_tokens, self.num_kv_heads, self.head_dim), *rope)
         write_kv(k_cache, k, meta.slot_mapping)
         write_kv(v_cache, v.view(num_tokens, self.num_kv_heads, self.head_dim), meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.cpu_decode_kernel)
@@ -192,14 +190,13 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,  # [T] int64
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [T, 1, D/2] (rope_at)
         hidden: torch.Tensor,  # [T, hidden]
         k_cache: torch.Tensor,  # [num_slots, Hkv, D]
         v_cache: torch.Tensor,  # [num_slots, Hkv, D]
-        rotary: RotaryEmbedding,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), k_cache, v_cache, rotary, meta)
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), k_cache, v_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -247,8 +244,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden], final-normed
         k_caches, v_caches = kv_caches
         hidden = vocab_parallel_embedding(input_ids, self.embed_tokens.weight, self.vocab_rows.start, self.par)
+        rope = rope_at(self.rotary.cos, self.rotary.sin, positions, hidden.dtype)
         for i, layer in enumerate(self.layers):
-            hidden = layer(positions, hidden, k_caches[i], v_caches[i], self.rotary, meta)
+            hidden = layer(rope, hidden, k_caches[i], v_caches[i], meta)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [N, hidden] -> [N, vocab] float32

@@ -1,0 +1,219 @@
+"""bf16 against fp32 on the host, side by side in one run, and bf16's greedy agreement with transformers in bf16.
+
+The shared workload (../shared/bench/workload.py: 32 chat prompts x 128 new tokens, greedy, EOS ignored, bundled
+SmolLM2-135M GGUF) at 32 streams and at one stream, for ``dtype`` float32 and bfloat16 (both with the host kernels:
+packed oneDNN GEMMs, the C++ decode attention). Both engines live in one process and take turns, round after
+round, in alternating order (fp32 first, then bf16 first): on a shared machine a slow minute then hits both, and
+the per-round ratio is what the report leads with.
+
+Near-ties: transformers in bf16 decodes each prompt alone (no padding); for every continuation of ours that
+differs, the first differing step and transformers' logit gap there between its token and ours
+(tests/greedy_agreement.py: a near-tie when within NEAR_TIE_BOUND). Writes benchmarks/results/bf16.md and .png.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.offline_throughput import load_workload  # noqa: E402
+from benchmarks.tensor_parallel import cpu_name  # noqa: E402
+from backend_lib.config import EngineConfig  # noqa: E402
+from backend_lib.models.loader import default_model_path  # noqa: E402
+from backend_lib.offline import LLM  # noqa: E402
+from backend_lib.sampling_params import SamplingParams  # noqa: E402
+from kernels.onednn_gemm import native_bf16_gemm, onednn_gemm_available  # noqa: E402
+from tests.greedy_agreement import NEAR_TIE_BOUND, Divergence, first_divergence, hf_greedy_with_logits  # noqa: E402
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass
+class Timings:
+    """tokens/s of each round, per dtype and stream count; decode step ms, steps of the two engines interleaved."""
+    streams32: dict[str, list[float]] = field(default_factory=lambda: {d: [] for d in DTYPES})
+    stream1: dict[str, list[float]] = field(default_factory=lambda: {d: [] for d in DTYPES})
+    step_ms: dict[int, dict[str, list[float]]] = field(default_factory=dict)  # batch -> dtype -> step ms
+
+
+def interleaved_decode_steps(engines: dict[str, LLM], prompts, steps: int) -> dict[str, list[float]]:
+    """Decode step times of each engine with ``len(prompts)`` running requests, one engine's step after the
+    other's: on a shared machine neighbouring steps see the same load, so their ratio holds when totals drift."""
+    params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
+    for dtype, llm in engines.items():
+        for i, prompt in enumerate(prompts):
+            llm.engine.add_request(f"steps-{i}", prompt, params)
+        while llm.engine.scheduler.waiting or any(r.num_output_tokens < 2 for r in llm.engine.scheduler.running):
+            llm.engine.step()  # past every prefill: only decode steps are timed
+    times: dict[str, list[float]] = {dtype: [] for dtype in engines}
+    for step in range(steps):
+        for dtype in (DTYPES if step % 2 == 0 else DTYPES[::-1]):
+            start = time.perf_counter()
+            engines[dtype].engine.step()
+            times[dtype].append((time.perf_counter() - start) * 1e3)
+    for llm in engines.values():
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+    return times
+
+
+def _generate(llm: LLM, prompts, new_tokens: int) -> tuple[float, list[list[int]]]:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    results = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    return sum(len(r.token_ids) for r in results) / seconds, [r.token_ids for r in results]
+
+
+def _one_stream(llm: LLM, prompts, new_tokens: int) -> float:
+    tokens, seconds = 0, 0.0
+    for prompt in prompts:
+        rate, ids = _generate(llm, [prompt], new_tokens)
+        tokens += len(ids[0])
+        seconds += len(ids[0]) / rate
+    return tokens / seconds
+
+
+def machine_line(threads: int) -> str:
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    isa = [name for name in ("avx512f", "avx512_bf16", "amx_bf16") if f" {name}" in flags]
+    load = os.getloadavg()
+    return (f"{cpu_name()}, {os.cpu_count()} cores ({', '.join(isa) or 'no AVX-512'}; bf16 GEMM "
+            f"{'native' if native_bf16_gemm() else 'emulated' if onednn_gemm_available(torch.device('cpu'), torch.bfloat16) else 'F.linear'}), "
+            f"torch {torch.__version__}, {threads} threads; load average {load[0]:.1f} at the start")
+
+
+def transformers_divergences(prompts, ours: list[list[int]], new_tokens: int) -> list[tuple[int, Divergence]]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    directory, name = os.path.split(default_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.bfloat16).eval()
+    found = []
+    for i, (prompt, tokens) in enumerate(zip(prompts, ours)):
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
+        theirs, logits = hf_greedy_with_logits(model, list(ids), new_tokens)
+        divergence = first_divergence(tokens, theirs, logits)
+        if divergence is not None:
+            found.append((i, divergence))
+        print(f"transformers bf16, prompt {i}: {'differs at ' + str(divergence.index) if divergence else 'equal'}",
+              flush=True)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", default=str(ROOT.parent / "shared" / "bench" / "workload.py"))
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of (fp32, bf16) runs, order alternating")
+    parser.add_argument("--steps", type=int, default=40, help="interleaved decode steps timed per batch size")
+    parser.add_argument("--single", type=int, default=2, help="prompts for the one-stream runs of each round")
+    parser.add_argument("--new-tokens", type=int, default=0, help="override the workload's new tokens (0 = keep)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    parser.add_argument("--skip-transformers", action="store_true", help="no near-tie report")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts, new_tokens = load_workload(Path(args.workload))
+    new_tokens = args.new_tokens or new_tokens
+    machine = machine_line(torch.get_num_threads())
+    print(machine, flush=True)
+
+    engines = {dtype: LLM(config=EngineConfig.from_flat({
+        "model": default_model_path(), "dtype": dtype, "max_num_seqs": 32, "max_num_batched_tokens": 512,
+        "enable_prefix_caching": False, "num_blocks": 640, "num_threads": torch.get_num_threads()}))
+        for dtype in DTYPES}
+    for llm in engines.values():
+        _generate(llm, prompts[:2], 4)  # warm-up
+    timings, ids = Timings(), {}
+    for batch in (32, 1):
+        timings.step_ms[batch] = interleaved_decode_steps(engines, prompts[:batch], args.steps)
+        print(f"decode steps at batch {batch}: " + ", ".join(
+            f"{d} {statistics.median(t):.1f} ms" for d, t in timings.step_ms[batch].items()), flush=True)
+    for round_index in range(args.rounds):
+        order = DTYPES if round_index % 2 == 0 else DTYPES[::-1]
+        for dtype in order:
+            rate, ids[dtype] = _generate(engines[dtype], prompts, new_tokens)
+            timings.streams32[dtype].append(rate)
+            timings.stream1[dtype].append(_one_stream(engines[dtype], prompts[:args.single], new_tokens))
+            print(f"round {round_index} {dtype}: 32 streams {rate:.1f} tok/s, 1 stream "
+                  f"{timings.stream1[dtype][-1]:.1f} tok/s", flush=True)
+    for llm in engines.values():
+        llm.close()
+    same_as_fp32 = sum(a == b for a, b in zip(ids.get("float32", []), ids.get("bfloat16", [])))
+    divergences = None if args.skip_transformers else transformers_divergences(prompts, ids["bfloat16"], new_tokens)
+    write_report(machine + f", {os.getloadavg()[0]:.1f} at the end", timings, same_as_fp32, divergences,
+                 len(prompts), new_tokens, args.single, Path(args.out))
+
+
+def _ratios(rates: dict[str, list[float]]) -> list[float]:
+    return [b / f for f, b in zip(rates["float32"], rates["bfloat16"])]
+
+
+def write_report(machine: str, timings: Timings, same_as_fp32: int, divergences, num_prompts: int,
+                 new_tokens: int, single: int, out: Path) -> None:
+    lines = [
+        "# bf16 against fp32 on the host: shared workload",
+        "",
+        f"{num_prompts} chat prompts x {new_tokens} new tokens, greedy, EOS ignored, SmolLM2-135M-Instruct (bundled "
+        f"GGUF; fp32 and bf16 weights from the same dequantized values), host kernels on (packed oneDNN GEMM, C++ "
+        f"decode attention). One-stream rows: the first {single} prompts one at a time. Both engines in one "
+        f"process, taking turns each round. Machine: {machine}.",
+        "",
+        "| run | fp32 tokens/s | bf16 tokens/s | bf16 / fp32 (median of rounds) | per round |",
+        "|---|---|---|---|---|",
+    ]
+    for label, rates in (("32 streams", timings.streams32), ("1 stream", timings.stream1)):
+        ratios = _ratios(rates)
+        if not ratios:  # --rounds 0
+            continue
+        lines.append(f"| {label} | {statistics.median(rates['float32']):.1f} | "
+                     f"{statistics.median(rates['bfloat16']):.1f} | {statistics.median(ratios):.2f}x | "
+                     f"{', '.join(f'{r:.2f}' for r in ratios)} |")
+    lines += ["", "Decode steps alone (all prefills done), the two engines' steps interleaved; median step time:", "",
+              "| batch | fp32 ms / step | bf16 ms / step | bf16 speed / fp32 |", "|---|---|---|---|"]
+    for batch, times in timings.step_ms.items():
+        fp32, bf16 = statistics.median(times["float32"]), statistics.median(times["bfloat16"])
+        lines.append(f"| {batch} | {fp32:.1f} | {bf16:.1f} | {fp32 / bf16:.2f}x |")
+    lines += ["", f"bf16 greedy continuations equal to our fp32 ones: {same_as_fp32}/{num_prompts}."]
+    if divergences is not None:
+        near = sum(d.near_tie for _, d in divergences)
+        lines += ["", f"Against transformers in bf16 (each prompt alone, no padding): "
+                      f"{num_prompts - len(divergences)}/{num_prompts} continuations identical; {len(divergences)} "
+                      f"differ, {near} of them starting at a near-tie (transformers' logit of its token minus its "
+                      f"logit of ours <= {NEAR_TIE_BOUND})."]
+        if divergences:
+            lines += ["", "| prompt | first differing token | ours | transformers' | logit gap | near-tie |",
+                      "|---|---|---|---|---|---|"]
+            lines += [f"| {i} | {d.index} | {d.ours} | {d.theirs} | {d.gap:.4f} | {'yes' if d.near_tie else 'NO'} |"
+                      for i, d in divergences]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bf16.md").write_text(text)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 3))
+    labels = ["32 streams", "1 stream"]
+    for offset, dtype, color in ((-0.2, "float32", "#999999"), (0.2, "bfloat16", "#4c72b0")):
+        values = [statistics.median(t[dtype] or [0.0]) for t in (timings.streams32, timings.stream1)]
+        ax.barh([i + offset for i in range(2)], values, height=0.4, color=color, label=dtype)
+    ax.set_yticks(range(2), labels)
+    ax.set_xlabel("output tokens / s (higher is better)")
+    ax.set_title("SmolLM2-135M, shared workload: fp32 vs bf16 (same run)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "bf16.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
