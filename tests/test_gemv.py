@@ -114,7 +114,8 @@ def test_compiled_graph_keeps_one_opaque_call(isas):
 def test_host_gemm_plan_by_mode_and_dtype(isas):
     cpu = torch.device("cpu")
     assert host_gemm_plan("auto", cpu, torch.float32) == HostGemmPlan(onednn=True, blocked=True)
-    assert host_gemm_plan("gemv", cpu, torch.float32) == HostGemmPlan(onednn=False, blocked=True)
+    assert host_gemm_plan("gemv", cpu, torch.float32) == HostGemmPlan(onednn=False, blocked=True,
+                                                                       policy=GemvPolicy(max_rows=None))
     assert host_gemm_plan("onednn", cpu, torch.float32) == HostGemmPlan(onednn=True, blocked=False)
     assert host_gemm_plan("mkl", cpu, torch.float32) == HostGemmPlan(onednn=False, blocked=False)
     assert host_gemm_plan("auto", cpu, torch.bfloat16).blocked
