@@ -33,8 +33,9 @@ class ModelConfig:
     device: str = "cpu"
     # Host GEMMs on weights packed at load: "auto" keeps two layouts, the blocked few-row kernel (kernels/gemv.py,
     # near memory bandwidth at decode row counts; fp32 and bf16) for <= GemvPolicy.max_rows rows and oneDNN's
-    # packed GEMM (fp32) above; "gemv" the blocked kernel alone (one layout less); "onednn" oneDNN alone (about
-    # 2x MKL's sgemm at decode batch sizes); "mkl" torch's default F.linear (the kernel transformers uses).
+    # packed GEMM (fp32; F.linear for other dtypes) above; "gemv" the blocked kernel alone at every row count (one
+    # layout less); "onednn" oneDNN alone (about 2x MKL's sgemm at decode batch sizes); "mkl" torch's default
+    # F.linear (the kernel transformers uses).
     host_gemm: str = "auto"
     # Host fp32 decode attention: "cpp" is the C++ kernel in kernels/csrc (built on first use; each KV row read
     # once), "torch" the block gather + SDPA (eager) / fused torch form (compiled) that Neuron runs.

@@ -2,7 +2,7 @@
 
 One decode step = all 30 layers + final norm + lm_head for B requests with a 100-token context (block table
 width bucket 8 x 16 tokens), three ways: eager plain torch (F.linear, block gather + SDPA), eager with the host
-kernels (the blocked few-row GEMM up to 8 rows, oneDNN's packed GEMM above, and the C++ decode attention: the
+kernels (the blocked few-row GEMM up to 16 rows, oneDNN's packed GEMM above, and the C++ decode attention: the
 engine's host default), and compiled with the
 same host kernels. The compiled path is CompiledModel (backend_lib/neuron/regions.py): the same
 padding / per-layer cache views the engine uses. The three alternate rep by rep so load changes on a

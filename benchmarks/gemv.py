@@ -96,8 +96,8 @@ def measure(shape: tuple[int, int], rows_list: list[int], chosen: list[Method], 
     for method in chosen:
         copy_bytes = out_features * in_features * method.weight_dtype.itemsize
         copies = max(1, -(-working_set // copy_bytes))
-        calls[method.name] = ([method.make(torch.randn(out_features, in_features).to(method.weight_dtype))
-                               for _ in range(copies)], copy_bytes)
+        base = torch.randn(out_features, in_features).to(method.weight_dtype)
+        calls[method.name] = ([method.make(base.clone()) for _ in range(copies)], copy_bytes)
     results = []
     for rows in rows_list:
         result = Result(shape, rows)
@@ -170,7 +170,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,2,4,8")
     parser.add_argument("--sweep-rows", default="1,4,8,12,16,24,32,64,128")
-    parser.add_argument("--working-set-mib", type=int, default=1024)
+    parser.add_argument("--working-set-mib", type=int, default=512)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--shapes", default="all", help="'all' or indices into SHAPES, e.g. 0,3")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))

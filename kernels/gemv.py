@@ -21,20 +21,23 @@ TILE = 16  # output rows per tile (one 64-byte fp32 vector per k)
 
 @dataclass(frozen=True)
 class GemvPolicy:
-    """Which row counts take the blocked kernel when another packed GEMM (oneDNN's) holds the same weight.
+    """Which row counts take the blocked kernel; the others take oneDNN's packed GEMM where it holds the weight,
+    else ``F.linear`` (for bf16, torch's own bf16 GEMM, AMX or avx512_bf16 where the CPU has them).
 
-    ``max_rows``: measured by benchmarks/gemv.py (the crossover against oneDNN's packed GEMM on SmolLM2's shapes;
-    the blocked kernel wins through T = 8 on the Xeon and Zen machines measured, and loses beyond ~16, where
-    oneDNN's register blocking and cache tiling pay)."""
+    ``max_rows`` is measured by benchmarks/gemv.py (its crossover sweep over SmolLM2's layer shapes). On the
+    shared 2-core Xeon of this branch: the blocked kernel took 0.44x oneDNN's time at T = 1, 0.24x at 8, 0.44x at
+    16, 0.77x at 32, about even at 64 and 128, 1.2x at 512. Up to ~8 rows the GEMM is a weight stream; past ~16
+    it is bound by the FMAs (16 per 64-byte weight vector at T = 16), where oneDNN's register blocking is the
+    better GEMM, so the rule stays below the measured crossover."""
 
-    max_rows: int = 8
+    max_rows: int | None = 16  # None: every row count (host_gemm "gemv")
 
     def __post_init__(self) -> None:
-        if self.max_rows < 1:
-            raise ValueError(f"GemvPolicy.max_rows must be >= 1, got {self.max_rows}")
+        if self.max_rows is not None and self.max_rows < 1:
+            raise ValueError(f"GemvPolicy.max_rows must be >= 1 or None, got {self.max_rows}")
 
     def use_blocked(self, rows: int) -> bool:
-        return rows <= self.max_rows
+        return self.max_rows is None or rows <= self.max_rows
 
 
 def gemv_available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 
 from backend_lib.config import CompileConfig, EngineConfig
 from backend_lib.engine import LLMEngine
+from backend_lib.models.layers import HostGemmPlan
 from backend_lib.models.loader import load_model
 from backend_lib.neuron.buckets import BucketSpec
 from backend_lib.neuron.platform import detect_platform
@@ -25,6 +26,7 @@ from backend_lib.spec_decode.rejection import DraftLayout, rejection_sample
 from backend_lib.tiny import make_tiny
 from kernels.attention_metadata import AttentionMetadata
 from kernels.cpu_kernels import load_cpu_kernels
+from kernels.gemv import GemvPolicy
 
 BS = 4
 
@@ -63,11 +65,12 @@ def tiny_llama(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def tiny_llama_onednn(tiny_llama_dir):
-    """The engine's host default: every projection and the head on oneDNN's packed GEMM and decode attention on
-    the C++ kernel, each an opaque custom op inside the graphs (kernels/onednn_gemm.py, kernels/cpu_kernels.py)."""
+    """The engine's host kernels: every projection and the head on the blocked few-row GEMM (here for 1 row, so
+    that the 2- and 4-row buckets take oneDNN's packed GEMM) and decode attention on the C++ kernel, each an opaque
+    custom op inside the graphs (kernels/gemv.py, kernels/onednn_gemm.py, kernels/cpu_kernels.py)."""
     model = load_model(str(tiny_llama_dir), torch.float32).eval()
-    model.pack_for_cpu()
     assert load_cpu_kernels()
+    model.pack_for_cpu(HostGemmPlan(policy=GemvPolicy(max_rows=1)))
     model.use_cpu_attention()
     return model
 

@@ -16,7 +16,7 @@ from backend_lib.models.layers import HostGemmPlan
 from backend_lib.models.loader import load_model, resolve_model_path
 from backend_lib.models.parallel import ParallelContext
 from kernels.cpu_kernels import cpu_kernels_supported, load_cpu_kernels
-from kernels.gemv import gemv_available
+from kernels.gemv import GemvPolicy, gemv_available
 from kernels.onednn_gemm import onednn_gemm_available
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,7 +51,8 @@ def host_gemm_plan(host_gemm: str, device: torch.device, dtype: torch.dtype) -> 
     """``ModelConfig.host_gemm`` -> the layouts to pack, as far as this device and dtype have the kernels."""
     onednn = host_gemm in ("auto", "onednn") and onednn_gemm_available(device, dtype)
     blocked = host_gemm in ("auto", "gemv") and gemv_available(device, dtype)
-    return HostGemmPlan(onednn=onednn, blocked=blocked)
+    policy = GemvPolicy(max_rows=None) if host_gemm == "gemv" else GemvPolicy()
+    return HostGemmPlan(onednn=onednn, blocked=blocked, policy=policy)
 
 
 def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:

@@ -21,8 +21,8 @@ def _empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 @dataclass(frozen=True)
 class HostGemmPlan:
     """Which host GEMM layouts ``pack_for_cpu`` builds (backend_lib/executor/rank.py picks from
-    ``ModelConfig.host_gemm``). With both, ``policy`` sends few-row calls to the blocked kernel and the rest to
-    oneDNN; with one, every call takes it."""
+    ``ModelConfig.host_gemm``). ``policy`` sends few-row calls to the blocked kernel, the rest to oneDNN where
+    it is packed, else to ``F.linear``."""
 
     onednn: bool = True  # oneDNN's packed layout (kernels/onednn_gemm.py): fp32
     blocked: bool = True  # the few-row kernel's blocked layout (kernels/gemv.py): fp32 or bf16
@@ -34,7 +34,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
            policy: GemvPolicy = GemvPolicy()) -> torch.Tensor:  # x [T, in], weight [out, in] -> [T, out]
     """``blocked``: the weight in kernels.gemv's layout, a module buffer (compiled regions lift it as a graph
     input; the row count is static inside a graph, so the choice below is made once per graph)."""
-    if blocked is not None and (packed is None or policy.use_blocked(x.shape[0])):
+    if blocked is not None and policy.use_blocked(x.shape[0]):
         return blocked_linear(x, blocked, bias, weight.shape[0])
     if packed is None:
         return F.linear(x, weight, bias)

@@ -336,6 +336,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocked, const 
   TORCH_CHECK(w_bf16 || blocked.scalar_type() == at::kFloat, "blocked_linear: blocked weight must be float32 or "
               "bfloat16, got ", blocked.scalar_type());
   const int64_t rows = x.size(0), in = x.size(1), tiles = blocked.size(0);
+  TORCH_CHECK(in > 0, "blocked_linear: in_features must be >= 1, got ", in);
   const int64_t in_blocked = w_bf16 ? (in + 1) / 2 : in;
   TORCH_CHECK(blocked.size(1) == in_blocked && blocked.size(2) == (w_bf16 ? 2 : 1) * kTile,
               "blocked_linear: blocked weight ", blocked.sizes(), " does not match x's in_features ", in);
