@@ -126,10 +126,22 @@ class CompileConfig:
     width_buckets: tuple[int, ...] = ()  # block-table widths; () = powers of two from 8 up to max_model_len's blocks
     prefill_buckets: tuple[int, ...] = ()  # single-chunk prefill lengths; () = prefill stays eager
     compile_progress: bool = True  # progress bar while the graphs compile at engine start
+    # Persistent compile caches (inductor's FX-graph / AOTAutograd caches, neuronx-cc's NEFF cache) live here, so
+    # a second start loads the graphs instead of compiling them; "" = TORCHINDUCTOR_CACHE_DIR /
+    # NEURON_COMPILE_CACHE_URL when the environment sets them, else ~/.cache/deepinfer/compile (XDG_CACHE_HOME).
+    compile_cache_dir: str = ""
+    # Sampler graphs compiled at start: "greedy" (the argmax graph per batch bucket; a batch that samples compiles
+    # its variant the first time one comes, from the cache when it is warm) or "all" (every variant up front).
+    compile_sampler_variants: str = "greedy"
 
     def __post_init__(self) -> None:
         _require(self.compile_backend in _COMPILE_BACKENDS,
                  f"compile_backend must be one of {_COMPILE_BACKENDS}, got {self.compile_backend!r}")
+        _require(self.compile_sampler_variants in ("greedy", "all"),
+                 f"compile_sampler_variants must be 'greedy' or 'all', got {self.compile_sampler_variants!r}")
+        _require(isinstance(self.compile_cache_dir, str) and "\0" not in self.compile_cache_dir,
+                 f"compile_cache_dir must be a directory path (or \"\" for the default), got "
+                 f"{self.compile_cache_dir!r}")
         self.batch_buckets = _int_tuple("batch_buckets", self.batch_buckets)
         self.width_buckets = _int_tuple("width_buckets", self.width_buckets)
         self.prefill_buckets = _int_tuple("prefill_buckets", self.prefill_buckets)

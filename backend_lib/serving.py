@@ -60,6 +60,8 @@ _ENGINE_PARAMETERS: dict[str, tuple[str, type]] = {
     "batch_buckets": ("batch_buckets", str),
     "width_buckets": ("width_buckets", str),
     "prefill_buckets": ("prefill_buckets", str),
+    "compile_cache_dir": ("compile_cache_dir", str),
+    "compile_sampler_variants": ("compile_sampler_variants", str),
     "seed": ("seed", int),
     "num_threads": ("num_threads", int),
     "tensor_parallel_size": ("tensor_parallel_size", int),

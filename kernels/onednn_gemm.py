@@ -25,12 +25,25 @@ except ImportError:  # older torch (e.g. torch-neuronx's): packed weights stay o
     OpaqueBase = object
 
 
+def _refuse_unpickle(shape: tuple[int, ...], dtype: str) -> "PackedWeight":
+    raise TypeError(f"a PackedWeight ({shape}, {dtype}) cannot be unpickled: pack the weight again in this process")
+
+
 class PackedWeight(OpaqueBase):
     """A [out, in] weight reordered into oneDNN's blocked layout; a black box to torch.compile."""
 
     def __init__(self, weight: torch.Tensor) -> None:  # weight [out, in]
         # The batch hint only picks the blocked layout; any number of rows works with the packed weight.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+        self.shape, self.dtype = tuple(weight.shape), weight.dtype
+
+    def __reduce__(self):
+        """Inductor's FX-graph and AOTAutograd caches key a graph by pickling its inputs, this opaque one too;
+        pickling the mkldnn tensor inside fails and made them bypass every graph with a packed GEMM (recompiled
+        at each start). A graph input's value arrives at run time, so the key needs only what the graph sees:
+        the weight's shape and dtype. No mkldnn tensor ever pickled, so unpickling was never possible: it
+        still fails, now with a message."""
+        return _refuse_unpickle, (self.shape, str(self.dtype))
 
 
 if register_opaque_type is not None:

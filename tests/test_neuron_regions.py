@@ -177,7 +177,7 @@ def test_graph_count_is_bounded_and_a_200_request_run_does_not_recompile(tiny_ll
         "model": str(tiny_llama_dir), "num_blocks": 96, "block_size": BS, "max_num_seqs": 8,
         "max_model_len": 64, "max_num_batched_tokens": 64, "compile_backend": "aot_eager",
         "batch_buckets": "1,2,4,8", "width_buckets": "4,16", "prefill_buckets": "8,16",
-        "compile_progress": False})
+        "compile_sampler_variants": "all", "compile_progress": False})
     engine = compiled_engine(config)
     model, sampler = engine.runner.model, engine.runner.sampler
     assert isinstance(model, CompiledModel) and isinstance(sampler, CompiledSampler)

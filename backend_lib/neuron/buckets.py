@@ -76,8 +76,20 @@ class BucketSpec:
               batch_sizes: Sequence[int] | None = None, block_table_widths: Sequence[int] | None = None,
               prefill_lengths: Sequence[int] | None = None, min_width: int = 8) -> "BucketSpec":
         """Defaults: powers of two up to max_num_seqs rows and up to the blocks of max_model_len (from
-        ``min_width``); prefill buckets must be given (prefill is compute-bound, eager by default)."""
+        ``min_width``); prefill buckets must be given (prefill is compute-bound, eager by default).
+
+        Every graph is compiled at start, so a bucket no step can reach is a wasted compile: given buckets past
+        what the scheduler produces (rows past max_num_seqs, block-table widths past max_model_len's blocks, a
+        prefill chunk longer than max_model_len) are refused, naming the limit."""
         max_blocks = -(-max_model_len // block_size)
+        for name, given, limit, what in (("batch_buckets", batch_sizes, max_num_seqs, "max_num_seqs"),
+                                          ("width_buckets", block_table_widths, max_blocks,
+                                           f"the blocks of max_model_len={max_model_len} (block_size {block_size})"),
+                                          ("prefill_buckets", prefill_lengths, max_model_len, "max_model_len")):
+            past = [v for v in given or () if v > limit]
+            if past:
+                raise ValueError(f"{name} {past} exceed {what} = {limit}: no step reaches them, "
+                                 f"and each one is a graph compiled at start")
         return cls(
             batch_sizes=tuple(batch_sizes) if batch_sizes else powers_of_two_up_to(max_num_seqs),
             block_table_widths=(tuple(block_table_widths) if block_table_widths

@@ -11,8 +11,11 @@ graph that slices ``root[i]`` and writes into that view makes functionalization 
 (a full cache copy per step, measured ~60 ms on SmolLM2 with a small pool); the unbound per-layer views are
 contiguous inputs that inductor updates in place, and the runner still owns one allocation per cache.
 
-Graph count is bounded by the bucket lists (``BucketSpec.max_graphs`` + sampler variants), every graph is
-compiled by ``warm_up`` at engine start, and shapes outside the buckets never compile: they run eagerly.
+Graph count is bounded by the bucket lists (``BucketSpec.max_graphs`` + sampler variants); ``warm_up`` compiles
+every model graph at engine start and the sampler's greedy graph per batch bucket (every variant with
+``compile_sampler_variants="all"``; otherwise a sampled batch compiles its variant when the first one comes).
+Shapes outside the buckets never compile: they run eagerly. ``build_regions`` compiles inside the engine's
+persistent compile cache (compile_cache.py), so a second start loads the graphs instead.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from tqdm import tqdm
 
 from backend_lib.config import CompileConfig
 from backend_lib.neuron.buckets import BucketSpec, PaddedStep, pad_decode, pad_prefill
+from backend_lib.neuron.compile_cache import CacheUse, compile_cache_scope, count_cache_use
 from backend_lib.neuron.platform import Platform, detect_platform
 from backend_lib.sampler import Sampler, SamplerOutput, SamplingMetadata
 from kernels import sampling as ops
@@ -34,7 +38,8 @@ from kernels.attention_metadata import AttentionMetadata
 
 # Sampler variants that get a graph: (all_greedy, any_top_k, any_top_p). Penalties, min-p, min_tokens and
 # logprobs need [B, V] host-built side inputs and stay eager.
-SAMPLER_VARIANTS = ((True, False, False), (False, False, False), (False, True, False), (False, False, True),
+GREEDY_VARIANT = (True, False, False)
+SAMPLER_VARIANTS = (GREEDY_VARIANT, (False, False, False), (False, True, False), (False, False, True),
                     (False, True, True))
 
 
@@ -73,6 +78,7 @@ class RegionStats:
     compile_seconds: float = 0.0
     compiled_steps: int = 0
     eager_steps: int = 0
+    cache: CacheUse | None = None  # the persistent compile cache during warm-up (build_regions sets it)
 
 
 class CompiledModel(torch.nn.Module):
@@ -211,11 +217,13 @@ class CompiledSampler(torch.nn.Module):
     """The Sampler's contract; batches without penalties, min-p, min_tokens or logprobs run as a graph per
     (batch bucket, variant in SAMPLER_VARIANTS), the rest through the eager Sampler (same ops, same tokens)."""
 
-    def __init__(self, buckets: BucketSpec, backend: str, vocab_size: int, sampler: Sampler | None = None) -> None:
+    def __init__(self, buckets: BucketSpec, backend: str, vocab_size: int, sampler: Sampler | None = None,
+                 warm_variants: tuple[tuple[bool, bool, bool], ...] = SAMPLER_VARIANTS) -> None:
         super().__init__()
         self.sampler = sampler or Sampler()
         self.buckets = buckets
         self.vocab_size = vocab_size
+        self.warm_variants = warm_variants  # compiled by warm_up; the others on their first batch
         self.stats = RegionStats()
         raise_dynamo_cache_limits(len(buckets.batch_sizes) * len(SAMPLER_VARIANTS))
         self._core = compile_region(_sample_core, backend)
@@ -236,6 +244,7 @@ class CompiledSampler(torch.nn.Module):
             self.stats.eager_steps += 1
             return self.sampler(logits, meta)
         self.stats.compiled_steps += 1
+        self.stats.compiled_keys.add(("sampler", rows, meta.all_greedy, meta.any_top_k, meta.any_top_p))
         b = meta.batch_size
         logits = logits.to(torch.float32)
         padded = torch.cat([logits, logits.new_zeros((rows - b, logits.shape[1]))]) if rows > b else logits
@@ -249,7 +258,7 @@ class CompiledSampler(torch.nn.Module):
     @torch.inference_mode()
     def warm_up(self, device: torch.device, progress: bool = True) -> float:
         start = time.perf_counter()
-        keys = [(rows, variant) for rows in self.buckets.batch_sizes for variant in SAMPLER_VARIANTS]
+        keys = [(rows, variant) for rows in self.buckets.batch_sizes for variant in self.warm_variants]
         for rows, (all_greedy, any_top_k, any_top_p) in tqdm(keys, desc="compiling sampler graphs",
                                                               disable=not progress):
             # Distinct tensors per argument: dynamo guards on aliasing between inputs.
@@ -296,12 +305,18 @@ def build_regions(model: torch.nn.Module, sampler: Sampler | None, kv_caches: li
     buckets = BucketSpec.build(max_num_seqs, max_len, block_size, config.batch_buckets or None,
                                config.width_buckets or None, config.prefill_buckets or None)
     compiled_model = CompiledModel(model, buckets, backend, scratch_block=num_blocks)
-    compiled_sampler = CompiledSampler(buckets, backend, vocab_size, sampler) if sampler is not None else None
-    model_s = compiled_model.warm_up(kv_caches, progress=config.compile_progress)
-    sampler_s = compiled_sampler.warm_up(kv_caches[0].device, progress=config.compile_progress) if sampler else 0.0
+    warm_variants = SAMPLER_VARIANTS if config.compile_sampler_variants == "all" else (GREEDY_VARIANT,)
+    compiled_sampler = (CompiledSampler(buckets, backend, vocab_size, sampler, warm_variants)
+                        if sampler is not None else None)
+    with compile_cache_scope(config.compile_cache_dir, platform, backend) as cache, count_cache_use() as use:
+        model_s = compiled_model.warm_up(kv_caches, progress=config.compile_progress)
+        sampler_s = (compiled_sampler.warm_up(kv_caches[0].device, progress=config.compile_progress)
+                     if compiled_sampler is not None else 0.0)
+    compiled_model.stats.cache = use[0]
     if config.compile_progress:
         sampler_graphs = len(compiled_sampler.stats.compiled_keys) if compiled_sampler is not None else 0
+        where = "" if cache is None else f"; {cache.describe()}: {use[0].describe()}"
         print(f"deepinfer: compiled {len(compiled_model.stats.compiled_keys)} model and "
               f"{sampler_graphs} sampler graphs with {backend} in "
-              f"{model_s:.1f} s + {sampler_s:.1f} s", file=sys.stderr)
+              f"{model_s:.1f} s + {sampler_s:.1f} s{where}", file=sys.stderr)
     return compiled_model, compiled_sampler

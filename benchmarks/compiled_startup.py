@@ -1,0 +1,150 @@
+"""Compiled start-up: time to the first token of the compiled engine, cold (empty compile cache) and warm (a second
+process on the same cache directory), each in a fresh subprocess.
+
+Settings: the shared workload's compiled engine (benchmarks/offline_throughput.py --compile inductor): SmolLM2-135M
+fp32, max_num_seqs 32, max_num_batched_tokens 512, max_model_len 256, batch buckets 1,32, width buckets 8,16 (or
+--width-buckets), prefill bucket 128: 4 decode + 1 prefill + 2 lm_head + 10 sampler graphs. An eager start runs
+alongside as the floor (no compile at all). The first token is one greedy token of one chat prompt after the
+engine is built; every run prints its token ids, which must agree.
+
+Prints the machine (CPU model and family) and writes benchmarks/results/compiled_startup.md and .png. Start-up is
+compile work (dynamo, AOTAutograd, inductor's codegen, gcc) on the host's cores: on a machine shared with other
+jobs the seconds inflate, the cold / warm ratio much less.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@dataclass
+class StartRun:
+    name: str  # "cold", "warm", "eager"
+    ready_s: float  # process start -> engine built (graphs compiled or loaded)
+    first_token_s: float  # process start -> first token returned
+    compile_s: float  # the engine's warm-up (compile or cache load), inside ready_s
+    cache: str  # the AOTAutograd cache's hits / misses / bypasses over the warm-up
+    token_ids: list[int]
+
+
+def child(args) -> None:
+    """One engine start in this fresh process; prints one JSON line."""
+    start = time.perf_counter()
+    sys.path.insert(0, str(ROOT))
+    from backend_lib.config import EngineConfig
+    from backend_lib.models.loader import default_model_path
+    from backend_lib.offline import LLM
+    from backend_lib.sampling_params import SamplingParams
+
+    flat = {"model": default_model_path(), "max_num_seqs": 32, "max_num_batched_tokens": 512,
+            "enable_prefix_caching": False, "max_model_len": 256, "num_threads": args.threads}
+    if args.mode != "eager":
+        flat.update(compile_backend="inductor", batch_buckets="1,32", width_buckets=args.width_buckets,
+                    prefill_buckets="128", compile_cache_dir=args.cache_dir)
+    llm = LLM(config=EngineConfig.from_flat(flat))
+    ready = time.perf_counter() - start
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0))
+    first = time.perf_counter() - start
+    stats = getattr(llm.engine.runner.model, "stats", None)
+    cache = stats.cache if stats is not None else None
+    print("RESULT " + json.dumps({
+        "ready_s": ready, "first_token_s": first, "compile_s": stats.compile_seconds if stats else 0.0,
+        "cache": f"{cache.hits} / {cache.misses} / {cache.bypasses}" if cache else "-",
+        "token_ids": out[0].token_ids}), flush=True)
+
+
+def run_child(mode: str, cache_dir: str, args) -> StartRun:
+    cmd = [sys.executable, __file__, "--child", mode, "--cache-dir", cache_dir, "--threads", str(args.threads),
+           "--width-buckets", args.width_buckets]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    print(f"{mode} start ...", flush=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"{mode} start failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    r = json.loads(lines[-1][len("RESULT "):])
+    run = StartRun(mode, r["ready_s"], r["first_token_s"], r["compile_s"], r["cache"], r["token_ids"])
+    print(f"  {run}", flush=True)
+    return run
+
+
+def write_report(runs: list[StartRun], machine_line: str, load_after: float, cache_dir: str, out: Path) -> str:
+    by = {r.name: r for r in runs}
+    cold, warm = by["cold"], by["warm"]
+    same = len({tuple(r.token_ids) for r in runs}) == 1
+    lines = [
+        "# Compiled start-up: cold vs warm compile cache (SmolLM2-135M fp32, inductor)", "",
+        f"Machine: {machine_line}; 1-min load average {load_after:.1f} at the end.", "",
+        "Each start is a fresh process: build the engine (load the model, size the KV cache, compile or load every "
+        "graph), then one greedy token of one chat prompt. Cold: an empty `compile_cache_dir`; warm: a second process "
+        f"on the same directory ({cache_dir}). Settings of `benchmarks/offline_throughput.py --compile inductor` "
+        "(17 graphs). Cache column: the AOTAutograd cache's hits / compiled-and-saved / not cacheable during the "
+        "warm-up.", "",
+        "| start | engine ready (s) | of which graphs (s) | first token (s) | cache hits / saved / bypassed |",
+        "|---|---|---|---|---|"]
+    lines += [f"| {r.name} | {r.ready_s:.1f} | {r.compile_s:.1f} | {r.first_token_s:.1f} | {r.cache} |"
+              for r in runs]
+    lines += ["", f"Cold / warm time to the first token: {cold.first_token_s / warm.first_token_s:.1f}x "
+              f"({cold.first_token_s:.0f} s -> {warm.first_token_s:.0f} s); graphs alone "
+              f"{cold.compile_s / max(warm.compile_s, 1e-9):.1f}x. Same first token in every start: {same}."]
+    text = "\n".join(lines) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compiled_startup.md").write_text(text)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = [r.name for r in runs]
+    ax.barh(names, [r.first_token_s - r.compile_s for r in runs], label="load, KV cache, first token")
+    ax.barh(names, [r.compile_s for r in runs], left=[r.first_token_s - r.compile_s for r in runs],
+            label="graphs (compile or cache load)")
+    ax.set_xlabel("seconds from process start to the first token")
+    ax.set_title("SmolLM2-135M compiled start-up, host CPU")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "compiled_startup.png", dpi=100)
+    return text
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--child", choices=["cold", "warm", "eager"], help=argparse.SUPPRESS)
+    parser.add_argument("--cache-dir", default="", help="compile cache directory (default: a new empty one)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
+    parser.add_argument("--width-buckets", default="8,16", help="as offline_throughput.py --width-buckets")
+    parser.add_argument("--skip-eager", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    if args.child:
+        args.mode = args.child
+        child(args)
+        return 0
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.machine import describe
+
+    machine = describe()
+    print(machine.line(), flush=True)
+    with tempfile.TemporaryDirectory(prefix="deepinfer-compile-cache-") as scratch:
+        cache_dir = args.cache_dir or scratch
+        if any(Path(cache_dir).iterdir()) if Path(cache_dir).exists() else False:
+            raise SystemExit(f"--cache-dir {cache_dir} is not empty: a cold start needs an empty one")
+        runs = [run_child("cold", cache_dir, args), run_child("warm", cache_dir, args)]
+        if not args.skip_eager:
+            runs.append(run_child("eager", cache_dir, args))
+    print(write_report(runs, machine.line(), os.getloadavg()[0], cache_dir if args.cache_dir else "a new temp dir",
+                       Path(args.out)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
