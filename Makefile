@@ -24,7 +24,7 @@ serve: $(STAMP)
 	$(VENV)/bin/deepinfer serve --openai-port $(OPENAI_PORT)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -rs
+	$(PY) -m pytest -q -rs --durations=30
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -rs -m "not slow and not e2e"
