@@ -15,7 +15,8 @@ from backend_lib.models.loader import load_model
 from backend_lib.outputs import SessionControl
 from backend_lib.sampling_params import SamplingParams
 from backend_lib.tiny import make_tiny
-from tests.test_deepseek_v3 import PagedRunner
+from kernels.attention_metadata import StateRows
+from tests.test_deepseek_v3 import PagedRunner as _PagedRunner
 
 NEW_TOKENS = 24
 CONFIGS = {
@@ -41,6 +42,40 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+class PagedRunner(_PagedRunner):
+    """The V3 harness over V4's hybrid cache: paged entry blocks (shuffled) plus one fixed state slot per request,
+    handed out in reverse so slot ids and request order differ."""
+
+    def __init__(self, model, num_blocks: int = 64, block_size: int = 4, num_state_slots: int = 6) -> None:
+        self.model, self.bs, self.scratch = model, block_size, num_blocks
+        paged, state = model.hybrid_cache_shapes(num_blocks + 1, block_size, num_state_slots + 1)
+        self.caches = [torch.zeros(s) for s in paged + state]
+        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+        self.blocks: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+        self.free_slots = list(range(num_state_slots))
+        self.slots: dict[str, int] = {}
+
+    def share_prefix(self, src: str, dst: str, num_blocks: int) -> None:
+        raise NotImplementedError("the hybrid cache keeps no per-position state to share (prefix caching is off)")
+
+    def step(self, decodes: list[tuple[str, list[int]]], prefills: list[tuple[str, list[int]]]) -> torch.Tensor:
+        slots, starts, ends = [], [], []
+        for rid, toks in decodes + prefills:
+            if rid not in self.slots:
+                self.slots[rid] = self.free_slots.pop()
+            start = self.computed.get(rid, 0)
+            slots += [self.slots[rid]] * len(toks)
+            starts += [start] * len(toks)
+            ends += [start + len(toks)] * len(toks)
+        self.state = StateRows(torch.tensor(slots), torch.tensor(starts), torch.tensor(ends))
+        return super().step(decodes, prefills)
+
+    def _meta_hook(self, meta):
+        meta.state = self.state
+        return meta
 
 
 def _tokens(n: int, seed: int) -> list[int]:
