@@ -10,6 +10,9 @@ A request's life (vLLM v1's one invariant: ``num_computed_tokens`` catches up wi
   5. Out of blocks: idle sessions' blocks go first (LRU), then the newest running request is preempted
      (blocks freed, ``num_computed_tokens = 0``, front of the queue) and recomputed later.
 
+Hybrid cache (``num_state_slots`` > 0, ``backend_lib/hybrid_kv.py``): a request also holds a fixed state slot
+(``request.state_slot``) from admission to release; a session keeps its slot with its blocks between turns.
+
 Speculative decoding: a decode request with drafts (``request.draft_token_ids``, set from the runner's proposals)
 is scheduled with ``1 + k`` tokens; its blocks also cover ``num_lookahead_slots`` positions past them (the MTP
 proposer writes its draft chain there). After verification ``num_computed_tokens`` stops at the last accepted token
