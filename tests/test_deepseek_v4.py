@@ -273,9 +273,10 @@ def test_prefix_caching_is_off_with_a_log_line_and_results_stay_exact(tiny, capl
     assert second.token_ids == _hf_generate(hf, prefix + _tokens(7, 122), 12)
 
 
-def test_memory_grows_by_compressed_entries_only(tmp_path):
+def test_memory_grows_by_compressed_entries_only_and_sessions_hold_slots(tmp_path):
     """The engine's allocator: a block of 8 positions (both tiny rates, 4 and 8, divide it) holds n_csa * (D + Di) / 4
-    + n_hca * D / 8 values per position; a state slot holds the rings, whatever the context length."""
+    + n_hca * D / 8 values per position; a state slot holds the rings, whatever the context length. Slots are
+    max_num_seqs + max_sessions: a session past max_sessions gets the busy error, and END frees its slot."""
     from backend_lib.model_runner import ModelRunner
     path = make_tiny("deepseek_v4", tmp_path, seed=3)
     engine = _engine(path, num_blocks=16, block_size=8, max_sessions=2)
@@ -291,6 +292,19 @@ def test_memory_grows_by_compressed_entries_only(tmp_path):
     slots = engine.scheduler.kv_cache.num_state_slots
     assert slots == 4 + 2  # max_num_seqs + max_sessions
     assert allocated == (16 + 1) * per_position * 8 + (slots + 1) * per_slot  # + the scratch block and slot
+
+    from backend_lib.errors import EngineBusyError
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for sid in ("s0", "s1"):  # each open session keeps a slot between turns; a third one is refused, not queued
+        engine.add_request(sid, _tokens(9, 7), params, session=SessionControl(sid, start=True))
+    with pytest.raises(EngineBusyError, match="max_sessions 2"):
+        engine.add_request("s2", _tokens(9, 7), params, session=SessionControl("s2", start=True))
+    _drive(engine)
+    assert engine.scheduler.kv_cache.num_free_state_slots == slots - 2
+    for sid in ("s0", "s1"):
+        engine.add_request(f"{sid}-end", _tokens(2, 8), params, session=SessionControl(sid, end=True))
+    _drive(engine)
+    assert engine.scheduler.kv_cache.num_free_state_slots == slots and engine.stats().kv_blocks_used == 0
 
 
 def test_static_moe_gives_the_same_logits(tiny):
