@@ -6,6 +6,7 @@ it synchronously.
 """
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from backend_lib.request import Request, RequestStatus
 from backend_lib.sampling_params import SamplingParams
 from backend_lib.scheduler import Scheduler
 from backend_lib.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+
+log = logging.getLogger("deepinfer.engine")
 
 Prompt = str | list[int] | list[dict]
 
@@ -73,7 +76,11 @@ class LLMEngine:
         self.vocab_size = self.model.arch.vocab_size
         num_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.model.max_model_len,
-                                   num_lookahead_slots=self.runner.num_lookahead_slots)
+                                   num_lookahead_slots=self.runner.num_lookahead_slots,
+                                   num_state_slots=self.executor.num_state_slots)
+        if self.executor.num_state_slots and config.cache.enable_prefix_caching:
+            log.info("prefix caching is off for this model: its hybrid KV cache keeps per-request state (sliding "
+                     "window, open compressor windows) that is valid only at the position its request reached")
         self.num_blocks = num_blocks
         self._seeds = random.Random(config.seed)
         self._states: dict[str, _TextState] = {}

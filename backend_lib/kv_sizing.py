@@ -12,6 +12,9 @@ Rules, first match wins:
   zero-filled, i.e. committed, at start), and at least a floor that still serves one full-length request.
 Whatever the rule, a cache that does not fit in the free memory fails the load with needed vs available: the
 allocation would otherwise succeed and the OOM killer would end the server later, mid-request.
+
+A hybrid-cache model (``backend_lib/hybrid_kv.py``) also has fixed state slots (``fixed_bytes``): they come off the
+memory first (and off the fraction's budget in the auto rule), the blocks get the rest.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ class KVCachePlan:
     bytes_per_block: int
     available_bytes: int | None  # free memory measured after the weights were loaded; None = unknown device
     rule: str  # which setting decided, for the log
+    fixed_bytes: int = 0  # a hybrid model's state slots, allocated next to the blocks
 
     @property
     def total_bytes(self) -> int:
@@ -43,8 +47,9 @@ class KVCachePlan:
 
     def describe(self) -> str:
         free = "unknown" if self.available_bytes is None else f"{self.available_bytes / _GIB:.2f} GiB"
-        return (f"KV cache: {self.num_blocks} blocks x {self.bytes_per_block} B = {self.total_bytes / _GIB:.2f} GiB "
-                f"({self.rule}; free memory after loading the weights: {free})")
+        fixed = f" + {self.fixed_bytes / _GIB:.2f} GiB of state slots" if self.fixed_bytes else ""
+        return (f"KV cache: {self.num_blocks} blocks x {self.bytes_per_block} B = {self.total_bytes / _GIB:.2f} GiB"
+                f"{fixed} ({self.rule}; free memory after loading the weights: {free})")
 
 
 def _blocks_for(tokens: int, block_size: int) -> int:
@@ -52,10 +57,24 @@ def _blocks_for(tokens: int, block_size: int) -> int:
 
 
 def plan_kv_cache(cache: CacheConfig, bytes_per_block: int, available_bytes: int | None,
-                  max_model_len: int, max_num_seqs: int) -> KVCachePlan:
-    """The KV cache size for ``cache``; ValueError (naming needed vs available) when it cannot fit."""
+                  max_model_len: int, max_num_seqs: int, fixed_bytes: int = 0,
+                  fixed_what: str = "state slots") -> KVCachePlan:
+    """The KV cache size for ``cache``; ValueError (naming needed vs available) when it cannot fit. ``fixed_bytes``
+    (``fixed_what`` names them in errors) are allocated besides the blocks."""
     if bytes_per_block <= 0:
         raise ValueError(f"bytes_per_block must be > 0, got {bytes_per_block}")
+    plan = _plan_blocks(cache, bytes_per_block, available_bytes, max_model_len, max_num_seqs, fixed_bytes, fixed_what)
+    plan = KVCachePlan(plan.num_blocks, bytes_per_block, available_bytes, plan.rule, fixed_bytes)
+    if available_bytes is not None and plan.total_bytes + fixed_bytes > available_bytes:
+        fixed = f" + {fixed_what} {fixed_bytes / _GIB:.3f} GiB" if fixed_bytes else ""
+        raise ValueError(f"the KV cache does not fit: {plan.num_blocks} blocks x {bytes_per_block} B = "
+                         f"{plan.total_bytes / _GIB:.3f} GiB{fixed} needed ({plan.rule}), but only "
+                         f"{available_bytes / _GIB:.3f} GiB is free after loading the weights")
+    return plan
+
+
+def _plan_blocks(cache: CacheConfig, bytes_per_block: int, available_bytes: int | None, max_model_len: int,
+                 max_num_seqs: int, fixed_bytes: int, fixed_what: str) -> KVCachePlan:
     one_request = _blocks_for(max_model_len, cache.block_size)
     if cache.num_blocks > 0:
         plan = KVCachePlan(cache.num_blocks, bytes_per_block, available_bytes, "num_blocks")
@@ -70,7 +89,7 @@ def plan_kv_cache(cache: CacheConfig, bytes_per_block: int, available_bytes: int
             raise ValueError("cannot size the KV cache automatically: the free memory of this device is unknown; "
                              "set num_blocks or kv_cache_memory_gb")
         floor = max(MIN_AUTO_BLOCKS, one_request)
-        budget = int(available_bytes * cache.kv_cache_memory_fraction)
+        budget = int(available_bytes * cache.kv_cache_memory_fraction) - fixed_bytes
         useful = max(floor, max_num_seqs * one_request)
         blocks = min(budget // bytes_per_block, useful)
         if blocks < floor:
@@ -78,16 +97,14 @@ def plan_kv_cache(cache: CacheConfig, bytes_per_block: int, available_bytes: int
                 f"the KV cache does not fit: at least {floor} blocks ({floor * bytes_per_block / _GIB:.3f} GiB: one "
                 f"request of max_model_len={max_model_len}) are needed, but kv_cache_memory_fraction="
                 f"{cache.kv_cache_memory_fraction} of the {available_bytes / _GIB:.3f} GiB free after loading the "
-                f"weights is {budget / _GIB:.3f} GiB; free memory, lower max_model_len or raise "
-                f"kv_cache_memory_fraction")
+                f"weights is {budget / _GIB:.3f} GiB"
+                + (f" after the {fixed_what} ({fixed_bytes / _GIB:.3f} GiB)" if fixed_bytes else "")
+                + "; free memory, lower max_model_len or raise kv_cache_memory_fraction")
         rule = (f"kv_cache_memory_fraction={cache.kv_cache_memory_fraction}"
                 + (f", capped at max_num_seqs x max_model_len = {useful} blocks" if blocks == useful else ""))
         plan = KVCachePlan(blocks, bytes_per_block, available_bytes, rule)
-    if available_bytes is not None and plan.total_bytes > available_bytes:
-        raise ValueError(f"the KV cache does not fit: {plan.num_blocks} blocks x {bytes_per_block} B = "
-                         f"{plan.total_bytes / _GIB:.3f} GiB needed ({plan.rule}), but only "
-                         f"{available_bytes / _GIB:.3f} GiB is free after loading the weights")
     return plan
+
 
 
 def host_available_bytes(meminfo_path: str = "/proc/meminfo") -> int | None:
@@ -111,12 +128,13 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def kv_cache_num_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device, share: int = 1) -> int:
+def kv_cache_num_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device, share: int = 1,
+                        fixed_bytes: int = 0, fixed_what: str = "state slots") -> int:
     """The engine's call, after the weights are on ``device``: measure, plan, log. ``share``: how many ranks size
     their caches from the same free memory (tensor-parallel ranks on one host; the driver's count is used by all,
     and assuming every rank on the driver's host is the safe side when they are spread over machines)."""
     free = available_bytes(device)
     plan = plan_kv_cache(config.cache, bytes_per_block, None if free is None else free // max(1, share),
-                         config.model.max_model_len, config.scheduler.max_num_seqs)
+                         config.model.max_model_len, config.scheduler.max_num_seqs, fixed_bytes, fixed_what)
     logger.info(plan.describe())
     return plan.num_blocks

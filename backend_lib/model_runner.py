@@ -32,7 +32,17 @@ from backend_lib.spec_decode.mtp import MTPProposer
 from backend_lib.spec_decode.ngram import NgramProposer
 from backend_lib.spec_decode.rejection import DraftLayout, num_accepted, rejection_sample
 from kernels import sampling as sampling_ops
-from kernels.attention_metadata import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata, StateRows
+
+
+def is_hybrid(model: torch.nn.Module) -> bool:
+    """Whether the model keeps fixed per-request state next to its paged blocks (backend_lib/hybrid_kv.py)."""
+    return hasattr(model, "hybrid_cache_shapes")
+
+
+def max_drafts(spec: SpecConfig | None) -> int:
+    """Draft positions a verification may roll back (hybrid rings keep that many extra positions)."""
+    return spec.num_speculative_tokens if spec is not None and spec.method != "none" else 0
 
 
 @dataclass
@@ -64,7 +74,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, vocab_size: int,
                  device: torch.device, dtype: torch.dtype, spec: SpecConfig | None = None,
                  compile_config: CompileConfig | None = None, max_num_seqs: int = 32,
-                 max_model_len: int | None = None, channel: StepChannel | None = None) -> None:
+                 max_model_len: int | None = None, channel: StepChannel | None = None,
+                 num_state_slots: int = 0) -> None:
         self.model = model
         self.channel = channel
         self.block_size = block_size
@@ -73,8 +84,14 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.device = device
         num_slots = (num_blocks + 1) * block_size
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
-                          for shape in model.kv_cache_shapes(num_slots)]
+        self.num_state_slots = num_state_slots if is_hybrid(model) else 0
+        if is_hybrid(model):  # paged blocks + the scratch block, state slots + the scratch slot
+            paged, state = model.hybrid_cache_shapes(num_blocks + 1, block_size, num_state_slots + 1,
+                                                     max_drafts(spec))
+            shapes = paged + state
+        else:
+            shapes = model.kv_cache_shapes(num_slots)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
         self.sampler = Sampler() if channel is None or channel.par.is_driver else None  # only the driver samples
         spec = spec or SpecConfig()
         k = spec.num_speculative_tokens
@@ -92,9 +109,21 @@ class ModelRunner:
         return self.mtp.num_lookahead_slots if self.mtp is not None else 0
 
     @staticmethod
-    def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype, drafts: int = 0) -> int:
+        size = torch.empty((), dtype=dtype).element_size()
+        if is_hybrid(model):
+            paged, _ = model.hybrid_cache_shapes(1, block_size, 0, drafts)
+            return sum(math.prod(shape) for shape in paged) * size
         per_slot = sum(math.prod(shape) for shape in model.kv_cache_shapes(1))
-        return per_slot * block_size * torch.empty((), dtype=dtype).element_size()
+        return per_slot * block_size * size
+
+    @staticmethod
+    def state_bytes_per_slot(model: torch.nn.Module, block_size: int, dtype: torch.dtype, drafts: int = 0) -> int:
+        """Bytes of one fixed state slot (0 for models without one)."""
+        if not is_hybrid(model):
+            return 0
+        _, state = model.hybrid_cache_shapes(0, block_size, 1, drafts)
+        return sum(math.prod(shape) for shape in state) * torch.empty((), dtype=dtype).element_size()
 
     def _block_table(self, rows: list[list[int]], min_width: int = 0) -> torch.Tensor:
         width = max(max((len(r) for r in rows), default=0), min_width)
@@ -115,6 +144,7 @@ class ModelRunner:
         logits_indices: list[int] = []
         sampling_chunks: list[int] = []
         row_starts = [0] * len(chunks)
+        state: tuple[list[int], list[int], list[int]] = ([], [], [])  # slot, chunk start, chunk end per token
         for rank, i in enumerate(order):
             chunk = chunks[i]
             blocks = chunk.block_ids
@@ -123,6 +153,13 @@ class ModelRunner:
             input_ids += chunk_token_ids(chunk)
             positions += span
             slots += [blocks[p // bs] * bs + p % bs for p in span]
+            if self.num_state_slots:
+                if chunk.state_slot is None:
+                    raise ValueError(f"request {chunk.request.request_id!r} has no state slot: a hybrid-cache model "
+                                     f"needs a scheduler built with num_state_slots")
+                end = chunk.start + chunk.num_tokens
+                for column, value in zip(state, (chunk.state_slot, chunk.start, end)):
+                    column += [value] * chunk.num_tokens
             if chunk.samples:
                 last = len(input_ids) - 1
                 logits_indices += range(last - chunk.num_draft_tokens, last + 1)
@@ -132,6 +169,9 @@ class ModelRunner:
                 input_ids += [0] * pad
                 positions += range(chunk.start + chunk.num_tokens, chunk.start + chunk.num_tokens + pad)
                 slots += [scratch_slot] * pad
+                if self.num_state_slots:
+                    for column, value in zip(state, (-1, 0, 0)):
+                        column += [value] * pad
 
         def needed_blocks(chunk: ScheduledChunk) -> list[int]:
             return chunk.block_ids[:-(-(chunk.start + chunk.num_tokens) // bs)]
@@ -150,6 +190,8 @@ class ModelRunner:
             prefill_query_lens=[chunks[i].num_tokens for i in prefills],
             prefill_seq_lens=[chunks[i].start + chunks[i].num_tokens for i in prefills],
             prefill_block_tables=self._block_table([needed_blocks(chunks[i]) for i in prefills]),
+            state=StateRows(*(torch.tensor(c, dtype=torch.int64, device=self.device) for c in state))
+            if self.num_state_slots else None,
         )
         return ModelInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
@@ -171,7 +213,9 @@ class ModelRunner:
             "prefill_query_lens": torch.tensor(meta.prefill_query_lens, dtype=torch.int64),
             "prefill_seq_lens": torch.tensor(meta.prefill_seq_lens, dtype=torch.int64),
             "logits_indices": inputs.logits_indices,
-            "scalars": torch.tensor([meta.num_decodes, meta.decode_query_len], dtype=torch.int64), **extra})
+            "scalars": torch.tensor([meta.num_decodes, meta.decode_query_len], dtype=torch.int64), **extra,
+            **({} if meta.state is None else {"state_slots": meta.state.slots, "chunk_starts": meta.state.chunk_starts,
+                                              "chunk_ends": meta.state.chunk_ends})})
 
     def _received_inputs(self, t: dict[str, torch.Tensor]) -> ModelInputs:
         num_decodes, decode_query_len = t["scalars"].tolist()
@@ -181,7 +225,8 @@ class ModelRunner:
             decode_query_len=decode_query_len, decode_block_tables=t["decode_block_tables"],
             decode_seq_lens=t["decode_seq_lens"], num_prefills=len(prefill_query_lens),
             prefill_query_lens=prefill_query_lens, prefill_seq_lens=t["prefill_seq_lens"].tolist(),
-            prefill_block_tables=t["prefill_block_tables"])
+            prefill_block_tables=t["prefill_block_tables"],
+            state=StateRows(t["state_slots"], t["chunk_starts"], t["chunk_ends"]) if "state_slots" in t else None)
         return ModelInputs(input_ids=t["input_ids"], positions=t["positions"], meta=meta,
                            logits_indices=t["logits_indices"], order=[], sampling_chunks=[], row_starts=[])
 

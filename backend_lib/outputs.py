@@ -16,6 +16,7 @@ class ScheduledChunk:
     num_tokens: int  # drafts included
     block_ids: list[int]  # the request's block table after allocation for this chunk (lookahead slots included)
     draft_token_ids: list[int] = field(default_factory=list)
+    state_slot: int | None = None  # the request's fixed state slot (hybrid cache models only)
 
     @property
     def num_draft_tokens(self) -> int:

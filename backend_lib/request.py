@@ -42,6 +42,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache / session history
     block_ids: list[int] = field(default_factory=list)
+    state_slot: int | None = None  # hybrid cache only (backend_lib/hybrid_kv.py): the request's fixed state
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     error: str | None = None  # why the request ended with FINISHED_ERROR

@@ -10,6 +10,9 @@ A request's life (vLLM v1's one invariant: ``num_computed_tokens`` catches up wi
   5. Out of blocks: idle sessions' blocks go first (LRU), then the newest running request is preempted
      (blocks freed, ``num_computed_tokens = 0``, front of the queue) and recomputed later.
 
+Hybrid cache (``num_state_slots`` > 0, ``backend_lib/hybrid_kv.py``): a request also holds a fixed state slot
+(``request.state_slot``) from admission to release; a session keeps its slot with its blocks between turns.
+
 Speculative decoding: a decode request with drafts (``request.draft_token_ids``, set from the runner's proposals)
 is scheduled with ``1 + k`` tokens; its blocks also cover ``num_lookahead_slots`` positions past them (the MTP
 proposer writes its draft chain there). After verification ``num_computed_tokens`` stops at the last accepted token
@@ -24,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from backend_lib.config import CacheConfig, SchedulerConfig
+from backend_lib.hybrid_kv import HybridKVManager
 from backend_lib.kv_cache import KVCacheManager
 from backend_lib.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput
 from backend_lib.request import Request, RequestStatus
@@ -65,6 +69,7 @@ class Session:
     token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)  # one reference each, held between turns
     num_computed_tokens: int = 0  # leading tokens of token_ids whose KV sits in block_ids
+    state_slot: int | None = None  # hybrid cache: the fixed state at num_computed_tokens, kept with block_ids
     turn_request_id: str | None = None  # the turn in flight (waiting or running)
     closing: bool = False  # close_session arrived during a turn: close when it ends
 
@@ -76,13 +81,15 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int, clock: Callable[[], float] = time.monotonic,
-                 num_lookahead_slots: int = 0) -> None:
+                 num_lookahead_slots: int = 0, num_state_slots: int = 0) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.config = scheduler_config
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
-        self.kv_cache = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        # num_state_slots > 0: the model keeps fixed per-request state next to its blocks (backend_lib/hybrid_kv.py)
+        self.kv_cache = (HybridKVManager(num_blocks, cache_config.block_size, num_state_slots) if num_state_slots
+                         else KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching))
         # Every running request must always get its decode token, so seats never exceed the token budget.
         self.max_num_seqs = min(scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens)
         self._clock = clock
@@ -260,7 +267,8 @@ class Scheduler:
     @staticmethod
     def _chunk(request: Request, n: int, drafts: list[int] | None = None) -> ScheduledChunk:
         return ScheduledChunk(request=request, start=request.num_computed_tokens, num_tokens=n,
-                              block_ids=list(request.block_ids), draft_token_ids=list(drafts or []))
+                              block_ids=list(request.block_ids), draft_token_ids=list(drafts or []),
+                              state_slot=request.state_slot)
 
     def _drafts(self, request: Request, room: int) -> list[int]:
         """The request's drafts that can still matter: within the step's remaining budget, max_model_len and
@@ -334,6 +342,7 @@ class Scheduler:
                 if not self._evict_session_kv(exclude=exclude):
                     return None
             request.block_ids, session.block_ids = session.block_ids, []
+            request.state_slot, session.state_slot = session.state_slot, None
             session.num_computed_tokens = 0
             request.num_computed_tokens = computed
             self.kv_cache.append_slots(request, n + extra)
@@ -389,9 +398,10 @@ class Scheduler:
         session.last_used = self._clock()
         if request.status in _KEEPS_SESSION:
             self._drop_session_kv(session)  # only non-empty if the turn never took the blocks over
+            slot, request.state_slot = request.state_slot, None
             blocks = self.kv_cache.detach(request)
             session.token_ids = request.all_token_ids
-            self._store_session_kv(session, blocks, request.num_computed_tokens)
+            self._store_session_kv(session, blocks, request.num_computed_tokens, slot)
         elif session.block_ids:  # aborted before admission: the session still has its previous state
             self.kv_cache.free(request)
         else:
@@ -399,11 +409,16 @@ class Scheduler:
             history = len(session.token_ids)
             valid = min(history, request.num_computed_tokens) \
                 if request.prompt_token_ids[:history] == session.token_ids else 0
-            self._store_session_kv(session, self.kv_cache.detach(request), valid)
+            if request.state_slot is not None and valid != request.num_computed_tokens:
+                self.kv_cache.free(request)  # fixed state cannot rewind to the history's end: recompute it
+                valid = 0
+            slot, request.state_slot = request.state_slot, None
+            self._store_session_kv(session, self.kv_cache.detach(request), valid, slot)
         if session.closing:
             self._close(session)
 
-    def _store_session_kv(self, session: Session, blocks: list[int], num_computed: int) -> None:
+    def _store_session_kv(self, session: Session, blocks: list[int], num_computed: int,
+                          state_slot: int | None = None) -> None:
         bs = self.block_size
         keep = min(len(blocks), self.kv_cache.blocks_needed(num_computed))
         num_computed = min(num_computed, keep * bs)
@@ -416,6 +431,10 @@ class Scheduler:
         self.kv_cache.release(blocks[keep:])
         session.block_ids = blocks[:keep]
         session.num_computed_tokens = num_computed
+        if keep:
+            session.state_slot = state_slot
+        elif state_slot is not None:
+            self.kv_cache.release_state(state_slot)
 
     # ---- sessions -------------------------------------------------------------------------------
     def open_session(self, session_id: str) -> None:
@@ -475,8 +494,11 @@ class Scheduler:
 
     def _drop_session_kv(self, session: Session) -> None:
         self.kv_cache.release(session.block_ids)
+        if session.state_slot is not None:
+            self.kv_cache.release_state(session.state_slot)
         session.block_ids = []
         session.num_computed_tokens = 0
+        session.state_slot = None
 
     def _evict_session_kv(self, exclude: str | None = None) -> bool:
         """Release the KV of the least recently used session holding blocks; its next turn recomputes."""
@@ -514,4 +536,13 @@ class Scheduler:
             assert request.status is RequestStatus.RUNNING, \
                 f"running request {request.request_id!r} has status {request.status}"
         holders = [r.block_ids for r in self.running] + [s.block_ids for s in self._sessions.values()]
-        self.kv_cache.check_integrity(holders)
+        if isinstance(self.kv_cache, HybridKVManager):
+            for request in self.waiting:
+                assert request.state_slot is None, \
+                    f"waiting request {request.request_id!r} holds state slot {request.state_slot}"
+            slots = [r.state_slot for r in self.running] + [s.state_slot for s in self._sessions.values()
+                                                            if s.state_slot is not None]
+            assert None not in slots, "a running request has no state slot"
+            self.kv_cache.check_integrity(holders, slots)
+        else:
+            self.kv_cache.check_integrity(holders)

@@ -7,12 +7,25 @@ each: 1, or 1 + drafts under speculative decoding), then the prefill chunks (``n
 Cache layout: each cache tensor is layer-major, ``[num_layers, num_slots, ...]`` with
 ``num_slots = (num_blocks + 1) * block_size``; the extra last block is a scratch block that padded rows
 write into. A token's slot is ``block_id * block_size + offset``; block tables hold block ids.
+
+Models with fixed per-request state (the hybrid cache, ``backend_lib/hybrid_kv.py``) also get ``state``: each
+token's state slot and the span of its chunk, so the model can tell which of its recent positions earlier steps
+left in the slot and which this step computes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class StateRows:
+    """Per step token, for models with fixed per-request state slots."""
+
+    slots: torch.Tensor  # [T] int64: the request's state slot; -1 for padded rows (they write the scratch slot)
+    chunk_starts: torch.Tensor  # [T] int64: position of the first token of the token's chunk
+    chunk_ends: torch.Tensor  # [T] int64: one past the last real (non-padded) position of the chunk
 
 
 @dataclass
@@ -27,6 +40,7 @@ class AttentionMetadata:
     prefill_query_lens: list[int]  # host ints, one per prefill request
     prefill_seq_lens: list[int]  # host ints: context length including this chunk
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
+    state: StateRows | None = None  # hybrid-cache models only
 
     @property
     def num_decode_tokens(self) -> int:

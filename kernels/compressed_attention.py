@@ -43,6 +43,10 @@ class TokenPages:
         # pos - block * size rather than %: remainder is slow on Neuron (graph lint rule)
         return self.block_tables.gather(1, block) * self.block_size + (pos - block * self.block_size)
 
+    def entry_slots(self, pos: torch.Tensor, rate: int) -> torch.Tensor:  # [T, E] closing positions -> entry rows
+        """Rows of the paged compressed entries (``entry_rows_per_block`` per block) of windows closing at ``pos``."""
+        return entry_rows(self.block_tables, pos, rate, self.block_size)
+
     def recent(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions ``t - length + 1 .. t`` of every token ([T, length]) and whether each exists (>= 0)."""
         offsets = torch.arange(1 - length, 1, device=self.positions.device)
@@ -76,6 +80,9 @@ class ChunkPages:
     def slots(self, pos: torch.Tensor) -> torch.Tensor:  # [1, K] int64 -> [1, K] slots
         return TokenPages(pos[0], self.block_table, self.block_size).slots(pos)
 
+    def entry_slots(self, pos: torch.Tensor, rate: int) -> torch.Tensor:  # [1, E] -> [1, E] entry rows
+        return entry_rows(self.block_table, pos, rate, self.block_size)
+
     def recent(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions from ``first - length + 1`` to the last query ([1, K]) and each query's window ([L, K])."""
         q = self.positions
@@ -88,6 +95,33 @@ class ChunkPages:
         index = torch.arange((self.first + self.length) // rate, device=self.block_table.device)
         visible = index[None, :] < ((self.positions + 1) // rate)[:, None]
         return ((index + 1) * rate - 1)[None, :], visible
+
+
+def entry_rows_per_block(block_size: int, rate: int) -> int:
+    """Compressed entries one block holds: windows of ``rate`` closing among its ``block_size`` positions (exact
+    when ``rate`` divides ``block_size``; otherwise some rows of a block stay unused)."""
+    return -(-block_size // rate)
+
+
+def entry_rows(block_tables: torch.Tensor,  # [G, width] int64
+               pos: torch.Tensor,  # [G, E] int64 closing positions (>= 0)
+               rate: int, block_size: int) -> torch.Tensor:  # [G, E] int64
+    """The paged entry of the window closing at ``pos``: its block's rows, then the window's index in the block."""
+    block = pos // block_size
+    offset = pos - block * block_size
+    return block_tables.gather(1, block) * entry_rows_per_block(block_size, rate) + offset // rate
+
+
+def entry_write_rows(slot_mapping: torch.Tensor,  # [T] int64 each token's paged slot
+                     positions: torch.Tensor,  # [T] int64
+                     rate: int, block_size: int, num_rows: int) -> torch.Tensor:  # [T] int64
+    """Where each token's candidate entry goes: the entry of its window when the token closes that window, else a
+    row of the scratch block (the last block), so a step writes each real entry once."""
+    per_block = entry_rows_per_block(block_size, rate)
+    block = slot_mapping // block_size
+    row = block * per_block + (slot_mapping - block * block_size) // rate
+    closes = (positions + 1) // rate * rate == positions + 1
+    return torch.where(closes, row, torch.full_like(row, num_rows - per_block))
 
 
 def gather_rows(layer_cache: torch.Tensor,  # [num_slots, C] one layer of one cache tensor

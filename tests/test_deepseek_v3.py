@@ -64,6 +64,9 @@ class PagedRunner:
         self.blocks[dst] = list(self.blocks[src][:num_blocks])
         self.computed[dst] = num_blocks * self.bs
 
+    def _meta_hook(self, meta: AttentionMetadata) -> AttentionMetadata:
+        return meta  # subclasses add what their model needs beyond the paged metadata
+
     def _table(self, rids: list[str], width: int) -> torch.Tensor:
         rows = [self.blocks[r] + [self.scratch] * (width - len(self.blocks[r])) for r in rids]
         return torch.tensor(rows, dtype=torch.int32).view(len(rids), width)
@@ -85,6 +88,7 @@ class PagedRunner:
             num_prefills=len(prefills), prefill_query_lens=[len(t) for _, t in prefills],
             prefill_seq_lens=[self.computed[r] for r, _ in prefills],
             prefill_block_tables=self._table([r for r, _ in prefills], width))
+        meta = self._meta_hook(meta)
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.caches, meta)
             return self.model.compute_logits(hidden)

@@ -1,7 +1,7 @@
 """DeepSeek-V4 against transformers 5.24 (fp32) on tiny random configs: the release layout make-tiny writes, logits
-of mixed batches over the paged per-token cache (sliding window, CSA with its indexer, HCA, mHC), prefix-cached
-blocks, and greedy ids through the engine (chunked prefill in odd sizes, batches of other lengths, preemption,
-session turns)."""
+of mixed batches over the hybrid cache (sliding-window and compressor rings in fixed state slots, paged compressed
+entries; CSA with its indexer, HCA, mHC), and greedy ids through the engine (chunked prefill in odd sizes, batches of
+other lengths, preemption, session turns); prefix caching is off for V4, and nothing leaks."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,8 @@ from backend_lib.models.loader import load_model
 from backend_lib.outputs import SessionControl
 from backend_lib.sampling_params import SamplingParams
 from backend_lib.tiny import make_tiny
-from tests.test_deepseek_v3 import PagedRunner
+from kernels.attention_metadata import StateRows
+from tests.test_deepseek_v3 import PagedRunner as _PagedRunner
 
 NEW_TOKENS = 24
 CONFIGS = {
@@ -41,6 +42,40 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+class PagedRunner(_PagedRunner):
+    """The V3 harness over V4's hybrid cache: paged entry blocks (shuffled) plus one fixed state slot per request,
+    handed out in reverse so slot ids and request order differ."""
+
+    def __init__(self, model, num_blocks: int = 64, block_size: int = 4, num_state_slots: int = 6) -> None:
+        self.model, self.bs, self.scratch = model, block_size, num_blocks
+        paged, state = model.hybrid_cache_shapes(num_blocks + 1, block_size, num_state_slots + 1)
+        self.caches = [torch.zeros(s) for s in paged + state]
+        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+        self.blocks: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+        self.free_slots = list(range(num_state_slots))
+        self.slots: dict[str, int] = {}
+
+    def share_prefix(self, src: str, dst: str, num_blocks: int) -> None:
+        raise NotImplementedError("the hybrid cache keeps no per-position state to share (prefix caching is off)")
+
+    def step(self, decodes: list[tuple[str, list[int]]], prefills: list[tuple[str, list[int]]]) -> torch.Tensor:
+        slots, starts, ends = [], [], []
+        for rid, toks in decodes + prefills:
+            if rid not in self.slots:
+                self.slots[rid] = self.free_slots.pop()
+            start = self.computed.get(rid, 0)
+            slots += [self.slots[rid]] * len(toks)
+            starts += [start] * len(toks)
+            ends += [start + len(toks)] * len(toks)
+        self.state = StateRows(torch.tensor(slots), torch.tensor(starts), torch.tensor(ends))
+        return super().step(decodes, prefills)
+
+    def _meta_hook(self, meta):
+        meta.state = self.state
+        return meta
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -127,17 +162,6 @@ def test_mixed_batch_logits_match_transformers(tiny):
         assert (ours_logits - ref).abs().max() <= 1e-4, rid
 
 
-def test_prefix_cached_blocks_are_reused(tiny):
-    _, ours, hf = tiny
-    run = PagedRunner(ours)
-    shared = _tokens(24, 30)  # six full blocks of 4: window and compressor state included
-    run.step([], [("a", shared + _tokens(9, 31))])
-    run.share_prefix("a", "b", 6)
-    tail = _tokens(11, 32)
-    out = run.step([], [("b", tail)])
-    assert (out - _hf_logits(hf, shared + tail)[24:]).abs().max() <= 1e-4
-
-
 class _LazyTensor:
     """All a lazy checkpoint tensor offers the model: ``shape``, ``dtype`` and ``narrow`` (which reads)."""
 
@@ -193,10 +217,11 @@ def test_engine_greedy_matches_transformers_chunked_batched_preempted_and_in_ses
     assert turn2 == _hf_generate(hf, first + turn1 + second)
     assert engine.stats().num_computed_prompt_tokens - computed <= len(second) + 1
 
-    engine.add_request("aborted", _tokens(30, 52), params)  # aborted mid-prefill: every block comes back
+    engine.add_request("aborted", _tokens(30, 52), params)  # aborted mid-prefill: every block and slot comes back
     engine.step()
     assert engine.abort("aborted").finish_reason == "abort"
-    assert engine.stats().kv_blocks_used == 0
+    kv = engine.scheduler.kv_cache
+    assert engine.stats().kv_blocks_used == 0 and kv.num_free_state_slots == kv.num_state_slots
     engine.scheduler.check_integrity()
 
 
@@ -231,18 +256,55 @@ def test_fp8_attention_and_fp4_experts_match_transformers_over_the_dequantized_w
     assert (PagedRunner(dequantized).step([], [("r", ids)]) - _hf_logits(hf, ids)).abs().max() <= 1e-4
 
 
-def test_engine_prefix_cache_hits_give_transformers_ids(tiny):
-    """A second request that shares a 26-token prefix reuses its full blocks (window and compressor state included)."""
+def test_prefix_caching_is_off_with_a_log_line_and_results_stay_exact(tiny, caplog):
+    """The rings hold state only at the position their request reached, so a shared prefix is recomputed (never
+    read from another request's blocks): the log says so and both requests give transformers' ids."""
     from backend_lib.offline import LLM
     path, _, hf = tiny
-    llm = LLM(str(path), max_model_len=256, block_size=4, num_blocks=64, max_num_batched_tokens=64)
+    with caplog.at_level("INFO", logger="deepinfer.engine"):
+        llm = LLM(str(path), max_model_len=256, block_size=4, num_blocks=64, max_num_batched_tokens=64)
+    assert any("prefix caching is off" in r.getMessage() for r in caplog.records)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prefix = _tokens(26, 120)
     first = llm.generate([prefix + _tokens(5, 121)], params)[0]
     second = llm.generate([prefix + _tokens(7, 122)], params)[0]
-    assert second.num_cached_tokens >= 24
+    assert second.num_cached_tokens == 0
     assert first.token_ids == _hf_generate(hf, prefix + _tokens(5, 121), 12)
     assert second.token_ids == _hf_generate(hf, prefix + _tokens(7, 122), 12)
+
+
+def test_memory_grows_by_compressed_entries_only_and_sessions_hold_slots(tmp_path):
+    """The engine's allocator: a block of 8 positions (both tiny rates, 4 and 8, divide it) holds n_csa * (D + Di) / 4
+    + n_hca * D / 8 values per position; a state slot holds the rings, whatever the context length. Slots are
+    max_num_seqs + max_sessions: a session past max_sessions gets the busy error, and END frees its slot."""
+    from backend_lib.model_runner import ModelRunner
+    path = make_tiny("deepseek_v4", tmp_path, seed=3)
+    engine = _engine(path, num_blocks=16, block_size=8, max_sessions=2)
+    a = engine.model.args
+    d, di, w, n_csa, n_hca, layers = a.head_dim, a.index_head_dim, a.sliding_window, a.count("compressed_sparse_attention"), \
+        a.count("heavily_compressed_attention"), a.num_hidden_layers
+    assert (a.rate("compressed_sparse_attention"), a.rate("heavily_compressed_attention")) == (4, 8)
+    per_position = n_csa * (d + di) / 4 + n_hca * d / 8
+    assert ModelRunner.kv_bytes_per_block(engine.model, 8, torch.float32) == per_position * 8 * 4
+    per_slot = layers * w * d + n_csa * 2 * 4 * (4 * d + 4 * di) + n_hca * 8 * 2 * d
+    assert ModelRunner.state_bytes_per_slot(engine.model, 8, torch.float32) == per_slot * 4
+    allocated = sum(t.numel() for t in engine.runner.kv_caches)
+    slots = engine.scheduler.kv_cache.num_state_slots
+    assert slots == 4 + 2  # max_num_seqs + max_sessions
+    assert allocated == (16 + 1) * per_position * 8 + (slots + 1) * per_slot  # + the scratch block and slot
+
+    from backend_lib.errors import EngineBusyError
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for sid in ("s0", "s1"):  # each open session keeps a slot between turns; a third one is refused, not queued
+        engine.add_request(sid, _tokens(9, 7), params, session=SessionControl(sid, start=True))
+    with pytest.raises(EngineBusyError, match="max_sessions 2"):
+        engine.add_request("s2", _tokens(9, 7), params, session=SessionControl("s2", start=True))
+    _drive(engine)
+    assert engine.scheduler.kv_cache.num_free_state_slots == slots - 2
+    for sid in ("s0", "s1"):
+        engine.add_request(f"{sid}-end", _tokens(2, 8), params, session=SessionControl(sid, end=True))
+    _drive(engine)
+    assert engine.scheduler.kv_cache.num_free_state_slots == slots and engine.stats().kv_blocks_used == 0
 
 
 def test_static_moe_gives_the_same_logits(tiny):

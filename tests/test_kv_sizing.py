@@ -78,3 +78,15 @@ def test_host_available_bytes(tmp_path):
     meminfo.write_text("MemTotal:       24000000 kB\n")
     assert host_available_bytes(str(meminfo)) is None
     assert host_available_bytes() > 0  # this machine's /proc/meminfo
+
+
+def test_fixed_state_slots_come_off_the_budget_first():
+    """A hybrid-cache model's state slots (fixed bytes) are allocated besides the blocks: the auto rule gives the
+    blocks what the fraction leaves after them, and a plan that cannot hold both names the slots."""
+    plan = plan_kv_cache(CacheConfig(block_size=16), MIB, 64 * MIB, max_model_len=256, max_num_seqs=4, fixed_bytes=8 * MIB)
+    assert plan.num_blocks == 32 - 8 and plan.fixed_bytes == 8 * MIB and "state slots" in plan.describe()
+    with pytest.raises(ValueError, match=r"40 state slots \(max_num_seqs \+ max_sessions\) 0.0[0-9]+ GiB"):
+        plan_kv_cache(CacheConfig(num_blocks=60), MIB, 64 * MIB, max_model_len=256, max_num_seqs=4,
+                      fixed_bytes=8 * MIB, fixed_what="40 state slots (max_num_seqs + max_sessions)")
+    with pytest.raises(ValueError, match="after the state slots"):
+        plan_kv_cache(CacheConfig(block_size=16), MIB, 64 * MIB, max_model_len=256, max_num_seqs=4, fixed_bytes=30 * MIB)

@@ -65,6 +65,10 @@ class Executor:
     def num_blocks(self) -> int:
         return self.state.num_blocks
 
+    @property
+    def num_state_slots(self) -> int:
+        return self.state.num_state_slots
+
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         if self.failed:
             raise RankFailure(self.failed)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from backend_lib.config import EngineConfig
 from backend_lib.distributed.step_channel import StepChannel
 from backend_lib.kv_sizing import kv_cache_num_blocks
-from backend_lib.model_runner import ModelRunner
+from backend_lib.model_runner import ModelRunner, is_hybrid, max_drafts
 from backend_lib.models.layers import HostGemmPlan
 from backend_lib.models.loader import load_model, resolve_model_path
 from backend_lib.models.parallel import ParallelContext
@@ -27,13 +27,25 @@ class RankState:
     model: torch.nn.Module
     runner: ModelRunner
     num_blocks: int
+    num_state_slots: int = 0  # fixed per-request state slots (hybrid-cache models; 0 otherwise)
+
+
+def num_state_slots(config: EngineConfig, model: torch.nn.Module) -> int:
+    """A hybrid-cache model's fixed state slots: one per running request and one per session kept between turns
+    (every rank derives the same count from the configuration)."""
+    return config.scheduler.max_num_seqs + config.max_sessions if is_hybrid(model) else 0
 
 
 def kv_cache_blocks(config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype, world_size: int = 1) -> int:
     """Blocks of the KV pool for this rank's shard (backend_lib/kv_sizing.py: ``num_blocks``, ``kv_cache_memory_gb``,
-    or a fraction of the free memory, which the ranks of one host share)."""
-    per_block = ModelRunner.kv_bytes_per_block(model, config.cache.block_size, dtype)
-    return kv_cache_num_blocks(config, per_block, torch.device(config.model.device), share=world_size)
+    or a fraction of the free memory, which the ranks of one host share); a hybrid model's state slots (and the
+    scratch slot) come off the budget first."""
+    drafts, block_size = max_drafts(config.spec), config.cache.block_size
+    per_block = ModelRunner.kv_bytes_per_block(model, block_size, dtype, drafts)
+    slots = num_state_slots(config, model)
+    fixed = (slots + 1) * ModelRunner.state_bytes_per_slot(model, block_size, dtype, drafts) if slots else 0
+    return kv_cache_num_blocks(config, per_block, torch.device(config.model.device), share=world_size,
+                               fixed_bytes=fixed, fixed_what=f"{slots} state slots (max_num_seqs + max_sessions)")
 
 
 def _agree_on_blocks(num_blocks: int, par: ParallelContext) -> int:
@@ -68,8 +80,9 @@ def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
             and cpu_kernels_supported(device, dtype) and load_cpu_kernels()):
         model.use_cpu_attention()
     channel = StepChannel(par) if par.world_size > 1 else None
+    slots = num_state_slots(config, model)
     runner = ModelRunner(model, num_blocks, config.cache.block_size, model.arch.vocab_size, device, dtype,
                          spec=config.spec, compile_config=config.compile,
                          max_num_seqs=config.scheduler.max_num_seqs, max_model_len=config.model.max_model_len,
-                         channel=channel)
-    return RankState(model, runner, num_blocks)
+                         channel=channel, num_state_slots=slots)
+    return RankState(model, runner, num_blocks, slots)

@@ -1,19 +1,19 @@
-"""DeepSeek-V4 causal LM (transformers 5.24 ``DeepseekV4ForCausalLM``) over the engine's paged cache.
+"""DeepSeek-V4 causal LM (transformers 5.24 ``DeepseekV4ForCausalLM``) over the hybrid KV cache.
 
-The cache, first version: the runner contract is unchanged (paged slots, ``meta.slot_mapping``, block tables), so
-chunked prefill, batching, preemption, sessions and prefix caching need no scheduler change. Per token and layer:
+The model declares its cache with ``hybrid_cache_shapes`` (``backend_lib/hybrid_kv.py`` owns the bookkeeping):
 
-* ``kv``  ``[num_layers, S, head_dim]``: the token's K = V (every layer);
-* ``csa`` ``[num_csa_layers, S, 4D + D + 4Di + Di]``: the compressor's projections of the token ``[kv_a | kv_b |
-  gate_a | gate_b]``, the compressed entry of the window that closes at the token, then the same two for the
-  lightning indexer at ``index_head_dim``;
-* ``hca`` ``[num_hca_layers, S, 2D + D]``: the HCA compressor's ``[kv | gate]`` and entry.
+* paged, per block of ``block_size`` positions, ``ceil(block_size / rate)`` rows per compressed-entry tensor (the
+  windows that close in the block): ``csa_entries [n_csa, rows, D]``, ``index_entries [n_csa, rows, Di]``,
+  ``hca_entries [n_hca, rows, D]``. A long context costs compressed memory only.
+* fixed, one row per state slot (a running request, or a session kept between turns), rings of the last positions
+  (``kernels/state_ring.py``; each ring also holds ``max_drafts`` positions a draft verification may roll back):
+  ``window [L, S, sliding_window, D]`` (K = V of every layer), ``csa_state [n_csa, S, 2 * rate, 4D]`` and
+  ``index_state [n_csa, S, 2 * rate, 4Di]`` (the overlapping compressors' ``[kv_a | kv_b | gate_a | gate_b]``),
+  ``hca_state [n_hca, S, rate, 2D]`` (``[kv | gate]`` of the open window).
 
-Attention reads the last ``sliding_window`` tokens and the entries at window-closing positions through the block
-table. An entry depends only on its prefix, so shared prefix blocks stay correct. This stores per-token state for
-the whole context: memory grows like a plain MQA cache (times the compressor state), not like the bounded hybrid
-cache of issue 13 (a fixed per-request sliding-window ring and buffers plus paged compressed entries only; see
-docs/ARCHITECTURE.md), and attention gathers the full entry list of the table, which grows with the context.
+Attention reads the window from the ring (this step's tokens fresh) and the entries of closed windows through the
+block table; a step pools a candidate entry for every token and keeps those of the windows that close, so a chunk
+may end anywhere. Ring state is only valid at the position a request reached, so prefix caching is off for V4.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from backend_lib.models.deepseek_v4_layers import (
 )
 from backend_lib.models.parallel import ParallelContext, Shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
-from kernels.compressed_attention import ChunkPages, TokenPages
+from kernels.compressed_attention import ChunkPages, TokenPages, entry_rows_per_block
 from kernels.hyper_connections import HyperConnectionSpec, hc_head_collapse
 from kernels.quant import DEFAULT_BLOCK
 
@@ -257,32 +257,36 @@ class DeepseekV4ForCausalLM(nn.Module):
             layer.ffn.impl = impl
 
     # ---- the model-runner contract -------------------------------------------------------------------
-    def _widths(self) -> tuple[int, int, int]:
+    def hybrid_cache_shapes(self, num_blocks: int, block_size: int, num_state_slots: int,
+                            max_drafts: int = 0) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """(paged tensors for ``num_blocks`` blocks, fixed tensors for ``num_state_slots`` slots); the runner adds
+        the scratch block and the scratch slot. ``max_drafts``: positions a verification may roll back."""
         a = self.args
-        d, di = a.head_dim, a.index_head_dim
-        return d, 4 * d + d + 4 * di + di, 2 * d + d
+        d, di, n_csa, n_hca = a.head_dim, a.index_head_dim, a.count(CSA), a.count(HCA)
+        csa_rate, hca_rate = max(a.rate(CSA), 1), max(a.rate(HCA), 1)
+        csa_rows = num_blocks * entry_rows_per_block(block_size, csa_rate)
+        hca_rows = num_blocks * entry_rows_per_block(block_size, hca_rate)
+        paged = [(n_csa, csa_rows, d), (n_csa, csa_rows, di), (n_hca, hca_rows, d)]
+        state = [(a.num_hidden_layers, num_state_slots, a.sliding_window + max_drafts, d),
+                 (n_csa, num_state_slots, 2 * csa_rate + max_drafts, 4 * d),
+                 (n_csa, num_state_slots, 2 * csa_rate + max_drafts, 4 * di),
+                 (n_hca, num_state_slots, hca_rate + max_drafts, 2 * d)]
+        return paged, state
 
-    def kv_cache_shapes(self, num_slots: int) -> list[tuple[int, ...]]:
-        kv, csa, hca = self._widths()
-        a = self.args
-        return [(a.num_hidden_layers, num_slots, kv), (a.count(CSA), num_slots, csa), (a.count(HCA), num_slots, hca)]
-
-    def _layer_cache(self, index: int, caches: list[torch.Tensor]) -> LayerCache:
-        d, di = self.args.head_dim, self.args.index_head_dim
-        kv = caches[0][index]
+    def _layer_cache(self, index: int, caches: list) -> LayerCache:
+        """``caches``: the paged tensors then the fixed ones, in ``hybrid_cache_shapes`` order."""
+        csa_entries, index_entries, hca_entries, window, csa_state, index_state, hca_state = caches
         layer_type, k = self.args.layer_types[index], self.cache_index[index]
         if layer_type == SLIDING:
-            return LayerCache(kv)
+            return LayerCache(window[index])
         if layer_type == HCA:
-            row = caches[2][k]
-            return LayerCache(kv, state=row[:, :2 * d], entries=row[:, 2 * d:])
-        row = caches[1][k]
-        return LayerCache(kv, state=row[:, :4 * d], entries=row[:, 4 * d:5 * d],
-                          index_state=row[:, 5 * d:5 * d + 4 * di], index_entries=row[:, 5 * d + 4 * di:])
+            return LayerCache(window[index], state=hca_state[k], entries=hca_entries[k])
+        return LayerCache(window[index], state=csa_state[k], entries=csa_entries[k], index_state=index_state[k],
+                          index_entries=index_entries[k])
 
-    def _pages(self, positions: torch.Tensor, meta: AttentionMetadata, num_slots: int) -> TokenPages:
-        """Each token's block table: decode rows repeated per query, prefill rows per chunk token."""
-        scratch = num_slots // meta.block_size - 1
+    def _pages(self, positions: torch.Tensor, meta: AttentionMetadata) -> TokenPages:
+        """Each token's block table: decode rows repeated per query, prefill rows per chunk token. Columns past a
+        table's end read block 0: every entry there is masked (past the token's position)."""
         tables = []
         if meta.num_decodes:
             tables.append(meta.decode_block_tables.repeat_interleave(meta.decode_query_len, dim=0))
@@ -291,7 +295,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             tables.append(meta.prefill_block_tables.repeat_interleave(lens, dim=0,
                                                                       output_size=sum(meta.prefill_query_lens)))
         width = max(t.shape[1] for t in tables)
-        padded = [torch.nn.functional.pad(t.long(), (0, width - t.shape[1]), value=scratch) for t in tables]
+        padded = [torch.nn.functional.pad(t.long(), (0, width - t.shape[1]), value=0) for t in tables]
         return TokenPages(positions, torch.cat(padded), meta.block_size)
 
     @staticmethod
@@ -311,12 +315,15 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor,  # [T] int64
                 positions: torch.Tensor,  # [T] int64
-                kv_caches: list,  # see kv_cache_shapes: layer-major roots, or per-layer views (compiled regions)
+                kv_caches: list,  # see hybrid_cache_shapes: layer-major roots, or per-layer views (compiled regions)
                 meta: AttentionMetadata) -> torch.Tensor:
         """Final-normed hidden states [T, hidden]."""
-        pages = self._pages(positions, meta, kv_caches[0][0].shape[0])
+        if meta.state is None:
+            raise ValueError("DeepSeek-V4 needs meta.state (its requests' state slots): run it through a runner that "
+                             "allocates hybrid_cache_shapes")
+        pages = self._pages(positions, meta)
         h = vocab_parallel_embedding(input_ids, self.embed.weight, self.vocab_start, self.par)
-        ctx = StepContext(pages, meta.slot_mapping, self.main_rope.at(positions, h.dtype),
+        ctx = StepContext(pages, meta.slot_mapping, meta.state, self.main_rope.at(positions, h.dtype),
                           self.compress_rope.at(positions, h.dtype), self._groups(pages, meta))
         streams = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.layers):

@@ -1,4 +1,6 @@
-"""DeepSeek-V4 attention, per layer type, over the paged per-token cache (see ``kernels/compressed_attention.py``).
+"""DeepSeek-V4 attention, per layer type, over the hybrid cache: fixed per-request rings (the sliding window's K = V
+and each compressor's projections of a window not yet closed, ``kernels/state_ring.py``) and paged compressed entries
+(``kernels/compressed_attention.py``).
 
 Every layer: shared-KV MQA (one K = V head) with q LoRA, an unweighted per-head q norm, interleaved partial RoPE on
 the trailing ``rope_dim`` channels (undone on the output with the conjugate rotation), per-head sinks, the
@@ -20,12 +22,15 @@ from torch import nn
 
 from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm
 from backend_lib.models.parallel import ParallelContext, Shard
+from kernels.attention_metadata import StateRows
 from kernels.compressed_attention import (
-    ChunkPages, TokenPages, gather_rows, indexer_select, pool_heavily_compressed, pool_overlapping, sink_attention,
+    ChunkPages, TokenPages, entry_write_rows, gather_rows, indexer_select, pool_heavily_compressed, pool_overlapping,
+    sink_attention,
 )
 from kernels.hyper_connections import unweighted_rms_norm
 from kernels.interleaved_rope import apply_tail_rope, rope_cos_sin
 from kernels.quant import DEFAULT_BLOCK
+from kernels.state_ring import chunk_recent_rows, recent_rows, write_recent
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
@@ -61,11 +66,13 @@ class V4AttentionDims:
 
 @dataclass(frozen=True)
 class StepContext:
-    """What every layer of one step shares: token pages, the step's slots, each rotary's cos / sin, and the query
-    groups attention runs over (decode rows with per-token keys, then each prefill chunk with shared keys)."""
+    """What every layer of one step shares: token pages (paged entries), the step's slots and state rows (rings),
+    each rotary's cos / sin, and the query groups attention runs over (decode rows with per-token keys, then each
+    prefill chunk with shared keys)."""
 
     pages: TokenPages
     slot_mapping: torch.Tensor  # [T] int64
+    rows: StateRows
     main_rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, P / 2]
     compress_rope: tuple[torch.Tensor, torch.Tensor]
     groups: tuple[tuple[int, int, TokenPages | ChunkPages], ...]  # (first row, end row, pages)
@@ -73,13 +80,14 @@ class StepContext:
 
 @dataclass(frozen=True)
 class LayerCache:
-    """One layer's views into the cache tensors (each ``[num_slots, width]``)."""
+    """One layer's views into the cache tensors: rings ``[state slots + 1, capacity, width]`` and paged entries
+    ``[blocks * entry rows per block, width]``."""
 
-    kv: torch.Tensor  # [S, D] K = V per token
-    state: torch.Tensor | None = None  # [S, (1 or 2) * 2D] compressor projections [kv | gate] per token
-    entries: torch.Tensor | None = None  # [S, D] compressed entry of the window closing at the slot's token
-    index_state: torch.Tensor | None = None  # [S, 4 Di] indexer compressor projections
-    index_entries: torch.Tensor | None = None  # [S, Di]
+    window: torch.Tensor  # ring [S + 1, window + drafts, D]: K = V of the last tokens
+    state: torch.Tensor | None = None  # ring [S + 1, span + drafts, (1 or 2) * 2D]: compressor [kv | gate]
+    entries: torch.Tensor | None = None  # paged [E, D]: compressed entries
+    index_state: torch.Tensor | None = None  # ring [S + 1, span + drafts, 4 Di]: indexer compressor projections
+    index_entries: torch.Tensor | None = None  # paged [E, Di]
 
 
 class Compressor(nn.Module):
@@ -101,17 +109,20 @@ class Compressor(nn.Module):
 
     def forward(self, x: torch.Tensor,  # [T, hidden] the attention block's normed input
                 ctx: StepContext,
-                state: torch.Tensor,  # [S, 2 * width]: [kv | gate] projections per slot
-                entries: torch.Tensor) -> None:  # [S, dim]
-        """Store this step's projections, then the candidate entry of the window ending at every token."""
-        state[ctx.slot_mapping] = torch.cat([self.wkv(x), self.wgate(x)], dim=-1).to(state.dtype)
+                state: torch.Tensor,  # ring [S + 1, C, 2 * width]: [kv | gate] projections
+                entries: torch.Tensor) -> None:  # paged [E, dim]
+        """Pool the window ending at every token (earlier steps' projections from the ring, this step's fresh), keep
+        the entries of the windows that close, then leave each chunk's last projections in the ring."""
+        projections = torch.cat([self.wkv(x), self.wgate(x)], dim=-1)
         span = 2 * self.rate if self.overlap else self.rate
-        pos, exists = ctx.pages.recent(span)
-        window = gather_rows(state, ctx.pages.slots(pos)).to(x.dtype)
+        positions = ctx.pages.positions
+        window, exists = recent_rows(state, projections, ctx.rows, positions, span)
+        write_recent(state, projections, ctx.rows, positions)
         ape = self.ape.to(x.dtype)
         pooled = pool_overlapping(window, exists, ape) if self.overlap else pool_heavily_compressed(window, ape)
-        cos, sin = self.rope.at(ctx.pages.positions - self.rate + 1, x.dtype)
-        entries[ctx.slot_mapping] = apply_tail_rope(self.norm(pooled), cos, sin).to(entries.dtype)
+        cos, sin = self.rope.at(positions - self.rate + 1, x.dtype)
+        rows = entry_write_rows(ctx.slot_mapping, positions, self.rate, ctx.pages.block_size, entries.shape[0])
+        entries[rows] = apply_tail_rope(self.norm(pooled), cos, sin).to(entries.dtype)
 
 
 class Indexer(nn.Module):
@@ -181,7 +192,6 @@ class V4Attention(nn.Module):
         q = unweighted_rms_norm(self.wq_b(q_residual).view(-1, self.num_heads, d.head_dim), d.eps)
         q = apply_tail_rope(q, cos, sin)
         kv = apply_tail_rope(self.norm(self.wkv(x)), cos, sin)
-        cache.kv[ctx.slot_mapping] = kv.to(cache.kv.dtype)
 
         index_q = None
         if self.compressor is not None:
@@ -190,25 +200,37 @@ class V4Attention(nn.Module):
             self.indexer.compressor(x, ctx, cache.index_state, cache.index_entries)
             index_q = self.indexer.queries(x, q_residual, ctx)
         parts = [self._attend(q[start:end], None if index_q is None else (index_q[0][start:end], index_q[1][start:end]),
-                              pages, cache)
+                              self._window(kv, ctx, start, end, pages, cache.window), pages, cache)
                  for start, end, pages in ctx.groups]
+        write_recent(cache.window, kv, ctx.rows, ctx.pages.positions)  # after every group read the window
         out = torch.cat(parts) if len(parts) > 1 else parts[0]
         out = apply_tail_rope(out, cos, -sin)
         return self.par.all_reduce(self.wo_b(self._grouped_output(out)))
 
+    def _window(self, kv: torch.Tensor,  # [T, D] this step's K = V
+                ctx: StepContext, start: int, end: int, pages: TokenPages | ChunkPages,
+                ring: torch.Tensor,  # [S + 1, C, D]
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # keys [L or 1, K, D], allowed [L, K]
+        """The sliding-window keys of a group's queries: per token (decode rows), or shared by a prefill chunk."""
+        w = self.d.sliding_window
+        if isinstance(pages, ChunkPages):
+            _, allowed = pages.recent(w)
+            return chunk_recent_rows(ring, kv, ctx.rows, start, pages.first, pages.length, w - 1), allowed
+        return recent_rows(ring, kv, ctx.rows, ctx.pages.positions, w, start, end - start)
+
     def _attend(self, q: torch.Tensor,  # [L, H, D] one group's queries
                 index_q: tuple[torch.Tensor, torch.Tensor] | None,  # its index queries [L, Hi, Di], weights [L, Hi]
+                window: tuple[torch.Tensor, torch.Tensor],  # its sliding-window keys and mask (``_window``)
                 pages: TokenPages | ChunkPages, cache: LayerCache) -> torch.Tensor:  # [L, H, D]
         """Sliding window plus (CSA: the indexer's picks among) the visible compressed entries."""
         d = self.d
-        pos, allowed = pages.recent(d.sliding_window)
-        keys = gather_rows(cache.kv, pages.slots(pos))
+        keys, allowed = window
         if self.compressor is not None:
             entry_pos, visible = pages.entries(d.compress_rate)
-            entry_slots = pages.slots(entry_pos)
+            entry_slots = pages.entry_slots(entry_pos, d.compress_rate)
             if index_q is not None:
                 visible = self.indexer.select(*index_q, cache, entry_slots, visible)
-            keys = torch.cat([keys, gather_rows(cache.entries, entry_slots)], dim=1)
+            keys = torch.cat([keys, gather_rows(cache.entries, entry_slots).to(keys.dtype)], dim=1)
             allowed = torch.cat([allowed, visible], dim=1)
         return sink_attention(q, keys.to(q.dtype), allowed, self.attn_sink, self.scale)
 

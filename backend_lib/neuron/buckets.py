@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata, StateRows
 
 
 def powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
@@ -144,6 +144,14 @@ def _pad_rows(x: torch.Tensor, rows: int, value: int) -> torch.Tensor:
     return torch.cat([x, pad])
 
 
+def pad_state(state: StateRows | None, rows: int) -> StateRows | None:
+    """Padded rows have no state slot (-1: they write the scratch slot)."""
+    if state is None:
+        return None
+    return StateRows(_pad_rows(state.slots, rows, -1), _pad_rows(state.chunk_starts, rows, 0),
+                     _pad_rows(state.chunk_ends, rows, 0))
+
+
 def _pad_table(table: torch.Tensor, rows: int, width: int, scratch: int) -> torch.Tensor:  # [B, w] -> [rows, width]
     out = table.new_full((rows, width), scratch)
     out[: table.shape[0], : table.shape[1]] = table
@@ -171,6 +179,7 @@ def pad_decode(input_ids: torch.Tensor,  # [B] int64
         decode_seq_lens=_pad_rows(meta.decode_seq_lens, rows, 1),
         num_prefills=0, prefill_query_lens=[], prefill_seq_lens=[],
         prefill_block_tables=meta.prefill_block_tables.new_zeros((0, width)),
+        state=pad_state(meta.state, rows),
     )
     return PaddedStep(_pad_rows(input_ids, rows, 0), _pad_rows(positions, rows, 0), padded_meta, b)
 
@@ -198,5 +207,6 @@ def pad_prefill(input_ids: torch.Tensor,  # [q] int64
         decode_seq_lens=torch.tensor([start + length], dtype=torch.int32, device=input_ids.device),
         num_prefills=0, prefill_query_lens=[], prefill_seq_lens=[],
         prefill_block_tables=meta.prefill_block_tables.new_zeros((0, width)),
+        state=pad_state(meta.state, length),
     )
     return PaddedStep(_pad_rows(input_ids, length, 0), _pad_rows(positions, length, 0), padded_meta, q_len)

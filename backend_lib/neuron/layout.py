@@ -18,6 +18,7 @@ from torch import nn
 from backend_lib.models.parallel import ParallelContext
 
 FP8_BYTES, BF16_BYTES, FP32_BYTES = 1, 2, 4
+HYBRID_BLOCK = 128  # a block size every V4 compress rate divides: the paged entries have no unused rows
 
 
 @dataclass
@@ -30,6 +31,7 @@ class RankLayout:
     allreduces_per_step: int  # of [tokens, hidden] partial sums (attention, MLP / MoE, embedding)
     allreduce_bytes_per_token: int  # bytes one decode token contributes to one all-reduce
     gather_bytes_per_token: int  # this rank's logits shard per sampled token (all-gather)
+    state_bytes_per_request: int = 0  # hybrid cache (DeepSeek-V4): the fixed state slot of one request
 
 
 def _linear_bytes(module: nn.Module) -> int:
@@ -71,10 +73,16 @@ def _layout(model: nn.Module, whole: nn.Module, tp: int, expert_parallel: bool, 
     total, unsplit = _weight_bytes(model), _weight_bytes(whole)
     # total = replicated + sharded / tp and unsplit = replicated + sharded
     replicated = 0 if tp == 1 else max(0, (tp * total - unsplit) // (tp - 1))
-    per_slot = sum(math.prod(shape) for shape in model.kv_cache_shapes(1))
+    state = 0
+    if hasattr(model, "hybrid_cache_shapes"):  # paged entries per block of HYBRID_BLOCK positions, one state slot
+        paged, fixed = model.hybrid_cache_shapes(1, HYBRID_BLOCK, 1)
+        per_token = sum(math.prod(shape) for shape in paged) * BF16_BYTES // HYBRID_BLOCK
+        state = sum(math.prod(shape) for shape in fixed) * BF16_BYTES
+    else:
+        per_token = sum(math.prod(shape) for shape in model.kv_cache_shapes(1)) * BF16_BYTES
     return RankLayout(
         tp=tp, expert_parallel=expert_parallel, weight_bytes=total, replicated_bytes=replicated,
-        kv_bytes_per_token=per_slot * BF16_BYTES,
+        kv_bytes_per_token=per_token, state_bytes_per_request=state,
         # one after attention and one after the MLP / MoE in every layer, one after the embedding
         allreduces_per_step=0 if tp == 1 else 2 * num_layers + 1,
         allreduce_bytes_per_token=hidden * BF16_BYTES, gather_bytes_per_token=vocab_local * FP32_BYTES)
@@ -121,8 +129,11 @@ def describe(layout: RankLayout, hbm_gib: float, context: int) -> str:
     if free <= 0:
         return f"{head}; does not fit {hbm_gib:.0f} GiB"
     tokens = free / layout.kv_bytes_per_token
-    return (f"{head}; the {free / gib:.1f} GiB left of {hbm_gib:.0f} GiB hold {tokens:,.0f} tokens "
-            f"({tokens / context:,.0f} requests of {context:,} tokens, before activations); a decode step of B "
+    requests = free / (context * layout.kv_bytes_per_token + layout.state_bytes_per_request)
+    state = (f", plus {layout.state_bytes_per_request / 2**20:.1f} MiB of fixed state per request"
+             if layout.state_bytes_per_request else "")
+    return (f"{head}{state}; the {free / gib:.1f} GiB left of {hbm_gib:.0f} GiB hold {tokens:,.0f} tokens "
+            f"({requests:,.0f} requests of {context:,} tokens, before activations); a decode step of B "
             f"tokens makes {layout.allreduces_per_step} all-reduces of B x {layout.allreduce_bytes_per_token:,} "
             f"bytes and one all-gather of B x {layout.gather_bytes_per_token:,} bytes from each rank")
 

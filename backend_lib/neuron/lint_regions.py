@@ -18,6 +18,7 @@ from backend_lib.neuron.regions import SAMPLER_VARIANTS, CompiledModel, _sample_
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16
+NUM_STATE_SLOTS = 4  # hybrid-cache models (DeepSeek-V4): fixed per-request state slots
 LINT_BUCKETS = BucketSpec(batch_sizes=(1, 2, 4), block_table_widths=(4,), prefill_lengths=(8,),
                           block_size=BLOCK_SIZE)
 
@@ -34,7 +35,11 @@ def _tiny_model(arch: str, directory: str, par: ParallelContext | None = None) -
 
 
 def _model_regions(arch: str, model: torch.nn.Module) -> Iterator[tuple[str, object]]:
-    caches = [torch.zeros(s) for s in model.kv_cache_shapes((NUM_BLOCKS + 1) * BLOCK_SIZE)]
+    if hasattr(model, "hybrid_cache_shapes"):
+        paged, state = model.hybrid_cache_shapes(NUM_BLOCKS + 1, BLOCK_SIZE, NUM_STATE_SLOTS + 1)
+        caches = [torch.zeros(s) for s in paged + state]
+    else:
+        caches = [torch.zeros(s) for s in model.kv_cache_shapes((NUM_BLOCKS + 1) * BLOCK_SIZE)]
     wrapper = CompiledModel(model, LINT_BUCKETS, "eager", scratch_block=NUM_BLOCKS)
     keys = ([("decode", b, 1, w) for b, w in LINT_BUCKETS.decode_keys()]
             + [("prefill", 1, n, w) for n, w in LINT_BUCKETS.prefill_keys()])

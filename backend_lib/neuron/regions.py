@@ -34,7 +34,7 @@ from backend_lib.neuron.compile_cache import CacheUse, compile_cache_scope, coun
 from backend_lib.neuron.platform import Platform, detect_platform
 from backend_lib.sampler import Sampler, SamplerOutput, SamplingMetadata
 from kernels import sampling as ops
-from kernels.attention_metadata import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata, StateRows
 
 # Sampler variants that get a graph: (all_greedy, any_top_k, any_top_p). Penalties, min-p, min_tokens and
 # logprobs need [B, V] host-built side inputs and stay eager.
@@ -166,6 +166,8 @@ class CompiledModel(torch.nn.Module):
             prefill_block_tables=torch.zeros((0, width), dtype=torch.int32, device=device),
         )
         zeros = torch.zeros(tokens, dtype=torch.int64, device=device)
+        if hasattr(self.model, "hybrid_cache_shapes"):  # no state slot: every row writes the scratch slot
+            meta.state = StateRows(torch.full_like(zeros, -1), zeros.clone(), zeros.clone())
         return PaddedStep(zeros, zeros.clone(), meta, tokens)
 
     @torch.inference_mode()

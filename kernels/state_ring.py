@@ -1,0 +1,73 @@
+"""Fixed per-request rings of recent per-token rows (the hybrid cache's sliding window and open-window buffers).
+
+A ring tensor is ``[S + 1, C, width]``: one row of ``C`` entries per state slot (the last slot is scratch: padded
+rows and tokens without state write there, and nobody reads it), position ``p`` at entry ``p mod C``. A step never
+reads what it wrote itself from the ring: a token's recent positions before its chunk start come from the ring
+(written by earlier steps), the others from the step's fresh rows, so a chunk may be any length and the ring only
+needs the lookback (plus the draft positions a verification may roll back). After the reads, each chunk writes its
+last ``C`` positions.
+
+Shapes are fixed by the step; ``StateRows`` comes from the runner (``AttentionMetadata.state``).
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.attention_metadata import StateRows
+
+
+def _mod(pos: torch.Tensor, capacity: int) -> torch.Tensor:
+    # pos - floor(pos / C) * C rather than %: remainder is slow on Neuron (graph lint rule)
+    return pos - torch.div(pos, capacity, rounding_mode="floor") * capacity
+
+
+def _slot(slots: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
+    """State slot per token, -1 (no state) mapped to the scratch slot."""
+    scratch = ring.shape[0] - 1
+    return torch.where(slots < 0, torch.full_like(slots, scratch), slots)
+
+
+def recent_rows(ring: torch.Tensor,  # [S + 1, C, W] one layer's ring
+                fresh: torch.Tensor,  # [T, W] this step's rows (every token of the step)
+                rows: StateRows, positions: torch.Tensor,  # [T] int64
+                length: int, first: int = 0, count: int | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # [N, length, W], [N, length] bool
+    """Positions ``t - length + 1 .. t`` of tokens ``first .. first + count`` (per token): from the ring before the
+    token's chunk start, from ``fresh`` after it; the mask says which positions exist (>= 0)."""
+    end = fresh.shape[0] if count is None else min(first + count, fresh.shape[0])
+    t = positions[first:end]
+    pos = t[:, None] + torch.arange(1 - length, 1, device=t.device)[None, :]
+    capacity = ring.shape[1]
+    slot = _slot(rows.slots[first:end], ring)
+    ring_index = slot[:, None] * capacity + _mod(pos.clamp(min=0), capacity)
+    from_ring = ring.reshape(-1, ring.shape[-1]).index_select(0, ring_index.flatten()).view(*pos.shape, -1)
+    row = torch.arange(first, end, device=t.device)[:, None] - (t[:, None] - pos)
+    from_step = fresh.index_select(0, row.clamp(0, fresh.shape[0] - 1).flatten()).view(*pos.shape, -1)
+    before = (pos < rows.chunk_starts[first:end, None])[..., None]
+    return torch.where(before, from_ring.to(fresh.dtype), from_step), pos >= 0
+
+
+def chunk_recent_rows(ring: torch.Tensor,  # [S + 1, C, W]
+                      fresh: torch.Tensor,  # [T, W]
+                      rows: StateRows, first: int, start: int, length: int, lookback: int,
+                      ) -> torch.Tensor:  # [1, lookback + length, W]
+    """One prefill chunk (rows ``first .. first + length``, positions from ``start``): positions ``start - lookback
+    .. start - 1`` from the ring (negative ones hold whatever the ring has: callers mask them), then the chunk's own
+    rows. Shared by every query of the chunk."""
+    capacity = ring.shape[1]
+    slot = _slot(rows.slots[first:first + 1], ring)  # [1]: a device index, no host sync
+    pos = torch.arange(start - lookback, start, device=fresh.device).clamp(min=0)
+    index = slot * capacity + _mod(pos, capacity)
+    before = ring.reshape(-1, ring.shape[-1]).index_select(0, index).to(fresh.dtype)
+    return torch.cat([before, fresh[first:first + length]])[None]
+
+
+def write_recent(ring: torch.Tensor,  # [S + 1, C, W]
+                 fresh: torch.Tensor,  # [T, W]
+                 rows: StateRows, positions: torch.Tensor) -> None:  # [T] int64
+    """Store each chunk's last ``C`` rows (earlier ones would collide with them; they go to the scratch slot)."""
+    capacity = ring.shape[1]
+    keep = (positions >= rows.chunk_ends - capacity) & (rows.slots >= 0)
+    slot = torch.where(keep, rows.slots, torch.full_like(rows.slots, ring.shape[0] - 1))
+    index = slot * capacity + _mod(positions.clamp(min=0), capacity)
+    ring.view(-1, ring.shape[-1])[index] = fresh.to(ring.dtype)
