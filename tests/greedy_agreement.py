@@ -5,13 +5,21 @@ either token is a correct greedy pick, and everything after it legitimately diff
 and benchmarks/bf16.py."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-# A step is a near-tie when the reference's top logit exceeds its logit of our token by at most this much: 4 bf16
-# ulps of a logit in [4, 8) (an ulp there is 2^-5), a few roundings of the final hidden state's error.
-NEAR_TIE_BOUND = 0.125
+# A step is a near-tie when the reference's top logit exceeds its logit of our token by at most this many bf16 ulps
+# of that top logit (bf16 keeps 8 significant bits: an ulp is 2^-5 for logits in [4, 8), 2^-3 in [16, 32)): a few
+# roundings of the error that 30 bf16 layers leave in the final hidden state.
+NEAR_TIE_ULPS = 4
+
+
+def near_tie_bound(top_logit: float) -> float:
+    """NEAR_TIE_ULPS bf16 ulps at the magnitude of ``top_logit``."""
+    exponent = math.floor(math.log2(max(abs(top_logit), 2.0 ** -126)))
+    return NEAR_TIE_ULPS * 2.0 ** (exponent - 7)
 
 
 @dataclass(frozen=True)
@@ -20,10 +28,11 @@ class Divergence:
     ours: int  # our token there
     theirs: int  # the reference's token there
     gap: float  # the reference's logit of its token minus its logit of ours at that step (>= 0)
+    bound: float  # near_tie_bound of the reference's logit of its token
 
     @property
     def near_tie(self) -> bool:
-        return self.gap <= NEAR_TIE_BOUND
+        return self.gap <= self.bound
 
 
 def hf_greedy_with_logits(model, input_ids: list[int],  # transformers causal LM, prompt token ids
@@ -50,5 +59,6 @@ def first_divergence(ours: list[int], theirs: list[int],
     for index, (mine, reference) in enumerate(zip(ours, theirs)):
         if mine != reference:
             step = their_logits[index]
-            return Divergence(index, mine, reference, float(step[reference] - step[mine]))
+            top = float(step[reference])
+            return Divergence(index, mine, reference, top - float(step[mine]), near_tie_bound(top))
     return None
