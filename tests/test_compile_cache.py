@@ -63,6 +63,7 @@ def _start(flat: dict) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
+@pytest.mark.slow  # two inductor starts; the cold one runs gcc on three graphs (~1 min on 2 quiet cores)
 @pytest.mark.skipif(not onednn_gemm_available(torch.device("cpu"), torch.float32), reason="needs oneDNN")
 def test_second_start_loads_every_graph_from_the_cache_and_gives_the_same_ids(tmp_path):
     model_dir = make_tiny("llama", tmp_path / "tiny", seed=1)
