@@ -53,7 +53,7 @@ def child(args) -> None:
             "enable_prefix_caching": False, "max_model_len": 256, "num_threads": args.threads}
     if args.mode != "eager":
         flat.update(compile_backend="inductor", batch_buckets="1,32", width_buckets=args.width_buckets,
-                    prefill_buckets="128", compile_cache_dir=args.cache_dir)
+                    prefill_buckets=args.prefill_buckets, compile_cache_dir=args.cache_dir)
     llm = LLM(config=EngineConfig.from_flat(flat))
     ready = time.perf_counter() - start
     out = llm.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0))
@@ -75,7 +75,7 @@ def child(args) -> None:
 
 def run_child(mode: str, cache_dir: str, args) -> StartRun:
     cmd = [sys.executable, __file__, "--child", mode, "--cache-dir", cache_dir, "--threads", str(args.threads),
-           "--width-buckets", args.width_buckets]
+           "--width-buckets", args.width_buckets, "--prefill-buckets", args.prefill_buckets]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     print(f"{mode} start ...", flush=True)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -135,6 +135,7 @@ def main() -> int:
     parser.add_argument("--cache-dir", default="", help="compile cache directory (default: a new empty one)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
     parser.add_argument("--width-buckets", default="8,16", help="as offline_throughput.py --width-buckets")
+    parser.add_argument("--prefill-buckets", default="128", help="as offline_throughput.py (\"\" = no prefill graph)")
     parser.add_argument("--skip-eager", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
