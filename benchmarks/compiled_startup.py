@@ -3,7 +3,7 @@ process on the same cache directory), each in a fresh subprocess.
 
 Settings: the shared workload's compiled engine (benchmarks/offline_throughput.py --compile inductor): SmolLM2-135M
 fp32, max_num_seqs 32, max_num_batched_tokens 512, max_model_len 256, batch buckets 1,32, width buckets 8,16 (or
---width-buckets), prefill bucket 128: 4 decode + 1 prefill + 2 lm_head + 10 sampler graphs. An eager start runs
+--width-buckets), prefill bucket 128: 4 decode + 1 prefill + 2 lm_head + 2 greedy sampler graphs at start. An eager start runs
 alongside as the floor (no compile at all). The first token is one greedy token of one chat prompt after the
 engine is built; every run prints its token ids, which must agree.
 
@@ -35,6 +35,9 @@ class StartRun:
     compile_s: float  # the engine's warm-up (compile or cache load), inside ready_s
     cache: str  # the AOTAutograd cache's hits / misses / bypasses over the warm-up
     token_ids: list[int]
+    dynamo_s: float = 0.0  # dynamo tracing the regions (runs on every start: the caches start below it)
+    backend_s: float = 0.0  # AOTAutograd + inductor: compiling, or loading from the cache
+    gcc_s: float = 0.0  # C++ compiles of inductor's kernels, inside backend_s (0 when every graph was cached)
 
 
 def child(args) -> None:
@@ -50,22 +53,29 @@ def child(args) -> None:
             "enable_prefix_caching": False, "max_model_len": 256, "num_threads": args.threads}
     if args.mode != "eager":
         flat.update(compile_backend="inductor", batch_buckets="1,32", width_buckets=args.width_buckets,
-                    prefill_buckets="128", compile_cache_dir=args.cache_dir)
+                    prefill_buckets=args.prefill_buckets, compile_cache_dir=args.cache_dir)
     llm = LLM(config=EngineConfig.from_flat(flat))
     ready = time.perf_counter() - start
     out = llm.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0))
     first = time.perf_counter() - start
     stats = getattr(llm.engine.runner.model, "stats", None)
     cache = stats.cache if stats is not None else None
+    from torch._dynamo.utils import compilation_time_metrics as phases
+
+    def total(name: str) -> float:
+        return sum(phases.get(name, ()))
+
+    backend = total("OutputGraph.call_user_compiler")
     print("RESULT " + json.dumps({
         "ready_s": ready, "first_token_s": first, "compile_s": stats.compile_seconds if stats else 0.0,
         "cache": f"{cache.hits} / {cache.misses} / {cache.bypasses}" if cache else "-",
-        "token_ids": out[0].token_ids}), flush=True)
+        "token_ids": out[0].token_ids, "dynamo_s": total("_compile.compile_inner") - backend,
+        "backend_s": backend, "gcc_s": total("compile_file")}), flush=True)
 
 
 def run_child(mode: str, cache_dir: str, args) -> StartRun:
     cmd = [sys.executable, __file__, "--child", mode, "--cache-dir", cache_dir, "--threads", str(args.threads),
-           "--width-buckets", args.width_buckets]
+           "--width-buckets", args.width_buckets, "--prefill-buckets", args.prefill_buckets]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     print(f"{mode} start ...", flush=True)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -73,7 +83,8 @@ def run_child(mode: str, cache_dir: str, args) -> StartRun:
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"{mode} start failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     r = json.loads(lines[-1][len("RESULT "):])
-    run = StartRun(mode, r["ready_s"], r["first_token_s"], r["compile_s"], r["cache"], r["token_ids"])
+    run = StartRun(mode, r["ready_s"], r["first_token_s"], r["compile_s"], r["cache"], r["token_ids"],
+                   r["dynamo_s"], r["backend_s"], r["gcc_s"])
     print(f"  {run}", flush=True)
     return run
 
@@ -88,12 +99,14 @@ def write_report(runs: list[StartRun], machine_line: str, load_after: float, cac
         "Each start is a fresh process: build the engine (load the model, size the KV cache, compile or load every "
         "graph), then one greedy token of one chat prompt. Cold: an empty `compile_cache_dir`; warm: a second process "
         f"on the same directory ({cache_dir}). Settings of `benchmarks/offline_throughput.py --compile inductor` "
-        "(17 graphs). Cache column: the AOTAutograd cache's hits / compiled-and-saved / not cacheable during the "
+        "(4 decode, 1 prefill, 2 lm_head and 2 greedy sampler graphs). gcc: summed over inductor's parallel compile "
+        "workers, so it can exceed its wall time. Cache column: the AOTAutograd cache's hits / compiled-and-saved / not cacheable during the "
         "warm-up.", "",
-        "| start | engine ready (s) | of which graphs (s) | first token (s) | cache hits / saved / bypassed |",
-        "|---|---|---|---|---|"]
-    lines += [f"| {r.name} | {r.ready_s:.1f} | {r.compile_s:.1f} | {r.first_token_s:.1f} | {r.cache} |"
-              for r in runs]
+        "| start | engine ready (s) | of which graphs (s) | dynamo (s) | AOTAutograd + inductor (s) | of which gcc (s) "
+        "| first token (s) | cache hits / saved / bypassed |",
+        "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r.name} | {r.ready_s:.1f} | {r.compile_s:.1f} | {r.dynamo_s:.1f} | {r.backend_s:.1f} | "
+              f"{r.gcc_s:.1f} | {r.first_token_s:.1f} | {r.cache} |" for r in runs]
     lines += ["", f"Cold / warm time to the first token: {cold.first_token_s / warm.first_token_s:.1f}x "
               f"({cold.first_token_s:.0f} s -> {warm.first_token_s:.0f} s); graphs alone "
               f"{cold.compile_s / max(warm.compile_s, 1e-9):.1f}x. Same first token in every start: {same}."]
@@ -122,6 +135,7 @@ def main() -> int:
     parser.add_argument("--cache-dir", default="", help="compile cache directory (default: a new empty one)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
     parser.add_argument("--width-buckets", default="8,16", help="as offline_throughput.py --width-buckets")
+    parser.add_argument("--prefill-buckets", default="128", help="as offline_throughput.py (\"\" = no prefill graph)")
     parser.add_argument("--skip-eager", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()

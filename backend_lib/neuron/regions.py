@@ -23,6 +23,7 @@ import inspect
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -220,12 +221,14 @@ class CompiledSampler(torch.nn.Module):
     (batch bucket, variant in SAMPLER_VARIANTS), the rest through the eager Sampler (same ops, same tokens)."""
 
     def __init__(self, buckets: BucketSpec, backend: str, vocab_size: int, sampler: Sampler | None = None,
-                 warm_variants: tuple[tuple[bool, bool, bool], ...] = SAMPLER_VARIANTS) -> None:
+                 warm_variants: tuple[tuple[bool, bool, bool], ...] = SAMPLER_VARIANTS,
+                 cache_scope: Callable[[], AbstractContextManager] = nullcontext) -> None:
         super().__init__()
         self.sampler = sampler or Sampler()
         self.buckets = buckets
         self.vocab_size = vocab_size
         self.warm_variants = warm_variants  # compiled by warm_up; the others on their first batch
+        self.cache_scope = cache_scope  # the persistent compile cache, entered for a variant's first batch
         self.stats = RegionStats()
         raise_dynamo_cache_limits(len(buckets.batch_sizes) * len(SAMPLER_VARIANTS))
         self._core = compile_region(_sample_core, backend)
@@ -246,15 +249,18 @@ class CompiledSampler(torch.nn.Module):
             self.stats.eager_steps += 1
             return self.sampler(logits, meta)
         self.stats.compiled_steps += 1
-        self.stats.compiled_keys.add(("sampler", rows, meta.all_greedy, meta.any_top_k, meta.any_top_p))
+        key = ("sampler", rows, meta.all_greedy, meta.any_top_k, meta.any_top_p)
+        first = key not in self.stats.compiled_keys
+        self.stats.compiled_keys.add(key)
         b = meta.batch_size
         logits = logits.to(torch.float32)
         padded = torch.cat([logits, logits.new_zeros((rows - b, logits.shape[1]))]) if rows > b else logits
-        token_ids = self._core(
-            padded, _pad_1d(meta.temperature, rows, 1.0), _pad_1d(meta.is_greedy, rows, True),
-            _pad_1d(meta.top_k, rows, self.vocab_size), _pad_1d(meta.top_p, rows, 1.0),
-            _pad_1d(meta.seeds, rows, 0), _pad_1d(meta.positions, rows, 0),
-            meta.all_greedy, meta.any_top_k, meta.any_top_p)
+        with self.cache_scope() if first else nullcontext():
+            token_ids = self._core(
+                padded, _pad_1d(meta.temperature, rows, 1.0), _pad_1d(meta.is_greedy, rows, True),
+                _pad_1d(meta.top_k, rows, self.vocab_size), _pad_1d(meta.top_p, rows, 1.0),
+                _pad_1d(meta.seeds, rows, 0), _pad_1d(meta.positions, rows, 0),
+                meta.all_greedy, meta.any_top_k, meta.any_top_p)
         return SamplerOutput(token_ids=token_ids[:b], logprobs=None, top_ids=None, top_logprobs=None)
 
     @torch.inference_mode()
@@ -308,9 +314,12 @@ def build_regions(model: torch.nn.Module, sampler: Sampler | None, kv_caches: li
                                config.width_buckets or None, config.prefill_buckets or None)
     compiled_model = CompiledModel(model, buckets, backend, scratch_block=num_blocks)
     warm_variants = SAMPLER_VARIANTS if config.compile_sampler_variants == "all" else (GREEDY_VARIANT,)
-    compiled_sampler = (CompiledSampler(buckets, backend, vocab_size, sampler, warm_variants)
+    def cache_scope() -> AbstractContextManager:
+        return compile_cache_scope(config.compile_cache_dir, platform, backend)
+
+    compiled_sampler = (CompiledSampler(buckets, backend, vocab_size, sampler, warm_variants, cache_scope)
                         if sampler is not None else None)
-    with compile_cache_scope(config.compile_cache_dir, platform, backend) as cache, count_cache_use() as use:
+    with cache_scope() as cache, count_cache_use() as use:
         model_s = compiled_model.warm_up(kv_caches, progress=config.compile_progress)
         sampler_s = (compiled_sampler.warm_up(kv_caches[0].device, progress=config.compile_progress)
                      if compiled_sampler is not None else 0.0)
