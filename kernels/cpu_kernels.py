@@ -30,15 +30,29 @@ _ISA_FLAGS = {
 }
 
 
+def _build_running_in(build_dir: Path) -> bool:
+    """Whether a process works in ``build_dir`` (ninja and the compilers run there). Linux's /proc only; elsewhere
+    False, and the age rule alone decides."""
+    for cwd in Path("/proc").glob("[0-9]*/cwd"):
+        try:
+            if cwd.readlink() == build_dir:
+                return True
+        except OSError:  # the process ended, or is another user's
+            continue
+    return False
+
+
 def _remove_stale_build_lock(build_dir: Path, stale_after_s: float = 600.0) -> None:
     """torch's build lock has no owner: a build killed midway leaves it, and every later load waits on it forever.
-    A build takes seconds to a minute; a lock older than ``stale_after_s`` is such a leftover."""
+    A build takes seconds to a minute; a lock older than ``stale_after_s`` is such a leftover, unless a compiler
+    still runs there (on a loaded 2-core machine a build took 15 minutes, and a second build started beside it
+    clobbered its objects)."""
     lock = build_dir / "lock"
     try:
         age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
         return
-    if age > stale_after_s:
+    if age > stale_after_s and not _build_running_in(build_dir.resolve()):
         logger.warning("deepinfer: removing a stale C++ build lock (%.0f s old): %s", age, lock)
         lock.unlink(missing_ok=True)
 
