@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -53,48 +52,40 @@ def test_shm_regions_are_named_per_launcher_and_swept_when_it_is_gone(tmp_path):
     assert foreign.exists()  # never someone else's
 
 
-def _guard(stub: subprocess.Popen, server: subprocess.Popen, region: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "backend_lib.lifeline", "--stub-pid", str(stub.pid),
-                             "--server-pid", str(server.pid), "--region", region.name, "--poll-s", "0.02"],
-                            stderr=subprocess.PIPE, text=True)
-
-
-def test_stub_guard_kills_the_stub_and_removes_its_region_when_the_server_is_gone():
+@pytest.fixture()
+def guarded():
+    """A stand-in server and stub (two `sleep`s), a region of ours, and the stub's guard watching them."""
     region = lifeline.SHM_DIR / f"{lifeline.shm_prefix()}guard_test"
     region.write_bytes(b"x")
     server, stub = (subprocess.Popen(["sleep", "60"]) for _ in range(2))
-    guard = _guard(stub, server, region)
-    try:
-        time.sleep(0.3)
-        assert guard.poll() is None and stub.poll() is None  # both alive: it only watches
-        server.kill()
-        server.wait()
-        assert guard.wait(timeout=10) == 1
-        assert stub.wait(timeout=10) == -signal.SIGKILL
-        assert not region.exists()
-        assert f"killing the stub (pid {stub.pid})" in guard.stderr.read()
-    finally:
-        for process in (server, stub, guard):
-            process.kill()
-            process.wait()
-        region.unlink(missing_ok=True)
+    guard = subprocess.Popen([sys.executable, "-m", "backend_lib.lifeline", "--stub-pid", str(stub.pid),
+                              "--server-pid", str(server.pid), "--region", region.name, "--poll-s", "0.02"],
+                             stderr=subprocess.PIPE, text=True)
+    yield server, stub, guard, region
+    for process in (server, stub, guard):
+        process.kill()
+        process.wait()
+    region.unlink(missing_ok=True)
 
 
-def test_stub_guard_ends_quietly_when_the_stub_ends_first():
-    region = lifeline.SHM_DIR / f"{lifeline.shm_prefix()}guard_test"
-    region.write_bytes(b"x")
-    server, stub = (subprocess.Popen(["sleep", "60"]) for _ in range(2))
-    guard = _guard(stub, server, region)
-    try:
-        stub.kill()
-        stub.wait()
-        assert guard.wait(timeout=10) == 0
-        assert server.poll() is None and region.exists()  # the server and its region are not the guard's
-    finally:
-        for process in (server, stub, guard):
-            process.kill()
-            process.wait()
-        region.unlink(missing_ok=True)
+def test_stub_guard_kills_the_stub_and_removes_its_region_when_the_server_is_gone(guarded):
+    server, stub, guard, region = guarded
+    time.sleep(0.3)
+    assert guard.poll() is None and stub.poll() is None  # both alive: it only watches
+    server.kill()
+    server.wait()
+    assert guard.wait(timeout=10) == 1
+    assert stub.wait(timeout=10) == -signal.SIGKILL
+    assert not region.exists()
+    assert f"killing the stub (pid {stub.pid})" in guard.stderr.read()
+
+
+def test_stub_guard_ends_quietly_when_the_stub_ends_first(guarded):
+    server, stub, guard, region = guarded
+    stub.kill()
+    stub.wait()
+    assert guard.wait(timeout=10) == 0
+    assert server.poll() is None and region.exists()  # the server and its region are not the guard's
 
 
 def test_first_signal_asks_for_a_drain_and_the_second_exits_at_once():
