@@ -62,7 +62,7 @@ def remove_shm_regions(prefix: str, shm_dir: Path = SHM_DIR) -> list[str]:
         try:
             path.unlink()
             removed.append(path.name)
-        except FileNotFoundError:  # removed meanwhile (e.g. by the stub's watchdog)
+        except FileNotFoundError:  # removed meanwhile (e.g. by the stub's guard)
             pass
     return removed
 

@@ -8,7 +8,7 @@ project and this environment's site-packages, which model.py puts on sys.path (t
 isolated and does not know our venv).
 
 Lifecycle. tritonserver dies with the launcher (a parent-death signal) and its stub with tritonserver (the stub's
-watchdog, see lifeline.py); our shm regions carry a per-launcher prefix and are removed on stop. The model is
+guard process, see lifeline.py); our shm regions carry a per-launcher prefix and are removed on stop. The model is
 loaded in explicit model-control mode, for two reasons: a model whose engine died can unload itself (Triton
 then reports it not ready), and a drain can unload it. Triton 2.51 on SIGINT/SIGTERM closes its HTTP and gRPC
 endpoints at once, so in-flight streams never get their last responses; unloading the model instead makes
