@@ -10,7 +10,7 @@ generated tokens per second over the whole run, prefill included. Runs, one afte
   transformers generate     one left-padded generate() over all 32 prompts; the first --single one at a time
 Prints the machine (CPU, family, flags, measured read bandwidth and GEMM peak) and a table with ratios against
 each peer at the same stream count; writes benchmarks/results/<stem>.md and .png.
-Run nothing else meanwhile: a busy neighbour stalls every engine's OpenMP barriers.
+PeerRun nothing else meanwhile: a busy neighbour stalls every engine's OpenMP barriers.
 """
 from __future__ import annotations
 
@@ -34,11 +34,10 @@ from backend_lib.sampling_params import SamplingParams  # noqa: E402
 from benchmarks.machine import describe, measure_limits  # noqa: E402
 from benchmarks.peers import PeerRun, anchors_missing, run_llama_cpp, run_vllm  # noqa: E402
 
-Run = PeerRun  # name, streams, generated tokens, seconds
 PEERS = ("vLLM CPU 0.32 fp32", "llama.cpp F32", "transformers generate")
 
 
-def tok_s(run: Run) -> float:
+def tok_s(run: PeerRun) -> float:
     return run.tokens / run.seconds
 
 
@@ -58,7 +57,7 @@ def run_engine(llm: LLM, prompts, new_tokens: int) -> tuple[int, float, list[lis
     return sum(len(r.token_ids) for r in results), seconds, [r.token_ids for r in results]
 
 
-def engine_runs(args, prompts, new_tokens: int, dtype: str) -> tuple[list[Run], list[list[int]]]:
+def engine_runs(args, prompts, new_tokens: int, dtype: str) -> tuple[list[PeerRun], list[list[int]]]:
     flat = {"model": default_model_path(), "max_num_seqs": 32, "max_num_batched_tokens": 512,
             "enable_prefix_caching": False, "dtype": dtype}
     if args.compile != "none":
@@ -71,14 +70,14 @@ def engine_runs(args, prompts, new_tokens: int, dtype: str) -> tuple[list[Run], 
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     label = f"deepinfer {dtype}" + ("" if args.compile == "none" else f" compiled ({args.compile})")
     tokens, seconds, ids = run_engine(llm, prompts, new_tokens)
-    runs = [Run(label, len(prompts), tokens, seconds)]
+    runs = [PeerRun(label, len(prompts), tokens, seconds)]
     single = [run_engine(llm, [p], new_tokens)[:2] for p in prompts[:args.single]]
-    runs.append(Run(label, 1, sum(t for t, _ in single), sum(s for _, s in single)))
+    runs.append(PeerRun(label, 1, sum(t for t, _ in single), sum(s for _, s in single)))
     llm.close()
     return runs, ids
 
 
-def transformers_runs(args, prompts, new_tokens: int) -> tuple[list[Run], list[list[int]]]:
+def transformers_runs(args, prompts, new_tokens: int) -> tuple[list[PeerRun], list[list[int]]]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     directory, name = os.path.split(default_model_path())
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
@@ -98,11 +97,11 @@ def transformers_runs(args, prompts, new_tokens: int) -> tuple[list[Run], list[l
 
     tokens, seconds, ids = generate(prompts)
     single = [generate([p])[:2] for p in prompts[:args.single]]
-    return [Run("transformers generate", len(prompts), tokens, seconds),
-            Run("transformers generate", 1, sum(t for t, _ in single), sum(s for _, s in single))], ids
+    return [PeerRun("transformers generate", len(prompts), tokens, seconds),
+            PeerRun("transformers generate", 1, sum(t for t, _ in single), sum(s for _, s in single))], ids
 
 
-def peer_runs(args, new_tokens: int) -> list[Run]:
+def peer_runs(args, new_tokens: int) -> list[PeerRun]:
     bench_dir = Path(args.workload).parent
     why = anchors_missing(bench_dir)
     if why:
@@ -142,7 +141,7 @@ def main() -> None:
     print(limits.line(), flush=True)
 
     prompts, new_tokens = load_workload(Path(args.workload))
-    runs: list[Run] = []
+    runs: list[PeerRun] = []
     ours: dict[str, list[list[int]]] = {}
     for dtype in args.dtypes.split(","):
         dtype_runs, ours[dtype] = engine_runs(args, prompts, new_tokens, dtype)
@@ -160,7 +159,7 @@ def main() -> None:
                  Path(args.out), stem)
 
 
-def write_report(runs: list[Run], agree: int | None, num_prompts: int, new_tokens: int, single: int,
+def write_report(runs: list[PeerRun], agree: int | None, num_prompts: int, new_tokens: int, single: int,
                  machine: str, limits: str, out: Path, stem: str) -> None:
     peers = {(r.name, r.streams): r for r in runs if r.name in PEERS}
     lines = ["# Offline throughput: shared workload, side by side", "",
