@@ -332,14 +332,17 @@ class ModelRunner:
             row_offsets.append(offset)
             offset += chunks[i].num_draft_tokens + 1
         drafts_at = len(sampling) * width
+        # n-gram drafts per request: the next step's verification rows stay within what the few-row GEMM reads
+        # the weights once for (NgramProposer.batch_limit).
+        ngram_limit = self.ngram.batch_limit(len(sampling)) if self.ngram is not None else 0
         for b, i in enumerate(sampling):
             request = chunks[i].request
             if not request.sampling_params.speculative:
                 continue
             if self.mtp is not None:
                 proposals[i] = flat[drafts_at + b * self.mtp.k:drafts_at + (b + 1) * self.mtp.k]
-            elif self.ngram is not None:
-                proposals[i] = self.ngram.propose(request.all_token_ids + sampled[i])
+            elif ngram_limit:
+                proposals[i] = self.ngram.propose(request.all_token_ids + sampled[i], ngram_limit)
         logprobs = None
         if meta.max_num_logprobs is not None:
             logprobs = self._spec_logprobs(chunks, sampling, logits, verified.row_token_ids, meta, sampled,

@@ -1,9 +1,14 @@
 """Speculative decoding benchmark: n-gram drafts on a copy-heavy workload, and MTP acceptance on a tiny DeepSeek-V3.
 
-n-gram (SmolLM2-135M-Instruct GGUF, fp32, greedy, EOS ignored): prompts that ask to repeat or lightly edit a given
-text. For batch 1 (the first prompts one at a time) and batch 8 (eight prompts as one continuous batch) it runs the
-engine without speculation and with n-gram drafts, checks that the tokens are identical, and reports tokens/s,
-engine steps, accepted tokens per verification step and the per-position acceptance rate.
+n-gram (SmolLM2-135M-Instruct GGUF, fp32, greedy): prompts that ask to repeat or lightly edit a given text. Two
+workloads: "copy" (the request ends at the model's end-of-turn: the output is the copy, 33-37 tokens) and "copy +
+tail" (EOS ignored, a fixed number of tokens: after the copy the model free-runs a new chat turn that no n-gram
+predicts, so speculation can only speed up the copied part). For batch 1 (prompts one at a time) and batch 8 (eight
+prompts as one continuous batch) the engines without and with speculation run in lockstep, one step each in turn,
+so that a shared machine's load drift hits both alike; each engine's time is the sum of its own steps (prefill
+included). The script checks the tokens are identical and reports tokens/s, engine steps, emitted tokens per step,
+accepted tokens per verification, the per-position acceptance rate, and what a verification step costs against a
+plain step.
 MTP: a tiny random DeepSeek-V3 (make-tiny, one MTP layer) with 1 and 3 drafts; random weights, so the measured
 acceptance rate is whatever it is (reported, not tuned).
 Writes benchmarks/results/spec_decode.md and spec_decode.png.
@@ -11,11 +16,12 @@ Writes benchmarks/results/spec_decode.md and spec_decode.png.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -51,11 +57,13 @@ def copy_prompts(n: int) -> list[list[dict]]:
 class Result:
     name: str
     batch: int
-    tokens: int
-    seconds: float
-    steps: int
-    token_ids: list[list[int]]
-    accepted_per_step: float = 0.0  # mean emitted tokens per verification step (1 + accepted / drafts-steps)
+    tokens: int = 0
+    seconds: float = 0.0  # the sum of this engine's own steps
+    steps: int = 0
+    token_ids: list[list[int]] = field(default_factory=list)
+    plain_step_s: list[float] = field(default_factory=list)  # decode steps without drafts
+    verify_step_s: list[float] = field(default_factory=list)  # decode steps that verified drafts
+    accepted_per_step: float = 0.0  # mean emitted tokens per verification (1 + accepted / verifications)
     acceptance_per_position: list[float] | None = None
     acceptance_rate: float = 0.0
 
@@ -63,100 +71,188 @@ class Result:
     def tok_s(self) -> float:
         return self.tokens / self.seconds
 
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else float("nan")
+
+
+class _Run:
+    """One engine's share of a lockstep run: its requests, its step times and its spec counters."""
+
+    def __init__(self, engine: LLMEngine, name: str, batch: int) -> None:
+        self.engine, self.result = engine, Result(name, batch)
+        self.before, self.steps0 = engine.stats(), engine.num_steps
+        self.ids: dict[str, list[int]] = {}
+
+    def add(self, group: list, params: SamplingParams, first: int) -> None:
+        for i, prompt in enumerate(group):
+            rid = f"{self.result.name}-{first + i}"
+            self.ids[rid] = []
+            self.engine.add_request(rid, prompt, params)
+
+    def step(self) -> None:
+        drafts0 = self.engine.stats().spec_num_drafts
+        scheduler = self.engine.scheduler  # a decode-only step: nothing waits, every prompt is computed
+        decoding = not scheduler.waiting and all(r.num_computed_tokens >= r.num_prompt_tokens
+                                                 for r in scheduler.running)
+        start = time.perf_counter()
+        outputs = self.engine.step()
+        elapsed = time.perf_counter() - start
+        self.result.seconds += elapsed
+        for out in outputs:
+            self.ids[out.request_id] += out.new_token_ids
+        if decoding:
+            verified = self.engine.stats().spec_num_drafts > drafts0
+            (self.result.verify_step_s if verified else self.result.plain_step_s).append(elapsed)
+
+    def finish(self) -> Result:
+        res, after, before = self.result, self.engine.stats(), self.before
+        res.token_ids = list(self.ids.values())
+        res.tokens = sum(map(len, res.token_ids))
+        res.steps = self.engine.num_steps - self.steps0
+        verifications = after.spec_num_drafts - before.spec_num_drafts
+        accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+        drafted = after.spec_draft_tokens - before.spec_draft_tokens
+        res.acceptance_per_position = [(a1 - a0) / (d1 - d0) if d1 > d0 else 0.0 for a0, a1, d0, d1 in zip(
+            before.spec_accepted_per_position + [0] * 16, after.spec_accepted_per_position,
+            before.spec_drafts_per_position + [0] * 16, after.spec_drafts_per_position)] or None
+        res.accepted_per_step = 1 + accepted / verifications if verifications else 1.0
+        res.acceptance_rate = accepted / drafted if drafted else 0.0
+        return res
+
 
 def run(engine: LLMEngine, name: str, prompts: list, params: SamplingParams, batch: int) -> Result:
-    before, steps0 = engine.stats(), engine.num_steps
-    token_ids: list[list[int]] = []
-    start = time.perf_counter()
+    """One engine alone (warm-up, MTP)."""
+    return run_lockstep([(engine, name)], prompts, params, batch)[0]
+
+
+def run_lockstep(engines: list[tuple[LLMEngine, str]], prompts: list, params: SamplingParams,
+                 batch: int) -> list[Result]:
+    """The same prompts, ``batch`` at a time, on every engine; one step of each engine in turn."""
+    runs = [_Run(engine, name, batch) for engine, name in engines]
     for first in range(0, len(prompts), batch):
-        group = prompts[first:first + batch]
-        ids = {f"{name}-{first + i}": [] for i in range(len(group))}
-        for rid, prompt in zip(ids, group):
-            engine.add_request(rid, prompt, params)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                ids[out.request_id] += out.new_token_ids
-        token_ids += list(ids.values())
-    seconds = time.perf_counter() - start
-    after = engine.stats()
-    steps = after.spec_num_drafts - before.spec_num_drafts
-    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
-    drafted = after.spec_draft_tokens - before.spec_draft_tokens
-    per_pos = [(a1 - a0) / (d1 - d0) if d1 > d0 else 0.0 for a0, a1, d0, d1 in zip(
-        before.spec_accepted_per_position + [0] * 16, after.spec_accepted_per_position,
-        before.spec_drafts_per_position + [0] * 16, after.spec_drafts_per_position)]
-    return Result(name, batch, sum(map(len, token_ids)), seconds, engine.num_steps - steps0, token_ids,
-                  1 + accepted / steps if steps else 1.0, per_pos or None, accepted / drafted if drafted else 0.0)
+        for r in runs:
+            r.add(prompts[first:first + batch], params, first)
+        while any(r.engine.has_unfinished_requests() for r in runs):
+            for r in runs:
+                if r.engine.has_unfinished_requests():
+                    r.step()
+    return [r.finish() for r in runs]
+
+
+WORKLOADS = ("copy", "copy+tail")
+
+
+def workload_params(workload: str, new_tokens: int) -> SamplingParams:
+    if workload == "copy":  # ends at the model's end-of-turn; the cap is never reached by these prompts
+        return SamplingParams(max_tokens=4 * new_tokens, temperature=0.0)
+    return SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--k", type=int, default=4, help="n-gram drafts per step")
-    parser.add_argument("--batch1-prompts", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request of copy+tail")
+    parser.add_argument("--k", type=int, default=7, help="n-gram drafts per step at most (one request: 1 + k rows "
+                        "stay within the 8 rows the few-row GEMM reads the weights once for)")
+    parser.add_argument("--batch1-prompts", type=int, default=4)
+    parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--no-mtp", action="store_true", help="skip the MTP acceptance section")
     # 1 by default: on this shared 2-core host, 2 OpenMP threads make every multi-row GEMM ~100x slower (spin
     # contention), which would measure the host, not speculation.
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     flat = {"model": default_model_path(), "num_blocks": 512, "max_num_seqs": 16}
     plain = LLMEngine(EngineConfig.from_flat(flat))
     ngram = LLMEngine(EngineConfig.from_flat({**flat, "method": "ngram", "num_speculative_tokens": args.k}))
     warm = SamplingParams(max_tokens=4, temperature=0.0)
     for engine in (plain, ngram):
         run(engine, "warm", copy_prompts(1), warm, 1)
-    rows: list[tuple[Result, Result]] = []
-    for batch, n in ((1, args.batch1_prompts), (8, 8)):
-        prompts = copy_prompts(n)
-        base = run(plain, f"plain-b{batch}", prompts, params, batch)
-        spec = run(ngram, f"ngram-b{batch}", prompts, params, batch)
-        if spec.token_ids != base.token_ids:
-            raise SystemExit(f"batch {batch}: n-gram output differs from plain output")
-        rows.append((base, spec))
-        print(f"batch {batch}: plain {base.tok_s:.1f} tok/s ({base.steps} steps), n-gram {spec.tok_s:.1f} tok/s "
-              f"({spec.steps} steps), {spec.accepted_per_step:.2f} tokens/verification, "
-              f"speedup {spec.tok_s / base.tok_s:.2f}x")
+    rows: list[tuple[str, Result, Result]] = []
+    for workload in args.workloads.split(","):
+        params = workload_params(workload, args.new_tokens)
+        for batch in (int(b) for b in args.batches.split(",")):
+            prompts = copy_prompts(args.batch1_prompts if batch == 1 else batch)
+            base, spec = run_lockstep([(plain, f"plain-{workload}-b{batch}"), (ngram, f"ngram-{workload}-b{batch}")],
+                                      prompts, params, batch)
+            if spec.token_ids != base.token_ids:
+                raise SystemExit(f"{workload}, batch {batch}: n-gram output differs from plain output")
+            rows.append((workload, base, spec))
+            print(f"{workload}, batch {batch}: plain {base.tok_s:.1f} tok/s ({base.steps} steps), n-gram "
+                  f"{spec.tok_s:.1f} tok/s ({spec.steps} steps, {spec.tokens_per_step:.2f} tokens/step, "
+                  f"{spec.accepted_per_step:.2f} tokens/verification), verify step {_step_ratio(base, spec):.2f}x a "
+                  f"plain step, speedup {spec.tok_s / base.tok_s:.2f}x", flush=True)
 
     mtp_rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny("deepseek_v3", tmp, seed=7, mtp_layers=1)
-        prompts = [torch.randint(3, 300, (16,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(4)]
-        tiny_params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-        for k in (1, 3):
-            engine = LLMEngine(EngineConfig.from_flat({"model": str(path), "max_model_len": 256, "method": "mtp",
-                                                       "num_speculative_tokens": k}))
-            mtp_rows.append((k, run(engine, f"mtp{k}", prompts, tiny_params, 4)))
-            print(f"MTP k={k}: acceptance {mtp_rows[-1][1].acceptance_rate:.3f}")
+    if not args.no_mtp:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = make_tiny("deepseek_v3", tmp, seed=7, mtp_layers=1)
+            prompts = [torch.randint(3, 300, (16,), generator=torch.Generator().manual_seed(i)).tolist()
+                       for i in range(4)]
+            tiny_params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+            for k in (1, 3):
+                engine = LLMEngine(EngineConfig.from_flat({"model": str(path), "max_model_len": 256, "method": "mtp",
+                                                           "num_speculative_tokens": k}))
+                mtp_rows.append((k, run(engine, f"mtp{k}", prompts, tiny_params, 4)))
+                print(f"MTP k={k}: acceptance {mtp_rows[-1][1].acceptance_rate:.3f}")
     write_results(rows, mtp_rows, args)
     return 0
 
 
-def write_results(rows: list[tuple[Result, Result]], mtp_rows: list[tuple[int, Result]], args) -> None:
+def _step_ratio(base: Result, spec: Result) -> float:
+    """Median verification step over the plain engine's median decode step (same run, same load)."""
+    return _median(spec.verify_step_s) / _median(base.plain_step_s)
+
+
+def _load() -> str:
+    try:
+        return ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def write_results(rows: list[tuple[str, Result, Result]], mtp_rows: list[tuple[int, Result]], args) -> None:
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     lines = [
         "# Speculative decoding",
         "",
-        f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, shared with other jobs "
-        "(wall-clock numbers are noisy). SmolLM2-135M-Instruct Q4_1 GGUF in fp32, greedy, EOS ignored, "
-        f"{args.new_tokens} new tokens per request, n-gram k={args.k} (n in [1, 4]). Copy-heavy prompts: "
-        "repeat a paragraph, or copy it with a light edit. Outputs with and without speculation are identical "
-        "(checked by the script).",
+        f"Machine: {platform.machine()}, {platform.processor() or 'cpu'}, {os.cpu_count()} cores, "
+        f"{torch.get_num_threads()} torch threads, load average at the end {_load()}. SmolLM2-135M-Instruct Q4_1 "
+        f"GGUF in fp32, greedy, n-gram k={args.k} (n in [1, 4]; a one-token match drafts one token; at most 8 "
+        "verification rows a step). Copy-heavy prompts: repeat a paragraph, or copy it with a light edit. "
+        "**copy**: each request ends at the model's end-of-turn (the output is the copy). **copy+tail**: EOS "
+        f"ignored, {args.new_tokens} tokens a request: after the copy (~35 tokens) the model free-runs a new chat "
+        "turn that no n-gram predicts. The two engines run in lockstep (one step each in turn; each engine's "
+        "seconds are the sum of its own steps, prefill included), so the ratios are same-run ratios. Outputs with "
+        "and without speculation are identical (checked by the script). Step ms: median decode step without "
+        "drafts (plain engine) and with drafts (n-gram engine).",
         "",
-        "| batch | run | tokens | seconds | tok/s | engine steps | tokens / verification | acceptance by position | speedup |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | batch | run | tokens | seconds | tok/s | engine steps | tokens / step | tokens / verification "
+        "| acceptance by position | step ms | speedup |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for base, spec in rows:
+    for workload, base, spec in rows:
         per_pos = ", ".join(f"{r:.2f}" for r in spec.acceptance_per_position or [])
-        lines.append(f"| {base.batch} | plain | {base.tokens} | {base.seconds:.1f} | {base.tok_s:.1f} | {base.steps} "
-                     f"| 1.00 | - | 1.00x |")
-        lines.append(f"| {spec.batch} | n-gram | {spec.tokens} | {spec.seconds:.1f} | {spec.tok_s:.1f} | {spec.steps} "
-                     f"| {spec.accepted_per_step:.2f} | {per_pos} | {spec.tok_s / base.tok_s:.2f}x |")
-    lines += ["", "## MTP on a tiny random DeepSeek-V3 (make-tiny, seed 7, one MTP layer)", "",
-              "Random weights: the MTP module has not learned to predict the main model, so acceptance is "
-              "expected to be near zero; reported as measured (4 prompts of 16 random tokens, 48 new tokens).", "",
-              "| drafts | draft tokens accepted | acceptance by position | tokens / verification |", "|---|---|---|---|"]
+        lines.append(f"| {workload} | {base.batch} | plain | {base.tokens} | {base.seconds:.1f} | {base.tok_s:.1f} "
+                     f"| {base.steps} | {base.tokens_per_step:.2f} | - | - | {1000 * _median(base.plain_step_s):.1f} "
+                     "| 1.00x |")
+        lines.append(f"| {workload} | {spec.batch} | n-gram | {spec.tokens} | {spec.seconds:.1f} | {spec.tok_s:.1f} "
+                     f"| {spec.steps} | {spec.tokens_per_step:.2f} | {spec.accepted_per_step:.2f} | {per_pos} "
+                     f"| {1000 * _median(spec.verify_step_s):.1f} ({_step_ratio(base, spec):.2f}x) "
+                     f"| {spec.tok_s / base.tok_s:.2f}x |")
+    if mtp_rows:
+        lines += ["", "## MTP on a tiny random DeepSeek-V3 (make-tiny, seed 7, one MTP layer)", "",
+                  "Random weights: the MTP module has not learned to predict the main model, so acceptance is "
+                  "expected to be near zero; reported as measured (4 prompts of 16 random tokens, 48 new tokens).",
+                  "", "| drafts | draft tokens accepted | acceptance by position | tokens / verification |",
+                  "|---|---|---|---|"]
     for k, res in mtp_rows:
         per_pos = ", ".join(f"{r:.3f}" for r in res.acceptance_per_position or [])
         lines.append(f"| {k} | {res.acceptance_rate:.3f} | {per_pos} | {res.accepted_per_step:.2f} |")
@@ -165,17 +261,17 @@ def write_results(rows: list[tuple[Result, Result]], mtp_rows: list[tuple[int, R
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    labels = [f"batch {base.batch}" for base, _ in rows]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    labels = [f"{workload}\nbatch {base.batch}" for workload, base, _ in rows]
     x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [b.tok_s for b, _ in rows], width=0.4, label="no speculation")
-    ax.bar([i + 0.2 for i in x], [s.tok_s for _, s in rows], width=0.4, label=f"n-gram, k={args.k}")
-    for i, (b, s) in enumerate(rows):
-        ax.text(i + 0.2, s.tok_s, f"{s.tok_s / b.tok_s:.2f}x\n{s.accepted_per_step:.2f} tok/step", ha="center",
+    ax.bar([i - 0.2 for i in x], [b.tok_s for _, b, _ in rows], width=0.4, label="no speculation")
+    ax.bar([i + 0.2 for i in x], [s.tok_s for _, _, s in rows], width=0.4, label=f"n-gram, k={args.k}")
+    for i, (_, b, s) in enumerate(rows):
+        ax.text(i + 0.2, s.tok_s, f"{s.tok_s / b.tok_s:.2f}x\n{s.tokens_per_step:.2f} tok/step", ha="center",
                 va="bottom", fontsize=8)
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("output tokens / s")
-    ax.set_title("SmolLM2-135M, copy-heavy prompts")
+    ax.set_title("SmolLM2-135M, copy-heavy prompts (lockstep, same run)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "spec_decode.png", dpi=120)

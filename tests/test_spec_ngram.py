@@ -1,4 +1,5 @@
-"""N-gram prompt lookup: longest match wins, the most recent occurrence is used, limits are honoured."""
+"""N-gram prompt lookup: longest match wins, the most recent occurrence is used, limits are honoured; a one-token
+match drafts little; a step's verification rows stay within the few-row GEMM's one pass."""
 from __future__ import annotations
 
 import pytest
@@ -13,6 +14,20 @@ def test_longest_then_most_recent_match():
     assert p.propose([7, 8, 1, 7, 8, 9, 0, 7, 8]) == [9, 0, 7, 8]
     # a 3-gram match beats a more recent 1-gram match
     assert p.propose([4, 5, 6, 11, 6, 12, 4, 5, 6]) == [11, 6, 12, 4]
+
+
+def test_one_token_match_drafts_one_token():
+    p = NgramProposer(1, 4, 7)
+    assert p.propose([5, 1, 2, 3, 4, 6, 7, 5]) == [1]  # only the last token matches
+    assert p.propose([6, 5, 1, 2, 3, 4, 6, 7, 6, 5]) == [1, 2, 3, 4, 6, 7, 6]  # [6, 5] matches: up to k
+    assert NgramProposer(1, 4, 7, short_match_drafts=3).propose([5, 1, 2, 3, 4, 6, 7, 5]) == [1, 2, 3]
+
+
+def test_batch_limit_keeps_verification_rows_within_one_pass():
+    p = NgramProposer(1, 4, 7)
+    assert [p.batch_limit(b) for b in (1, 2, 3, 4, 5, 8, 16)] == [7, 3, 1, 1, 0, 0, 0]
+    assert NgramProposer(1, 4, 3).batch_limit(1) == 3  # never more than k
+    assert NgramProposer(1, 4, 7, max_rows=16).batch_limit(2) == 7
 
 
 def test_no_match_limits_and_bad_config():
