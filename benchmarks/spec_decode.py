@@ -234,6 +234,14 @@ def _step_ratio(base: Result, spec: Result) -> float:
     return _median(spec.verify_step_s) / _median(base.plain_step_s)
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "cpu")
+    except OSError:
+        return platform.processor() or "cpu"
+
+
 def _load() -> str:
     try:
         return ", ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -247,7 +255,7 @@ def write_results(rows: list[tuple[str, Result, Result]], mtp_rows: list[tuple[i
     lines = [
         "# Speculative decoding",
         "",
-        f"Machine: {platform.machine()}, {platform.processor() or 'cpu'}, {os.cpu_count()} cores, "
+        f"Machine: {platform.machine()}, {_cpu_model()}, {os.cpu_count()} cores, "
         f"{torch.get_num_threads()} torch threads, load average at the end {_load()}. SmolLM2-135M-Instruct Q4_1 "
         f"GGUF in fp32, greedy, n-gram k={args.k} (n in [1, 4]; a one-token match drafts one token; at most 8 "
         "verification rows a step). Copy-heavy prompts: repeat a paragraph, or copy it with a light edit. "
