@@ -73,8 +73,11 @@ def load_cpu_kernels() -> bool:
 
     sources = [Path(__file__).parent / "csrc" / name for name in _SOURCES]
     capability = torch.backends.cpu.get_cpu_capability()
-    # The sources' hash in the name: two checkouts (or versions) on one machine never load each other's build.
-    digest = hashlib.sha1(b"".join(path.read_bytes() for path in sources)).hexdigest()[:10]
+    # The sources and their directory in the name: two versions, or two checkouts of one version, on one machine
+    # never share a build directory (ninja would rebuild it for each checkout's paths, each load waiting on the
+    # other's lock).
+    digest = hashlib.sha1(str(sources[0].parent.resolve()).encode()
+                          + b"".join(path.read_bytes() for path in sources)).hexdigest()[:10]
     name = f"deepinfer_cpu_kernels_{capability.lower()}_{digest}"
     _remove_stale_build_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
     try:
