@@ -323,8 +323,10 @@ class DeepseekV4ForCausalLM(nn.Module):
                              "allocates hybrid_cache_shapes")
         pages = self._pages(positions, meta)
         h = vocab_parallel_embedding(input_ids, self.embed.weight, self.vocab_start, self.par)
+        chunks = ([meta.decode_query_len] if meta.num_decodes else []) + list(meta.prefill_query_lens)
         ctx = StepContext(pages, meta.slot_mapping, meta.state, self.main_rope.at(positions, h.dtype),
-                          self.compress_rope.at(positions, h.dtype), self._groups(pages, meta))
+                          self.compress_rope.at(positions, h.dtype), self._groups(pages, meta),
+                          meta.decode_query_len, max(chunks, default=None))
         streams = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.layers):
             streams = layer(streams, input_ids, ctx, self._layer_cache(i, kv_caches))
