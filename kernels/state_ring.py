@@ -79,5 +79,7 @@ def write_recent(ring: torch.Tensor,  # [S + 1, C, W]
     capacity = ring.shape[1]
     keep = (positions >= rows.chunk_ends - capacity) & (rows.slots >= 0)
     slot = torch.where(keep, rows.slots, torch.full_like(rows.slots, ring.shape[0] - 1))
-    index = slot * capacity + _mod(positions.clamp(min=0), capacity)
-    ring.view(-1, ring.shape[-1])[index] = fresh.to(ring.dtype)
+    # indexed on the ring itself, not on a flat view of it: inductor updates a graph input in place only then (an
+    # index_put into ``ring.view(-1, W)`` copied the whole ring several times per layer and step: ~0.45 s of a
+    # 0.5 s compiled V4 step at batch 32 with 1,057 state slots)
+    ring[slot, _mod(positions.clamp(min=0), capacity)] = fresh.to(ring.dtype)

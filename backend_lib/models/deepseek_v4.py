@@ -256,6 +256,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         for layer in self.layers:
             layer.ffn.impl = impl
 
+    def pack_for_cpu(self, plan: Any = None) -> None:
+        """Host engines (``executor/rank.py`` calls this before building compiled regions): the static MoE of a
+        compiled region runs the grouped experts as one opaque op (``kernels/grouped_experts.py``), the work and
+        results of an eager step; the projections keep ``F.linear``."""
+        for layer in self.layers:
+            layer.ffn.opaque_experts = True
+
     # ---- the model-runner contract -------------------------------------------------------------------
     def hybrid_cache_shapes(self, num_blocks: int, block_size: int, num_state_slots: int,
                             max_drafts: int = 0) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
