@@ -120,12 +120,14 @@ class Compressor(nn.Module):
         positions = ctx.pages.positions
         window, exists = recent_rows(state, projections, ctx.rows, positions, span,
                                      longest_chunk=ctx.longest_chunk)
-        write_recent(state, projections, ctx.rows, positions)
         ape = self.ape.to(x.dtype)
         pooled = pool_overlapping(window, exists, ape) if self.overlap else pool_heavily_compressed(window, ape)
         cos, sin = self.rope.at(positions - self.rate + 1, x.dtype)
         rows = entry_write_rows(ctx.slot_mapping, positions, self.rate, ctx.pages.block_size, entries.shape[0])
         entries[rows] = apply_tail_rope(self.norm(pooled), cos, sin).to(entries.dtype)
+        # the ring write comes after every use of the rows read from it: inductor then updates the ring (a graph
+        # input) in place; a write before the pooling made it copy the whole ring per layer and step
+        write_recent(state, projections, ctx.rows, positions)
 
 
 class Indexer(nn.Module):
