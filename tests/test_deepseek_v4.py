@@ -361,7 +361,7 @@ def test_config_errors_name_the_field():
 
 @pytest.mark.parametrize("backend", [
     "aot_eager",
-    # inductor's cold compile of the decode, lm_head and sampler graphs runs gcc: ~90 s of CPU (150 s wall on the
+    # inductor's cold compile of the decode, lm_head and sampler graphs runs gcc: ~90-110 s of CPU (150-270 s wall on the
     # loaded 2-core machine), so it is a slow test
     pytest.param("inductor", marks=pytest.mark.slow),
 ])
