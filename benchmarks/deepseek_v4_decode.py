@@ -8,6 +8,11 @@ hc_mult 4, window 128, CSA rate 4 with a top-64 indexer, HCA rate 128; fp32). Pa
 greedy, EOS ignored; decode tokens/s = B * (N - 1) / (t_N - t_1), the two engines alternating run by run (best of
 several, see deepseek_decode.py). Part 2, our engine only: decode step time at 256 and 4,096 tokens of context
 (batch 1, the median engine step after the prefill). Writes benchmarks/results/deepseek_v4_decode.md and .png.
+
+Our engine runs two ways (``--compile``, default ``both``): eager, and with compiled regions (``compile_backend
+inductor``: each batch size's decode step is one static-shape graph; what a host deployment would run). The
+compiled engine compiles its graphs at start (minutes on 2 cores; the persistent compile cache makes a rerun load
+them); compile time is outside every timing, as a server pays it once.
 Run: `python benchmarks/deepseek_v4_decode.py --threads 1`.
 """
 from __future__ import annotations
@@ -28,6 +33,7 @@ from backend_lib.offline import LLM  # noqa: E402
 from backend_lib.sampling_params import SamplingParams  # noqa: E402
 from backend_lib.tiny import make_tiny  # noqa: E402
 from benchmarks.deepseek_decode import Timing, load_average, time_alternating  # noqa: E402
+from benchmarks.machine import describe  # noqa: E402
 
 MODEL_OVERRIDES = dict(
     hidden_size=512, moe_intermediate_size=256, num_hidden_layers=6, num_attention_heads=8, head_dim=128,
@@ -41,6 +47,16 @@ MODEL_OVERRIDES = dict(
 PROMPT_LENGTH = 32
 BLOCK_SIZE = 16
 CONTEXTS = (256, 4096)
+EAGER, COMPILED = "deepinfer", "deepinfer-inductor"
+COMPILE_CHOICES = {"eager": (EAGER,), "inductor": (COMPILED,), "both": (EAGER, COMPILED)}
+
+
+def engine_settings(engine: str, batch: int, longest: int) -> dict:
+    """Compiled regions for exactly this batch and context: one decode graph (no padding rows or columns)."""
+    if engine == EAGER:
+        return {}
+    return dict(compile_backend="inductor", batch_buckets=str(batch),
+                width_buckets=str(-(-longest // BLOCK_SIZE)), compile_progress=False)
 
 
 def prompts_of(count: int, length: int, seed: int) -> list[list[int]]:
@@ -48,11 +64,11 @@ def prompts_of(count: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(3, 300, (count, length), generator=gen).tolist()
 
 
-def engine_runner(model_dir: Path, prompts: list[list[int]], new_tokens: int):
+def engine_runner(model_dir: Path, prompts: list[list[int]], new_tokens: int, engine: str):
     batch, longest = len(prompts), max(len(p) for p in prompts) + new_tokens
     llm = LLM(str(model_dir), max_num_seqs=batch, max_model_len=longest, max_num_batched_tokens=512,
               block_size=BLOCK_SIZE, num_blocks=batch * (-(-longest // BLOCK_SIZE) + 1) + 8,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, **engine_settings(engine, batch, longest))
 
     def generate(n: int, ids: list[list[int]] = prompts) -> list[list[int]]:
         results = llm.generate(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
@@ -62,25 +78,26 @@ def engine_runner(model_dir: Path, prompts: list[list[int]], new_tokens: int):
     return generate
 
 
-def decode_step_ms(model_dir: Path, context: int, steps: int) -> float:
+def decode_step_ms(model_dir: Path, context: int, steps: int, engine: str) -> float:
     """Median wall time of one engine step once the prompt is prefilled (batch 1): prefill noise stays out."""
     import statistics
     import time
-    llm = LLM(str(model_dir), max_num_seqs=1, max_model_len=context + steps + 1, max_num_batched_tokens=512,
-              block_size=BLOCK_SIZE, num_blocks=-(-(context + steps + 1) // BLOCK_SIZE) + 2,
-              enable_prefix_caching=False)
-    engine = llm.engine
-    engine.add_request("r", prompts_of(1, context, seed=context)[0],
-                       SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
-    while not any(out.new_token_ids for out in engine.step()):
+    longest = context + steps + 1
+    llm = LLM(str(model_dir), max_num_seqs=1, max_model_len=longest, max_num_batched_tokens=512,
+              block_size=BLOCK_SIZE, num_blocks=-(-longest // BLOCK_SIZE) + 2,
+              enable_prefix_caching=False, **engine_settings(engine, 1, longest))
+    core = llm.engine
+    core.add_request("r", prompts_of(1, context, seed=context)[0],
+                     SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
+    while not any(out.new_token_ids for out in core.step()):
         pass  # prefill chunks until the first token
     times = []
-    while engine.has_unfinished_requests():
+    while core.has_unfinished_requests():
         start = time.perf_counter()
-        engine.step()
+        core.step()
         times.append(time.perf_counter() - start)
     ms = 1000 * statistics.median(times)
-    print(f"context {context}: {ms:.1f} ms per decode step (median of {len(times)})", flush=True)
+    print(f"{engine}, context {context}: {ms:.1f} ms per decode step (median of {len(times)})", flush=True)
     return ms
 
 
@@ -103,6 +120,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--context-new-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=0, help="torch threads for both engines; 0 = torch default")
+    parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="part 2's context lengths")
+    parser.add_argument("--compile", choices=sorted(COMPILE_CHOICES), default="both",
+                        help="our engine eager, with compiled regions (inductor), or both")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     if args.threads < 0 or args.new_tokens < 2 or args.context_new_tokens < 2:
@@ -110,7 +130,12 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
+    engines = COMPILE_CHOICES[args.compile]
+    contexts = sorted(int(c) for c in args.contexts.split(","))
     from transformers import AutoModelForCausalLM
+
+    machine = describe()
+    print(f"machine: {machine.line()}", flush=True)
 
     load_before = load_average()
     model_dir = make_tiny("deepseek_v4", tempfile.mkdtemp(prefix="deepseek-v4-bench-"), overrides=MODEL_OVERRIDES)
@@ -120,24 +145,29 @@ def main() -> None:
     timings, agreement = [], {}
     for batch in batches:
         prompts = prompts_of(batch, PROMPT_LENGTH, seed=batch)
-        runners = {"deepinfer": engine_runner(model_dir, prompts, args.new_tokens),
-                   "transformers": transformers_runner(hf_model, prompts)}
+        runners = {engine: engine_runner(model_dir, prompts, args.new_tokens, engine) for engine in engines}
+        runners["transformers"] = transformers_runner(hf_model, prompts)
         best, ids = time_alternating(runners, args.new_tokens)
         for name, (first, full) in best.items():
             timings.append(Timing(name, batch, args.new_tokens, full, first))
-        agreement[batch] = (sum(a == b for a, b in zip(ids["deepinfer"], ids["transformers"])), batch)
-        print(f"batch {batch}: {timings[-2].decode_tok_s:.1f} vs {timings[-1].decode_tok_s:.1f} decode tok/s",
-              flush=True)
-    step_ms = {context: decode_step_ms(model_dir, context, args.context_new_tokens) for context in CONTEXTS}
-    write_report(timings, agreement, step_ms, num_params, args.new_tokens, load_before, load_average(),
-                 Path(args.out))
+        agreement[batch] = {engine: sum(a == b for a, b in zip(ids[engine], ids["transformers"]))
+                            for engine in engines}
+        rates = ", ".join(f"{t.engine} {t.decode_tok_s:.1f}" for t in timings[-len(runners):])
+        print(f"batch {batch}: decode tok/s {rates}", flush=True)
+    step_ms = {engine: {context: decode_step_ms(model_dir, context, args.context_new_tokens, engine)
+                        for context in contexts} for engine in engines}
+    write_report(timings, agreement, step_ms, num_params, args.new_tokens, machine.line(), load_before,
+                 load_average(), Path(args.out))
 
 
-def write_report(timings: list[Timing], agreement: dict[int, tuple[int, int]], step_ms: dict[int, float],
-                 num_params: int, new_tokens: int, load_before: str, load_after: str, out: Path) -> None:
+def write_report(timings: list[Timing], agreement: dict[int, dict[str, int]],
+                 step_ms: dict[str, dict[int, float]], num_params: int, new_tokens: int, machine: str,
+                 load_before: str, load_after: str, out: Path) -> None:
     by_key = {(t.engine, t.batch): t for t in timings}
     batches = sorted({t.batch for t in timings})
+    engines = list(step_ms)
     config = ", ".join(f"{k}={v}" for k, v in MODEL_OVERRIDES.items() if k not in ("layer_types", "mlp_layer_types"))
+    label = {EAGER: "deepinfer eager", COMPILED: "deepinfer inductor"}
     lines = [
         "# DeepSeek-V4 decode: deepinfer vs transformers",
         "",
@@ -146,46 +176,65 @@ def write_report(timings: list[Timing], agreement: dict[int, tuple[int, int]], s
         f"Part 1: {PROMPT_LENGTH}-token prompts (equal lengths, no padding), {new_tokens} new tokens, greedy. Decode "
         f"tokens/s = batch x {new_tokens - 1} / (t({new_tokens} tokens) - t(1 token)), best runs, engines "
         "alternating. Part 2: our decode step at batch 1 against the context length.",
+        "Our engine: eager, and with compiled regions (`compile_backend=inductor`, one decode graph per batch size "
+        "and block-table width, static MoE over every expert; compile time not counted, as a server pays it once "
+        "at start).",
         "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores **shared with other engineers' jobs** (noisy; "
-        f"compare within a row), torch {torch.__version__}, {torch.get_num_threads()} torch thread(s). Load average "
-        f"(1/5/15 min) before: {load_before}; after: {load_after}.",
+        f"Machine: {machine}; cores **shared with other engineers' jobs** (noisy; compare within a row). Load "
+        f"average (1/5/15 min) before: {load_before}; after: {load_after}.",
         "",
-        "| batch | deepinfer decode tok/s | transformers decode tok/s | ratio | greedy sequences identical |",
-        "|---|---|---|---|---|",
+        "| batch | " + " | ".join(f"{label[e]} decode tok/s" for e in engines) + " | transformers decode tok/s | "
+        + " | ".join(f"{label[e]} / transformers" for e in engines) + " | greedy sequences identical |",
+        "|---|" + "---|" * (2 * len(engines) + 2),
     ]
     for b in batches:
-        ours, hf = by_key[("deepinfer", b)], by_key[("transformers", b)]
-        same, total = agreement[b]
-        lines.append(f"| {b} | {ours.decode_tok_s:.1f} | {hf.decode_tok_s:.1f} | "
-                     f"{ours.decode_tok_s / hf.decode_tok_s:.2f}x | {same}/{total} |")
-    lines += ["", "| context (tokens) | deepinfer decode step (ms, batch 1) |", "|---|---|"]
-    lines += [f"| {c} | {ms:.1f} |" for c, ms in step_ms.items()]
-    low, high = min(step_ms), max(step_ms)
-    lines += ["", f"Step time at {high} tokens of context = {step_ms[high] / step_ms[low]:.2f}x the step at {low} "
-              "(issue 13's target for the hybrid cache: at most 1.5x). The window reads a fixed ring; what still grows "
-              "is the compressed entries (context / rate per CSA and HCA layer; the indexer scores every CSA entry, "
-              "O(context / 4) by design)."]
+        hf = by_key[("transformers", b)].decode_tok_s
+        ours = [by_key[(e, b)].decode_tok_s for e in engines]
+        same = ", ".join(f"{agreement[b][e]}/{b}" for e in engines)
+        lines.append(f"| {b} | " + " | ".join(f"{r:.1f}" for r in ours) + f" | {hf:.1f} | "
+                     + " | ".join(f"{r / hf:.2f}x" for r in ours) + f" | {same} |")
+    contexts = sorted(next(iter(step_ms.values())))
+    lines += ["", "| context (tokens) | " + " | ".join(f"{label[e]} decode step (ms, batch 1)" for e in engines) + " |",
+              "|---|" + "---|" * len(engines)]
+    lines += [f"| {c} | " + " | ".join(f"{step_ms[e][c]:.1f}" for e in engines) + " |" for c in contexts]
+    low, high = contexts[0], contexts[-1]
+    growth = "; ".join(f"{label[e]} {step_ms[e][high] / step_ms[e][low]:.2f}x" for e in engines)
+    lines += ["", f"Step time at {high} tokens of context / the step at {low}: {growth} (issue 13's target for the "
+              "hybrid cache: at most 1.5x). The window reads a fixed ring; what still grows is the compressed entries "
+              "(context / rate per CSA and HCA layer; the indexer scores every CSA entry, O(context / 4) by design)."]
     text = "\n".join(lines) + "\n"
     print(text)
     out.mkdir(parents=True, exist_ok=True)
     (out / "deepseek_v4_decode.md").write_text(text)
+    plot(by_key, batches, step_ms, label, num_params, out)
 
+
+def plot(by_key: dict, batches: list[int], step_ms: dict[str, dict[int, float]], label: dict[str, str],
+         num_params: int, out: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), gridspec_kw={"width_ratios": [2, 1]})
-    width, xs = 0.38, range(len(batches))
-    for offset, engine, color in ((-width / 2, "deepinfer", "#4c72b0"), (width / 2, "transformers", "#999999")):
+    engines = list(step_ms) + ["transformers"]
+    colors = {EAGER: "#4c72b0", COMPILED: "#dd8452", "transformers": "#999999"}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [2, 1]})
+    width, xs = 0.8 / len(engines), range(len(batches))
+    for i, engine in enumerate(engines):
+        offset = (i - (len(engines) - 1) / 2) * width
         bars = left.bar([x + offset for x in xs], [by_key[(engine, b)].decode_tok_s for b in batches], width,
-                        label=engine, color=color)
-        left.bar_label(bars, fmt="%.0f", fontsize=8)
+                        label=label.get(engine, engine), color=colors[engine])
+        left.bar_label(bars, fmt="%.0f", fontsize=7)
     left.set_xticks(list(xs), [f"batch {b}" for b in batches])
     left.set_ylabel("decode tokens / s")
     left.set_title(f"DeepSeek-V4 random {num_params / 1e6:.0f} M, fp32")
-    left.legend()
-    bars = right.bar([str(c) for c in step_ms], list(step_ms.values()), color="#4c72b0")
-    right.bar_label(bars, fmt="%.1f", fontsize=8)
+    left.legend(fontsize=8)
+    contexts = sorted(next(iter(step_ms.values())))
+    cwidth = 0.8 / len(step_ms)
+    for i, engine in enumerate(step_ms):
+        offset = (i - (len(step_ms) - 1) / 2) * cwidth
+        bars = right.bar([x + offset for x in range(len(contexts))], [step_ms[engine][c] for c in contexts], cwidth,
+                         label=label[engine], color=colors[engine])
+        right.bar_label(bars, fmt="%.1f", fontsize=7)
+    right.set_xticks(list(range(len(contexts))), [str(c) for c in contexts])
     right.set_xlabel("context tokens")
     right.set_ylabel("decode step, ms (batch 1)")
     right.set_title("step cost vs context")

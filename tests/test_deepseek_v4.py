@@ -359,21 +359,34 @@ def test_config_errors_name_the_field():
         DeepseekV4Args.from_hf_config({**base, "quantization_config": {"quant_method": "fp8", "expert_dtype": "fp6"}})
 
 
-def test_compiled_decode_regions_give_the_same_greedy_ids(tmp_path):
-    """Decode graphs (static MoE, fullgraph, aot_eager on the host) against transformers."""
+@pytest.mark.parametrize("backend", [
+    "aot_eager",
+    # inductor's cold compile of the decode, lm_head and sampler graphs runs gcc: ~90-110 s of CPU (150-270 s wall on the
+    # loaded 2-core machine), so it is a slow test
+    pytest.param("inductor", marks=pytest.mark.slow),
+])
+def test_compiled_decode_regions_give_the_same_greedy_ids(backend, tmp_path):
+    """Decode graphs (static MoE, fullgraph) over the hybrid cache (rings and paged entries as graph inputs updated
+    in place) give the eager engine's and transformers' greedy ids; inductor is what a host deployment runs."""
     from transformers import AutoModelForCausalLM
     from backend_lib.neuron.regions import CompiledModel
     small = dict(num_hidden_layers=3, hc_sinkhorn_iters=4, mlp_layer_types=["hash_moe", "moe", "moe"],
                  layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"])
-    path = make_tiny("deepseek_v4", tmp_path, seed=6, overrides=small)  # one layer of each type: a smaller graph
+    path = make_tiny("deepseek_v4", tmp_path / "model", seed=6, overrides=small)  # one layer per type: a small graph
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    engine = _engine(path, num_blocks=48, max_num_batched_tokens=16, compile_backend="aot_eager",
-                     batch_buckets="2", width_buckets="16", compile_progress=False)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    prompts = {f"r{n}": _tokens(n, 70 + n) for n in (6, 31)}
-    for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, params)
-    assert _drive(engine) == {rid: _hf_generate(hf, prompt, 12) for rid, prompt in prompts.items()}
+    prompts = {f"r{n}": _tokens(n, 70 + n) for n in (6, 31)}  # 31: decode crosses the window and CSA windows
+
+    def run(**settings) -> tuple[dict[str, list[int]], LLMEngine]:
+        engine = _engine(path, num_blocks=48, max_num_batched_tokens=16, **settings)
+        for rid, prompt in prompts.items():
+            engine.add_request(rid, prompt, params)
+        return _drive(engine), engine
+
+    compiled, engine = run(compile_backend=backend, batch_buckets="2", width_buckets="16", compile_progress=False,
+                           compile_cache_dir=str(tmp_path / "compile-cache"))  # cold: no other run's graphs
+    eager, _ = run()
+    assert compiled == eager == {rid: _hf_generate(hf, prompt, 12) for rid, prompt in prompts.items()}
     model = engine.runner.model
     assert isinstance(model, CompiledModel) and model.stats.compiled_steps > 5, model.stats
 

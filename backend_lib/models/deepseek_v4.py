@@ -256,6 +256,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         for layer in self.layers:
             layer.ffn.impl = impl
 
+    def pack_for_cpu(self, plan: Any = None) -> None:
+        """Host engines (``executor/rank.py`` calls this before building compiled regions): the static MoE of a
+        compiled region runs the grouped experts as one opaque op (``kernels/grouped_experts.py``), the work and
+        results of an eager step; the projections keep ``F.linear``."""
+        for layer in self.layers:
+            layer.ffn.opaque_experts = True
+
     # ---- the model-runner contract -------------------------------------------------------------------
     def hybrid_cache_shapes(self, num_blocks: int, block_size: int, num_state_slots: int,
                             max_drafts: int = 0) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
@@ -323,8 +330,10 @@ class DeepseekV4ForCausalLM(nn.Module):
                              "allocates hybrid_cache_shapes")
         pages = self._pages(positions, meta)
         h = vocab_parallel_embedding(input_ids, self.embed.weight, self.vocab_start, self.par)
+        chunks = ([meta.decode_query_len] if meta.num_decodes else []) + list(meta.prefill_query_lens)
         ctx = StepContext(pages, meta.slot_mapping, meta.state, self.main_rope.at(positions, h.dtype),
-                          self.compress_rope.at(positions, h.dtype), self._groups(pages, meta))
+                          self.compress_rope.at(positions, h.dtype), self._groups(pages, meta),
+                          meta.decode_query_len, max(chunks, default=None))
         streams = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.layers):
             streams = layer(streams, input_ids, ctx, self._layer_cache(i, kv_caches))

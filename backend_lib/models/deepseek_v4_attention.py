@@ -76,6 +76,8 @@ class StepContext:
     main_rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, P / 2]
     compress_rope: tuple[torch.Tensor, torch.Tensor]
     groups: tuple[tuple[int, int, TokenPages | ChunkPages], ...]  # (first row, end row, pages)
+    decode_query_len: int = 1  # tokens per decode row (1 + drafts)
+    longest_chunk: int | None = None  # the step's longest chunk (None: unknown); bounds a token's fresh positions
 
 
 @dataclass(frozen=True)
@@ -116,13 +118,16 @@ class Compressor(nn.Module):
         projections = torch.cat([self.wkv(x), self.wgate(x)], dim=-1)
         span = 2 * self.rate if self.overlap else self.rate
         positions = ctx.pages.positions
-        window, exists = recent_rows(state, projections, ctx.rows, positions, span)
-        write_recent(state, projections, ctx.rows, positions)
+        window, exists = recent_rows(state, projections, ctx.rows, positions, span,
+                                     longest_chunk=ctx.longest_chunk)
         ape = self.ape.to(x.dtype)
         pooled = pool_overlapping(window, exists, ape) if self.overlap else pool_heavily_compressed(window, ape)
         cos, sin = self.rope.at(positions - self.rate + 1, x.dtype)
         rows = entry_write_rows(ctx.slot_mapping, positions, self.rate, ctx.pages.block_size, entries.shape[0])
         entries[rows] = apply_tail_rope(self.norm(pooled), cos, sin).to(entries.dtype)
+        # the ring write comes after every use of the rows read from it: inductor then updates the ring (a graph
+        # input) in place; a write before the pooling made it copy the whole ring per layer and step
+        write_recent(state, projections, ctx.rows, positions)
 
 
 class Indexer(nn.Module):
@@ -216,7 +221,8 @@ class V4Attention(nn.Module):
         if isinstance(pages, ChunkPages):
             _, allowed = pages.recent(w)
             return chunk_recent_rows(ring, kv, ctx.rows, start, pages.first, pages.length, w - 1), allowed
-        return recent_rows(ring, kv, ctx.rows, ctx.pages.positions, w, start, end - start)
+        return recent_rows(ring, kv, ctx.rows, ctx.pages.positions, w, start, end - start,
+                           longest_chunk=ctx.decode_query_len)  # TokenPages groups: decode rows
 
     def _attend(self, q: torch.Tensor,  # [L, H, D] one group's queries
                 index_q: tuple[torch.Tensor, torch.Tensor] | None,  # its index queries [L, Hi, Di], weights [L, Hi]

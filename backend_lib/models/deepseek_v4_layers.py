@@ -20,6 +20,7 @@ from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm
 from backend_lib.models.deepseek_v4_attention import LayerCache, StepContext, V4Attention
 from backend_lib.models.parallel import ParallelContext, Shard
 from kernels.fp4 import FP4_GROUP, dequantize_fp4
+from kernels.grouped_experts import clipped_swiglu, grouped_experts, grouped_experts_op, has_grouped_mm
 from kernels.hyper_connections import HyperConnectionSpec, hc_collapse, hc_expand, hc_mixes
 from kernels.quant import DEFAULT_BLOCK, dequantize_block_fp8
 
@@ -39,10 +40,6 @@ class V4MoEDims:
     scoring_func: str
     swiglu_limit: float
     hash_routed: bool
-
-
-def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:  # [N, I] each
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 def expert_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:  # [T, E] float32
@@ -107,6 +104,9 @@ class V4MoE(nn.Module):
             self.register_buffer("gate_up", torch.zeros(num, 2 * inter, d.hidden))
             self.register_buffer("down", torch.zeros(num, d.hidden, inter))
         self.shared_experts = SharedExpert(d, par, block_size)
+        # host engines: the static MoE of compiled regions runs the grouped experts as one opaque op (same work and
+        # results as eager) instead of every expert over every token; Neuron graphs keep the einsums
+        self.opaque_experts = False
 
     # ---- loading ---------------------------------------------------------------------------------------
     def local_expert(self, expert: int) -> int | None:
@@ -191,8 +191,8 @@ class V4MoE(nn.Module):
         """Each local expert over its own tokens, ascending expert id, accumulated with ``index_add_``. Dense experts
         run as one grouped GEMM per projection where torch has it (as transformers does); packed fp4 experts one by
         one, each dequantized when it runs. Data-dependent shapes: eager only."""
-        if not self.packed_fp4 and hasattr(torch, "_grouped_mm"):
-            return self._grouped(x, weights, local_ids)
+        if not self.packed_fp4 and has_grouped_mm():
+            return grouped_experts(x, weights, local_ids, self.gate_up, self.down, self.d.swiglu_limit)
         out = torch.zeros_like(x)
         mask = F.one_hot(local_ids.clamp(-1, self.num_local_experts) + 1,
                          num_classes=self.num_local_experts + 2)[..., 1:-1].permute(2, 1, 0)  # [E, k, T]
@@ -204,32 +204,15 @@ class V4MoE(nn.Module):
             out.index_add_(0, token, y)
         return out
 
-    def _grouped(self, x: torch.Tensor,  # [T, hidden]
-                 weights: torch.Tensor,  # [T, k] float32
-                 local_ids: torch.Tensor,  # [T, k] int64
-                 ) -> torch.Tensor:  # [T, hidden]
-        """(token, choice) pairs sorted by expert, two grouped GEMMs over the experts' row ranges, one scatter-add.
-        Pairs routed to other ranks' experts sort last, past every range, and are zeroed before the add."""
-        num, top_k = self.num_local_experts, local_ids.shape[1]
-        ids = local_ids.flatten()
-        ids = torch.where((ids >= 0) & (ids < num), ids, torch.full_like(ids, num))
-        sorted_ids, order = torch.sort(ids, stable=True)
-        tokens = order // top_k
-        counts = torch.bincount(sorted_ids, minlength=num + 1)[:num]
-        offsets = torch.cumsum(counts, dim=0).to(torch.int32)
-        gate_up = torch._grouped_mm(x[tokens], self.gate_up.to(x.dtype).transpose(-2, -1), offs=offsets)
-        h = clipped_swiglu(*gate_up.chunk(2, dim=-1), self.d.swiglu_limit)
-        y = torch._grouped_mm(h, self.down.to(x.dtype).transpose(-2, -1), offs=offsets)  # [T * k, hidden]
-        scale = weights.flatten()[order].to(x.dtype)[:, None]
-        y = torch.where((sorted_ids < num)[:, None], y * scale, torch.zeros_like(y))
-        return torch.zeros_like(x).index_add_(0, tokens, y)
-
     def _static(self, x: torch.Tensor,  # [T, hidden]
                 weights: torch.Tensor,  # [T, k] float32
                 local_ids: torch.Tensor,  # [T, k] int64
                 ) -> torch.Tensor:  # [T, hidden]
         """Fixed shapes for compiled regions: every local expert over every token, combined by a dense
-        [T, E] weight matrix that is zero off each token's choices."""
+        [T, E] weight matrix that is zero off each token's choices. With ``opaque_experts`` (host engines) the
+        grouped experts instead, as one op whose shapes are fixed from the outside."""
+        if self.opaque_experts and not self.packed_fp4 and has_grouped_mm():
+            return grouped_experts_op(x, weights, local_ids, self.gate_up, self.down, self.d.swiglu_limit)
         num = self.num_local_experts
         inside = (local_ids >= 0) & (local_ids < num)
         dense = torch.zeros(x.shape[0], num + 1, dtype=weights.dtype, device=x.device)
