@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -73,6 +74,7 @@ def engine_runs(args, prompts, new_tokens: int, dtype: str) -> tuple[list[PeerRu
     runs = [PeerRun(label, len(prompts), tokens, seconds)]
     single = [run_engine(llm, [p], new_tokens)[:2] for p in prompts[:args.single]]
     runs.append(PeerRun(label, 1, sum(t for t, _ in single), sum(s for _, s in single)))
+    print("\n".join(map(str, runs)), flush=True)
     llm.close()
     return runs, ids
 
@@ -101,21 +103,26 @@ def transformers_runs(args, prompts, new_tokens: int) -> tuple[list[PeerRun], li
             PeerRun("transformers generate", 1, sum(t for t, _ in single), sum(s for _, s in single))], ids
 
 
-def peer_runs(args, new_tokens: int) -> list[PeerRun]:
+def peer_runs(args, new_tokens: int) -> tuple[list[PeerRun], list[str]]:
+    """The peers' runs, and a line for each peer run that failed (a peer's crash must not lose the others')."""
     bench_dir = Path(args.workload).parent
     why = anchors_missing(bench_dir)
     if why:
         print(f"peers skipped: {why}", flush=True)
-        return []
-    runs = []
-    for streams in (32, 1):
-        runs.append(run_vllm(bench_dir, streams))
-        print(f"{runs[-1]}", flush=True)
-    for quant in ("F32", "Q4_1"):
-        for streams in (32, 1):
-            runs.append(run_llama_cpp(quant, streams, new_tokens, threads=torch.get_num_threads()))
+        return [], [f"peers skipped: {why}"]
+    jobs = [(f"vLLM, {s} stream(s)", lambda s=s: run_vllm(bench_dir, s)) for s in (32, 1)]
+    jobs += [(f"llama.cpp {q}, {s} stream(s)",
+              lambda q=q, s=s: run_llama_cpp(q, s, new_tokens, threads=torch.get_num_threads()))
+             for q in ("F32", "Q4_1") for s in (32, 1)]
+    runs, failures = [], []
+    for label, job in jobs:
+        try:
+            runs.append(job())
             print(f"{runs[-1]}", flush=True)
-    return runs
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            failures.append(f"{label} failed: {str(exc).strip()[:300]}")
+            print(failures[-1], flush=True)
+    return runs, failures
 
 
 def main() -> None:
@@ -146,8 +153,10 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         dtype_runs, ours[dtype] = engine_runs(args, prompts, new_tokens, dtype)
         runs += dtype_runs
+    failures: list[str] = []
     if not args.skip_peers:
-        runs += peer_runs(args, new_tokens)
+        peers, failures = peer_runs(args, new_tokens)
+        runs += peers
     agree = None
     if not args.skip_transformers:
         hf_runs, hf_ids = transformers_runs(args, prompts, new_tokens)
@@ -156,11 +165,11 @@ def main() -> None:
             agree = sum(a == b for a, b in zip(ours["float32"], hf_ids))
     stem = args.stem or ("offline" if args.compile == "none" else "offline_compiled")
     write_report(runs, agree, len(prompts), new_tokens, args.single, machine.line(), limits.line(),
-                 Path(args.out), stem)
+                 Path(args.out), stem, failures)
 
 
 def write_report(runs: list[PeerRun], agree: int | None, num_prompts: int, new_tokens: int, single: int,
-                 machine: str, limits: str, out: Path, stem: str) -> None:
+                 machine: str, limits: str, out: Path, stem: str, failures: list[str]) -> None:
     peers = {(r.name, r.streams): r for r in runs if r.name in PEERS}
     lines = ["# Offline throughput: shared workload, side by side", "",
              f"{num_prompts} chat prompts x {new_tokens} new tokens, greedy, EOS ignored, SmolLM2-135M-Instruct; "
@@ -177,6 +186,7 @@ def write_report(runs: list[PeerRun], agree: int | None, num_prompts: int, new_t
     if agree is not None:
         lines += ["", f"Greedy sequences identical to transformers' batched generate: {agree}/{num_prompts} "
                       "(left padding changes fp32 rounding in transformers, so near-ties may differ)."]
+    lines += [""] + [f"- {line}" for line in failures] if failures else []
     text = "\n".join(lines) + "\n"
     print(text)
     out.mkdir(parents=True, exist_ok=True)

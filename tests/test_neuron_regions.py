@@ -92,6 +92,8 @@ def test_decode_graphs_match_eager_at_each_bucket(arch, backend, tiny_llama, tin
     compiled = CompiledModel(model, spec, backend, scratch_block=num_blocks)
     vocab = model.arch.vocab_size
     steps = [[5], [3, 9], [7, 2, 13]]  # 1 -> bucket 1, 2 -> 2, 3 -> 4 rows; widths 2, 3 -> 4, 4
+    if backend == "inductor":  # aot_eager covers the buckets; inductor's codegen once per GEMM path (CI time)
+        steps = steps[:2] if arch == "llama-onednn" else steps[1:2]
     with torch.inference_mode():
         for i, lens in enumerate(steps):
             ids, pos, meta = _paged_decode_inputs(num_blocks, lens, 4, vocab, seed=i)
@@ -114,7 +116,10 @@ def test_prefill_graph_matches_eager(arch, backend, tiny_llama, tiny_deepseek):
     model, num_blocks = (tiny_llama if arch == "llama" else tiny_deepseek), 16
     spec = BucketSpec(batch_sizes=(1,), block_table_widths=(4, 8), prefill_lengths=(8, 16), block_size=BS)
     compiled = CompiledModel(model, spec, backend, scratch_block=num_blocks)
-    for start, q_len in ((0, 6), (4, 9)):  # buckets 8 and 16 (a continuation chunk: context 13 <= 4 blocks)
+    chunks = ((0, 6), (4, 9))  # buckets 8 and 16 (a continuation chunk: context 13 <= 4 blocks)
+    if backend == "inductor":  # aot_eager covers both buckets; inductor's codegen once (CI time)
+        chunks = chunks[1:]
+    for start, q_len in chunks:
         seq = start + q_len
         blocks = list(range(3, 3 + -(-seq // BS)))
         slots = torch.tensor([blocks[p // BS] * BS + p % BS for p in range(start, seq)])
@@ -131,7 +136,7 @@ def test_prefill_graph_matches_eager(arch, backend, tiny_llama, tiny_deepseek):
             got = compiled.compute_logits(compiled(ids, pos, caches, meta))
         torch.testing.assert_close(got, eager, atol=1e-4, rtol=0)
         assert torch.equal(got.argmax(-1), eager.argmax(-1))
-    assert compiled.stats.compiled_steps == 2 and compiled.stats.eager_steps == 0
+    assert compiled.stats.compiled_steps == len(chunks) and compiled.stats.eager_steps == 0
 
 
 def _sampling_meta(batch: int, vocab: int, greedy: bool, top_k: int = -1, top_p: float = 1.0) -> SamplingMetadata:
