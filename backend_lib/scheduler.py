@@ -31,6 +31,7 @@ from backend_lib.hybrid_kv import HybridKVManager
 from backend_lib.kv_cache import KVCacheManager
 from backend_lib.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput
 from backend_lib.request import Request, RequestStatus
+from backend_lib.sessions import SessionTable
 
 _KEEPS_SESSION = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
 
@@ -60,20 +61,6 @@ class SpecCounters:
             self.accepted_per_position[j] += j < num_accepted
 
 
-@dataclass
-class Session:
-    """A multi-turn conversation's token history and the pinned KV blocks that hold its prefix."""
-
-    session_id: str
-    last_used: float
-    token_ids: list[int] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)  # one reference each, held between turns
-    num_computed_tokens: int = 0  # leading tokens of token_ids whose KV sits in block_ids
-    state_slot: int | None = None  # hybrid cache: the fixed state at num_computed_tokens, kept with block_ids
-    turn_request_id: str | None = None  # the turn in flight (waiting or running)
-    closing: bool = False  # close_session arrived during a turn: close when it ends
-
-
 class Scheduler:
     """Counters (cumulative, see ``stats_counters``): ``num_preemptions``, ``num_prompt_tokens`` (added),
     ``num_generation_tokens`` (sampled), ``num_computed_prompt_tokens`` (prompt tokens fed to the model,
@@ -96,13 +83,12 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is the newest
         self._requests: dict[str, Request] = {}
-        self._sessions: dict[str, Session] = {}
+        self.sessions = SessionTable(self.kv_cache, clock)
         self._finished_in_schedule: list[Request] = []  # errors found by schedule(), reported by the next update
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_computed_prompt_tokens = 0
-        self.num_session_evictions = 0
         if num_lookahead_slots < 0:
             raise ValueError(f"num_lookahead_slots must be >= 0, got {num_lookahead_slots}")
         self.num_lookahead_slots = num_lookahead_slots
@@ -121,7 +107,7 @@ class Scheduler:
             raise ValueError(f"request {rid!r} has {request.num_tokens} tokens; max_model_len is "
                              f"{self.max_model_len}, so at most {self.max_model_len - 1} fit with one new token")
         if request.session_id is not None:
-            session = self._sessions.get(request.session_id)
+            session = self.sessions.get(request.session_id)
             if session is None:
                 raise ValueError(f"unknown session {request.session_id!r} (open_session first)")
             if session.turn_request_id is not None:
@@ -288,7 +274,7 @@ class Scheduler:
         request not yet scheduled this step. False when the request itself was preempted or failed."""
         n += self._lookahead(request)
         while not self.kv_cache.can_append(request, n):
-            if self._evict_session_kv():
+            if self.sessions.evict_kv():
                 continue
             victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
             if victim is request and len(self.running) == 1:
@@ -328,9 +314,9 @@ class Scheduler:
         if limit is not None:
             self._fail(request, limit)
             return 0
-        session = self._sessions.get(request.session_id) if request.session_id is not None else None
-        if session is not None and session.block_ids and not self._session_kv_usable(session, request):
-            self._drop_session_kv(session)
+        session = self.sessions.get(request.session_id)
+        if session is not None and session.block_ids and not self.sessions.kv_usable(session, request):
+            self.sessions.drop_kv(session)
         exclude = session.session_id if session is not None else None
         if session is not None and session.block_ids:
             computed = session.num_computed_tokens
@@ -339,7 +325,7 @@ class Scheduler:
                 return None
             extra = self._lookahead(request)
             while self.kv_cache.blocks_needed(computed + n + extra) - len(session.block_ids) > self.kv_cache.num_free_blocks:
-                if not self._evict_session_kv(exclude=exclude):
+                if not self.sessions.evict_kv(exclude=exclude):
                     return None
             request.block_ids, session.block_ids = session.block_ids, []
             request.state_slot, session.state_slot = session.state_slot, None
@@ -353,7 +339,7 @@ class Scheduler:
                 return None
             extra = self._lookahead(request)
             while not self.kv_cache.can_allocate(request, n + extra, computed_blocks):
-                if not self._evict_session_kv(exclude=exclude):
+                if not self.sessions.evict_kv(exclude=exclude):
                     return None
             self.kv_cache.allocate(request, n + extra, computed_blocks)
             request.num_computed_tokens = computed
@@ -390,18 +376,18 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         """A finished request's blocks go back to the pool, or to its session when the turn completed."""
         self._requests.pop(request.request_id, None)
-        session = self._sessions.get(request.session_id) if request.session_id is not None else None
+        session = self.sessions.get(request.session_id)
         if session is None or session.turn_request_id != request.request_id:
             self.kv_cache.free(request)
             return
         session.turn_request_id = None
         session.last_used = self._clock()
         if request.status in _KEEPS_SESSION:
-            self._drop_session_kv(session)  # only non-empty if the turn never took the blocks over
+            self.sessions.drop_kv(session)  # only non-empty if the turn never took the blocks over
             slot, request.state_slot = request.state_slot, None
             blocks = self.kv_cache.detach(request)
             session.token_ids = request.all_token_ids
-            self._store_session_kv(session, blocks, request.num_computed_tokens, slot)
+            self.sessions.store_kv(session, blocks, request.num_computed_tokens, slot)
         elif session.block_ids:  # aborted before admission: the session still has its previous state
             self.kv_cache.free(request)
         else:
@@ -413,101 +399,40 @@ class Scheduler:
                 self.kv_cache.free(request)  # fixed state cannot rewind to the history's end: recompute it
                 valid = 0
             slot, request.state_slot = request.state_slot, None
-            self._store_session_kv(session, self.kv_cache.detach(request), valid, slot)
+            self.sessions.store_kv(session, self.kv_cache.detach(request), valid, slot)
         if session.closing:
-            self._close(session)
+            self.sessions.remove(session)
 
-    def _store_session_kv(self, session: Session, blocks: list[int], num_computed: int,
-                          state_slot: int | None = None) -> None:
-        bs = self.block_size
-        keep = min(len(blocks), self.kv_cache.blocks_needed(num_computed))
-        num_computed = min(num_computed, keep * bs)
-        if keep and num_computed % bs:
-            # The next turn writes into the last, partial block: it must be this session's alone.
-            last = blocks[keep - 1]
-            if self.kv_cache.pool.block_hash[last] is not None or self.kv_cache.pool.ref_cnt[last] > 1:
-                keep -= 1
-                num_computed = keep * bs
-        self.kv_cache.release(blocks[keep:])
-        session.block_ids = blocks[:keep]
-        session.num_computed_tokens = num_computed
-        if keep:
-            session.state_slot = state_slot
-        elif state_slot is not None:
-            self.kv_cache.release_state(state_slot)
-
-    # ---- sessions -------------------------------------------------------------------------------
+    # ---- sessions (backend_lib/sessions.py) ----------------------------------------------------------
     def open_session(self, session_id: str) -> None:
-        if session_id in self._sessions:
-            raise ValueError(f"session {session_id!r} is already open")
-        self._sessions[session_id] = Session(session_id=session_id, last_used=self._clock())
+        self.sessions.open(session_id)
 
     def close_session(self, session_id: str) -> None:
-        """Free the session's blocks. With a turn in flight, the session closes when that turn ends."""
-        session = self._sessions.get(session_id)
-        if session is None:
-            raise ValueError(f"unknown session {session_id!r}")
-        if session.turn_request_id is not None:
-            session.closing = True
-            return
-        self._close(session)
-
-    def _close(self, session: Session) -> None:
-        self._drop_session_kv(session)
-        del self._sessions[session.session_id]
+        """Free the session's KV. With a turn in flight, the session closes when that turn ends."""
+        self.sessions.close(session_id)
 
     def has_session(self, session_id: str) -> bool:
-        return session_id in self._sessions
+        return self.sessions.get(session_id) is not None
 
     def session_busy(self, session_id: str) -> bool:
-        session = self._sessions.get(session_id)
-        return session is not None and session.turn_request_id is not None
+        return self.sessions.busy(session_id)
 
     def session_history(self, session_id: str) -> list[int]:
-        session = self._sessions.get(session_id)
-        if session is None:
-            raise ValueError(f"unknown session {session_id!r}")
-        return list(session.token_ids)
+        return self.sessions.history(session_id)
 
     def session_num_cached_tokens(self, session_id: str) -> int:
-        """History tokens whose KV the session currently pins (0 after eviction)."""
-        session = self._sessions.get(session_id)
-        return session.num_computed_tokens if session is not None else 0
+        return self.sessions.num_cached_tokens(session_id)
 
     @property
     def num_sessions(self) -> int:
-        return len(self._sessions)
+        return len(self.sessions)
+
+    @property
+    def num_session_evictions(self) -> int:
+        return self.sessions.num_evictions
 
     def close_idle_sessions(self, now: float, idle_timeout_s: float) -> list[str]:
-        """Close sessions with no turn in flight, unused for more than ``idle_timeout_s`` (``now`` on the
-        scheduler's clock, time.monotonic by default)."""
-        idle = [s for s in self._sessions.values()
-                if s.turn_request_id is None and now - s.last_used > idle_timeout_s]
-        for session in idle:
-            self._close(session)
-        return [s.session_id for s in idle]
-
-    def _session_kv_usable(self, session: Session, request: Request) -> bool:
-        history = len(session.token_ids)
-        return (session.num_computed_tokens <= request.num_tokens - 1
-                and request.prompt_token_ids[:history] == session.token_ids)
-
-    def _drop_session_kv(self, session: Session) -> None:
-        self.kv_cache.release(session.block_ids)
-        if session.state_slot is not None:
-            self.kv_cache.release_state(session.state_slot)
-        session.block_ids = []
-        session.num_computed_tokens = 0
-        session.state_slot = None
-
-    def _evict_session_kv(self, exclude: str | None = None) -> bool:
-        """Release the KV of the least recently used session holding blocks; its next turn recomputes."""
-        candidates = [s for s in self._sessions.values() if s.block_ids and s.session_id != exclude]
-        if not candidates:
-            return False
-        self._drop_session_kv(min(candidates, key=lambda s: s.last_used))
-        self.num_session_evictions += 1
-        return True
+        return self.sessions.close_idle(now, idle_timeout_s)
 
     # ---- introspection --------------------------------------------------------------------------
     def stats_counters(self) -> dict[str, int | list[int]]:
@@ -535,13 +460,12 @@ class Scheduler:
         for request in self.running:
             assert request.status is RequestStatus.RUNNING, \
                 f"running request {request.request_id!r} has status {request.status}"
-        holders = [r.block_ids for r in self.running] + [s.block_ids for s in self._sessions.values()]
+        holders = [r.block_ids for r in self.running] + self.sessions.held_blocks()
         if isinstance(self.kv_cache, HybridKVManager):
             for request in self.waiting:
                 assert request.state_slot is None, \
                     f"waiting request {request.request_id!r} holds state slot {request.state_slot}"
-            slots = [r.state_slot for r in self.running] + [s.state_slot for s in self._sessions.values()
-                                                            if s.state_slot is not None]
+            slots = [r.state_slot for r in self.running] + self.sessions.held_state_slots()
             assert None not in slots, "a running request has no state slot"
             self.kv_cache.check_integrity(holders, slots)
         else:
