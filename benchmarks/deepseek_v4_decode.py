@@ -176,12 +176,12 @@ def write_report(timings: list[Timing], agreement: dict[int, dict[str, int]],
         f"Part 1: {PROMPT_LENGTH}-token prompts (equal lengths, no padding), {new_tokens} new tokens, greedy. Decode "
         f"tokens/s = batch x {new_tokens - 1} / (t({new_tokens} tokens) - t(1 token)), best runs, engines "
         "alternating. Part 2: our decode step at batch 1 against the context length.",
-        "Our engine: eager, and with compiled regions (`compile_backend=inductor`, one decode graph per batch size "
-        "and block-table width, static MoE over every expert; compile time not counted, as a server pays it once "
-        "at start).",
+        "Our engine: " + ", ".join(label[e] for e in engines) + " (compiled: `compile_backend=inductor`, one decode "
+        "graph per batch size and block-table width, the routed experts as one opaque grouped-GEMM op; compile time "
+        "not counted, as a server pays it once at start).",
         "",
-        f"Machine: {machine}; cores **shared with other engineers' jobs** (noisy; compare within a row). Load "
-        f"average (1/5/15 min) before: {load_before}; after: {load_after}.",
+        f"Machine: {machine}; 2 shared cores: compare within a row, and mind the load average (1/5/15 min) before: "
+        f"{load_before}; after: {load_after}.",
         "",
         "| batch | " + " | ".join(f"{label[e]} decode tok/s" for e in engines) + " | transformers decode tok/s | "
         + " | ".join(f"{label[e]} / transformers" for e in engines) + " | greedy sequences identical |",
