@@ -36,12 +36,19 @@ def smol_flat(smollm2_path) -> dict:
             "max_num_batched_tokens": 64}
 
 
-def test_smollm2_compiled_greedy_equals_eager_and_transformers(smol_flat, hf_smollm2):
+@pytest.fixture(scope="module")
+def smol_eager_ids(smol_flat) -> list[list[int]]:
+    """The eager engine's greedy ids: what every compiled SmolLM2 engine below must give."""
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    return _ids(LLM(config=EngineConfig.from_flat(smol_flat)).generate(PROMPTS, params))
+
+
+def test_smollm2_compiled_greedy_equals_eager_and_transformers(smol_flat, smol_eager_ids, hf_smollm2):
     hf, tokenizer = hf_smollm2
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     compiled = _compiled_llm(smol_flat)
     got = _ids(compiled.generate(PROMPTS, params))
-    assert got == _ids(LLM(config=EngineConfig.from_flat(smol_flat)).generate(PROMPTS, params))
+    assert got == smol_eager_ids
     for prompt, tokens in zip(PROMPTS, got):
         ids = compiled.engine.tokenize(prompt)
         assert tokens == hf_greedy(hf, ids, NEW_TOKENS)[0]
@@ -53,11 +60,10 @@ def test_smollm2_compiled_greedy_equals_eager_and_transformers(smol_flat, hf_smo
     assert stats.eager_steps == before
 
 
-def test_smollm2_compiled_with_ngram_speculation_equals_plain(smol_flat):
+def test_smollm2_compiled_with_ngram_speculation_equals_plain(smol_flat, smol_eager_ids):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    expected = _ids(_compiled_llm(smol_flat).generate(PROMPTS, params))
     spec = _compiled_llm({**smol_flat, "method": "ngram", "num_speculative_tokens": 3})
-    assert _ids(spec.generate(PROMPTS, params)) == expected
+    assert _ids(spec.generate(PROMPTS, params)) == smol_eager_ids  # = the plain compiled engine's (test above)
 
 
 @pytest.fixture(scope="module")
