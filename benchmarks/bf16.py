@@ -26,8 +26,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.machine import describe  # noqa: E402
 from benchmarks.offline_throughput import load_workload  # noqa: E402
-from benchmarks.tensor_parallel import cpu_name  # noqa: E402
 from backend_lib.config import EngineConfig  # noqa: E402
 from backend_lib.models.loader import default_model_path  # noqa: E402
 from backend_lib.offline import LLM  # noqa: E402
@@ -90,13 +90,10 @@ def _one_stream(llm: LLM, prompts, new_tokens: int) -> float:
     return tokens / seconds
 
 
-def machine_line(threads: int) -> str:
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    isa = [name for name in ("avx512f", "avx512_bf16", "amx_bf16") if f" {name}" in flags]
-    load = os.getloadavg()
-    return (f"{cpu_name()}, {os.cpu_count()} cores ({', '.join(isa) or 'no AVX-512'}; bf16 GEMM "
-            f"{'native' if native_bf16_gemm() else 'emulated' if onednn_gemm_available(torch.device('cpu'), torch.bfloat16) else 'F.linear'}), "
-            f"torch {torch.__version__}, {threads} threads; load average {load[0]:.1f} at the start")
+def machine_line() -> str:
+    bf16_gemm = ("native" if native_bf16_gemm() else
+                 "emulated" if onednn_gemm_available(torch.device("cpu"), torch.bfloat16) else "F.linear")
+    return f"{describe().line()}; bf16 GEMM {bf16_gemm}"
 
 
 def transformers_divergences(prompts, ours: list[list[int]], new_tokens: int) -> list[tuple[int, Divergence]]:
@@ -138,7 +135,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     prompts, new_tokens = load_workload(Path(args.workload))
     new_tokens = args.new_tokens or new_tokens
-    machine = machine_line(torch.get_num_threads())
+    machine = machine_line()
     print(machine, flush=True)
 
     engines = {dtype: LLM(config=EngineConfig.from_flat({

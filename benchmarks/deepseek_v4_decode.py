@@ -18,8 +18,6 @@ Run: `python benchmarks/deepseek_v4_decode.py --threads 1`.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import tempfile
 from pathlib import Path

@@ -25,13 +25,13 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.machine import describe, read_bandwidth_gbs  # noqa: E402
 from kernels.gemv import block_weight, blocked_linear, gemv_available, kernel_isa  # noqa: E402
 from kernels.onednn_gemm import PackedWeight  # noqa: E402
 
 # (out, in): SmolLM2-135M's q/o (576x576), up/gate (1536x576), down (576x1536), head (49152x576); a big square.
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576), (4096, 4096)]
 LAYER_SHAPES = SHAPES[:3]
-FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_bf16", "avx_vnni")
 
 
 @dataclass
@@ -70,24 +70,7 @@ def methods() -> list[Method]:
 
 
 def machine() -> str:
-    info = {}
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        info.setdefault(key.strip(), value.strip())
-    flags = set(info.get("flags", "").split())
-    have = " ".join(flag for flag in FLAGS if flag in flags)
-    return (f"{info.get('model name', '?')} (family {info.get('cpu family', '?')}, model {info.get('model', '?')}), "
-            f"{torch.get_num_threads()} torch threads; flags: {have}; blocked kernel ISA: {kernel_isa()}")
-
-
-def read_bandwidth_gbps(reps: int = 5) -> float:
-    x = torch.ones(1 << 28)  # 1 GiB fp32
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - start)
-    return x.numel() * 4 / best / 1e9
+    return f"{describe().line()}; blocked kernel ISA: {kernel_isa()}"
 
 
 def measure(shape: tuple[int, int], rows_list: list[int], chosen: list[Method], working_set: int,
@@ -187,7 +170,7 @@ def main() -> int:
     chosen = methods()
     names = [m.name for m in chosen]
     working_set = args.working_set_mib << 20
-    header = [f"Machine: {machine()}", f"Read bandwidth (x.sum over 1 GiB): {read_bandwidth_gbps():.1f} GB/s",
+    header = [f"Machine: {machine()}", f"Read bandwidth (x.sum over 1 GiB): {read_bandwidth_gbs():.1f} GB/s",
               f"Each call reads its weight from a {args.working_set_mib} MiB rotation of copies; best of "
               f"{args.reps} reps."]
     print("\n".join(header))

@@ -65,10 +65,13 @@ def _best_seconds(fn, repeats: int) -> float:
     return best
 
 
-def measure_limits() -> Limits:
+def read_bandwidth_gbs() -> float:
     x = torch.ones(1 << 28)  # 1 GiB of fp32
-    read = x.numel() * 4 / _best_seconds(x.sum, 5) / 1e9
-    del x
+    return x.numel() * 4 / _best_seconds(x.sum, 5) / 1e9
+
+
+def measure_limits() -> Limits:
+    read = read_bandwidth_gbs()
     n = 2048
     gflops = {}
     for dtype in (torch.float32, torch.bfloat16):

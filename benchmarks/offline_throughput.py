@@ -10,7 +10,7 @@ generated tokens per second over the whole run, prefill included. Runs, one afte
   transformers generate     one left-padded generate() over all 32 prompts; the first --single one at a time
 Prints the machine (CPU, family, flags, measured read bandwidth and GEMM peak) and a table with ratios against
 each peer at the same stream count; writes benchmarks/results/<stem>.md and .png.
-PeerRun nothing else meanwhile: a busy neighbour stalls every engine's OpenMP barriers.
+Run nothing else meanwhile: a busy neighbour stalls every engine's OpenMP barriers.
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ from backend_lib.engine import LLMEngine  # noqa: E402
 from backend_lib.models.loader import default_model_path  # noqa: E402
 from backend_lib.sampling_params import SamplingParams  # noqa: E402
 from backend_lib.tiny import make_tiny  # noqa: E402
+from benchmarks.machine import describe  # noqa: E402
 
 TEXTS = [
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, and wrote the names "
@@ -234,14 +234,6 @@ def _step_ratio(base: Result, spec: Result) -> float:
     return _median(spec.verify_step_s) / _median(base.plain_step_s)
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "cpu")
-    except OSError:
-        return platform.processor() or "cpu"
-
-
 def _load() -> str:
     try:
         return ", ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -252,11 +244,12 @@ def _load() -> str:
 def write_results(rows: list[tuple[str, Result, Result]], mtp_rows: list[tuple[int, Result]], args) -> None:
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
+    machine = describe()
     lines = [
         "# Speculative decoding",
         "",
-        f"Machine: {platform.machine()}, {_cpu_model()}, {os.cpu_count()} cores, "
-        f"{torch.get_num_threads()} torch threads, load average at the end {_load()}. SmolLM2-135M-Instruct Q4_1 "
+        f"Machine: {machine.cpu} (cpu family {machine.family}, model {machine.model}), {machine.cores} cores, "
+        f"{machine.threads} torch threads, load average at the end {_load()}. SmolLM2-135M-Instruct Q4_1 "
         f"GGUF in fp32, greedy, n-gram k={args.k} (n in [1, 4]; a one-token match drafts one token; at most 8 "
         "verification rows a step). Copy-heavy prompts: repeat a paragraph, or copy it with a light edit. "
         "**copy**: each request ends at the model's end-of-turn (the output is the copy). **copy+tail**: EOS "
