@@ -43,11 +43,14 @@ def smol_eager_ids(smol_flat) -> list[list[int]]:
     return _ids(LLM(config=EngineConfig.from_flat(smol_flat)).generate(PROMPTS, params))
 
 
-def test_smollm2_compiled_greedy_equals_eager_and_transformers(smol_flat, smol_eager_ids, hf_smollm2):
+def test_smollm2_compiled_greedy_equals_eager_and_transformers_with_and_without_ngram(smol_flat, smol_eager_ids,
+                                                                                      hf_smollm2):
+    """One compiled engine (its graphs take most of this test's time) serves requests that opt out of speculation
+    and requests that draft n-grams: both give the eager engine's greedy ids."""
     hf, tokenizer = hf_smollm2
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    compiled = _compiled_llm(smol_flat)
-    got = _ids(compiled.generate(PROMPTS, params))
+    plain = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, speculative=False)
+    compiled = _compiled_llm({**smol_flat, "method": "ngram", "num_speculative_tokens": 3})
+    got = _ids(compiled.generate(PROMPTS, plain))
     assert got == smol_eager_ids
     for prompt, tokens in zip(PROMPTS, got):
         ids = compiled.engine.tokenize(prompt)
@@ -56,14 +59,12 @@ def test_smollm2_compiled_greedy_equals_eager_and_transformers(smol_flat, smol_e
     assert stats.compiled_steps > NEW_TOKENS // 2  # decodes (and single prefills) really ran as graphs
     # one at a time: every prefill is a single chunk (a prefill graph), every decode a batch-1 graph
     before = stats.eager_steps
-    assert _ids(compiled.generate(PROMPTS[:1], params)) == got[:1]
+    assert _ids(compiled.generate(PROMPTS[:1], plain)) == got[:1]
     assert stats.eager_steps == before
-
-
-def test_smollm2_compiled_with_ngram_speculation_equals_plain(smol_flat, smol_eager_ids):
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    spec = _compiled_llm({**smol_flat, "method": "ngram", "num_speculative_tokens": 3})
-    assert _ids(spec.generate(PROMPTS, params)) == smol_eager_ids  # = the plain compiled engine's (test above)
+    assert compiled.engine.stats().spec_draft_tokens == 0  # the opted-out requests drafted nothing
+    assert _ids(compiled.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
+                                                          ignore_eos=True))) == smol_eager_ids
+    assert compiled.engine.stats().spec_draft_tokens > 0
 
 
 @pytest.fixture(scope="module")
