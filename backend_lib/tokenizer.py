@@ -221,13 +221,10 @@ class Tokenizer:
 
 
 def _read_gguf_tokenizer_metadata(path: str) -> dict[str, Any]:
-    import gguf  # only GGUF loading needs it
+    from backend_lib.models.gguf_file import GGUFFile  # only GGUF loading needs it
 
-    reader = gguf.GGUFReader(path)
-    metadata: dict[str, Any] = {}
-    for name, value in reader.fields.items():
-        if name.startswith("tokenizer.") or name == "general.architecture":
-            metadata[name] = value.contents()
+    metadata = {name: value for name, value in GGUFFile(path).fields.items()
+                if name.startswith("tokenizer.") or name == "general.architecture"}
     if "tokenizer.ggml.tokens" not in metadata:
         raise ValueError(f"GGUF file {path!r} has no tokenizer.ggml.tokens metadata")
     return metadata

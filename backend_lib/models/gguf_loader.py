@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from backend_lib.models.gguf_file import GGUFFile
 from backend_lib.models.registry import architecture_for_gguf
 
 Q = GGMLQuantizationType
@@ -73,7 +74,7 @@ class GGUFCheckpoint:
     architecture: str  # Hugging Face class name, for the registry
     config: dict[str, Any]  # Hugging Face config.json keys
     num_tensors: int
-    reader: GGUFReader
+    reader: GGUFFile
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, float32 tensor), dequantized one at a time."""
@@ -89,14 +90,9 @@ class GGUFCheckpoint:
             yield name, weight
 
 
-def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 def open_gguf(path: str) -> GGUFCheckpoint:
-    reader = GGUFReader(path)
-    gguf_arch = _field(reader, "general.architecture")
+    reader = GGUFFile(path)
+    gguf_arch = reader.get("general.architecture")
     if gguf_arch is None:
         raise ValueError(f"{path}: GGUF file has no general.architecture")
     architecture = architecture_for_gguf(gguf_arch)
@@ -108,14 +104,14 @@ def open_gguf(path: str) -> GGUFCheckpoint:
                              f"{sorted(q.name for q in SUPPORTED_GGUF_TYPES)}")
 
     def key(name: str, default: Any = None) -> Any:
-        return _field(reader, f"{gguf_arch}.{name}", default)
+        return reader.get(f"{gguf_arch}.{name}", default)
 
     hidden = key("embedding_length")
     heads = key("attention.head_count")
     if hidden is None or heads is None or key("block_count") is None or key("feed_forward_length") is None:
         raise ValueError(f"{path}: GGUF metadata lacks {gguf_arch}.embedding_length / block_count / "
                          "feed_forward_length / attention.head_count")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    tokens = reader.get("tokenizer.ggml.tokens")
     embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
     vocab = len(tokens) if tokens is not None else key("vocab_size", int(embed.shape[-1]))
     config: dict[str, Any] = {
@@ -131,8 +127,8 @@ def open_gguf(path: str) -> GGUFCheckpoint:
         "rope_theta": float(key("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(key("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": reader.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": reader.get("tokenizer.ggml.eos_token_id"),
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
     }
     scaling_type = key("rope.scaling.type", "none")
