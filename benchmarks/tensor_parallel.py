@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.machine import describe  # noqa: E402
 from benchmarks.offline_throughput import load_workload  # noqa: E402
 from backend_lib.offline import LLM  # noqa: E402
 from backend_lib.sampling_params import SamplingParams  # noqa: E402
@@ -37,15 +37,6 @@ class Result:
     collective_ms: float = 0.0  # of which in collectives
     collectives_per_step: float = 0.0
     collective_bytes_per_step: float = 0.0
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = {key.strip(): value for key, value in (line.split(":", 1) for line in f if ":" in line)}
-        return f"{info['model name'].strip()} (family {info['cpu family'].strip()}, model {info['model'].strip()})"
-    except (OSError, KeyError):
-        return platform.processor() or platform.machine()
 
 
 def tokens_per_s(llm: LLM, prompts, new_tokens: int) -> float:
@@ -102,7 +93,7 @@ def run(tp: int, prompts, new_tokens: int, single: int, profile_steps: int) -> R
 def write_report(results: list[Result], out: Path) -> None:
     base = results[0]
     lines = ["# Tensor parallelism on the host: shared workload", "",
-             f"Machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}. SmolLM2-135M fp32 "
+             f"Machine: {describe().line()}. SmolLM2-135M fp32 "
              "(3 KV heads: two ranks hold 2 + 1 KV-head groups); all-reduces through shared memory, step inputs "
              "(broadcast) and logits (all-gather) over gloo; each rank pinned to its share of the cores with as "
              "many threads; one rank uses every core. Collective time is the driver's, waits for the slower rank "
@@ -144,7 +135,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     prompts, new_tokens = load_workload(Path(args.workload))
-    print(f"machine: {cpu_name()}", flush=True)
+    print(f"machine: {describe().line()}", flush=True)
     results = [run(tp, prompts, new_tokens, args.single, args.profile_steps) for tp in (1, args.tp)]
     write_report(results, Path(args.out))
 
