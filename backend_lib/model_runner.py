@@ -25,7 +25,8 @@ import torch
 
 from backend_lib.config import CompileConfig, SpecConfig
 from backend_lib.distributed.step_channel import StepChannel, StepOp
-from backend_lib.neuron.regions import build_regions
+from backend_lib.neuron.platform import detect_platform
+from backend_lib.neuron.regions import build_regions, resolve_backend
 from backend_lib.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput, TokenLogprob
 from backend_lib.sampler import Sampler, SamplingMetadata, SamplingRow
 from backend_lib.spec_decode import make_mtp_proposer
@@ -99,14 +100,14 @@ class ModelRunner:
         self.ngram = NgramProposer(spec.ngram_min, spec.ngram_max, k) if self.spec_method == "ngram" else None
         self.mtp = (make_mtp_proposer(model, self.kv_caches, num_slots, k, device, dtype)
                     if self.spec_method == "mtp" else None)
+        if getattr(self.mtp, "needs_eager_model", False) and resolve_backend(compile_config, detect_platform()):
+            raise ValueError("spec_method 'mtp' drafts for this model need the eager forward (it keeps the "
+                             "pre-hc_head streams): set compile_backend 'none' (and no DEEPINFER_COMPILE_BACKEND) "
+                             "or DEEPINFER_ENFORCE_EAGER=1")
         # Compiled regions (backend_lib/neuron): same contracts, eager unless compile_config or
         # DEEPINFER_COMPILE_BACKEND ask for graphs; DEEPINFER_ENFORCE_EAGER=1 keeps everything eager.
         self.model, self.sampler = build_regions(model, self.sampler, self.kv_caches, num_blocks, block_size,
                                                  vocab_size, compile_config, max_num_seqs, max_model_len)
-        if getattr(self.mtp, "needs_eager_model", False) and self.model is not model:
-            raise ValueError("spec_method 'mtp' drafts for this model need the eager forward (its pre-hc_head "
-                             "streams): unset compile_config / DEEPINFER_COMPILE_BACKEND or set "
-                             "DEEPINFER_ENFORCE_EAGER=1")
 
     @property
     def num_lookahead_slots(self) -> int:

@@ -220,3 +220,10 @@ def test_mtp_drafts_are_lossless_and_equal_the_oracle_chain(tiny_mtp, k):
     kv = engine.scheduler.kv_cache
     assert stats.kv_blocks_used == 0 and kv.num_free_state_slots == kv.num_state_slots
     engine.scheduler.check_integrity()
+
+
+def test_mtp_with_compiled_regions_is_refused_before_compiling(tiny_mtp):
+    """V4 drafts read the streams the eager forward keeps: an engine with compiled regions refuses, naming the field."""
+    path, _ = tiny_mtp
+    with pytest.raises(ValueError, match="compile_backend"):
+        _engine(path, method="mtp", num_speculative_tokens=1, compile_backend="aot_eager")
