@@ -47,7 +47,7 @@ class Oracle:
         one = {**config, "num_hidden_layers": 1, "layer_types": ["sliding_attention"], "mlp_layer_types": ["moe"],
                "num_nextn_predict_layers": 0}
         DeepseekV4Config(**one).save_pretrained(str(scratch))
-        depth = {"model.embed_tokens.weight": tensors["model.embed_tokens.weight"], "head.weight": tensors["head.weight"]}
+        depth = {name: tensors[name] for name in ("model.embed_tokens.weight", "head.weight")}
         for name, t in tensors.items():
             if not name.startswith("mtp.0."):
                 continue
