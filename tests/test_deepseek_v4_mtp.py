@@ -227,3 +227,32 @@ def test_mtp_with_compiled_regions_is_refused_before_compiling(tiny_mtp):
     path, _ = tiny_mtp
     with pytest.raises(ValueError, match="compile_backend"):
         _engine(path, method="mtp", num_speculative_tokens=1, compile_backend="aot_eager")
+
+
+def test_mtp_drafts_across_session_turns_equal_the_oracle(tiny_mtp):
+    """A session keeps its state slot, MTP ring included, between turns: the second turn prefills only its new
+    tokens and its drafts equal the oracle's over the whole history; ids equal the plain engine's."""
+    from backend_lib.outputs import SessionControl
+    path, oracle = tiny_mtp
+    first, second = _tokens(11, 74), _tokens(6, 75)
+
+    def run(on_step=None, **settings) -> tuple[list[int], list[int], LLMEngine]:
+        engine = _engine(path, num_blocks=48, **settings)
+        engine.add_request("t1", first, GREEDY, session=SessionControl("s", start=True))
+        turn1 = _drive(engine)["t1"]
+        engine.add_request("a", second, GREEDY, session=SessionControl("s", end=True))
+        return turn1, _drive(engine, on_step)["a"], engine
+
+    plain = run()[:2]
+    checked = []
+
+    def check(request) -> None:
+        if request is not None and request.draft_token_ids:
+            assert request.all_token_ids[:len(first) + len(plain[0])] == first + plain[0]  # the turn's history
+            assert request.draft_token_ids == oracle.drafts(request.all_token_ids, 2)
+            checked.append(request.num_tokens)
+
+    *spec, engine = run(check, method="mtp", num_speculative_tokens=2)
+    assert spec == list(plain) and len(checked) >= 4
+    kv = engine.scheduler.kv_cache
+    assert engine.stats().kv_blocks_used == 0 and kv.num_free_state_slots == kv.num_state_slots
