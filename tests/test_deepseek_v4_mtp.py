@@ -3,7 +3,9 @@
 The oracle is transformers' own V4 modules: transformers has no V4 MTP (it ignores ``mtp.*`` on load), so the
 depth is assembled from them - a one-layer sliding-only, top-k ``DeepseekV4ForCausalLM`` loaded with the ``mtp.0.*``
 block, hc head and norm, its ``DeepseekV4RMSNorm`` for ``enorm`` / ``hnorm``, the main model's pre-hc_head streams
-(hooked at its ``hc_head``), embedding and lm head. Only ``e_proj`` / ``h_proj`` are plain ``F.linear``."""
+(hooked at its ``hc_head``), embedding and lm head. Only ``e_proj`` / ``h_proj`` are plain ``F.linear``. The engine's
+drafts are checked against the oracle's from-scratch drafts through chunked prefill, batching, preemption, forced
+accepts / rejects and session turns."""
 from __future__ import annotations
 
 import json
@@ -184,9 +186,9 @@ def _drive(engine: LLMEngine, on_step=None) -> dict[str, list[int]]:
 @pytest.mark.parametrize("k", [1, 3])
 def test_mtp_drafts_are_lossless_and_equal_the_oracle_chain(tiny_mtp, k):
     """Prompts shorter (3) and longer (20, 11) than the window, prefilled in chunks of 9 next to each other in a pool
-    small enough to preempt: greedy ids equal the plain engine's; every draft of request "a" equals the oracle's from-scratch drafts, also after
-    forced verification outcomes the random depth rarely produces (all accepted, then accept + reject), so its
-    ring is right after roll-backs; no block or state slot leaks."""
+    small enough to preempt: greedy ids equal the plain engine's; every draft of request "a" equals the oracle's
+    from-scratch drafts, also after forced verification outcomes the random depth rarely produces (all accepted,
+    then accept + reject), so its ring is right after roll-backs; no block or state slot leaks."""
     path, oracle = tiny_mtp
     prompts = {"a": _tokens(20, 71), "b": _tokens(3, 72), "c": _tokens(11, 73)}
 
