@@ -25,10 +25,11 @@ import torch
 
 from backend_lib.config import CompileConfig, SpecConfig
 from backend_lib.distributed.step_channel import StepChannel, StepOp
-from backend_lib.neuron.regions import build_regions
+from backend_lib.neuron.platform import detect_platform
+from backend_lib.neuron.regions import build_regions, resolve_backend
 from backend_lib.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput, TokenLogprob
 from backend_lib.sampler import Sampler, SamplingMetadata, SamplingRow
-from backend_lib.spec_decode.mtp import MTPProposer
+from backend_lib.spec_decode import make_mtp_proposer
 from backend_lib.spec_decode.ngram import NgramProposer
 from backend_lib.spec_decode.rejection import DraftLayout, num_accepted, rejection_sample
 from kernels import sampling as sampling_ops
@@ -97,7 +98,12 @@ class ModelRunner:
         k = spec.num_speculative_tokens
         self.spec_method = spec.method if k > 0 else "none"
         self.ngram = NgramProposer(spec.ngram_min, spec.ngram_max, k) if self.spec_method == "ngram" else None
-        self.mtp = MTPProposer(model, num_slots, k, device, dtype) if self.spec_method == "mtp" else None
+        self.mtp = (make_mtp_proposer(model, self.kv_caches, num_slots, k, device, dtype)
+                    if self.spec_method == "mtp" else None)
+        if getattr(self.mtp, "needs_eager_model", False) and resolve_backend(compile_config, detect_platform()):
+            raise ValueError("spec_method 'mtp' drafts for this model need the eager forward (it keeps the "
+                             "pre-hc_head streams): set compile_backend 'none' (and no DEEPINFER_COMPILE_BACKEND) "
+                             "or DEEPINFER_ENFORCE_EAGER=1")
         # Compiled regions (backend_lib/neuron): same contracts, eager unless compile_config or
         # DEEPINFER_COMPILE_BACKEND ask for graphs; DEEPINFER_ENFORCE_EAGER=1 keeps everything eager.
         self.model, self.sampler = build_regions(model, self.sampler, self.kv_caches, num_blocks, block_size,
@@ -245,7 +251,7 @@ class ModelRunner:
             verified = self.channel.receive().tensors["verified"]
             self._mtp_drafts(hidden, inputs, t["mtp_next_ids"], t["mtp_first_rows"], t["mtp_tables"], verified)
         elif "mtp_next_ids" in t:
-            self.mtp.step(t["mtp_next_ids"], hidden, inputs.positions + 1, inputs.meta)
+            self.mtp.first_pass(t["mtp_next_ids"], hidden, inputs.positions, inputs.meta)
         return True
 
     def shutdown_workers(self) -> None:
@@ -310,7 +316,7 @@ class ModelRunner:
         sampling = inputs.sampling_chunks
         if not sampling:
             if self.mtp is not None:  # keep the MTP cache complete for the prefill tokens
-                self.mtp.step(mtp_host["mtp_next_ids"], hidden, inputs.positions + 1, inputs.meta)
+                self.mtp.first_pass(mtp_host["mtp_next_ids"], hidden, inputs.positions, inputs.meta)
             return RunnerOutput(sampled_token_ids=sampled, draft_token_ids=proposals)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         meta = SamplingMetadata.build(self._verify_rows(chunks, inputs), self.vocab_size, self.device)

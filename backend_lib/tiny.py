@@ -122,6 +122,56 @@ def _make_tiny_v4(out: Path, kwargs: dict[str, Any], gen: torch.Generator, num_s
     _perturb_v4(model, gen)
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     model.save_pretrained(str(out), max_shard_size=total // num_shards + 1)
+    depths = int(kwargs.get("num_nextn_predict_layers") or 0)
+    if depths:
+        from safetensors.torch import load_file
+
+        index = out / "model.safetensors.index.json"
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        tensors: dict[str, torch.Tensor] = {}
+        for file in files:
+            tensors.update(load_file(str(out / file)))
+            (out / file).unlink()
+        for k in range(depths):
+            tensors.update(_mtp_tensors_v4(kwargs, k, gen, out / f".mtp{k}"))
+        _write_shards(tensors, out, num_shards)
+
+
+def _mtp_tensors_v4(kwargs: dict[str, Any], depth: int, gen: torch.Generator, scratch: Path) -> dict[str, torch.Tensor]:
+    """Random ``mtp.{depth}.*`` tensors in the release layout: a one-layer sliding-only, top-k V4 saved by
+    transformers gives the block (``attn``, ``ffn``, ``hc_attn_*`` ...), its ``hc_head`` and final ``norm``; the
+    MTP glue (``enorm``, ``hnorm``, ``e_proj``, ``h_proj``) is drawn here. transformers ignores ``mtp.*`` on load."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file
+
+    one = {**kwargs, "num_hidden_layers": 1, "layer_types": ["sliding_attention"], "mlp_layer_types": ["moe"],
+           "num_nextn_predict_layers": 0}
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    model = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**one)).float().eval()
+    _perturb(model, gen)
+    _perturb_v4(model, gen)
+    model.save_pretrained(str(scratch))
+    saved: dict[str, torch.Tensor] = {}
+    for file in sorted(scratch.glob("*.safetensors")):
+        saved.update(load_file(str(file)))
+    shutil.rmtree(scratch)
+    prefix, out = f"mtp.{depth}.", {}
+    for name, tensor in saved.items():
+        name = name[len("model."):] if name.startswith("model.") else name
+        if name.startswith("layers.0."):
+            out[prefix + name[len("layers.0."):]] = tensor
+        elif name.startswith("hc_head."):  # transformers' hc_head.hc_fn -> the release's hc_head_fn
+            out[prefix + "hc_head_" + name[len("hc_head.hc_"):]] = tensor
+        elif name == "norm.weight":
+            out[prefix + name] = tensor
+    h, std = kwargs["hidden_size"], kwargs["initializer_range"]
+    for norm in ("enorm", "hnorm"):
+        out[f"{prefix}{norm}.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
+    for proj in ("e_proj", "h_proj"):
+        out[f"{prefix}{proj}.weight"] = std * torch.randn(h, h, generator=gen)
+    return out
 
 
 _V4_FP8 = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])\.weight$")
@@ -226,15 +276,12 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
     """Write a tiny random ``arch`` model to ``out_dir``; ``overrides`` replaces config fields."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    if arch == "deepseek_v4" and mtp_layers:
-        raise ValueError("deepseek_v4 tiny models have no MTP layers yet: --mtp-layers is not implemented for this "
-                         "arch")
     if fp4_experts and arch != "deepseek_v4":
         raise ValueError("fp4_experts is only defined for arch 'deepseek_v4'")
     if fp8 and arch == "llama":
         raise ValueError("fp8 is only supported for the DeepSeek archs")
     if mtp_layers < 0 or (mtp_layers and arch == "llama"):
-        raise ValueError(f"mtp_layers must be >= 0 and only set for deepseek_v3, got {mtp_layers} for {arch}")
+        raise ValueError(f"mtp_layers must be >= 0 and only set for the DeepSeek archs, got {mtp_layers} for {arch}")
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     import transformers

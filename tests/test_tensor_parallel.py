@@ -26,7 +26,7 @@ def tiny_dirs(tmp_path_factory):
         "llama": make_tiny("llama", root / "llama"),
         "deepseek": make_tiny("deepseek_v3", root / "deepseek", mtp_layers=1),
         "deepseek_fp8": make_tiny("deepseek_v3", root / "deepseek_fp8", fp8=True, mtp_layers=1),
-        "deepseek_v4": make_tiny("deepseek_v4", root / "deepseek_v4"),
+        "deepseek_v4": make_tiny("deepseek_v4", root / "deepseek_v4", mtp_layers=1),
     }
 
 
@@ -58,9 +58,9 @@ def test_two_ranks_match_one(tiny_dirs, model, settings):
     _assert_same(reference, _generate(str(tiny_dirs[model]), tensor_parallel_size=2, **settings))
 
 
-@pytest.mark.parametrize("method", ["mtp", "ngram"])
-def test_speculative_decoding_across_ranks(tiny_dirs, method):
-    model = str(tiny_dirs["deepseek_fp8"])
+@pytest.mark.parametrize("name, method", [("deepseek_fp8", "mtp"), ("deepseek_fp8", "ngram"), ("deepseek_v4", "mtp")])
+def test_speculative_decoding_across_ranks(tiny_dirs, name, method):
+    model = str(tiny_dirs[name])
     spec = {"method": method, "num_speculative_tokens": 2}
     reference = _generate(model, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     results = _generate(model, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),

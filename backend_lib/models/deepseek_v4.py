@@ -32,6 +32,7 @@ from backend_lib.models.deepseek_v4_attention import (
 from backend_lib.models.deepseek_v4_layers import (
     HASH_MOE, MOE_IMPLS, SCORING_FUNCS, TOPK_MOE, V4DecoderLayer, V4MoE, V4MoEDims,
 )
+from backend_lib.models.deepseek_v4_mtp import V4MTPLayer
 from backend_lib.models.parallel import ParallelContext, Shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
 from kernels.compressed_attention import ChunkPages, TokenPages, entry_rows_per_block
@@ -179,7 +180,7 @@ def _compress_rope_scaling(config: dict[str, Any]) -> dict | None:
     return compress
 
 
-_EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+_EXPERT = re.compile(r"^(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 # what transformers' save_pretrained writes -> the release names our modules carry
 _SAVED_NAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
@@ -213,6 +214,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.embed = nn.Module()
         self.embed.weight = nn.Parameter(torch.zeros(vocab_local, a.hidden_size), requires_grad=False)
         self.layers = nn.ModuleList(self._layer(i, moe_impl) for i in range(a.num_hidden_layers))
+        # the checkpoint's nextn depths (dropped at load when it has no mtp.* tensors); drafts chain mtp[0]
+        self.mtp = nn.ModuleList(self._layer(i, moe_impl, mtp=True) for i in range(a.num_nextn_predict_layers))
+        self.keep_streams = False  # set by the MTP proposer: forward then keeps its pre-hc_head streams
+        self.last_streams: torch.Tensor | None = None
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.head = BlockLinear(a.hidden_size, vocab_local)
         self.hc_head_fn = nn.Parameter(torch.zeros(a.hc_mult, a.hc_mult * a.hidden_size), requires_grad=False)
@@ -228,19 +233,20 @@ class DeepseekV4ForCausalLM(nn.Module):
             if _KEEP_FP32.search(name) and tensor.is_floating_point():
                 tensor.data = tensor.data.float()
 
-    def _layer(self, index: int, moe_impl: str) -> V4DecoderLayer:
+    def _layer(self, index: int, moe_impl: str, mtp: bool = False) -> V4DecoderLayer:
+        """Main layer ``index``, or (``mtp``) nextn depth ``index``: sliding-only attention, top-k MoE."""
         a = self.args
-        layer_type = a.layer_types[index]
+        layer_type = SLIDING if mtp else a.layer_types[index]
         dims = V4AttentionDims(a.hidden_size, a.num_attention_heads, a.head_dim, a.q_lora_rank, a.o_groups,
                                a.o_lora_rank, a.sliding_window, a.rms_norm_eps, layer_type, a.rate(layer_type),
                                a.index_n_heads, a.index_head_dim, a.index_topk)
         attn = V4Attention(dims, self.main_rope, self.compress_rope, self.par, a.fp8_block_size)
         moe = V4MoEDims(a.hidden_size, a.moe_intermediate_size, a.n_routed_experts, a.num_experts_per_tok,
                         a.vocab_size, a.routed_scaling_factor, a.scoring_func, a.swiglu_limit,
-                        a.mlp_layer_types[index] == HASH_MOE)
+                        not mtp and a.mlp_layer_types[index] == HASH_MOE)
         packed = a.expert_dtype == "fp4" and not self.dequantize_fp8_at_load
         ffn = V4MoE(moe, self.par, a.fp8_block_size, impl=moe_impl, packed_fp4=packed)
-        return V4DecoderLayer(attn, ffn, a.hidden_size, a.rms_norm_eps, self.hc)
+        return (V4MTPLayer if mtp else V4DecoderLayer)(attn, ffn, a.hidden_size, a.rms_norm_eps, self.hc)
 
     @classmethod
     def from_hf_config(cls, config: dict, dtype: torch.dtype, options: "LoadOptions | None" = None,
@@ -253,21 +259,23 @@ class DeepseekV4ForCausalLM(nn.Module):
         """"dynamic" (grouped dispatch, eager) or "static" (fixed shapes, for compiled regions)."""
         if impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {impl!r}")
-        for layer in self.layers:
+        for layer in [*self.layers, *self.mtp]:
             layer.ffn.impl = impl
 
     def pack_for_cpu(self, plan: Any = None) -> None:
         """Host engines (``executor/rank.py`` calls this before building compiled regions): the static MoE of a
         compiled region runs the grouped experts as one opaque op (``kernels/grouped_experts.py``), the work and
         results of an eager step; the projections keep ``F.linear``."""
-        for layer in self.layers:
+        for layer in [*self.layers, *self.mtp]:
             layer.ffn.opaque_experts = True
 
     # ---- the model-runner contract -------------------------------------------------------------------
     def hybrid_cache_shapes(self, num_blocks: int, block_size: int, num_state_slots: int,
                             max_drafts: int = 0) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
         """(paged tensors for ``num_blocks`` blocks, fixed tensors for ``num_state_slots`` slots); the runner adds
-        the scratch block and the scratch slot. ``max_drafts``: positions a verification may roll back."""
+        the scratch block and the scratch slot. ``max_drafts``: positions a verification may roll back. A model
+        with MTP weights adds the drafting depth's sliding-window ring ``[1, S, sliding_window + max_drafts, D]``:
+        its rows sit at the main positions, so the same drafts roll back."""
         a = self.args
         d, di, n_csa, n_hca = a.head_dim, a.index_head_dim, a.count(CSA), a.count(HCA)
         csa_rate, hca_rate = max(a.rate(CSA), 1), max(a.rate(HCA), 1)
@@ -278,11 +286,16 @@ class DeepseekV4ForCausalLM(nn.Module):
                  (n_csa, num_state_slots, 2 * csa_rate + max_drafts, 4 * d),
                  (n_csa, num_state_slots, 2 * csa_rate + max_drafts, 4 * di),
                  (n_hca, num_state_slots, hca_rate + max_drafts, 2 * d)]
+        if self.has_mtp_weights:
+            state.append((1, num_state_slots, a.sliding_window + max_drafts, d))
         return paged, state
+
+    def mtp_window(self, caches: list) -> torch.Tensor:  # the drafting depth's ring [S + 1, window + drafts, D]
+        return caches[7][0]
 
     def _layer_cache(self, index: int, caches: list) -> LayerCache:
         """``caches``: the paged tensors then the fixed ones, in ``hybrid_cache_shapes`` order."""
-        csa_entries, index_entries, hca_entries, window, csa_state, index_state, hca_state = caches
+        csa_entries, index_entries, hca_entries, window, csa_state, index_state, hca_state = caches[:7]
         layer_type, k = self.args.layer_types[index], self.cache_index[index]
         if layer_type == SLIDING:
             return LayerCache(window[index])
@@ -324,21 +337,32 @@ class DeepseekV4ForCausalLM(nn.Module):
                 positions: torch.Tensor,  # [T] int64
                 kv_caches: list,  # see hybrid_cache_shapes: layer-major roots, or per-layer views (compiled regions)
                 meta: AttentionMetadata) -> torch.Tensor:
-        """Final-normed hidden states [T, hidden]."""
+        """Final-normed hidden states [T, hidden] (with ``keep_streams``, ``last_streams`` keeps the pre-hc_head
+        streams [T, hc, hidden] for the MTP drafts)."""
+        h = self.embed_tokens(input_ids)
+        ctx = self.step_context(positions, meta, h.dtype)
+        streams = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
+        for i, layer in enumerate(self.layers):
+            streams = layer(streams, input_ids, ctx, self._layer_cache(i, kv_caches))
+        if self.keep_streams:
+            self.last_streams = streams
+        collapsed = hc_head_collapse(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.hc)
+        return self.norm(collapsed)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, hidden]
+        return vocab_parallel_embedding(input_ids, self.embed.weight, self.vocab_start, self.par)
+
+    def step_context(self, positions: torch.Tensor,  # [T] int64
+                     meta: AttentionMetadata, dtype: torch.dtype) -> StepContext:
+        """What every layer of a step shares (the MTP passes build theirs here too)."""
         if meta.state is None:
             raise ValueError("DeepSeek-V4 needs meta.state (its requests' state slots): run it through a runner that "
                              "allocates hybrid_cache_shapes")
         pages = self._pages(positions, meta)
-        h = vocab_parallel_embedding(input_ids, self.embed.weight, self.vocab_start, self.par)
         chunks = ([meta.decode_query_len] if meta.num_decodes else []) + list(meta.prefill_query_lens)
-        ctx = StepContext(pages, meta.slot_mapping, meta.state, self.main_rope.at(positions, h.dtype),
-                          self.compress_rope.at(positions, h.dtype), self._groups(pages, meta),
-                          meta.decode_query_len, max(chunks, default=None))
-        streams = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
-        for i, layer in enumerate(self.layers):
-            streams = layer(streams, input_ids, ctx, self._layer_cache(i, kv_caches))
-        collapsed = hc_head_collapse(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.hc)
-        return self.norm(collapsed)
+        return StepContext(pages, meta.slot_mapping, meta.state, self.main_rope.at(positions, dtype),
+                           self.compress_rope.at(positions, dtype), self._groups(pages, meta),
+                           meta.decode_query_len, max(chunks, default=None))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
         return self.par.all_gather_last(self.head(hidden)).float()
@@ -354,8 +378,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         for raw_name, tensor in weights:
             name = raw_name[len("model."):] if raw_name.startswith("model.") else raw_name
             name = _SAVED_NAMES.get(name, name)
-            if self._is_mtp(name):
-                continue  # MTP drafts are not supported for V4 yet; the main model does not read them
+            if self._is_mtp(name) and not (name.startswith("mtp.") and self.mtp):
+                continue  # V3-style nextn layers past num_hidden_layers, or depths the config does not declare
             base, _, leaf = name.rpartition(".")
             if leaf in ("scale", "weight_scale_inv") or (leaf == "weight" and tensor.dtype in _QUANTIZED):
                 entry = pending.setdefault(base, {})
@@ -375,6 +399,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             loaded.add(name)
         if pending:
             raise ValueError(f"quantized weights without their scale (or scales without weights): {sorted(pending)}")
+        if not any(n.startswith("mtp.") for n in loaded):
+            self.mtp = nn.ModuleList()  # a checkpoint without its nextn depths (transformers' save drops them)
         if "head.weight" not in loaded and self.args.tie_word_embeddings:
             self.head.weight = self.embed.weight
             loaded.add("head.weight")
@@ -383,10 +409,10 @@ class DeepseekV4ForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
     def _set_expert(self, expert: re.Match, weight: Any, scale: Any) -> None:
-        moe = self.layers[int(expert.group(1))].ffn
-        local = moe.local_expert(int(expert.group(2)))
+        moe = getattr(self, expert.group(1))[int(expert.group(2))].ffn
+        local = moe.local_expert(int(expert.group(3)))
         if local is not None:  # else another rank's expert (expert parallelism)
-            moe.set_expert(local, expert.group(3), weight, scale)
+            moe.set_expert(local, expert.group(4), weight, scale)
 
     def _set_quantized(self, base: str, raw_name: str, entry: dict[str, Any], shards: dict[str, Shard]) -> None:
         """An fp8 projection (kept fp8, dequantized block-wise inside the linear) or an fp4 / fp8 expert."""
@@ -434,10 +460,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         names |= {n for n, _ in self.named_parameters()}
         names |= {n for n, _ in self.named_buffers() if n.endswith(("gate.bias", "gate.tid2eid"))}
         names -= {n for n in names if n.endswith((".gate_up", ".down"))}
-        for i, layer in enumerate(self.layers):
-            moe = layer.ffn
-            for local in range(moe.num_local_experts):
-                names |= {f"layers.{i}.ffn.experts.{moe.first_expert + local}.{w}.weight" for w in ("w1", "w2", "w3")}
+        for prefix, layers in (("layers", self.layers), ("mtp", self.mtp)):
+            for i, layer in enumerate(layers):
+                moe = layer.ffn
+                names |= {f"{prefix}.{i}.ffn.experts.{moe.first_expert + local}.{w}.weight"
+                          for local in range(moe.num_local_experts) for w in ("w1", "w2", "w3")}
         return names
 
     @property
@@ -447,4 +474,5 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     @property
     def has_mtp_weights(self) -> bool:
-        return False
+        """Whether the checkpoint brought its nextn depths (``spec_method=mtp`` drafts with ``mtp[0]``)."""
+        return len(self.mtp) > 0

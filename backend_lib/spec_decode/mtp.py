@@ -57,6 +57,12 @@ class MTPProposer:
         x = layer(x, cos, sin, self.cache, meta)
         return layer.shared_head.norm(x)
 
+    def first_pass(self, next_token_ids: torch.Tensor,  # [T] int64: the token after each main row
+                   hidden: torch.Tensor,  # [T, H] main final-norm hidden
+                   positions: torch.Tensor,  # [T] int64 main positions (MTP positions are one past them)
+                   meta: AttentionMetadata) -> torch.Tensor:  # [T, H]
+        return self.step(next_token_ids, hidden, positions + 1, meta)
+
     def _draft(self, normed: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S] int64
         return torch.argmax(self.model.compute_logits(normed), dim=-1)
 
@@ -67,7 +73,7 @@ class MTPProposer:
                 select_rows: torch.Tensor,  # [S] int64: row of each sampling request's last verified token
                 block_tables: torch.Tensor,  # [S, W] int32: those requests' block tables (lookahead included)
                 ) -> torch.Tensor:  # [S, k] int64 drafts
-        normed = self.step(next_token_ids, hidden, positions + 1, meta)[select_rows]
+        normed = self.first_pass(next_token_ids, hidden, positions, meta)[select_rows]
         drafts = [self._draft(normed)]
         if self.k == 1:
             return drafts[0][:, None]
