@@ -103,7 +103,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        if self.weight.dtype == torch.float32:  # DeepSeek-V4 keeps its norm weights in fp32 and rounds once after
+            return (self.weight * xf).to(x.dtype)  # the product (transformers' DeepseekV4RMSNorm)
+        return self.weight * xf.to(x.dtype)  # V3 (transformers' DeepseekV3RMSNorm): the weight in the model dtype
 
 
 class WeightSlot(nn.Module):

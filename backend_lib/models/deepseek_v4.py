@@ -186,7 +186,7 @@ _LAYER = re.compile(r"^layers\.(\d+)\.")
 _SAVED_NAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
                 "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
 _QUANTIZED = (torch.float8_e4m3fn, torch.int8, torch.uint8)
-_KEEP_FP32 = re.compile(r"(hc_\w+|attn_sink|\.ape|ffn\.gate\.\w+|ffn\.\w+_scale)$")
+_KEEP_FP32 = re.compile(r"(hc_\w+|attn_sink|\.ape|ffn\.gate\.\w+|ffn\.\w+_scale|norm\.weight)$")
 
 
 def _whole(tensor: Any) -> torch.Tensor:
