@@ -6,8 +6,9 @@ instructions) and caches the library under ~/.cache/torch_extensions (TORCH_EXTE
 engine start on a machine pays the ~7 s build. Ops: paged decode attention (fp32, or bf16 with fp32 math), the
 shared-memory all-reduce of tensor-parallel ranks on one machine (shm_all_reduce.cpp), and the few-row GEMM on
 pre-blocked weights (gemv.cpp, which picks its instruction set from the CPU's flags at run time, whatever flags
-built it; kernels/gemv.py). The ops are registered with the dispatcher
-(``torch.ops.deepinfer.*``) and have fake kernels, so compiled regions keep each as one opaque call, as they do
+built it; kernels/gemv.py), and the routed MoE experts on the same blocked weights (grouped_experts.cpp), and mHC's Sinkhorn loop in one
+call (hyper_connections.cpp). The ops
+are registered with the dispatcher (``torch.ops.deepinfer.*``) and have fake kernels, so compiled regions keep each as one opaque call, as they do
 the packed GEMM.
 """
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("paged_decode_attention.cpp", "shm_all_reduce.cpp", "gemv.cpp")
+_SOURCES = ("paged_decode_attention.cpp", "shm_all_reduce.cpp", "gemv.cpp", "grouped_experts.cpp",
+            "hyper_connections.cpp")
 # torch.backends.cpu.get_cpu_capability() -> compiler flags (x86-64; anything else builds for the baseline).
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
@@ -104,5 +106,14 @@ def load_cpu_kernels() -> bool:
     def _(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None, out_features: int,
           isa: str = "auto") -> torch.Tensor:
         return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("deepinfer::blocked_grouped_experts")
+    def _(x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor, gate_up: torch.Tensor,
+          down: torch.Tensor, inter: int, limit: float) -> torch.Tensor:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("deepinfer::sinkhorn")
+    def _(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        return torch.empty_like(comb, memory_format=torch.contiguous_format)
 
     return True

@@ -137,3 +137,20 @@ def test_fp4_round_trip_and_transformers_dequantization():
     assert torch.equal(dense, Fp8Dequantize(None)._dequantize_one(packed, scale, torch.float32))
     # e2m1 steps are at most 2 (between 4 and 6): every value is within one scale of the original
     assert ((dense - weight).abs() <= scale.repeat_interleave(32, dim=-1) * 1.0 + 1e-6).all()
+
+
+def test_cpp_sinkhorn_matches_the_torch_loop():
+    from dataclasses import replace
+
+    from kernels.cpu_kernels import load_cpu_kernels
+    assert load_cpu_kernels(), "the C++ kernels did not build"
+    hc, dim = 4, 8
+    streams = torch.randn(6, hc, dim, generator=_gen(2))
+    fn = torch.randn((2 + hc) * hc, hc * dim, generator=_gen(3))
+    base, scale = torch.randn((2 + hc) * hc, generator=_gen(4)), torch.rand(3, generator=_gen(5)) + 0.5
+    spec = HyperConnectionSpec(hc, 20, 1e-6, 1e-6)
+    ref = hc_mixes(streams, fn, base, scale, spec)
+    got = hc_mixes(streams, fn, base, scale, replace(spec, cpp_sinkhorn=True))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6)
+    assert torch.allclose(got[2].sum(dim=-2), torch.ones(6, hc), atol=1e-5)  # columns sum to one
