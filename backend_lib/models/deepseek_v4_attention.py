@@ -114,20 +114,37 @@ class Compressor(nn.Module):
                 state: torch.Tensor,  # ring [S + 1, C, 2 * width]: [kv | gate] projections
                 entries: torch.Tensor) -> None:  # paged [E, dim]
         """Pool the window ending at every token (earlier steps' projections from the ring, this step's fresh), keep
-        the entries of the windows that close, then leave each chunk's last projections in the ring."""
+        the entries of the windows that close, then leave each chunk's last projections in the ring.
+
+        Eagerly only the tokens that close a window are pooled (at decode, 1 in ``rate``; an HCA layer's window is
+        128 tokens wide): the others' candidates only ever reach the scratch rows. Compiled regions keep every
+        token (static shapes)."""
         projections = torch.cat([self.wkv(x), self.wgate(x)], dim=-1)
-        span = 2 * self.rate if self.overlap else self.rate
         positions = ctx.pages.positions
-        window, exists = recent_rows(state, projections, ctx.rows, positions, span,
-                                     longest_chunk=ctx.longest_chunk)
-        ape = self.ape.to(x.dtype)
-        pooled = pool_overlapping(window, exists, ape) if self.overlap else pool_heavily_compressed(window, ape)
-        cos, sin = self.rope.at(positions - self.rate + 1, x.dtype)
-        rows = entry_write_rows(ctx.slot_mapping, positions, self.rate, ctx.pages.block_size, entries.shape[0])
-        entries[rows] = apply_tail_rope(self.norm(pooled), cos, sin).to(entries.dtype)
+        if torch.compiler.is_compiling():
+            self._pool(projections, ctx, state, entries, None)
+        else:
+            closing = torch.nonzero((positions + 1) % self.rate == 0).flatten()
+            if closing.numel():
+                self._pool(projections, ctx, state, entries, closing)
         # the ring write comes after every use of the rows read from it: inductor then updates the ring (a graph
         # input) in place; a write before the pooling made it copy the whole ring per layer and step
         write_recent(state, projections, ctx.rows, positions)
+
+    def _pool(self, projections: torch.Tensor,  # [T, 2 * width] this step's [kv | gate]
+              ctx: StepContext, state: torch.Tensor, entries: torch.Tensor,
+              tokens: torch.Tensor | None) -> None:  # [N] int64 the rows to pool, None: all
+        span = 2 * self.rate if self.overlap else self.rate
+        positions, slots = ctx.pages.positions, ctx.slot_mapping
+        window, exists = recent_rows(state, projections, ctx.rows, positions, span,
+                                     longest_chunk=ctx.longest_chunk, tokens=tokens)
+        if tokens is not None:
+            positions, slots = positions[tokens], slots[tokens]
+        ape = self.ape.to(projections.dtype)
+        pooled = pool_overlapping(window, exists, ape) if self.overlap else pool_heavily_compressed(window, ape)
+        cos, sin = self.rope.at(positions - self.rate + 1, projections.dtype)
+        rows = entry_write_rows(slots, positions, self.rate, ctx.pages.block_size, entries.shape[0])
+        entries[rows] = apply_tail_rope(self.norm(pooled), cos, sin).to(entries.dtype)
 
 
 class Indexer(nn.Module):
