@@ -192,3 +192,15 @@ def sink_attention(q: torch.Tensor,  # [T, H, D] post-rope queries
     logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
     return torch.matmul(probs.to(keys.dtype), keys)
+
+
+def cpu_sink_attention(q: torch.Tensor,  # [T, H, D] float32 post-rope queries
+                       keys: torch.Tensor,  # [T or 1, K, D] float32
+                       allowed: torch.Tensor,  # [T, K] bool
+                       extra: torch.Tensor,  # [T or 1, E, D] float32: a second key set (compressed entries)
+                       extra_allowed: torch.Tensor,  # [T, E] bool
+                       sinks: torch.Tensor,  # [H]
+                       scale: float) -> torch.Tensor:  # [T, H, D]
+    """``sink_attention`` over the two key sets concatenated, in one C++ pass (kernels/csrc/sink_attention.cpp;
+    needs ``kernels.cpu_kernels.load_cpu_kernels()``)."""
+    return torch.ops.deepinfer.sink_attention(q, keys, allowed, extra, extra_allowed, sinks, scale)

@@ -271,6 +271,11 @@ class DeepseekV4ForCausalLM(nn.Module):
             if plan is None or plan.blocked:
                 layer.ffn.block_experts()
 
+    def use_cpu_attention(self) -> None:
+        """Host engines (``host_attention="cpp"``, the C++ ops built): fp32 attention in one C++ pass per token."""
+        for layer in self.layers:
+            layer.attn.cpp_attention = True
+
     # ---- the model-runner contract -------------------------------------------------------------------
     def hybrid_cache_shapes(self, num_blocks: int, block_size: int, num_state_slots: int,
                             max_drafts: int = 0) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:

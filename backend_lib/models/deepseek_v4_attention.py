@@ -24,8 +24,8 @@ from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm
 from backend_lib.models.parallel import ParallelContext, Shard
 from kernels.attention_metadata import StateRows
 from kernels.compressed_attention import (
-    ChunkPages, TokenPages, entry_write_rows, gather_rows, indexer_select, pool_heavily_compressed, pool_overlapping,
-    sink_attention,
+    ChunkPages, TokenPages, cpu_sink_attention, entry_write_rows, gather_rows, indexer_select, pool_heavily_compressed,
+    pool_overlapping, sink_attention,
 )
 from kernels.hyper_connections import unweighted_rms_norm
 from kernels.interleaved_rope import apply_tail_rope, rope_cos_sin
@@ -198,6 +198,7 @@ class V4Attention(nn.Module):
         self.compressor = None if d.layer_type == SLIDING else Compressor(
             d.hidden, d.head_dim, d.compress_rate, d.layer_type == CSA, d.eps, compress_rope, block_size)
         self.indexer = Indexer(d, compress_rope, block_size) if d.layer_type == CSA else None
+        self.cpp_attention = False  # host engines with the C++ ops: kernels/csrc/sink_attention.cpp
         # checkpoint tensor -> the part this rank holds (tensors not listed are whole on every rank)
         self.shards = {
             "wq_b.weight": Shard(0, head_start * d.head_dim, self.num_heads * d.head_dim),
@@ -248,13 +249,18 @@ class V4Attention(nn.Module):
         """Sliding window plus (CSA: the indexer's picks among) the visible compressed entries."""
         d = self.d
         keys, allowed = window
+        entry_keys, visible = keys[:, :0], allowed[:, :0]
         if self.compressor is not None:
             entry_pos, visible = pages.entries(d.compress_rate)
             entry_slots = pages.entry_slots(entry_pos, d.compress_rate)
             if index_q is not None:
                 visible = self.indexer.select(*index_q, cache, entry_slots, visible)
-            keys = torch.cat([keys, gather_rows(cache.entries, entry_slots).to(keys.dtype)], dim=1)
-            allowed = torch.cat([allowed, visible], dim=1)
+            entry_keys = gather_rows(cache.entries, entry_slots)
+        if self.cpp_attention and q.dtype == torch.float32:  # both key sets in one pass, no concatenation
+            return cpu_sink_attention(q, keys.to(q.dtype), allowed, entry_keys.to(q.dtype), visible, self.attn_sink,
+                                      self.scale)
+        keys = torch.cat([keys, entry_keys.to(keys.dtype)], dim=1)
+        allowed = torch.cat([allowed, visible], dim=1)
         return sink_attention(q, keys.to(q.dtype), allowed, self.attn_sink, self.scale)
 
     def _grouped_output(self, out: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [T, G * R]
