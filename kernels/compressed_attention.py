@@ -167,13 +167,14 @@ def indexer_select(q: torch.Tensor,  # [T, Hi, Di] post-rope index queries
                    visible: torch.Tensor,  # [T, E] bool
                    top_k: int) -> torch.Tensor:  # [T, E] bool: the entries each query attends
     """Lightning indexer: ``sum_h w[t, h] * relu(q[t, h] . k[s]) / sqrt(Di)``; the ``top_k`` best visible entries."""
+    if top_k >= visible.shape[1]:  # every visible entry is picked (short contexts): no scores needed
+        return visible
     scores = F.relu(torch.matmul(q.float(), keys.float().transpose(1, 2))) * q.shape[-1] ** -0.5
     scores = (scores * head_weights.float()[..., None]).sum(dim=1)
     scores = scores.masked_fill(~visible, float("-inf"))
-    k = min(top_k, scores.shape[1])
-    if k == 0:
+    if top_k == 0:
         return visible
-    picked = torch.zeros_like(visible).scatter_(1, scores.topk(k, dim=-1).indices, True)
+    picked = torch.zeros_like(visible).scatter_(1, scores.topk(top_k, dim=-1).indices, True)
     return picked & visible
 
 

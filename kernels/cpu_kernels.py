@@ -7,7 +7,7 @@ engine start on a machine pays the ~7 s build (about a minute on a loaded 2-core
 attention (fp32, or bf16 with fp32 math), the shared-memory all-reduce of tensor-parallel ranks on one machine
 (shm_all_reduce.cpp), the few-row GEMM on pre-blocked weights (gemv.cpp, which picks its instruction set from the
 CPU's flags at run time, whatever flags built it; kernels/gemv.py), the routed MoE experts on the same blocked
-weights (grouped_experts.cpp), mHC's Sinkhorn loop (hyper_connections.cpp) and DeepSeek-V4's sink attention over
+weights (grouped_experts.cpp), mHC's mixes with their Sinkhorn loop (hyper_connections.cpp) and DeepSeek-V4's sink attention over
 two key sets (sink_attention.cpp). The ops are registered with the dispatcher (``torch.ops.deepinfer.*``) and
 have fake kernels, so compiled regions keep each as one opaque call, as they do the packed GEMM.
 """
@@ -118,8 +118,11 @@ def load_cpu_kernels() -> bool:
           extra_allowed: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
-    @torch.library.register_fake("deepinfer::sinkhorn")
-    def _(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-        return torch.empty_like(comb, memory_format=torch.contiguous_format)
+    @torch.library.register_fake("deepinfer::hc_mixes")
+    def _(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+          hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens, hc = streams.shape[0], streams.shape[1]
+        new = functools.partial(streams.new_empty, dtype=torch.float32)
+        return new(tokens, hc), new(tokens, hc), new(tokens, hc, hc)
 
     return True

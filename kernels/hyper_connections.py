@@ -5,8 +5,8 @@ gives three mixes: ``pre`` [hc] collapses the streams into the block input, ``po
 back over the streams, and ``comb`` [hc, hc] mixes the incoming streams into the outgoing ones. ``comb`` is pushed
 towards a doubly-stochastic matrix with Sinkhorn-Knopp (column, then row/column ``iters - 1`` times) so that
 stacking many layers cannot blow up the residual norm. Everything here runs in fp32, like transformers. Host
-engines run the Sinkhorn loop as one C++ op (``HyperConnectionSpec.cpp_sinkhorn``): eagerly it is ~120 tiny
-ops per site.
+engines run ``hc_mixes`` as one C++ op (``HyperConnectionSpec.cpp_mixes``): eagerly it is ~140 tiny ops per site,
+most of them the Sinkhorn loop.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ class HyperConnectionSpec:
     sinkhorn_iters: int
     hc_eps: float
     norm_eps: float
-    # the Sinkhorn loop as one C++ op (kernels/csrc/hyper_connections.cpp): host engines with the C++ ops built
-    cpp_sinkhorn: bool = False
+    # the mixes as one C++ op (kernels/csrc/hyper_connections.cpp): host engines with the C++ ops built
+    cpp_mixes: bool = False
 
 
 def unweighted_rms_norm(x: torch.Tensor,  # [..., D]
@@ -37,6 +37,9 @@ def hc_mixes(streams: torch.Tensor,  # [T, hc, D]
              scale: torch.Tensor,  # [3] float32
              spec: HyperConnectionSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre [T, hc], post [T, hc], comb [T, hc, hc]), all float32."""
+    if spec.cpp_mixes:
+        return torch.ops.deepinfer.hc_mixes(streams, fn.float(), base, scale, spec.sinkhorn_iters, spec.hc_eps,
+                                            spec.norm_eps)
     hc = spec.hc_mult
     flat = unweighted_rms_norm(streams.flatten(1).float(), spec.norm_eps)
     mixed = F.linear(flat, fn.float())
@@ -46,8 +49,6 @@ def hc_mixes(streams: torch.Tensor,  # [T, hc, D]
     pre = torch.sigmoid(pre_w * pre_scale + pre_b) + spec.hc_eps
     post = 2 * torch.sigmoid(post_w * post_scale + post_b)
     comb = torch.softmax(comb_w.view(-1, hc, hc) * comb_scale + comb_b.view(hc, hc), dim=-1) + spec.hc_eps
-    if spec.cpp_sinkhorn:
-        return pre, post, torch.ops.deepinfer.sinkhorn(comb, spec.sinkhorn_iters, spec.hc_eps)
     # in place on the softmax's own buffer: eagerly 3 small ops per normalization and no allocations (20
     # iterations are ~120 ops per site); a compiled region fuses the whole loop into one kernel either way
     comb = comb.div_(comb.sum(dim=-2, keepdim=True).add_(spec.hc_eps))

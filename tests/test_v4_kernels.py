@@ -139,7 +139,7 @@ def test_fp4_round_trip_and_transformers_dequantization():
     assert ((dense - weight).abs() <= scale.repeat_interleave(32, dim=-1) * 1.0 + 1e-6).all()
 
 
-def test_cpp_sinkhorn_matches_the_torch_loop():
+def test_cpp_hc_mixes_match_the_torch_form():
     from dataclasses import replace
 
     from kernels.cpu_kernels import load_cpu_kernels
@@ -150,9 +150,9 @@ def test_cpp_sinkhorn_matches_the_torch_loop():
     base, scale = torch.randn((2 + hc) * hc, generator=_gen(4)), torch.rand(3, generator=_gen(5)) + 0.5
     spec = HyperConnectionSpec(hc, 20, 1e-6, 1e-6)
     ref = hc_mixes(streams, fn, base, scale, spec)
-    got = hc_mixes(streams, fn, base, scale, replace(spec, cpp_sinkhorn=True))
-    for a, b in zip(got, ref):
-        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6)
+    got = hc_mixes(streams, fn, base, scale, replace(spec, cpp_mixes=True))
+    for a, b in zip(got, ref):  # other summation orders (norm, mix logits): not bit-equal
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     assert torch.allclose(got[2].sum(dim=-2), torch.ones(6, hc), atol=1e-5)  # columns sum to one
 
 

@@ -262,9 +262,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         compiled region runs the grouped experts as one opaque op (``kernels/grouped_experts.py``), the work and
         results of an eager step; with the blocked layout (``plan.blocked``, or no plan) the experts run as one C++
         op on weights blocked here (``V4MoE.block_experts``), eagerly and in compiled regions alike. The
-        projections keep ``F.linear``. mHC's Sinkhorn loop runs as one C++ op where the ops are built."""
+        projections keep ``F.linear``. mHC's mixes (Sinkhorn included) run as one C++ op where the ops are
+        built."""
         if load_cpu_kernels():
-            self.hc = replace(self.hc, cpp_sinkhorn=True)
+            self.hc = replace(self.hc, cpp_mixes=True)
         for layer in self.layers:
             layer.hc = self.hc
             layer.ffn.opaque_experts = True

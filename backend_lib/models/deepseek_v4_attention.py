@@ -170,6 +170,8 @@ class Indexer(nn.Module):
                entry_slots: torch.Tensor,  # [L or 1, E]
                visible: torch.Tensor,  # [L, E] bool
                ) -> torch.Tensor:  # [L, E] bool
+        if self.d.index_topk >= visible.shape[1]:  # all visible entries are picked: skip the gather and scores
+            return visible
         keys = gather_rows(cache.index_entries, entry_slots).to(q.dtype)
         return indexer_select(q, keys, head_weights, visible, self.d.index_topk)
 
