@@ -174,3 +174,13 @@ def test_cpp_sink_attention_matches_the_torch_form_over_concatenated_keys():
         assert torch.equal(got[1], torch.zeros(heads, dim))
     no_entries = cpu_sink_attention(q, window, allowed, entries[:, :0], visible[:, :0], sinks, 0.3)
     torch.testing.assert_close(no_entries, sink_attention(q, window, allowed, sinks, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_cpp_tail_rope_matches_the_torch_form():
+    from kernels.cpu_kernels import load_cpu_kernels
+    assert load_cpu_kernels(), "the C++ kernels did not build"
+    cos, sin = rope_cos_sin(torch.rand(4, generator=_gen(12)), torch.arange(3, 8), 1.1, torch.float32)
+    for x in (torch.randn(5, 2, 20, generator=_gen(13)), torch.randn(5, 8, generator=_gen(14))):  # heads or not
+        for s in (sin, -sin):  # the output's conjugate rotation too
+            torch.testing.assert_close(apply_tail_rope(x, cos, s, cpp=True), apply_tail_rope(x, cos, s),
+                                       atol=1e-6, rtol=1e-6)

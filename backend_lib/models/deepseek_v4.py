@@ -273,9 +273,13 @@ class DeepseekV4ForCausalLM(nn.Module):
                 layer.ffn.block_experts()
 
     def use_cpu_attention(self) -> None:
-        """Host engines (``host_attention="cpp"``, the C++ ops built): fp32 attention in one C++ pass per token."""
+        """Host engines (``host_attention="cpp"``, the C++ ops built): fp32 attention in one C++ pass per token, and
+        the tail RoPE of attention, compressors and indexers in one C++ call each."""
         for layer in self.layers:
             layer.attn.cpp_attention = True
+        for module in self.modules():
+            if hasattr(module, "cpp_rope"):
+                module.cpp_rope = True
 
     # ---- the model-runner contract -------------------------------------------------------------------
     def hybrid_cache_shapes(self, num_blocks: int, block_size: int, num_state_slots: int,

@@ -108,6 +108,7 @@ class Compressor(nn.Module):
         self.wgate = BlockLinear(hidden, width, block_size=block_size)
         self.ape = nn.Parameter(torch.zeros(rate, width), requires_grad=False)
         self.norm = RMSNorm(dim, eps)
+        self.cpp_rope = False  # host engines with the C++ ops (V4 model's use_cpu_attention)
 
     def forward(self, x: torch.Tensor,  # [T, hidden] the attention block's normed input
                 ctx: StepContext,
@@ -144,7 +145,7 @@ class Compressor(nn.Module):
         pooled = pool_overlapping(window, exists, ape) if self.overlap else pool_heavily_compressed(window, ape)
         cos, sin = self.rope.at(positions - self.rate + 1, projections.dtype)
         rows = entry_write_rows(slots, positions, self.rate, ctx.pages.block_size, entries.shape[0])
-        entries[rows] = apply_tail_rope(self.norm(pooled), cos, sin).to(entries.dtype)
+        entries[rows] = apply_tail_rope(self.norm(pooled), cos, sin, self.cpp_rope).to(entries.dtype)
 
 
 class Indexer(nn.Module):
@@ -156,13 +157,15 @@ class Indexer(nn.Module):
         self.wq_b = BlockLinear(d.q_lora_rank, d.index_n_heads * d.index_head_dim, block_size=block_size)
         self.weights_proj = BlockLinear(d.hidden, d.index_n_heads, block_size=block_size)
         self.compressor = Compressor(d.hidden, d.index_head_dim, d.compress_rate, True, d.eps, rope, block_size)
+        self.cpp_rope = False
 
     def queries(self, x: torch.Tensor,  # [T, hidden]
                 q_residual: torch.Tensor,  # [T, q_lora_rank]
                 ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hi, Di], [T, Hi]
         d = self.d
         q = self.wq_b(q_residual).view(-1, d.index_n_heads, d.index_head_dim)
-        return apply_tail_rope(q, *ctx.compress_rope), self.weights_proj(x).float() * d.index_n_heads ** -0.5
+        return (apply_tail_rope(q, *ctx.compress_rope, self.cpp_rope),
+                self.weights_proj(x).float() * d.index_n_heads ** -0.5)
 
     def select(self, q: torch.Tensor,  # [L, Hi, Di] this group's index queries
                head_weights: torch.Tensor,  # [L, Hi]
@@ -201,6 +204,7 @@ class V4Attention(nn.Module):
             d.hidden, d.head_dim, d.compress_rate, d.layer_type == CSA, d.eps, compress_rope, block_size)
         self.indexer = Indexer(d, compress_rope, block_size) if d.layer_type == CSA else None
         self.cpp_attention = False  # host engines with the C++ ops: kernels/csrc/sink_attention.cpp
+        self.cpp_rope = False
         # checkpoint tensor -> the part this rank holds (tensors not listed are whole on every rank)
         self.shards = {
             "wq_b.weight": Shard(0, head_start * d.head_dim, self.num_heads * d.head_dim),
@@ -215,8 +219,8 @@ class V4Attention(nn.Module):
         cos, sin = ctx.main_rope if d.layer_type == SLIDING else ctx.compress_rope
         q_residual = self.q_norm(self.wq_a(x))
         q = unweighted_rms_norm(self.wq_b(q_residual).view(-1, self.num_heads, d.head_dim), d.eps)
-        q = apply_tail_rope(q, cos, sin)
-        kv = apply_tail_rope(self.norm(self.wkv(x)), cos, sin)
+        q = apply_tail_rope(q, cos, sin, self.cpp_rope)
+        kv = apply_tail_rope(self.norm(self.wkv(x)), cos, sin, self.cpp_rope)
 
         index_q = None
         if self.compressor is not None:
@@ -229,7 +233,7 @@ class V4Attention(nn.Module):
                  for start, end, pages in ctx.groups]
         write_recent(cache.window, kv, ctx.rows, ctx.pages.positions)  # after every group read the window
         out = torch.cat(parts) if len(parts) > 1 else parts[0]
-        out = apply_tail_rope(out, cos, -sin)
+        out = apply_tail_rope(out, cos, -sin, self.cpp_rope)
         return self.par.all_reduce(self.wo_b(self._grouped_output(out)))
 
     def _window(self, kv: torch.Tensor,  # [T, D] this step's K = V
