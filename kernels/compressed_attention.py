@@ -167,13 +167,14 @@ def indexer_select(q: torch.Tensor,  # [T, Hi, Di] post-rope index queries
                    visible: torch.Tensor,  # [T, E] bool
                    top_k: int) -> torch.Tensor:  # [T, E] bool: the entries each query attends
     """Lightning indexer: ``sum_h w[t, h] * relu(q[t, h] . k[s]) / sqrt(Di)``; the ``top_k`` best visible entries."""
+    if top_k >= visible.shape[1]:  # every visible entry is picked (short contexts): no scores needed
+        return visible
     scores = F.relu(torch.matmul(q.float(), keys.float().transpose(1, 2))) * q.shape[-1] ** -0.5
     scores = (scores * head_weights.float()[..., None]).sum(dim=1)
     scores = scores.masked_fill(~visible, float("-inf"))
-    k = min(top_k, scores.shape[1])
-    if k == 0:
+    if top_k == 0:
         return visible
-    picked = torch.zeros_like(visible).scatter_(1, scores.topk(k, dim=-1).indices, True)
+    picked = torch.zeros_like(visible).scatter_(1, scores.topk(top_k, dim=-1).indices, True)
     return picked & visible
 
 
@@ -192,3 +193,15 @@ def sink_attention(q: torch.Tensor,  # [T, H, D] post-rope queries
     logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
     return torch.matmul(probs.to(keys.dtype), keys)
+
+
+def cpu_sink_attention(q: torch.Tensor,  # [T, H, D] float32 post-rope queries
+                       keys: torch.Tensor,  # [T or 1, K, D] float32
+                       allowed: torch.Tensor,  # [T, K] bool
+                       extra: torch.Tensor,  # [T or 1, E, D] float32: a second key set (compressed entries)
+                       extra_allowed: torch.Tensor,  # [T, E] bool
+                       sinks: torch.Tensor,  # [H]
+                       scale: float) -> torch.Tensor:  # [T, H, D]
+    """``sink_attention`` over the two key sets concatenated, in one C++ pass (kernels/csrc/sink_attention.cpp;
+    needs ``kernels.cpu_kernels.load_cpu_kernels()``)."""
+    return torch.ops.deepinfer.sink_attention(q, keys, allowed, extra, extra_allowed, sinks, scale)

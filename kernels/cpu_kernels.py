@@ -3,12 +3,13 @@
 torch compiles the sources for the instruction set torch itself dispatches to on this CPU (AVX-512, AVX2 or
 baseline x86-64; not -march=native, so a build cached on a shared volume never meets a CPU that lacks its
 instructions) and caches the library under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR): only the first
-engine start on a machine pays the ~7 s build. Ops: paged decode attention (fp32, or bf16 with fp32 math), the
-shared-memory all-reduce of tensor-parallel ranks on one machine (shm_all_reduce.cpp), and the few-row GEMM on
-pre-blocked weights (gemv.cpp, which picks its instruction set from the CPU's flags at run time, whatever flags
-built it; kernels/gemv.py). The ops are registered with the dispatcher
-(``torch.ops.deepinfer.*``) and have fake kernels, so compiled regions keep each as one opaque call, as they do
-the packed GEMM.
+engine start on a machine pays the ~7 s build (about a minute on a loaded 2-core machine). Ops: paged decode
+attention (fp32, or bf16 with fp32 math), the shared-memory all-reduce of tensor-parallel ranks on one machine
+(shm_all_reduce.cpp), the few-row GEMM on pre-blocked weights (gemv.cpp, which picks its instruction set from the
+CPU's flags at run time, whatever flags built it; kernels/gemv.py), the routed MoE experts on the same blocked
+weights (grouped_experts.cpp), mHC's mixes with their Sinkhorn loop (hyper_connections.cpp) and DeepSeek-V4's sink attention over
+two key sets (sink_attention.cpp) and interleaved tail RoPE (interleaved_rope.cpp). The ops are registered with the
+dispatcher (``torch.ops.deepinfer.*``) and have fake kernels, so compiled regions keep each as one opaque call, as they do the packed GEMM.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("paged_decode_attention.cpp", "shm_all_reduce.cpp", "gemv.cpp")
+_SOURCES = ("paged_decode_attention.cpp", "shm_all_reduce.cpp", "gemv.cpp", "grouped_experts.cpp",
+            "hyper_connections.cpp", "sink_attention.cpp", "interleaved_rope.cpp")
 # torch.backends.cpu.get_cpu_capability() -> compiler flags (x86-64; anything else builds for the baseline).
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
@@ -76,8 +78,9 @@ def load_cpu_kernels() -> bool:
     # The sources and their directory in the name: two versions, or two checkouts of one version, on one machine
     # never share a build directory (ninja would rebuild it for each checkout's paths, each load waiting on the
     # other's lock).
+    headers = sorted(sources[0].parent.glob("*.h"))
     digest = hashlib.sha1(str(sources[0].parent.resolve()).encode()
-                          + b"".join(path.read_bytes() for path in sources)).hexdigest()[:10]
+                          + b"".join(path.read_bytes() for path in [*sources, *headers])).hexdigest()[:10]
     name = f"deepinfer_cpu_kernels_{capability.lower()}_{digest}"
     _remove_stale_build_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
     try:
@@ -104,5 +107,26 @@ def load_cpu_kernels() -> bool:
     def _(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None, out_features: int,
           isa: str = "auto") -> torch.Tensor:
         return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("deepinfer::blocked_grouped_experts")
+    def _(x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor, gate_up: torch.Tensor,
+          down: torch.Tensor, inter: int, limit: float) -> torch.Tensor:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("deepinfer::sink_attention")
+    def _(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, extra: torch.Tensor,
+          extra_allowed: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("deepinfer::tail_rope")
+    def _(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("deepinfer::hc_mixes")
+    def _(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+          hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens, hc = streams.shape[0], streams.shape[1]
+        new = functools.partial(streams.new_empty, dtype=torch.float32)
+        return new(tokens, hc), new(tokens, hc), new(tokens, hc, hc)
 
     return True

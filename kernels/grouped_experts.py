@@ -7,11 +7,18 @@ pairs, [E] offsets), but ``torch._grouped_mm``'s fake kernel only takes bf16 (th
 it in fp32. ``deepinfer::grouped_experts`` wraps it as a custom op with a fake kernel: a graph keeps it as one call
 and runs exactly what eager steps run, instead of the static MoE's every-expert-over-every-token einsums (the top-k
 / E share of the work: 4 of 16 experts per token in the V4 benchmark). Neuron graphs keep the static MoE.
+
+Host engines run ``blocked_grouped_experts`` instead (``deepinfer::blocked_grouped_experts``, kernels/csrc/
+grouped_experts.cpp): the same computation in one C++ call on weights blocked once at load (``block_experts``,
+kernels/gemv.py's layout per expert), near the read bandwidth where ``_grouped_mm``'s per-expert sgemm reached
+about half of it. It is a dispatcher op with a fake kernel: compiled regions keep it as one opaque call.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels.gemv import block_weight
 
 
 def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:  # [N, I] each
@@ -54,3 +61,20 @@ def grouped_experts_op(x: torch.Tensor, weights: torch.Tensor, local_ids: torch.
 @grouped_experts_op.register_fake
 def _(x, weights, local_ids, gate_up, down, limit):
     return torch.empty_like(x)
+
+
+def block_experts(stacked: torch.Tensor) -> torch.Tensor:  # [E, out, in] fp32 or bf16 -> blocked
+    """Each expert's [out, in] in ``kernels.gemv.block_weight``'s layout, stacked: [E, tiles, steps, lanes]."""
+    if stacked.dim() != 3:
+        raise ValueError(f"block_experts: expected stacked expert weights [E, out, in], got {tuple(stacked.shape)}")
+    return torch.stack([block_weight(w) for w in stacked.unbind(0)])
+
+
+def blocked_grouped_experts(x: torch.Tensor,  # [T, hidden]
+                            weights: torch.Tensor,  # [T, k] float32 routing weights
+                            local_ids: torch.Tensor,  # [T, k] int64, outside [0, E) for other ranks' experts
+                            gate_up: torch.Tensor,  # block_experts([E, 2I, hidden])
+                            down: torch.Tensor,  # block_experts([E, hidden, I])
+                            inter: int, limit: float) -> torch.Tensor:  # [T, hidden]
+    """``grouped_experts`` on blocked weights, in C++ (needs ``kernels.cpu_kernels.load_cpu_kernels()``)."""
+    return torch.ops.deepinfer.blocked_grouped_experts(x, weights, local_ids, gate_up, down, inter, limit)

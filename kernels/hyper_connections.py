@@ -4,7 +4,9 @@ Around every attention and MLP block, a one-layer perceptron over the (unweighte
 gives three mixes: ``pre`` [hc] collapses the streams into the block input, ``post`` [hc] spreads the block output
 back over the streams, and ``comb`` [hc, hc] mixes the incoming streams into the outgoing ones. ``comb`` is pushed
 towards a doubly-stochastic matrix with Sinkhorn-Knopp (column, then row/column ``iters - 1`` times) so that
-stacking many layers cannot blow up the residual norm. Everything here runs in fp32, like transformers.
+stacking many layers cannot blow up the residual norm. Everything here runs in fp32, like transformers. Host
+engines run ``hc_mixes`` as one C++ op (``HyperConnectionSpec.cpp_mixes``): eagerly it is ~140 tiny ops per site,
+most of them the Sinkhorn loop.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ class HyperConnectionSpec:
     sinkhorn_iters: int
     hc_eps: float
     norm_eps: float
+    # the mixes as one C++ op (kernels/csrc/hyper_connections.cpp): host engines with the C++ ops built
+    cpp_mixes: bool = False
 
 
 def unweighted_rms_norm(x: torch.Tensor,  # [..., D]
@@ -33,6 +37,9 @@ def hc_mixes(streams: torch.Tensor,  # [T, hc, D]
              scale: torch.Tensor,  # [3] float32
              spec: HyperConnectionSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre [T, hc], post [T, hc], comb [T, hc, hc]), all float32."""
+    if spec.cpp_mixes:
+        return torch.ops.deepinfer.hc_mixes(streams, fn.float(), base, scale, spec.sinkhorn_iters, spec.hc_eps,
+                                            spec.norm_eps)
     hc = spec.hc_mult
     flat = unweighted_rms_norm(streams.flatten(1).float(), spec.norm_eps)
     mixed = F.linear(flat, fn.float())

@@ -17,8 +17,12 @@ def rope_cos_sin(inv_freq: torch.Tensor,  # [P / 2] float32
 
 def apply_tail_rope(x: torch.Tensor,  # [T, ..., D]: token first, heads (if any) in between
                     cos: torch.Tensor, sin: torch.Tensor,  # [T, P / 2]
-                    ) -> torch.Tensor:  # [T, ..., D]
-    """Rotate the last ``P`` channels of every head of every token by its own angles (fp32, cast back)."""
+                    cpp: bool = False) -> torch.Tensor:  # [T, ..., D]
+    """Rotate the last ``P`` channels of every head of every token by its own angles (fp32, cast back). ``cpp``:
+    fp32 in one C++ call (kernels/csrc/interleaved_rope.cpp; host engines with the C++ ops built), eagerly only:
+    compiled regions fuse the torch form, and an opaque op on the rows written to a ring made inductor copy it."""
+    if cpp and x.dtype == cos.dtype == sin.dtype == torch.float32 and not torch.compiler.is_compiling():
+        return torch.ops.deepinfer.tail_rope(x, cos, sin)
     extra = x.dim() - 2
     cos = cos.repeat_interleave(2, dim=-1).view(cos.shape[0], *([1] * extra), -1)
     sin = sin.repeat_interleave(2, dim=-1).view(sin.shape[0], *([1] * extra), -1)

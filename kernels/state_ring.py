@@ -31,27 +31,33 @@ def recent_rows(ring: torch.Tensor,  # [S + 1, C, W] one layer's ring
                 fresh: torch.Tensor,  # [T, W] this step's rows (every token of the step)
                 rows: StateRows, positions: torch.Tensor,  # [T] int64
                 length: int, first: int = 0, count: int | None = None, longest_chunk: int | None = None,
+                tokens: torch.Tensor | None = None,  # [N] int64: these step rows instead of first .. first + count
                 ) -> tuple[torch.Tensor, torch.Tensor]:  # [N, length, W], [N, length] bool
-    """Positions ``t - length + 1 .. t`` of tokens ``first .. first + count`` (per token): from the ring before the
-    token's chunk start, from ``fresh`` after it; the mask says which positions exist (>= 0).
+    """Positions ``t - length + 1 .. t`` of tokens ``first .. first + count`` (or of the rows ``tokens``), per
+    token: from the ring before the token's chunk start, from ``fresh`` after it; the mask says which positions
+    exist (>= 0).
 
     ``longest_chunk`` (a host int, None = unknown): no chunk of these tokens is longer, so at most the last
     ``longest_chunk`` positions of a token can be fresh. A decode row (one token, or 1 + drafts) then reads its
     window from the ring and only its last position(s) from the step: one gather of the window instead of two plus
     a select over it."""
-    end = fresh.shape[0] if count is None else min(first + count, fresh.shape[0])
-    t = positions[first:end]
+    if tokens is None:
+        end = fresh.shape[0] if count is None else min(first + count, fresh.shape[0])
+        tokens = torch.arange(first, end, device=positions.device)
+        t, slots, starts = positions[first:end], rows.slots[first:end], rows.chunk_starts[first:end]
+    else:
+        t, slots, starts = positions[tokens], rows.slots[tokens], rows.chunk_starts[tokens]
     pos = t[:, None] + torch.arange(1 - length, 1, device=t.device)[None, :]
     capacity = ring.shape[1]
-    slot = _slot(rows.slots[first:end], ring)
+    slot = _slot(slots, ring)
     ring_index = slot[:, None] * capacity + _mod(pos.clamp(min=0), capacity)
     from_ring = ring.reshape(-1, ring.shape[-1]).index_select(0, ring_index.flatten()).view(*pos.shape, -1)
     from_ring = from_ring.to(fresh.dtype)
     tail = length if longest_chunk is None else min(length, longest_chunk)
     tail_pos = pos[:, length - tail:]
-    row = torch.arange(first, end, device=t.device)[:, None] - (t[:, None] - tail_pos)
+    row = tokens[:, None] - (t[:, None] - tail_pos)
     from_step = fresh.index_select(0, row.clamp(0, fresh.shape[0] - 1).flatten()).view(*tail_pos.shape, -1)
-    before = (tail_pos < rows.chunk_starts[first:end, None])[..., None]
+    before = (tail_pos < starts[:, None])[..., None]
     # the gather's own buffer: its tail columns are overwritten in place (no copy of the whole window)
     from_ring[:, length - tail:] = torch.where(before, from_ring[:, length - tail:], from_step)
     return from_ring, pos >= 0

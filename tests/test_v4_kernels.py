@@ -137,3 +137,50 @@ def test_fp4_round_trip_and_transformers_dequantization():
     assert torch.equal(dense, Fp8Dequantize(None)._dequantize_one(packed, scale, torch.float32))
     # e2m1 steps are at most 2 (between 4 and 6): every value is within one scale of the original
     assert ((dense - weight).abs() <= scale.repeat_interleave(32, dim=-1) * 1.0 + 1e-6).all()
+
+
+def test_cpp_hc_mixes_match_the_torch_form():
+    from dataclasses import replace
+
+    from kernels.cpu_kernels import load_cpu_kernels
+    assert load_cpu_kernels(), "the C++ kernels did not build"
+    hc, dim = 4, 8
+    streams = torch.randn(6, hc, dim, generator=_gen(2))
+    fn = torch.randn((2 + hc) * hc, hc * dim, generator=_gen(3))
+    base, scale = torch.randn((2 + hc) * hc, generator=_gen(4)), torch.rand(3, generator=_gen(5)) + 0.5
+    spec = HyperConnectionSpec(hc, 20, 1e-6, 1e-6)
+    ref = hc_mixes(streams, fn, base, scale, spec)
+    got = hc_mixes(streams, fn, base, scale, replace(spec, cpp_mixes=True))
+    for a, b in zip(got, ref):  # other summation orders (norm, mix logits): not bit-equal
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert torch.allclose(got[2].sum(dim=-2), torch.ones(6, hc), atol=1e-5)  # columns sum to one
+
+
+def test_cpp_sink_attention_matches_the_torch_form_over_concatenated_keys():
+    from kernels.compressed_attention import cpu_sink_attention
+    from kernels.cpu_kernels import load_cpu_kernels
+    assert load_cpu_kernels(), "the C++ kernels did not build"
+    tokens, heads, dim = 5, 3, 40  # dim not a multiple of 16: the dot products' scalar tail runs too
+    q = torch.randn(tokens, heads, dim, generator=_gen(6))
+    window, entries = torch.randn(tokens, 7, dim, generator=_gen(7)), torch.randn(tokens, 4, dim, generator=_gen(8))
+    allowed, visible = torch.rand(tokens, 7, generator=_gen(9)) > 0.3, torch.rand(tokens, 4, generator=_gen(10)) > 0.5
+    allowed[1], visible[1] = False, False  # a token with no key at all: the sink takes all the mass, output 0
+    sinks = torch.randn(heads, generator=_gen(11))
+    for shared in (False, True):  # per-token keys, or one key set shared by a chunk's queries
+        w, e = (window[:1], entries[:1]) if shared else (window, entries)
+        ref = sink_attention(q, torch.cat([w, e], dim=1), torch.cat([allowed, visible], dim=1), sinks, 0.3)
+        got = cpu_sink_attention(q, w, allowed, e, visible, sinks, 0.3)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got[1], torch.zeros(heads, dim))
+    no_entries = cpu_sink_attention(q, window, allowed, entries[:, :0], visible[:, :0], sinks, 0.3)
+    torch.testing.assert_close(no_entries, sink_attention(q, window, allowed, sinks, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_cpp_tail_rope_matches_the_torch_form():
+    from kernels.cpu_kernels import load_cpu_kernels
+    assert load_cpu_kernels(), "the C++ kernels did not build"
+    cos, sin = rope_cos_sin(torch.rand(4, generator=_gen(12)), torch.arange(3, 8), 1.1, torch.float32)
+    for x in (torch.randn(5, 2, 20, generator=_gen(13)), torch.randn(5, 8, generator=_gen(14))):  # heads or not
+        for s in (sin, -sin):  # the output's conjugate rotation too
+            torch.testing.assert_close(apply_tail_rope(x, cos, s, cpp=True), apply_tail_rope(x, cos, s),
+                                       atol=1e-6, rtol=1e-6)

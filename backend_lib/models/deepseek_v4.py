@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,6 +36,7 @@ from backend_lib.models.deepseek_v4_mtp import V4MTPLayer
 from backend_lib.models.parallel import ParallelContext, Shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
 from kernels.compressed_attention import ChunkPages, TokenPages, entry_rows_per_block
+from kernels.cpu_kernels import load_cpu_kernels
 from kernels.hyper_connections import HyperConnectionSpec, hc_head_collapse
 from kernels.quant import DEFAULT_BLOCK
 
@@ -265,9 +266,26 @@ class DeepseekV4ForCausalLM(nn.Module):
     def pack_for_cpu(self, plan: Any = None) -> None:
         """Host engines (``executor/rank.py`` calls this before building compiled regions): the static MoE of a
         compiled region runs the grouped experts as one opaque op (``kernels/grouped_experts.py``), the work and
-        results of an eager step; the projections keep ``F.linear``."""
+        results of an eager step; with the blocked layout (``plan.blocked``, or no plan) the experts run as one C++
+        op on weights blocked here (``V4MoE.block_experts``), eagerly and in compiled regions alike. The
+        projections keep ``F.linear``. mHC's mixes (Sinkhorn included) run as one C++ op where the ops are
+        built."""
+        if load_cpu_kernels():
+            self.hc = replace(self.hc, cpp_mixes=True)
         for layer in [*self.layers, *self.mtp]:
+            layer.hc = self.hc
             layer.ffn.opaque_experts = True
+            if plan is None or plan.blocked:
+                layer.ffn.block_experts()
+
+    def use_cpu_attention(self) -> None:
+        """Host engines (``host_attention="cpp"``, the C++ ops built): fp32 attention in one C++ pass per token, and
+        the tail RoPE of attention, compressors and indexers in one C++ call each."""
+        for layer in self.layers:
+            layer.attn.cpp_attention = True
+        for module in self.modules():
+            if hasattr(module, "cpp_rope"):
+                module.cpp_rope = True
 
     # ---- the model-runner contract -------------------------------------------------------------------
     def hybrid_cache_shapes(self, num_blocks: int, block_size: int, num_state_slots: int,

@@ -24,8 +24,8 @@ from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm
 from backend_lib.models.parallel import ParallelContext, Shard
 from kernels.attention_metadata import StateRows
 from kernels.compressed_attention import (
-    ChunkPages, TokenPages, entry_write_rows, gather_rows, indexer_select, pool_heavily_compressed, pool_overlapping,
-    sink_attention,
+    ChunkPages, TokenPages, cpu_sink_attention, entry_write_rows, gather_rows, indexer_select, pool_heavily_compressed,
+    pool_overlapping, sink_attention,
 )
 from kernels.hyper_connections import unweighted_rms_norm
 from kernels.interleaved_rope import apply_tail_rope, rope_cos_sin
@@ -108,26 +108,44 @@ class Compressor(nn.Module):
         self.wgate = BlockLinear(hidden, width, block_size=block_size)
         self.ape = nn.Parameter(torch.zeros(rate, width), requires_grad=False)
         self.norm = RMSNorm(dim, eps)
+        self.cpp_rope = False  # host engines with the C++ ops (V4 model's use_cpu_attention)
 
     def forward(self, x: torch.Tensor,  # [T, hidden] the attention block's normed input
                 ctx: StepContext,
                 state: torch.Tensor,  # ring [S + 1, C, 2 * width]: [kv | gate] projections
                 entries: torch.Tensor) -> None:  # paged [E, dim]
         """Pool the window ending at every token (earlier steps' projections from the ring, this step's fresh), keep
-        the entries of the windows that close, then leave each chunk's last projections in the ring."""
+        the entries of the windows that close, then leave each chunk's last projections in the ring.
+
+        Eagerly only the tokens that close a window are pooled (at decode, 1 in ``rate``; an HCA layer's window is
+        128 tokens wide): the others' candidates only ever reach the scratch rows. Compiled regions keep every
+        token (static shapes)."""
         projections = torch.cat([self.wkv(x), self.wgate(x)], dim=-1)
-        span = 2 * self.rate if self.overlap else self.rate
         positions = ctx.pages.positions
-        window, exists = recent_rows(state, projections, ctx.rows, positions, span,
-                                     longest_chunk=ctx.longest_chunk)
-        ape = self.ape.to(x.dtype)
-        pooled = pool_overlapping(window, exists, ape) if self.overlap else pool_heavily_compressed(window, ape)
-        cos, sin = self.rope.at(positions - self.rate + 1, x.dtype)
-        rows = entry_write_rows(ctx.slot_mapping, positions, self.rate, ctx.pages.block_size, entries.shape[0])
-        entries[rows] = apply_tail_rope(self.norm(pooled), cos, sin).to(entries.dtype)
+        if torch.compiler.is_compiling():
+            self._pool(projections, ctx, state, entries, None)
+        else:
+            closing = torch.nonzero((positions + 1) % self.rate == 0).flatten()
+            if closing.numel():
+                self._pool(projections, ctx, state, entries, closing)
         # the ring write comes after every use of the rows read from it: inductor then updates the ring (a graph
         # input) in place; a write before the pooling made it copy the whole ring per layer and step
         write_recent(state, projections, ctx.rows, positions)
+
+    def _pool(self, projections: torch.Tensor,  # [T, 2 * width] this step's [kv | gate]
+              ctx: StepContext, state: torch.Tensor, entries: torch.Tensor,
+              tokens: torch.Tensor | None) -> None:  # [N] int64 the rows to pool, None: all
+        span = 2 * self.rate if self.overlap else self.rate
+        positions, slots = ctx.pages.positions, ctx.slot_mapping
+        window, exists = recent_rows(state, projections, ctx.rows, positions, span,
+                                     longest_chunk=ctx.longest_chunk, tokens=tokens)
+        if tokens is not None:
+            positions, slots = positions[tokens], slots[tokens]
+        ape = self.ape.to(projections.dtype)
+        pooled = pool_overlapping(window, exists, ape) if self.overlap else pool_heavily_compressed(window, ape)
+        cos, sin = self.rope.at(positions - self.rate + 1, projections.dtype)
+        rows = entry_write_rows(slots, positions, self.rate, ctx.pages.block_size, entries.shape[0])
+        entries[rows] = apply_tail_rope(self.norm(pooled), cos, sin, self.cpp_rope).to(entries.dtype)
 
 
 class Indexer(nn.Module):
@@ -139,13 +157,15 @@ class Indexer(nn.Module):
         self.wq_b = BlockLinear(d.q_lora_rank, d.index_n_heads * d.index_head_dim, block_size=block_size)
         self.weights_proj = BlockLinear(d.hidden, d.index_n_heads, block_size=block_size)
         self.compressor = Compressor(d.hidden, d.index_head_dim, d.compress_rate, True, d.eps, rope, block_size)
+        self.cpp_rope = False
 
     def queries(self, x: torch.Tensor,  # [T, hidden]
                 q_residual: torch.Tensor,  # [T, q_lora_rank]
                 ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hi, Di], [T, Hi]
         d = self.d
         q = self.wq_b(q_residual).view(-1, d.index_n_heads, d.index_head_dim)
-        return apply_tail_rope(q, *ctx.compress_rope), self.weights_proj(x).float() * d.index_n_heads ** -0.5
+        return (apply_tail_rope(q, *ctx.compress_rope, self.cpp_rope),
+                self.weights_proj(x).float() * d.index_n_heads ** -0.5)
 
     def select(self, q: torch.Tensor,  # [L, Hi, Di] this group's index queries
                head_weights: torch.Tensor,  # [L, Hi]
@@ -153,6 +173,8 @@ class Indexer(nn.Module):
                entry_slots: torch.Tensor,  # [L or 1, E]
                visible: torch.Tensor,  # [L, E] bool
                ) -> torch.Tensor:  # [L, E] bool
+        if self.d.index_topk >= visible.shape[1]:  # all visible entries are picked: skip the gather and scores
+            return visible
         keys = gather_rows(cache.index_entries, entry_slots).to(q.dtype)
         return indexer_select(q, keys, head_weights, visible, self.d.index_topk)
 
@@ -181,6 +203,8 @@ class V4Attention(nn.Module):
         self.compressor = None if d.layer_type == SLIDING else Compressor(
             d.hidden, d.head_dim, d.compress_rate, d.layer_type == CSA, d.eps, compress_rope, block_size)
         self.indexer = Indexer(d, compress_rope, block_size) if d.layer_type == CSA else None
+        self.cpp_attention = False  # host engines with the C++ ops: kernels/csrc/sink_attention.cpp
+        self.cpp_rope = False
         # checkpoint tensor -> the part this rank holds (tensors not listed are whole on every rank)
         self.shards = {
             "wq_b.weight": Shard(0, head_start * d.head_dim, self.num_heads * d.head_dim),
@@ -195,8 +219,8 @@ class V4Attention(nn.Module):
         cos, sin = ctx.main_rope if d.layer_type == SLIDING else ctx.compress_rope
         q_residual = self.q_norm(self.wq_a(x))
         q = unweighted_rms_norm(self.wq_b(q_residual).view(-1, self.num_heads, d.head_dim), d.eps)
-        q = apply_tail_rope(q, cos, sin)
-        kv = apply_tail_rope(self.norm(self.wkv(x)), cos, sin)
+        q = apply_tail_rope(q, cos, sin, self.cpp_rope)
+        kv = apply_tail_rope(self.norm(self.wkv(x)), cos, sin, self.cpp_rope)
 
         index_q = None
         if self.compressor is not None:
@@ -209,7 +233,7 @@ class V4Attention(nn.Module):
                  for start, end, pages in ctx.groups]
         write_recent(cache.window, kv, ctx.rows, ctx.pages.positions)  # after every group read the window
         out = torch.cat(parts) if len(parts) > 1 else parts[0]
-        out = apply_tail_rope(out, cos, -sin)
+        out = apply_tail_rope(out, cos, -sin, self.cpp_rope)
         return self.par.all_reduce(self.wo_b(self._grouped_output(out)))
 
     def _window(self, kv: torch.Tensor,  # [T, D] this step's K = V
@@ -231,13 +255,20 @@ class V4Attention(nn.Module):
         """Sliding window plus (CSA: the indexer's picks among) the visible compressed entries."""
         d = self.d
         keys, allowed = window
+        entry_keys, visible = keys[:, :0], allowed[:, :0]
         if self.compressor is not None:
             entry_pos, visible = pages.entries(d.compress_rate)
             entry_slots = pages.entry_slots(entry_pos, d.compress_rate)
             if index_q is not None:
                 visible = self.indexer.select(*index_q, cache, entry_slots, visible)
-            keys = torch.cat([keys, gather_rows(cache.entries, entry_slots).to(keys.dtype)], dim=1)
-            allowed = torch.cat([allowed, visible], dim=1)
+            entry_keys = gather_rows(cache.entries, entry_slots)
+        # both key sets in one pass, no concatenation; eager only: an opaque op over the ring's rows made inductor
+        # copy the rings again (a batch-32 graph step 0.09 -> 0.45 s), and graphs fuse the torch form anyway
+        if self.cpp_attention and q.dtype == torch.float32 and not torch.compiler.is_compiling():
+            return cpu_sink_attention(q, keys.to(q.dtype), allowed, entry_keys.to(q.dtype), visible, self.attn_sink,
+                                      self.scale)
+        keys = torch.cat([keys, entry_keys.to(keys.dtype)], dim=1)
+        allowed = torch.cat([allowed, visible], dim=1)
         return sink_attention(q, keys.to(q.dtype), allowed, self.attn_sink, self.scale)
 
     def _grouped_output(self, out: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [T, G * R]

@@ -20,7 +20,10 @@ from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm
 from backend_lib.models.deepseek_v4_attention import LayerCache, StepContext, V4Attention
 from backend_lib.models.parallel import ParallelContext, Shard
 from kernels.fp4 import FP4_GROUP, dequantize_fp4
-from kernels.grouped_experts import clipped_swiglu, grouped_experts, grouped_experts_op, has_grouped_mm
+from kernels.gemv import gemv_available
+from kernels.grouped_experts import (
+    block_experts, blocked_grouped_experts, clipped_swiglu, grouped_experts, grouped_experts_op, has_grouped_mm,
+)
 from kernels.hyper_connections import HyperConnectionSpec, hc_collapse, hc_expand, hc_mixes
 from kernels.quant import DEFAULT_BLOCK, dequantize_block_fp8
 
@@ -107,6 +110,19 @@ class V4MoE(nn.Module):
         # host engines: the static MoE of compiled regions runs the grouped experts as one opaque op (same work and
         # results as eager) instead of every expert over every token; Neuron graphs keep the einsums
         self.opaque_experts = False
+        # host engines: the experts again in kernels/gemv.py's blocked layout for the C++ grouped op (block_experts)
+        self.register_buffer("gate_up_blocked", None, persistent=False)
+        self.register_buffer("down_blocked", None, persistent=False)
+
+    def block_experts(self) -> bool:
+        """Lay the dense experts out for ``deepinfer::blocked_grouped_experts`` (host CPU, fp32 / bf16, the C++ ops
+        built); eager and compiled steps then run it. One more copy of the experts, as the blocked projections keep
+        ``weight``: the dense stacks stay for state dicts and the other paths. False when it does not apply."""
+        if self.packed_fp4 or not gemv_available(self.gate_up.device, self.gate_up.dtype):
+            return False
+        self.register_buffer("gate_up_blocked", block_experts(self.gate_up), persistent=False)
+        self.register_buffer("down_blocked", block_experts(self.down), persistent=False)
+        return True
 
     # ---- loading ---------------------------------------------------------------------------------------
     def local_expert(self, expert: int) -> int | None:
@@ -188,9 +204,11 @@ class V4MoE(nn.Module):
                  weights: torch.Tensor,  # [T, k] float32
                  local_ids: torch.Tensor,  # [T, k] int64, outside [0, num_local_experts) for other ranks' experts
                  ) -> torch.Tensor:  # [T, hidden]
-        """Each local expert over its own tokens, ascending expert id, accumulated with ``index_add_``. Dense experts
-        run as one grouped GEMM per projection where torch has it (as transformers does); packed fp4 experts one by
-        one, each dequantized when it runs. Data-dependent shapes: eager only."""
+        """Each local expert over its own tokens, ascending expert id, accumulated with ``index_add_``. Blocked experts
+        (host engines) run as one C++ op; other dense experts as one grouped GEMM per projection where torch has it
+        (as transformers does); packed fp4 experts one by one, each dequantized when it runs."""
+        if self.gate_up_blocked is not None:
+            return self._blocked(x, weights, local_ids)
         if not self.packed_fp4 and has_grouped_mm():
             return grouped_experts(x, weights, local_ids, self.gate_up, self.down, self.d.swiglu_limit)
         out = torch.zeros_like(x)
@@ -211,6 +229,8 @@ class V4MoE(nn.Module):
         """Fixed shapes for compiled regions: every local expert over every token, combined by a dense
         [T, E] weight matrix that is zero off each token's choices. With ``opaque_experts`` (host engines) the
         grouped experts instead, as one op whose shapes are fixed from the outside."""
+        if self.gate_up_blocked is not None:
+            return self._blocked(x, weights, local_ids)
         if self.opaque_experts and not self.packed_fp4 and has_grouped_mm():
             return grouped_experts_op(x, weights, local_ids, self.gate_up, self.down, self.d.swiglu_limit)
         num = self.num_local_experts
@@ -221,6 +241,14 @@ class V4MoE(nn.Module):
         h = clipped_swiglu(*gate_up.chunk(2, dim=-1), self.d.swiglu_limit)
         y = torch.einsum("eti,ehi->eth", h, self._dense("down", x.dtype))
         return torch.einsum("eth,te->th", y, dense.to(x.dtype))
+
+
+    def _blocked(self, x: torch.Tensor,  # [T, hidden]
+                 weights: torch.Tensor,  # [T, k] float32
+                 local_ids: torch.Tensor,  # [T, k] int64
+                 ) -> torch.Tensor:  # [T, hidden]
+        return blocked_grouped_experts(x, weights, local_ids, self.gate_up_blocked, self.down_blocked,
+                                       self.inter_size, self.d.swiglu_limit)
 
 
 class V4DecoderLayer(nn.Module):

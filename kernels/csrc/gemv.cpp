@@ -395,6 +395,36 @@ std::string blocked_linear_isa() { return isa_name(best_isa()); }
 
 }  // namespace
 
+namespace deepinfer {
+
+// y [rows, out_features] (row stride out_features) = x [rows, in] (row stride in, fp32) @ W^T, W blocked as
+// kernels/gemv.py lays it out (fp32, or bf16 pairs); the best ISA of this CPU, threads over tile ranges.
+// For other C++ ops that run many small GEMMs on blocked weights (grouped_experts.cpp).
+void blocked_gemm_f32(const float* x, int64_t rows, int64_t in, const void* w, bool w_bf16, int64_t tiles,
+                      int64_t out_features, float* y) {
+  const KernelSet& set = kernels_for(best_isa(), w_bf16 ? Kind::kBf16W : Kind::kF32);
+  const int64_t units = (tiles + set.max_tiles - 1) / set.max_tiles;
+  const int64_t tile_stride = (w_bf16 ? (in + 1) / 2 * 2 : in) * kTile;  // elements per tile
+  const int64_t tile_bytes = tile_stride * (w_bf16 ? 2 : 4);
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (tile_bytes * set.max_tiles));
+  const char* w_ptr = static_cast<const char*>(w);
+  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kMaxRows * kMaxTiles * kTile];
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t tile0 = unit * set.max_tiles;
+      const int nt = static_cast<int>(std::min<int64_t>(set.max_tiles, tiles - tile0));
+      const int64_t col0 = tile0 * kTile, cols = std::min<int64_t>(nt * kTile, out_features - col0);
+      for (int64_t row0 = 0; row0 < rows; row0 += set.max_rows) {
+        const int r = static_cast<int>(std::min<int64_t>(set.max_rows, rows - row0));
+        set.fn[r - 1][nt - 1](x + row0 * in, in, w_ptr + tile0 * tile_bytes, tile_stride, in, acc);
+        store_block(acc, nullptr, y, out_features, row0, r, col0, cols);
+      }
+    }
+  });
+}
+
+}  // namespace deepinfer
+
 TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
   m.def("blocked_linear(Tensor x, Tensor blocked, Tensor? bias, int out_features, str isa=\"auto\") -> Tensor");
   m.def("blocked_linear_isa() -> str", &blocked_linear_isa);

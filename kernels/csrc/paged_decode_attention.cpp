@@ -21,6 +21,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "attention_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -33,72 +35,7 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;  // independent partial sums: the compiler vectorizes without reassociating
-
-// Lanes folded as a tree (vector adds), not one by one (a serial chain of 16 scalar adds per dot product).
-inline float fold_sum(float* lanes) {
-  for (int64_t l = 0; l < 8; ++l) lanes[l] += lanes[l + 8];
-  for (int64_t l = 0; l < 4; ++l) lanes[l] += lanes[l + 4];
-  return (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-#ifdef __AVX512F__
-  if (n % 16 == 0) {
-    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
-    for (int64_t i = 16; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-    return _mm512_reduce_add_ps(acc);
-  }
-#endif
-  float lanes[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += a[i + l] * b[i + l];
-  }
-  float sum = fold_sum(lanes);
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
-inline float sum_of(const float* x, int64_t n) {
-  float lanes[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += x[i + l];
-  }
-  float sum = fold_sum(lanes);
-  for (; i < n; ++i) sum += x[i];
-  return sum;
-}
-
-inline float max_of(const float* x, int64_t n) {  // n >= 1
-  float top = x[0];
-  for (int64_t i = 1; i < n; ++i) top = x[i] > top ? x[i] : top;
-  return top;
-}
-
-// exp(x - shift) for x <= shift, in place, vectorizable: Cephes' expf polynomial on the reduced argument times
-// 2^k built from the exponent bits. Arguments below -87.3 give ~1e-38 instead of 0: negligible next to the 1 of
-// the maximum.
-inline void exp_shifted_inplace(float* x, int64_t n, float shift) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float t = x[i] - shift;
-    const float v = t > -87.3f ? t : -87.3f;
-    const float k = std::floor(v * 1.44269504088896341f + 0.5f);
-    const float r = v - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-    float two_k;
-    std::memcpy(&two_k, &bits, sizeof two_k);
-    x[i] = p * two_k;
-  }
-}
+using namespace deepinfer::attention_math;
 
 // n values as fp32: float rows are read in place; bf16 rows are widened into ``scratch``.
 inline const float* as_float(const float* src, float* /*scratch*/, int64_t /*n*/) { return src; }
