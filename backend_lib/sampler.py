@@ -154,7 +154,7 @@ class Sampler(torch.nn.Module):
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         processed = self.process_logits(logits, meta)
-        greedy_ids = torch.argmax(processed, dim=-1)
+        greedy_ids = ops.row_argmax(processed)
         if meta.all_greedy:
             return greedy_ids
         random_ids = ops.gumbel_argmax(self.filtered_logits(processed, meta), meta.seeds, meta.positions)

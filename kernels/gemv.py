@@ -24,17 +24,27 @@ class GemvPolicy:
     """Which row counts take the blocked kernel; the others take oneDNN's packed GEMM where it holds the weight,
     else ``F.linear`` (for bf16, torch's own bf16 GEMM, AMX or avx512_bf16 where the CPU has them).
 
-    ``max_rows`` is measured by benchmarks/gemv.py (its crossover sweep over SmolLM2's layer shapes). On the
-    shared 2-core Xeon of this branch: the blocked kernel took 0.44x oneDNN's time at T = 1, 0.24x at 8, 0.44x at
-    16, 0.77x at 32, about even at 64 and 128, 1.2x at 512. Up to ~8 rows the GEMM is a weight stream; past ~16
-    it is bound by the FMAs (16 per 64-byte weight vector at T = 16), where oneDNN's register blocking is the
-    better GEMM, so the rule stays below the measured crossover."""
+    ``for_host`` picks ``max_rows`` from the crossovers measured over SmolLM2 shapes (quiet
+    2-core Xeon, family 6 model 167, SmolLM2's 30 layers streamed from memory, 2 threads): fp32, the blocked
+    kernel beat oneDNN's packed fp32 GEMM at every decode row count (1.43x at 1 row, 1.33x at 32, 1.14x at 128;
+    its 16-wide register tiles keep the FMAs busy where oneDNN's fp32 kernel does not), so it takes up to 128
+    rows and chunked prefills stay on oneDNN; bf16 on AMX, oneDNN's tiles overtake the blocked ``vdpbf16ps``
+    kernel between 8 and 12 rows (0.67x its time at 16 rows, 0.42x at 32), so 8 there; bf16 without AMX uses
+    the same instruction as oneDNN and keeps 16 (not measured on such a CPU)."""
 
     max_rows: int | None = 16  # None: every row count (host_gemm "gemv")
 
     def __post_init__(self) -> None:
         if self.max_rows is not None and self.max_rows < 1:
             raise ValueError(f"GemvPolicy.max_rows must be >= 1 or None, got {self.max_rows}")
+
+    @classmethod
+    def for_host(cls, dtype: torch.dtype) -> "GemvPolicy":
+        if dtype == torch.float32:
+            return cls(max_rows=128)
+        if dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported():
+            return cls(max_rows=8)
+        return cls(max_rows=16)
 
     def use_blocked(self, rows: int) -> bool:
         return self.max_rows is None or rows <= self.max_rows

@@ -79,7 +79,13 @@ def gumbel_argmax(scaled_logits: torch.Tensor, seeds: torch.Tensor, positions: t
     seeds: [B] int64, positions: [B] int64.
     """
     noise = gumbel_noise(seeded_uniform(seeds, positions, scaled_logits.shape[-1]))
-    return torch.argmax(scaled_logits + noise, dim=-1)
+    return row_argmax(scaled_logits + noise)
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:  # x [B, V] -> [B] int64
+    """``argmax(x, -1)``, ties to the first index as argmax does: torch's CPU ``max(dim)`` is 2.5x faster than its
+    ``argmax`` on [32, 49152] logits (0.4 against 1.0 ms, 2 ms of a 70 ms SmolLM2 batch-32 step in the engine)."""
+    return x.max(dim=-1).indices
 
 
 # ----------------------------------------------------------------------------------------------

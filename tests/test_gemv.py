@@ -78,6 +78,15 @@ def test_bad_input_names_the_field(isas):
         GemvPolicy(max_rows=0)
 
 
+def test_host_policy_keeps_fp32_decode_batches_on_the_blocked_kernel_and_prefill_chunks_on_onednn():
+    fp32 = GemvPolicy.for_host(torch.float32)
+    assert fp32.use_blocked(1) and fp32.use_blocked(32) and fp32.use_blocked(128)
+    assert not fp32.use_blocked(512)  # a chunked prefill
+    bf16 = GemvPolicy.for_host(torch.bfloat16)
+    assert bf16.use_blocked(1) and bf16.use_blocked(8) and not bf16.use_blocked(32)
+    assert bf16.use_blocked(16) == (not torch.cpu._is_amx_tile_supported())  # AMX tiles win from ~12 rows
+
+
 @pytest.mark.parametrize("plan", [HostGemmPlan(onednn=False), HostGemmPlan(policy=GemvPolicy(2))])
 def test_packed_linear_equals_f_linear_eager_and_compiled(isas, plan):
     layer = Linear(70, 45, bias=True, dtype=torch.float32)
@@ -113,11 +122,13 @@ def test_compiled_graph_keeps_one_opaque_call(isas):
 
 def test_host_gemm_plan_by_mode_and_dtype(isas):
     cpu = torch.device("cpu")
-    assert host_gemm_plan("auto", cpu, torch.float32) == HostGemmPlan(onednn=True, blocked=True)
+    assert host_gemm_plan("auto", cpu, torch.float32) == HostGemmPlan(onednn=True, blocked=True,
+                                                                       policy=GemvPolicy.for_host(torch.float32))
     assert host_gemm_plan("gemv", cpu, torch.float32) == HostGemmPlan(onednn=False, blocked=True,
                                                                        policy=GemvPolicy(max_rows=None))
-    assert host_gemm_plan("onednn", cpu, torch.float32) == HostGemmPlan(onednn=True, blocked=False)
-    assert host_gemm_plan("mkl", cpu, torch.float32) == HostGemmPlan(onednn=False, blocked=False)
+    for mode, layouts in (("onednn", (True, False)), ("mkl", (False, False))):  # no blocked weight: no policy
+        plan = host_gemm_plan(mode, cpu, torch.float32)
+        assert (plan.onednn, plan.blocked) == layouts
     assert host_gemm_plan("auto", cpu, torch.bfloat16).blocked
 
 

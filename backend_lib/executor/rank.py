@@ -63,7 +63,7 @@ def host_gemm_plan(host_gemm: str, device: torch.device, dtype: torch.dtype) -> 
     """``ModelConfig.host_gemm`` -> the layouts to pack, as far as this device and dtype have the kernels."""
     onednn = host_gemm in ("auto", "onednn") and onednn_gemm_available(device, dtype)
     blocked = host_gemm in ("auto", "gemv") and gemv_available(device, dtype)
-    policy = GemvPolicy(max_rows=None) if host_gemm == "gemv" else GemvPolicy()
+    policy = GemvPolicy(max_rows=None) if host_gemm == "gemv" else GemvPolicy.for_host(dtype)
     return HostGemmPlan(onednn=onednn, blocked=blocked, policy=policy)
 
 

@@ -95,11 +95,11 @@ def rejection_sample(target_logits: torch.Tensor,  # [N, V] raw target logits, o
     logits = target_logits.to(torch.float32)
     drafts = layout.draft_token_ids
     if meta.all_greedy and not meta.any_penalty and not meta.any_min_tokens:
-        row_tokens = torch.argmax(logits, dim=-1)
+        row_tokens = ops.row_argmax(logits)
         accept = (row_tokens == drafts) & layout.is_draft_row
     else:
         processed = sampler.process_logits(logits, meta)
-        greedy = torch.argmax(processed, dim=-1)
+        greedy = ops.row_argmax(processed)
         if meta.all_greedy:
             row_tokens = greedy
             accept = (row_tokens == drafts) & layout.is_draft_row
