@@ -130,7 +130,7 @@ class Sampler(torch.nn.Module):
         """logits: [B, V] float32 raw model logits of the rows in ``meta``."""
         logits = logits.to(torch.float32)
         if meta.all_greedy and not meta.any_penalty and not meta.any_min_tokens:
-            token_ids = torch.argmax(logits, dim=-1)  # greedy fast path: no sort, no noise
+            token_ids = ops.row_argmax(logits)  # greedy fast path: no sort, no noise
         else:
             token_ids = self._sample(logits, meta)
         return self._with_logprobs(logits, token_ids, meta)

@@ -8,7 +8,8 @@ attention (fp32, or bf16 with fp32 math), the shared-memory all-reduce of tensor
 (shm_all_reduce.cpp), the few-row GEMM on pre-blocked weights (gemv.cpp, which picks its instruction set from the
 CPU's flags at run time, whatever flags built it; kernels/gemv.py), the routed MoE experts on the same blocked
 weights (grouped_experts.cpp), mHC's mixes with their Sinkhorn loop (hyper_connections.cpp) and DeepSeek-V4's sink attention over
-two key sets (sink_attention.cpp) and interleaved tail RoPE (interleaved_rope.cpp). The ops are registered with the
+two key sets (sink_attention.cpp) and interleaved tail RoPE (interleaved_rope.cpp), and a Llama layer's norms, SiLU
+gate and RoPE + KV-cache write (fused_layer_ops.cpp, kernels/fused_layer_ops.py). The ops are registered with the
 dispatcher (``torch.ops.deepinfer.*``) and have fake kernels, so compiled regions keep each as one opaque call, as they do the packed GEMM.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = ("paged_decode_attention.cpp", "shm_all_reduce.cpp", "gemv.cpp", "grouped_experts.cpp",
-            "hyper_connections.cpp", "sink_attention.cpp", "interleaved_rope.cpp")
+            "hyper_connections.cpp", "sink_attention.cpp", "interleaved_rope.cpp", "fused_layer_ops.cpp")
 # torch.backends.cpu.get_cpu_capability() -> compiler flags (x86-64; anything else builds for the baseline).
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
@@ -128,5 +129,24 @@ def load_cpu_kernels() -> bool:
         tokens, hc = streams.shape[0], streams.shape[1]
         new = functools.partial(streams.new_empty, dtype=torch.float32)
         return new(tokens, hc), new(tokens, hc), new(tokens, hc, hc)
+
+    @torch.library.register_fake("deepinfer::rms_norm")
+    def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("deepinfer::add_rms_norm")
+    def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.empty_like(x, memory_format=torch.contiguous_format),
+                torch.empty_like(x, memory_format=torch.contiguous_format))
+
+    @torch.library.register_fake("deepinfer::silu_and_mul")
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], x.shape[1] // 2)
+
+    @torch.library.register_fake("deepinfer::rope_qkv_to_cache")
+    def _(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+          slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+        return qkv.new_empty(qkv.shape[0], num_heads, k_cache.shape[2])
 
     return True

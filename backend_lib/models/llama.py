@@ -16,6 +16,7 @@ from torch import nn
 from backend_lib.models.layers import (HostGemmPlan, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding, copy_into,
                                        linear, silu_and_mul)
 from backend_lib.models.parallel import ParallelContext, Shard, read_shard, vocab_parallel_embedding
+from kernels import fused_layer_ops as fused
 from kernels.attention import paged_attention, write_kv
 from kernels.attention_metadata import AttentionMetadata
 from kernels.gemv import GemvPolicy, block_weight
@@ -134,6 +135,7 @@ class LlamaAttention(nn.Module):
         # The bias is added once, on the driver, before the all-reduce.
         self.o_proj = Linear(self.q_size, arch.hidden_size, arch.attention_bias and par.is_driver, dtype)
         self.cpu_decode_kernel = False  # the C++ decode attention (kernels/cpu_kernels.py), set by the engine
+        self.host_fused = False  # RoPE + KV write as one C++ op in eager host steps (kernels/fused_layer_ops.py)
 
     def shard_rows(self, shard: str) -> slice:
         """Rows of the fused qkv_proj that hold this rank's part of the checkpoint's q_proj, k_proj or v_proj."""
@@ -151,11 +153,16 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rotate(q.view(num_tokens, self.num_heads, self.head_dim), *rope)
-        k = rotate(k.view(num_tokens, self.num_kv_heads, self.head_dim), *rope)
-        write_kv(k_cache, k, meta.slot_mapping)
-        write_kv(v_cache, v.view(num_tokens, self.num_kv_heads, self.head_dim), meta.slot_mapping)
+        qkv = self.qkv_proj(hidden)
+        if self.host_fused and not torch.compiler.is_compiling():
+            q = fused.rope_qkv_to_cache(qkv, *rope, k_cache, v_cache, meta.slot_mapping, self.num_heads,
+                                        self.num_kv_heads)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = rotate(q.view(num_tokens, self.num_heads, self.head_dim), *rope)
+            k = rotate(k.view(num_tokens, self.num_kv_heads, self.head_dim), *rope)
+            write_kv(k_cache, k, meta.slot_mapping)
+            write_kv(v_cache, v.view(num_tokens, self.num_kv_heads, self.head_dim), meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.cpu_decode_kernel)
         return self.par.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
@@ -171,13 +178,17 @@ class LlamaMLP(nn.Module):
         self.down_columns = Shard(1, start, self.intermediate_size)
         self.gate_up_proj = Linear(arch.hidden_size, 2 * self.intermediate_size, arch.mlp_bias, dtype)
         self.down_proj = Linear(self.intermediate_size, arch.hidden_size, arch.mlp_bias and par.is_driver, dtype)
+        self.host_fused = False  # SiLU-and-multiply as one C++ op in eager host steps
 
     def shard_rows(self, shard: str) -> slice:
         start = 0 if shard == "gate" else self.intermediate_size
         return slice(start, start + self.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
-        return self.par.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
+        gate_up = self.gate_up_proj(x)
+        fused_here = self.host_fused and not torch.compiler.is_compiling()
+        return self.par.all_reduce(self.down_proj(fused.silu_and_mul(gate_up) if fused_here
+                                                  else silu_and_mul(gate_up)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -187,6 +198,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(arch, dtype, par)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(arch, dtype, par)
+        self.host_fused = False  # the norms and the residual add as C++ ops in eager host steps
 
     def forward(
         self,
@@ -196,6 +208,11 @@ class LlamaDecoderLayer(nn.Module):
         v_cache: torch.Tensor,  # [num_slots, Hkv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
+        if self.host_fused and not torch.compiler.is_compiling():
+            first, second = self.input_layernorm, self.post_attention_layernorm
+            attn = self.self_attn(rope, fused.rms_norm(hidden, first.weight, first.eps), k_cache, v_cache, meta)
+            normed, hidden = fused.add_rms_norm(attn, hidden, second.weight, second.eps)
+            return hidden + self.mlp(normed)
         hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), k_cache, v_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -269,9 +286,11 @@ class LlamaForCausalLM(nn.Module):
         self.gemv_policy = plan.policy
 
     def use_cpu_attention(self) -> None:
-        """Decode attention on the C++ host kernel; the caller has loaded it (kernels.cpu_kernels)."""
+        """Decode attention on the C++ host kernel, and each layer's norms, SiLU gate and RoPE + KV write on the
+        fused host ops (eager steps); the caller has loaded them (kernels.cpu_kernels)."""
         for layer in self.layers:
             layer.self_attn.cpu_decode_kernel = True
+            layer.host_fused = layer.self_attn.host_fused = layer.mlp.host_fused = True
 
     def _target(self, name: str) -> tuple[str, torch.Tensor, Shard | None] | None:
         """(loaded-key, destination view, this rank's part of the checkpoint tensor or None for all of it) for a

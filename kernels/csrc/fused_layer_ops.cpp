@@ -1,0 +1,229 @@
+// The small per-layer steps of a Llama decoder as one host op each: deepinfer::rms_norm, add_rms_norm,
+// silu_and_mul and rope_qkv_to_cache.
+//
+// Why: eagerly, torch runs RMSNorm as ~8 ops (casts, pow, mean, add, rsqrt, two products), RoPE on q and k as ~12
+// and the two KV-cache writes as two index_copy_ calls; at SmolLM2's decode sizes (32 x 576 activations) each op
+// costs more in dispatch and in touching a fresh output than in arithmetic: ~0.3 ms a layer, 8-10 ms of a batch-32
+// step (more in bf16, where every norm casts to fp32 and back). Compiled regions fuse these themselves and keep
+// the torch forms; these ops serve eager host steps.
+//
+// Every result equals the torch form's bit for bit except for summation order in the norm's mean (16 partial
+// sums) and exp in SiLU (a polynomial, ~2 ulp): products and sums are rounded where torch rounds them, bf16 intermediates to bf16
+// (round to nearest even) where torch stores a bf16 tensor, and no product is fused into an FMA
+// (fp-contract=off on the functions that would otherwise contract).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+namespace {
+
+#define NO_FMA __attribute__((optimize("fp-contract=off")))
+
+// A value as torch would store it in a tensor of scalar_t (bf16: round to nearest even).
+template <typename scalar_t>
+inline float stored(float v) {
+  return static_cast<float>(static_cast<scalar_t>(v));
+}
+
+// Rows per task: decode-sized inputs (up to ~200k elements) stay on one thread, where an OpenMP region would cost
+// more than the work (and, on a busy machine, stall on its barrier); prefill chunks split across threads.
+inline int64_t row_grain(int64_t row_elems) {
+  return std::max<int64_t>(1, 262144 / std::max<int64_t>(row_elems, 1));
+}
+
+// exp(x) for the SiLU, vectorizable (std::exp is a libm call per element): Cephes' expf polynomial on the reduced
+// argument times 2^k built from the exponent bits, as attention_math.h's exp_shifted_inplace; within ~2 ulp.
+inline float exp_poly(float x) {
+  const float v = std::min(std::max(x, -87.3f), 88.7f);
+  const float k = std::floor(v * 1.44269504088896341f + 0.5f);
+  const float r = v - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float two_k;
+  std::memcpy(&two_k, &bits, sizeof two_k);
+  return p * two_k;
+}
+
+// torch's RMSNorm (kernels/norm.py): h = x in fp32; h * rsqrt(mean(h^2) + eps) stored in x's dtype; times weight.
+template <typename scalar_t>
+NO_FMA void norm_rows(const scalar_t* x, const scalar_t* weight, scalar_t* out, int64_t rows, int64_t hidden,
+                      float eps) {
+  at::parallel_for(0, rows, row_grain(hidden), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* xr = x + r * hidden;
+      float lanes[16] = {};
+      int64_t i = 0;
+      for (; i + 16 <= hidden; i += 16) {
+        for (int l = 0; l < 16; ++l) {
+          const float v = static_cast<float>(xr[i + l]);
+          lanes[l] += v * v;
+        }
+      }
+      float sum = 0.f;
+      for (int l = 0; l < 16; ++l) sum += lanes[l];
+      for (; i < hidden; ++i) sum += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+      scalar_t* o = out + r * hidden;
+      for (int64_t j = 0; j < hidden; ++j) {
+        const float h = stored<scalar_t>(static_cast<float>(xr[j]) * inv);
+        o[j] = static_cast<scalar_t>(static_cast<float>(weight[j]) * h);
+      }
+    }
+  });
+}
+
+void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "rms_norm: x must be [T, hidden] float32 or bfloat16, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight must be [", x.size(1), "] of x's dtype, got ", weight.sizes(), " ",
+              weight.scalar_type());
+}
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
+  check_norm_args(x_in, weight_in);
+  const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
+  at::Tensor out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    norm_rows<scalar_t>(x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0),
+                        x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// (rms_norm(x + residual), x + residual): the residual add and the next norm of a decoder layer.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at::Tensor& residual_in,
+                                                const at::Tensor& weight, double eps) {
+  check_norm_args(x_in, weight);
+  TORCH_CHECK(residual_in.sizes() == x_in.sizes() && residual_in.scalar_type() == x_in.scalar_type(),
+              "add_rms_norm: residual must match x (", x_in.sizes(), " ", x_in.scalar_type(), "), got ",
+              residual_in.sizes(), " ", residual_in.scalar_type());
+  const at::Tensor x = x_in.contiguous(), residual = residual_in.contiguous();
+  at::Tensor summed = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t* a = x.data_ptr<scalar_t>();
+    const scalar_t* b = residual.data_ptr<scalar_t>();
+    scalar_t* s = summed.data_ptr<scalar_t>();
+    const int64_t n = x.numel();
+    for (int64_t i = 0; i < n; ++i) s[i] = static_cast<scalar_t>(static_cast<float>(a[i]) + static_cast<float>(b[i]));
+  });
+  return {rms_norm(summed, weight, eps), summed};
+}
+
+// [T, 2I] = [gate | up] -> silu(gate) * up, silu stored in x's dtype first as torch does.
+at::Tensor silu_and_mul(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % 2 == 0 &&
+                  (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
+              "silu_and_mul: x must be [T, 2 * I] float32 or bfloat16, got ", x_in.sizes(), " ", x_in.scalar_type());
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), inter = x.size(1) / 2;
+  at::Tensor out = at::empty({rows, inter}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, row_grain(inter), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* gate = xp + r * 2 * inter;
+        const scalar_t* up = gate + inter;
+        for (int64_t i = 0; i < inter; ++i) {
+          const float g = static_cast<float>(gate[i]);
+          const float act = stored<scalar_t>(g / (1.f + exp_poly(-g)));
+          op[r * inter + i] = static_cast<scalar_t>(act * static_cast<float>(up[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// Pair (i, i + D/2) of one head rotated as kernels/rope.py's rotate: x1 c - x2 s, x2 c + x1 s, every product and
+// sum stored in scalar_t.
+template <typename scalar_t>
+NO_FMA void rotate_head(const scalar_t* src, const scalar_t* cos, const scalar_t* sin, scalar_t* dst, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = static_cast<float>(src[i]), x2 = static_cast<float>(src[half + i]);
+    const float c = static_cast<float>(cos[i]), s = static_cast<float>(sin[i]);
+    dst[i] = static_cast<scalar_t>(stored<scalar_t>(x1 * c) - stored<scalar_t>(x2 * s));
+    dst[half + i] = static_cast<scalar_t>(stored<scalar_t>(x2 * c) + stored<scalar_t>(x1 * s));
+  }
+}
+
+// qkv [T, (H + 2 Hkv) D] (the fused projection's output) -> rotated q [T, H, D]; rotated k and v are written to
+// their cache slots. slot_mapping [T] int64; caches [num_slots, Hkv, D].
+at::Tensor rope_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                             at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping_in,
+                             int64_t num_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(1) == num_kv_heads && k_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(),
+              "rope_qkv_to_cache: caches must be contiguous [num_slots, ", num_kv_heads, ", D] of one shape, got ",
+              k_cache.sizes(), " and ", v_cache.sizes());
+  const int64_t dim = k_cache.size(2), half = dim / 2, tokens = qkv.size(0), slots = k_cache.size(0);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * dim && qkv.stride(1) == 1,
+              "rope_qkv_to_cache: qkv must be [T, ", (num_heads + 2 * num_kv_heads) * dim,
+              "] with contiguous rows, got ", qkv.sizes());
+  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16),
+              "rope_qkv_to_cache: qkv and the caches must share one dtype, float32 or bfloat16");
+  const at::Tensor cos = cos_in.reshape({tokens, half}).contiguous(), sin = sin_in.reshape({tokens, half}).contiguous();
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+              "rope_qkv_to_cache: cos and sin must have qkv's dtype");
+  const at::Tensor slot_mapping = slot_mapping_in.to(at::kLong).contiguous();
+  TORCH_CHECK(slot_mapping.numel() == tokens, "rope_qkv_to_cache: slot_mapping must have one slot per token");
+  const int64_t* slot_ptr = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {  // all checked before any write: a bad slot leaves the caches untouched
+    TORCH_CHECK(slot_ptr[t] >= 0 && slot_ptr[t] < slots, "rope_qkv_to_cache: slot ", slot_ptr[t],
+                " outside the cache (", slots, " slots)");
+  }
+  at::Tensor q = at::empty({tokens, num_heads, dim}, qkv.options());
+  const int64_t row_stride = qkv.stride(0), kv_row = num_kv_heads * dim;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_qkv_to_cache", [&] {
+    const scalar_t* src = qkv.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* kp = k_cache.data_ptr<scalar_t>();
+    scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, row_grain((num_heads + 2 * num_kv_heads) * dim), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t slot = slot_ptr[t];
+        const scalar_t* row = src + t * row_stride;
+        const scalar_t* ct = cp + t * half;
+        const scalar_t* st = sp + t * half;
+        for (int64_t h = 0; h < num_heads; ++h) rotate_head(row + h * dim, ct, st, qp + (t * num_heads + h) * dim, half);
+        const scalar_t* k_src = row + num_heads * dim;
+        for (int64_t h = 0; h < num_kv_heads; ++h) rotate_head(k_src + h * dim, ct, st, kp + slot * kv_row + h * dim, half);
+        std::copy_n(k_src + kv_row, kv_row, vp + slot * kv_row);
+      }
+    });
+  });
+  return q;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rope_qkv_to_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping, int num_heads, int num_kv_heads) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(deepinfer, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rope_qkv_to_cache", &rope_qkv_to_cache);
+}
