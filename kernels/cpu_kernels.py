@@ -130,11 +130,11 @@ def load_cpu_kernels() -> bool:
         new = functools.partial(streams.new_empty, dtype=torch.float32)
         return new(tokens, hc), new(tokens, hc), new(tokens, hc, hc)
 
-    @torch.library.register_fake("deepinfer::rms_norm")
+    @torch.library.register_fake("deepinfer::llama_rms_norm")
     def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
-    @torch.library.register_fake("deepinfer::add_rms_norm")
+    @torch.library.register_fake("deepinfer::llama_add_rms_norm")
     def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.empty_like(x, memory_format=torch.contiguous_format),

@@ -19,14 +19,14 @@ def fused_ops_available(device: torch.device, dtype: torch.dtype) -> bool:
 def rms_norm(x: torch.Tensor,  # [T, hidden]
              weight: torch.Tensor,  # [hidden], x's dtype
              eps: float) -> torch.Tensor:  # [T, hidden]
-    return torch.ops.deepinfer.rms_norm(x, weight, eps)
+    return torch.ops.deepinfer.llama_rms_norm(x, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor,  # [T, hidden]
                  residual: torch.Tensor,  # [T, hidden]
                  weight: torch.Tensor,  # [hidden]
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # normed, x + residual: [T, hidden] each
-    return torch.ops.deepinfer.add_rms_norm(x, residual, weight, eps)
+    return torch.ops.deepinfer.llama_add_rms_norm(x, residual, weight, eps)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # x [T, 2 * I] = [gate | up] -> [T, I]

@@ -1,4 +1,4 @@
-// The small per-layer steps of a Llama decoder as one host op each: deepinfer::rms_norm, add_rms_norm,
+// The small per-layer steps of a Llama decoder as one host op each: deepinfer::llama_rms_norm, llama_add_rms_norm,
 // silu_and_mul and rope_qkv_to_cache.
 //
 // Why: eagerly, torch runs RMSNorm as ~8 ops (casts, pow, mean, add, rsqrt, two products), RoPE on q and k as ~12
@@ -86,9 +86,9 @@ NO_FMA void norm_rows(const scalar_t* x, const scalar_t* weight, scalar_t* out, 
 
 void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "rms_norm: x must be [T, hidden] float32 or bfloat16, got ", x.sizes(), " ", x.scalar_type());
+              "llama_rms_norm: x must be [T, hidden] float32 or bfloat16, got ", x.sizes(), " ", x.scalar_type());
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type(),
-              "rms_norm: weight must be [", x.size(1), "] of x's dtype, got ", weight.sizes(), " ",
+              "llama_rms_norm: weight must be [", x.size(1), "] of x's dtype, got ", weight.sizes(), " ",
               weight.scalar_type());
 }
 
@@ -108,7 +108,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
                                                 const at::Tensor& weight, double eps) {
   check_norm_args(x_in, weight);
   TORCH_CHECK(residual_in.sizes() == x_in.sizes() && residual_in.scalar_type() == x_in.scalar_type(),
-              "add_rms_norm: residual must match x (", x_in.sizes(), " ", x_in.scalar_type(), "), got ",
+              "llama_add_rms_norm: residual must match x (", x_in.sizes(), " ", x_in.scalar_type(), "), got ",
               residual_in.sizes(), " ", residual_in.scalar_type());
   const at::Tensor x = x_in.contiguous(), residual = residual_in.contiguous();
   at::Tensor summed = at::empty_like(x);
@@ -214,16 +214,16 @@ at::Tensor rope_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& cos_in, co
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("llama_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("llama_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rope_qkv_to_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping, int num_heads, int num_kv_heads) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("llama_rms_norm", &rms_norm);
+  m.impl("llama_add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rope_qkv_to_cache", &rope_qkv_to_cache);
 }
