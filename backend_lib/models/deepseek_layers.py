@@ -17,6 +17,7 @@ from torch import nn
 
 from backend_lib.models.parallel import ParallelContext, Shard, read_shard
 from kernels.attention_metadata import AttentionMetadata
+from kernels.gemv import GemvPolicy, block_weight, blocked_linear, gemv_available
 from kernels.mla import mla_decode_absorbed, mla_prefill, split_kv_b, write_latent_cache
 from kernels.moe import ExpertWeights, RouterConfig, grouped_topk, moe_dynamic, moe_static
 from kernels.quant import DEFAULT_BLOCK, block_fp8_linear, dequantize_block_fp8
@@ -151,6 +152,9 @@ class BlockLinear(nn.Module):
         self.register_buffer("weight_scale_inv", None)
         self.register_buffer("bias", None)
         self.has_bias = bias
+        # host engines: the weight again in kernels/gemv.py's blocked layout (``block_for_cpu``), for few-row calls
+        self.register_buffer("blocked", None, persistent=False)
+        self.gemv_policy = GemvPolicy()
 
     def set_weight(self, weight: Any,  # [out, in] of the checkpoint, possibly lazy
                    scale_inv: Any, dtype: torch.dtype, dequantize: bool) -> None:
@@ -178,8 +182,23 @@ class BlockLinear(nn.Module):
             return self.weight.to(dtype)
         return dequantize_block_fp8(self.weight, self.weight_scale_inv, self.block_size, dtype=dtype)
 
+    def block_for_cpu(self, policy: GemvPolicy) -> bool:
+        """Few-row calls (``policy``) on the blocked kernel: fp32 / bf16 weights on the host CPU with the C++ ops
+        built (fp8 weights keep their block-scaled path). One more copy of the weight, as ``weight`` stays for
+        ``dense_weight`` and state dicts. False when it does not apply."""
+        if self.weight is None or self.weight_scale_inv is not None or not gemv_available(self.weight.device,
+                                                                                          self.weight.dtype):
+            return False
+        self.register_buffer("blocked", block_weight(self.weight), persistent=False)
+        self.gemv_policy = policy
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in]
-        if self.weight_scale_inv is None:
+        if (self.blocked is not None and x.dtype == self.weight.dtype
+                and self.gemv_policy.use_blocked(x.numel() // x.shape[-1])):
+            y = blocked_linear(x.reshape(-1, x.shape[-1]), self.blocked, None, self.out_features)
+            y = y.view(*x.shape[:-1], self.out_features)
+        elif self.weight_scale_inv is None:
             y = F.linear(x, self.weight)
         else:
             y = block_fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size)

@@ -267,11 +267,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Host engines (``executor/rank.py`` calls this before building compiled regions): the static MoE of a
         compiled region runs the grouped experts as one opaque op (``kernels/grouped_experts.py``), the work and
         results of an eager step; with the blocked layout (``plan.blocked``, or no plan) the experts run as one C++
-        op on weights blocked here (``V4MoE.block_experts``), eagerly and in compiled regions alike. The
-        projections keep ``F.linear``. mHC's mixes (Sinkhorn included) run as one C++ op where the ops are
+        op on weights blocked here (``V4MoE.block_experts``), eagerly and in compiled regions alike. So do the
+        fp32 / bf16 projections for the row counts ``plan.policy`` gives them (``BlockLinear.block_for_cpu``). mHC's mixes (Sinkhorn included) run as one C++ op where the ops are
         built."""
         if load_cpu_kernels():
             self.hc = replace(self.hc, cpp_mixes=True)
+        if plan is not None and plan.blocked:
+            for module in self.modules():
+                if isinstance(module, BlockLinear):
+                    module.block_for_cpu(plan.policy)
         for layer in [*self.layers, *self.mtp]:
             layer.hc = self.hc
             layer.ffn.opaque_experts = True
