@@ -24,8 +24,8 @@ from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm
 from backend_lib.models.parallel import ParallelContext, Shard
 from kernels.attention_metadata import StateRows
 from kernels.compressed_attention import (
-    ChunkPages, TokenPages, cpu_sink_attention, entry_write_rows, gather_rows, indexer_select, pool_heavily_compressed,
-    pool_overlapping, sink_attention,
+    ChunkPages, TokenPages, cpu_ring_sink_attention, cpu_sink_attention, entry_write_rows, gather_rows,
+    indexer_select, pool_heavily_compressed, pool_overlapping, sink_attention,
 )
 from kernels.hyper_connections import unweighted_rms_norm
 from kernels.interleaved_rope import apply_tail_rope, rope_cos_sin
@@ -229,7 +229,7 @@ class V4Attention(nn.Module):
             self.indexer.compressor(x, ctx, cache.index_state, cache.index_entries)
             index_q = self.indexer.queries(x, q_residual, ctx)
         parts = [self._attend(q[start:end], None if index_q is None else (index_q[0][start:end], index_q[1][start:end]),
-                              self._window(kv, ctx, start, end, pages, cache.window), pages, cache)
+                              kv, ctx, start, end, pages, cache)
                  for start, end, pages in ctx.groups]
         write_recent(cache.window, kv, ctx.rows, ctx.pages.positions)  # after every group read the window
         out = torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -250,12 +250,12 @@ class V4Attention(nn.Module):
 
     def _attend(self, q: torch.Tensor,  # [L, H, D] one group's queries
                 index_q: tuple[torch.Tensor, torch.Tensor] | None,  # its index queries [L, Hi, Di], weights [L, Hi]
-                window: tuple[torch.Tensor, torch.Tensor],  # its sliding-window keys and mask (``_window``)
-                pages: TokenPages | ChunkPages, cache: LayerCache) -> torch.Tensor:  # [L, H, D]
+                kv: torch.Tensor,  # [T, D] this step's K = V
+                ctx: StepContext, start: int, end: int, pages: TokenPages | ChunkPages,
+                cache: LayerCache) -> torch.Tensor:  # [L, H, D]
         """Sliding window plus (CSA: the indexer's picks among) the visible compressed entries."""
         d = self.d
-        keys, allowed = window
-        entry_keys, visible = keys[:, :0], allowed[:, :0]
+        entry_keys, visible = None, None  # sliding layers: no second key set
         if self.compressor is not None:
             entry_pos, visible = pages.entries(d.compress_rate)
             entry_slots = pages.entry_slots(entry_pos, d.compress_rate)
@@ -264,6 +264,18 @@ class V4Attention(nn.Module):
             entry_keys = gather_rows(cache.entries, entry_slots)
         # both key sets in one pass, no concatenation; eager only: an opaque op over the ring's rows made inductor
         # copy the rings again (a batch-32 graph step 0.09 -> 0.45 s), and graphs fuse the torch form anyway
+        if self.cpp_attention and q.dtype == torch.float32 and not torch.compiler.is_compiling():
+            if isinstance(pages, TokenPages) and cache.window.dtype == kv.dtype and cache.window.is_contiguous():
+                # decode rows: the window read in place from the ring (no gathered copy)
+                if entry_keys is None:
+                    entry_keys = q.new_empty(1, 0, d.head_dim)
+                    visible = torch.zeros(q.shape[0], 0, dtype=torch.bool, device=q.device)
+                return cpu_ring_sink_attention(q, cache.window, kv, ctx.rows, ctx.pages.positions, start,
+                                               d.sliding_window, entry_keys.to(q.dtype), visible, self.attn_sink,
+                                               self.scale)
+        keys, allowed = self._window(kv, ctx, start, end, pages, cache.window)
+        if entry_keys is None:
+            entry_keys, visible = keys[:, :0], allowed[:, :0]
         if self.cpp_attention and q.dtype == torch.float32 and not torch.compiler.is_compiling():
             return cpu_sink_attention(q, keys.to(q.dtype), allowed, entry_keys.to(q.dtype), visible, self.attn_sink,
                                       self.scale)
