@@ -8,9 +8,10 @@ attention (fp32, or bf16 with fp32 math), the shared-memory all-reduce of tensor
 (shm_all_reduce.cpp), the few-row GEMM on pre-blocked weights (gemv.cpp, which picks its instruction set from the
 CPU's flags at run time, whatever flags built it; kernels/gemv.py), the routed MoE experts on the same blocked
 weights (grouped_experts.cpp), mHC's mixes with their Sinkhorn loop and its stream collapse / expansion
-(hyper_connections.cpp) and DeepSeek-V4's sink attention over
-two key sets (sink_attention.cpp) and interleaved tail RoPE (interleaved_rope.cpp). The ops are registered with the
-dispatcher (``torch.ops.deepinfer.*``) and have fake kernels, so compiled regions keep each as one opaque call, as they do the packed GEMM.
+(hyper_connections.cpp) and DeepSeek-V4's sink attention over two key sets or over the window ring in place
+(sink_attention.cpp), interleaved tail RoPE (interleaved_rope.cpp) and its RMS norms (rms_norm.cpp). The ops are
+registered with the dispatcher (``torch.ops.deepinfer.*``) and have fake kernels, so compiled regions keep each as
+one opaque call, as they do the packed GEMM.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = ("paged_decode_attention.cpp", "shm_all_reduce.cpp", "gemv.cpp", "grouped_experts.cpp",
-            "hyper_connections.cpp", "sink_attention.cpp", "interleaved_rope.cpp")
+            "hyper_connections.cpp", "sink_attention.cpp", "interleaved_rope.cpp", "rms_norm.cpp")
 # torch.backends.cpu.get_cpu_capability() -> compiler flags (x86-64; anything else builds for the baseline).
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
@@ -124,6 +125,10 @@ def load_cpu_kernels() -> bool:
           positions: torch.Tensor, first: int, window: int, extra: torch.Tensor, extra_allowed: torch.Tensor,
           sinks: torch.Tensor, scale: float) -> torch.Tensor:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("deepinfer::rms_norm")
+    def _(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("deepinfer::tail_rope")
     def _(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

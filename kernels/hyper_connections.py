@@ -28,7 +28,10 @@ class HyperConnectionSpec:
 
 
 def unweighted_rms_norm(x: torch.Tensor,  # [..., D]
-                        eps: float) -> torch.Tensor:
+                        eps: float, cpp: bool = False) -> torch.Tensor:
+    """``cpp``: one C++ call eagerly (kernels/csrc/rms_norm.cpp; host engines with the C++ ops built)."""
+    if cpp and x.dtype in (torch.float32, torch.bfloat16) and not torch.compiler.is_compiling():
+        return torch.ops.deepinfer.rms_norm(x, None, eps)
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 

@@ -194,7 +194,7 @@ def test_cpp_hc_pre_and_post_match_the_torch_forms(dtype):
     from kernels.cpu_kernels import load_cpu_kernels
     from kernels.hyper_connections import hc_post, hc_pre
     assert load_cpu_kernels(), "the C++ kernels did not build"
-    hc, dim, tokens = 4, 32, 19  # hc * dim a multiple of 16 (the vector path), 24 mixes: 3 groups of 8 rows
+    hc, dim, tokens = 4, 32, 19  # hc * dim a multiple of 16 (the vector path); 19 tokens: groups of 4 and a remainder
     streams = torch.randn(tokens, hc, dim, generator=_gen(21)).to(dtype)
     fn = torch.randn((2 + hc) * hc, hc * dim, generator=_gen(22)) / 8
     base, scale = torch.randn((2 + hc) * hc, generator=_gen(23)), torch.rand(3, generator=_gen(24)) + 0.5
@@ -247,3 +247,21 @@ def test_cpp_ring_sink_attention_matches_the_gathered_window():
         cpu_sink_attention(q[first:], keys, allowed, entries, visible, sinks, 0.2),
         sink_attention(q[first:], torch.cat([keys, entries], dim=1), torch.cat([allowed, visible], dim=1), sinks,
                        0.2), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_rms_norm_matches_the_torch_forms(dtype):
+    from backend_lib.models.deepseek_layers import RMSNorm
+    from kernels.cpu_kernels import load_cpu_kernels
+    from kernels.hyper_connections import unweighted_rms_norm
+    assert load_cpu_kernels(), "the C++ kernels did not build"
+    x = (torch.randn(5, 3, 40, generator=_gen(41)) * 3).to(dtype)  # 40: not a multiple of 16 (the scalar tail)
+    norm = RMSNorm(40, 1e-6)
+    norm.weight.data = torch.randn(40, generator=_gen(42))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    ref = norm(x)
+    norm.cpp = True
+    got = norm(x)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got, ref, **tol)
+    torch.testing.assert_close(unweighted_rms_norm(x, 1e-6, cpp=True), unweighted_rms_norm(x, 1e-6), **tol)

@@ -100,8 +100,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.cpp = False  # host engines with the C++ ops (DeepSeek-V4's use_cpu_attention): one call eagerly
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        if (self.cpp and self.weight.dtype == torch.float32 and x.dtype in (torch.float32, torch.bfloat16)
+                and not torch.compiler.is_compiling()):
+            return torch.ops.deepinfer.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight.dtype == torch.float32:  # DeepSeek-V4 keeps its norm weights in fp32 and rounds once after

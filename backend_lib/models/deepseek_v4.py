@@ -268,8 +268,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         compiled region runs the grouped experts as one opaque op (``kernels/grouped_experts.py``), the work and
         results of an eager step; with the blocked layout (``plan.blocked``, or no plan) the experts run as one C++
         op on weights blocked here (``V4MoE.block_experts``), eagerly and in compiled regions alike. So do the
-        fp32 / bf16 projections for the row counts ``plan.policy`` gives them (``BlockLinear.block_for_cpu``). mHC's mixes (Sinkhorn included) run as one C++ op where the ops are
-        built."""
+        fp32 / bf16 projections for the row counts ``plan.policy`` gives them (``BlockLinear.block_for_cpu``). mHC's
+        mixes (Sinkhorn included) run as one C++ op where the ops are built."""
         if load_cpu_kernels():
             self.hc = replace(self.hc, cpp_mixes=True)
         if plan is not None and plan.blocked:
@@ -284,12 +284,14 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def use_cpu_attention(self) -> None:
         """Host engines (``host_attention="cpp"``, the C++ ops built): fp32 attention in one C++ pass per token, and
-        the tail RoPE of attention, compressors and indexers in one C++ call each."""
+        the tail RoPE of attention, compressors and indexers and every RMS norm in one C++ call each."""
         for layer in self.layers:
             layer.attn.cpp_attention = True
         for module in self.modules():
             if hasattr(module, "cpp_rope"):
                 module.cpp_rope = True
+            if isinstance(module, RMSNorm):
+                module.cpp = True
 
     # ---- the model-runner contract -------------------------------------------------------------------
     def hybrid_cache_shapes(self, num_blocks: int, block_size: int, num_state_slots: int,

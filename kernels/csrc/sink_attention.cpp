@@ -40,27 +40,40 @@ void check_keys(const at::Tensor& keys, const at::Tensor& allowed, const char* n
 }
 
 // One token: softmax over the keys ``rows[0 .. n)`` plus the sink, per head; adds the weighted keys to ``out``
-// [H, D] (zeros on entry). ``scores``: scratch of >= n floats.
+// [H, D] (zeros on entry). ``scores``: scratch of >= H * n floats, ``heads_of``: of >= H pointers. Key-major: each
+// key is read once for all heads' scores and once for all heads' outputs (head-major read every key 2H times, from
+// L2: that bound the op at batch 32). Every score and output element is still summed in the same order (dot's order;
+// keys ascending), so the bits do not depend on the loop order.
 void attend_token(const float* qt, const float* const* rows, int64_t n, int64_t heads, int64_t dim,
-                  const float* sinks, float scale, float* scores, float* out) {
-  for (int64_t h = 0; h < heads; ++h) {
-    const float* qh = qt + h * dim;
-    float* s = scores;
-    dots_of_rows(qh, rows, n, dim, s);
-    float top = sinks[h];
-    for (int64_t i = 0; i < n; ++i) {
-      s[i] *= scale;
-      top = std::max(top, s[i]);
+                  const float* sinks, float scale, float* scores, const float** heads_of, float* out) {
+  for (int64_t h = 0; h < heads; ++h) heads_of[h] = qt + h * dim;
+  float head_scores[64];
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t h0 = 0; h0 < heads; h0 += 64) {
+      const int64_t count = std::min<int64_t>(64, heads - h0);
+      dots_of_rows(rows[i], heads_of + h0, count, dim, head_scores);
+      for (int64_t h = 0; h < count; ++h) scores[(h0 + h) * n + i] = head_scores[h] * scale;
     }
-    float sink = sinks[h];
-    exp_shifted_inplace(&sink, 1, top);
-    exp_shifted_inplace(s, n, top);
-    const float inv = 1.f / (sink + sum_of(s, n));
-    float* oh = out + h * dim;
+  }
+  float inv_of[64];
+  for (int64_t h0 = 0; h0 < heads; h0 += 64) {
+    const int64_t count = std::min<int64_t>(64, heads - h0);
+    for (int64_t h = h0; h < h0 + count; ++h) {
+      float* s = scores + h * n;
+      float top = sinks[h];
+      for (int64_t i = 0; i < n; ++i) top = std::max(top, s[i]);
+      float sink = sinks[h];
+      exp_shifted_inplace(&sink, 1, top);
+      exp_shifted_inplace(s, n, top);
+      inv_of[h - h0] = 1.f / (sink + sum_of(s, n));
+    }
     for (int64_t i = 0; i < n; ++i) {
-      const float p = s[i] * inv;
       const float* kr = rows[i];
-      for (int64_t c = 0; c < dim; ++c) oh[c] += p * kr[c];
+      for (int64_t h = h0; h < h0 + count; ++h) {
+        const float p = scores[h * n + i] * inv_of[h - h0];
+        float* oh = out + h * dim;
+        for (int64_t c = 0; c < dim; ++c) oh[c] += p * kr[c];
+      }
     }
   }
 }
@@ -94,8 +107,8 @@ at::Tensor sink_attention(const at::Tensor& q, const at::Tensor& keys, const at:
   const float sc = static_cast<float>(scale);
   const bool shared1 = k1.size(0) == 1, shared2 = k2.size(0) == 1;
   at::parallel_for(0, tokens, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(total);
-    std::vector<const float*> rows(total);
+    std::vector<float> scores(heads * total);
+    std::vector<const float*> rows(total), heads_of(heads);
     for (int64_t t = begin; t < end; ++t) {
       int64_t n = 0;
       const float* base1 = k1p + (shared1 ? 0 : t) * n1 * dim;
@@ -104,7 +117,8 @@ at::Tensor sink_attention(const at::Tensor& q, const at::Tensor& keys, const at:
         if (a1p[t * n1 + k]) rows[n++] = base1 + k * dim;
       for (int64_t k = 0; k < n2; ++k)
         if (a2p[t * n2 + k]) rows[n++] = base2 + k * dim;
-      attend_token(qp + t * heads * dim, rows.data(), n, heads, dim, sp, sc, scores.data(), op + t * heads * dim);
+      attend_token(qp + t * heads * dim, rows.data(), n, heads, dim, sp, sc, scores.data(), heads_of.data(),
+                   op + t * heads * dim);
     }
   });
   return out;
@@ -155,8 +169,8 @@ at::Tensor ring_sink_attention(const at::Tensor& q, const at::Tensor& ring, cons
     TORCH_CHECK(slp[t] <= scratch, "ring_sink_attention: state slot ", slp[t], " outside the ring's ", scratch + 1,
                 " rows");
   at::parallel_for(0, count, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(window + n2);
-    std::vector<const float*> rows(window + n2);
+    std::vector<float> scores(heads * (window + n2));
+    std::vector<const float*> rows(window + n2), heads_of(heads);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = first + i, pos = pp[t], start = stp[t];
       const int64_t slot = slp[t] < 0 ? scratch : slp[t];
@@ -173,7 +187,8 @@ at::Tensor ring_sink_attention(const at::Tensor& q, const at::Tensor& ring, cons
       const float* base2 = k2p + (shared2 ? 0 : i) * n2 * dim;
       for (int64_t k = 0; k < n2; ++k)
         if (a2p[i * n2 + k]) rows[n++] = base2 + k * dim;
-      attend_token(qp + i * heads * dim, rows.data(), n, heads, dim, sp, sc, scores.data(), op + i * heads * dim);
+      attend_token(qp + i * heads * dim, rows.data(), n, heads, dim, sp, sc, scores.data(), heads_of.data(),
+                   op + i * heads * dim);
     }
   });
   return out;
