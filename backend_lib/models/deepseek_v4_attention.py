@@ -15,7 +15,9 @@ small and stay whole on every rank.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,7 +33,7 @@ from kernels.gemv import TILE, blocked_linear
 from kernels.hyper_connections import unweighted_rms_norm
 from kernels.interleaved_rope import apply_tail_rope, rope_cos_sin
 from kernels.quant import DEFAULT_BLOCK
-from kernels.state_ring import chunk_recent_rows, recent_rows, write_recent
+from kernels.state_ring import chunk_recent_rows, recent_rows, write_index, write_recent
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
@@ -79,6 +81,17 @@ class StepContext:
     groups: tuple[tuple[int, int, TokenPages | ChunkPages], ...]  # (first row, end row, pages)
     decode_query_len: int = 1  # tokens per decode row (1 + drafts)
     longest_chunk: int | None = None  # the step's longest chunk (None: unknown); bounds a token's fresh positions
+    # index arithmetic every layer of the step would redo (``shared``): ring write rows, closing tokens, entry rows
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def shared(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """``make()`` once per step for all layers asking for ``key`` (what it depends on beyond this context);
+        eagerly ~15 small ops each, from every layer. Compiled regions compute it in place (the graph shares it)."""
+        if torch.compiler.is_compiling():
+            return make()
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,20 @@ class LayerCache:
     entries: torch.Tensor | None = None  # paged [E, D]: compressed entries
     index_state: torch.Tensor | None = None  # ring [S + 1, span + drafts, 4 Di]: indexer compressor projections
     index_entries: torch.Tensor | None = None  # paged [E, Di]
+
+
+def ring_write_index(ctx: StepContext, ring: torch.Tensor,  # [S + 1, C, W]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:  # [T] slot, [T] entry
+    """Where ``write_recent`` puts the step's rows in rings of this shape (shared by the step's layers)."""
+    return ctx.shared(("ring_write", ring.shape[0], ring.shape[1]),
+                      lambda: write_index(ctx.rows, ctx.pages.positions, ring.shape[1], ring.shape[0] - 1))
+
+
+def entry_rows_visible(pages: TokenPages | ChunkPages,
+                       rate: int) -> tuple[torch.Tensor, torch.Tensor]:  # [G, E] entry rows, [L, E] bool
+    """The paged rows of every compressed entry a group's tables hold, and which of them each query sees."""
+    entry_pos, visible = pages.entries(rate)
+    return pages.entry_slots(entry_pos, rate), visible
 
 
 class Compressor(nn.Module):
@@ -126,12 +153,13 @@ class Compressor(nn.Module):
         if torch.compiler.is_compiling():
             self._pool(projections, ctx, state, entries, None)
         else:
-            closing = torch.nonzero((positions + 1) % self.rate == 0).flatten()
+            closing = ctx.shared(("closing", self.rate),
+                                 lambda: torch.nonzero((positions + 1) % self.rate == 0).flatten())
             if closing.numel():
                 self._pool(projections, ctx, state, entries, closing)
         # the ring write comes after every use of the rows read from it: inductor then updates the ring (a graph
         # input) in place; a write before the pooling made it copy the whole ring per layer and step
-        write_recent(state, projections, ctx.rows, positions)
+        write_recent(state, projections, ctx.rows, positions, ring_write_index(ctx, state))
 
     def _pool(self, projections: torch.Tensor,  # [T, 2 * width] this step's [kv | gate]
               ctx: StepContext, state: torch.Tensor, entries: torch.Tensor,
@@ -232,7 +260,8 @@ class V4Attention(nn.Module):
         parts = [self._attend(q[start:end], None if index_q is None else (index_q[0][start:end], index_q[1][start:end]),
                               kv, ctx, start, end, pages, cache)
                  for start, end, pages in ctx.groups]
-        write_recent(cache.window, kv, ctx.rows, ctx.pages.positions)  # after every group read the window
+        # after every group read the window
+        write_recent(cache.window, kv, ctx.rows, ctx.pages.positions, ring_write_index(ctx, cache.window))
         out = torch.cat(parts) if len(parts) > 1 else parts[0]
         out = apply_tail_rope(out, cos, -sin, self.cpp_rope)
         return self.par.all_reduce(self.wo_b(self._grouped_output(out)))
@@ -258,8 +287,8 @@ class V4Attention(nn.Module):
         d = self.d
         entry_keys, visible = None, None  # sliding layers: no second key set
         if self.compressor is not None:
-            entry_pos, visible = pages.entries(d.compress_rate)
-            entry_slots = pages.entry_slots(entry_pos, d.compress_rate)
+            entry_slots, visible = ctx.shared(("entries", start, d.compress_rate),
+                                              lambda: entry_rows_visible(pages, d.compress_rate))
             if index_q is not None:
                 visible = self.indexer.select(*index_q, cache, entry_slots, visible)
             entry_keys = gather_rows(cache.entries, entry_slots)
