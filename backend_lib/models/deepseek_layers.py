@@ -17,7 +17,7 @@ from torch import nn
 
 from backend_lib.models.parallel import ParallelContext, Shard, read_shard
 from kernels.attention_metadata import AttentionMetadata
-from kernels.gemv import GemvPolicy, block_weight, blocked_linear, gemv_available
+from kernels.gemv import TILE, GemvPolicy, block_weight, blocked_linear, gemv_available
 from kernels.mla import mla_decode_absorbed, mla_prefill, split_kv_b, write_latent_cache
 from kernels.moe import ExpertWeights, RouterConfig, grouped_topk, moe_dynamic, moe_static
 from kernels.quant import DEFAULT_BLOCK, block_fp8_linear, dequantize_block_fp8
@@ -207,6 +207,25 @@ class BlockLinear(nn.Module):
         else:
             y = block_fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size)
         return y if self.bias is None else y + self.bias
+
+
+def fuse_blocked(*linears: BlockLinear) -> torch.Tensor | None:
+    """One blocked weight for projections of the same input, their outputs side by side (``fused_linear``); every
+    one but the last must fill whole 16-row tiles. None when that does not hold or one is not blocked."""
+    if any(linear.blocked is None for linear in linears) or any(linear.out_features % TILE for linear in linears[:-1]):
+        return None
+    return torch.cat([linear.blocked for linear in linears])
+
+
+def fused_linear(x: torch.Tensor,  # [T, in]
+                 fused: torch.Tensor | None,  # fuse_blocked(*linears)
+                 linears: tuple[BlockLinear, ...]) -> torch.Tensor:  # [T, sum of out_features]
+    """The projections' outputs concatenated: one few-row GEMM over ``fused`` where the first's policy takes the
+    rows (each output the bits of its own call: tiles are independent), else one call each."""
+    first = linears[0]
+    if fused is not None and x.dtype == first.weight.dtype and first.gemv_policy.use_blocked(x.shape[0]):
+        return blocked_linear(x, fused, None, sum(linear.out_features for linear in linears))
+    return torch.cat([linear(x) for linear in linears], dim=-1)
 
 
 class DenseMLP(nn.Module):

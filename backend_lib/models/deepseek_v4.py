@@ -28,6 +28,7 @@ from torch import nn
 from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm, build_rope
 from backend_lib.models.deepseek_v4_attention import (
     CSA, HCA, LAYER_TYPES, SLIDING, LayerCache, StepContext, V4Attention, V4AttentionDims, V4Rope,
+    compress_rope_scaling,
 )
 from backend_lib.models.deepseek_v4_layers import (
     HASH_MOE, MOE_IMPLS, SCORING_FUNCS, TOPK_MOE, V4DecoderLayer, V4MoE, V4MoEDims,
@@ -124,7 +125,7 @@ class DeepseekV4Args:
             factor = legacy / head_dim if legacy is not None else 64 / 512
         kw["rope_head_dim"] = int(head_dim * factor)
         kw["num_nextn_predict_layers"] = int(config.get("num_nextn_predict_layers") or 0)
-        kw["compress_rope_scaling"] = _compress_rope_scaling(config)
+        kw["compress_rope_scaling"] = compress_rope_scaling(config)
         if config.get("attention_bias") or config.get("mlp_bias"):
             raise ValueError("attention_bias / mlp_bias must be false for DeepSeek-V4")
         args = cls(**kw)
@@ -163,22 +164,6 @@ class DeepseekV4Args:
 
     def count(self, layer_type: str) -> int:
         return sum(1 for t in self.layer_types if t == layer_type)
-
-
-def _compress_rope_scaling(config: dict[str, Any]) -> dict | None:
-    """The "compress" rotary's YaRN parameters (transformers nests them under ``rope_parameters["compress"]``;
-    older configs give a flat ``rope_parameters`` / ``rope_scaling``); None for plain RoPE."""
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    compress = dict(rope["compress"]) if isinstance(rope.get("compress"), dict) else {
-        k: v for k, v in rope.items() if k != "main"}
-    rope_type = compress.get("rope_type", compress.get("type", "default"))
-    if rope_type == "default":
-        return None
-    if rope_type != "yarn":
-        raise ValueError(f"rope_parameters['compress'].rope_type must be 'default' or 'yarn', got {rope_type!r}")
-    compress.setdefault("attention_factor", 1.0)  # the V4 reference does not scale cos / sin
-    compress.setdefault("original_max_position_embeddings", config.get("max_position_embeddings", 1048576))
-    return compress
 
 
 _EXPERT = re.compile(r"^(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
@@ -276,6 +261,9 @@ class DeepseekV4ForCausalLM(nn.Module):
             for module in self.modules():
                 if isinstance(module, BlockLinear):
                     module.block_for_cpu(plan.policy)
+            for module in self.modules():  # projections of one input as one GEMM, once all are blocked
+                if hasattr(module, "fuse_for_cpu"):
+                    module.fuse_for_cpu()
         for layer in [*self.layers, *self.mtp]:
             layer.hc = self.hc
             layer.ffn.opaque_experts = True

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm
+from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm, fuse_blocked, fused_linear
 from backend_lib.models.parallel import ParallelContext, Shard
 from kernels.attention_metadata import StateRows
 from kernels.compressed_attention import (
@@ -48,6 +48,22 @@ class V4Rope:
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # [T]
         return rope_cos_sin(self.inv_freq, positions, self.attention_scaling, dtype)
+
+
+def compress_rope_scaling(config: dict[str, Any]) -> dict | None:
+    """The "compress" rotary's YaRN parameters (transformers nests them under ``rope_parameters["compress"]``;
+    older configs give a flat ``rope_parameters`` / ``rope_scaling``); None for plain RoPE."""
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    compress = dict(rope["compress"]) if isinstance(rope.get("compress"), dict) else {
+        k: v for k, v in rope.items() if k != "main"}
+    rope_type = compress.get("rope_type", compress.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "yarn":
+        raise ValueError(f"rope_parameters['compress'].rope_type must be 'default' or 'yarn', got {rope_type!r}")
+    compress.setdefault("attention_factor", 1.0)  # the V4 reference does not scale cos / sin
+    compress.setdefault("original_max_position_embeddings", config.get("max_position_embeddings", 1048576))
+    return compress
 
 
 @dataclass(frozen=True)
@@ -137,6 +153,11 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(rate, width), requires_grad=False)
         self.norm = RMSNorm(dim, eps)
         self.cpp_rope = False  # host engines with the C++ ops (V4 model's use_cpu_attention)
+        self.register_buffer("kv_gate_blocked", None, persistent=False)  # fuse_for_cpu
+
+    def fuse_for_cpu(self) -> None:
+        """``wkv`` and ``wgate`` as one blocked GEMM (after BlockLinear.block_for_cpu): they read the same input."""
+        self.register_buffer("kv_gate_blocked", fuse_blocked(self.wkv, self.wgate), persistent=False)
 
     def forward(self, x: torch.Tensor,  # [T, hidden] the attention block's normed input
                 ctx: StepContext,
@@ -148,7 +169,7 @@ class Compressor(nn.Module):
         Eagerly only the tokens that close a window are pooled (at decode, 1 in ``rate``; an HCA layer's window is
         128 tokens wide): the others' candidates only ever reach the scratch rows. Compiled regions keep every
         token (static shapes)."""
-        projections = torch.cat([self.wkv(x), self.wgate(x)], dim=-1)
+        projections = fused_linear(x, self.kv_gate_blocked, (self.wkv, self.wgate))
         positions = ctx.pages.positions
         if torch.compiler.is_compiling():
             self._pool(projections, ctx, state, entries, None)
@@ -234,6 +255,7 @@ class V4Attention(nn.Module):
         self.indexer = Indexer(d, compress_rope, block_size) if d.layer_type == CSA else None
         self.cpp_attention = False  # host engines with the C++ ops: kernels/csrc/sink_attention.cpp
         self.cpp_rope = False
+        self.register_buffer("q_kv_blocked", None, persistent=False)  # fuse_for_cpu
         # checkpoint tensor -> the part this rank holds (tensors not listed are whole on every rank)
         self.shards = {
             "wq_b.weight": Shard(0, head_start * d.head_dim, self.num_heads * d.head_dim),
@@ -242,14 +264,19 @@ class V4Attention(nn.Module):
             "wo_b.weight": Shard(1, group_start * rank, self.o_groups * rank),
         }
 
+    def fuse_for_cpu(self) -> None:
+        """``wq_a`` and ``wkv`` as one blocked GEMM (after BlockLinear.block_for_cpu): they read the same input."""
+        self.register_buffer("q_kv_blocked", fuse_blocked(self.wq_a, self.wkv), persistent=False)
+
     def forward(self, x: torch.Tensor,  # [T, hidden] normed block input
                 ctx: StepContext, cache: LayerCache) -> torch.Tensor:  # [T, hidden]
         d = self.d
         cos, sin = ctx.main_rope if d.layer_type == SLIDING else ctx.compress_rope
-        q_residual = self.q_norm(self.wq_a(x))
+        q_a, kv = fused_linear(x, self.q_kv_blocked, (self.wq_a, self.wkv)).split([d.q_lora_rank, d.head_dim], -1)
+        q_residual = self.q_norm(q_a)
         q = unweighted_rms_norm(self.wq_b(q_residual).view(-1, self.num_heads, d.head_dim), d.eps, self.cpp_rope)
         q = apply_tail_rope(q, cos, sin, self.cpp_rope)
-        kv = apply_tail_rope(self.norm(self.wkv(x)), cos, sin, self.cpp_rope)
+        kv = apply_tail_rope(self.norm(kv), cos, sin, self.cpp_rope)
 
         index_q = None
         if self.compressor is not None:
