@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.attention_metadata import StateRows
+
 
 @dataclass(frozen=True)
 class TokenPages:
@@ -205,3 +207,18 @@ def cpu_sink_attention(q: torch.Tensor,  # [T, H, D] float32 post-rope queries
     """``sink_attention`` over the two key sets concatenated, in one C++ pass (kernels/csrc/sink_attention.cpp;
     needs ``kernels.cpu_kernels.load_cpu_kernels()``)."""
     return torch.ops.deepinfer.sink_attention(q, keys, allowed, extra, extra_allowed, sinks, scale)
+
+
+def cpu_ring_sink_attention(q: torch.Tensor,  # [L, H, D] float32: decode rows first .. first + L of the step
+                            ring: torch.Tensor,  # [S + 1, C, D] float32 contiguous: the layer's window ring
+                            fresh: torch.Tensor,  # [T, D] float32: this step's K = V rows
+                            rows: StateRows, positions: torch.Tensor,  # [T] int64
+                            first: int, window: int,
+                            extra: torch.Tensor,  # [L or 1, E, D] float32 compressed entries
+                            extra_allowed: torch.Tensor,  # [L, E] bool
+                            sinks: torch.Tensor,  # [H]
+                            scale: float) -> torch.Tensor:  # [L, H, D]
+    """``cpu_sink_attention`` with each token's sliding window read in place (``kernels/state_ring.py``'s
+    ``recent_rows`` layout: the ring before the token's chunk start, ``fresh`` after), not gathered first."""
+    return torch.ops.deepinfer.ring_sink_attention(q, ring, fresh, rows.slots, rows.chunk_starts, positions, first,
+                                                   window, extra, extra_allowed, sinks, scale)

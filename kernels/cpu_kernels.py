@@ -7,10 +7,12 @@ engine start on a machine pays the ~7 s build (about a minute on a loaded 2-core
 attention (fp32, or bf16 with fp32 math), the shared-memory all-reduce of tensor-parallel ranks on one machine
 (shm_all_reduce.cpp), the few-row GEMM on pre-blocked weights (gemv.cpp, which picks its instruction set from the
 CPU's flags at run time, whatever flags built it; kernels/gemv.py), the routed MoE experts on the same blocked
-weights (grouped_experts.cpp), mHC's mixes with their Sinkhorn loop (hyper_connections.cpp) and DeepSeek-V4's sink attention over
-two key sets (sink_attention.cpp) and interleaved tail RoPE (interleaved_rope.cpp), and a Llama layer's norms, SiLU
-gate and RoPE + KV-cache write (fused_layer_ops.cpp, kernels/fused_layer_ops.py). The ops are registered with the
-dispatcher (``torch.ops.deepinfer.*``) and have fake kernels, so compiled regions keep each as one opaque call, as they do the packed GEMM.
+weights (grouped_experts.cpp), mHC's mixes with their Sinkhorn loop and its stream collapse / expansion
+(hyper_connections.cpp) and DeepSeek-V4's sink attention over two key sets or over the window ring in place
+(sink_attention.cpp), interleaved tail RoPE (interleaved_rope.cpp) and its RMS norms (rms_norm.cpp), and a Llama
+layer's norms, SiLU gate and RoPE + KV-cache write (fused_layer_ops.cpp, kernels/fused_layer_ops.py). The ops are
+registered with the dispatcher (``torch.ops.deepinfer.*``) and have fake kernels, so compiled regions keep each as
+one opaque call, as they do the packed GEMM.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = ("paged_decode_attention.cpp", "shm_all_reduce.cpp", "gemv.cpp", "grouped_experts.cpp",
-            "hyper_connections.cpp", "sink_attention.cpp", "interleaved_rope.cpp", "fused_layer_ops.cpp")
+            "hyper_connections.cpp", "sink_attention.cpp", "interleaved_rope.cpp", "rms_norm.cpp",
+            "fused_layer_ops.cpp")
 # torch.backends.cpu.get_cpu_capability() -> compiler flags (x86-64; anything else builds for the baseline).
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
@@ -119,6 +122,16 @@ def load_cpu_kernels() -> bool:
           extra_allowed: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake("deepinfer::ring_sink_attention")
+    def _(q: torch.Tensor, ring: torch.Tensor, fresh: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
+          positions: torch.Tensor, first: int, window: int, extra: torch.Tensor, extra_allowed: torch.Tensor,
+          sinks: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("deepinfer::rms_norm")
+    def _(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
     @torch.library.register_fake("deepinfer::tail_rope")
     def _(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -129,6 +142,17 @@ def load_cpu_kernels() -> bool:
         tokens, hc = streams.shape[0], streams.shape[1]
         new = functools.partial(streams.new_empty, dtype=torch.float32)
         return new(tokens, hc), new(tokens, hc), new(tokens, hc, hc)
+
+    @torch.library.register_fake("deepinfer::hc_pre")
+    def _(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+          hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens, hc = streams.shape[0], streams.shape[1]
+        new = functools.partial(streams.new_empty, dtype=torch.float32)
+        return streams.new_empty(tokens, streams.shape[2]), new(tokens, hc), new(tokens, hc, hc)
+
+    @torch.library.register_fake("deepinfer::hc_post")
+    def _(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(streams, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("deepinfer::llama_rms_norm")
     def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -6,7 +6,8 @@ back over the streams, and ``comb`` [hc, hc] mixes the incoming streams into the
 towards a doubly-stochastic matrix with Sinkhorn-Knopp (column, then row/column ``iters - 1`` times) so that
 stacking many layers cannot blow up the residual norm. Everything here runs in fp32, like transformers. Host
 engines run ``hc_mixes`` as one C++ op (``HyperConnectionSpec.cpp_mixes``): eagerly it is ~140 tiny ops per site,
-most of them the Sinkhorn loop.
+most of them the Sinkhorn loop. Eagerly they also run a site as two C++ calls, ``hc_pre`` (mixes plus the collapse)
+and ``hc_post`` (the expansion); compiled regions keep the torch collapse / expansion, which inductor fuses.
 """
 from __future__ import annotations
 
@@ -27,7 +28,10 @@ class HyperConnectionSpec:
 
 
 def unweighted_rms_norm(x: torch.Tensor,  # [..., D]
-                        eps: float) -> torch.Tensor:
+                        eps: float, cpp: bool = False) -> torch.Tensor:
+    """``cpp``: one C++ call eagerly (kernels/csrc/rms_norm.cpp; host engines with the C++ ops built)."""
+    if cpp and x.dtype in (torch.float32, torch.bfloat16) and not torch.compiler.is_compiling():
+        return torch.ops.deepinfer.rms_norm(x, None, eps)
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
@@ -74,6 +78,30 @@ def hc_expand(block_out: torch.Tensor,  # [T, D]
     dtype = streams.dtype
     return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2),
                                                                                   streams)
+
+
+def hc_pre(streams: torch.Tensor,  # [T, hc, D]
+           fn: torch.Tensor,  # [(2 + hc) * hc, hc * D] float32
+           base: torch.Tensor,  # [(2 + hc) * hc] float32
+           scale: torch.Tensor,  # [3] float32
+           spec: HyperConnectionSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A site's entry: (the block input [T, D] in streams.dtype, post [T, hc], comb [T, hc, hc] float32)."""
+    if spec.cpp_mixes and not torch.compiler.is_compiling():
+        return torch.ops.deepinfer.hc_pre(streams, fn.float(), base, scale, spec.sinkhorn_iters, spec.hc_eps,
+                                          spec.norm_eps)
+    pre, post, comb = hc_mixes(streams, fn, base, scale, spec)
+    return hc_collapse(streams, pre), post, comb
+
+
+def hc_post(block_out: torch.Tensor,  # [T, D]
+            streams: torch.Tensor,  # [T, hc, D] the block's input streams
+            post: torch.Tensor,  # [T, hc]
+            comb: torch.Tensor,  # [T, hc, hc]
+            spec: HyperConnectionSpec) -> torch.Tensor:  # [T, hc, D]
+    """A site's exit: ``hc_expand``, one C++ pass eagerly on host engines."""
+    if spec.cpp_mixes and not torch.compiler.is_compiling():
+        return torch.ops.deepinfer.hc_post(block_out, streams, post, comb)
+    return hc_expand(block_out, streams, post, comb)
 
 
 def hc_head_collapse(streams: torch.Tensor,  # [T, hc, D]

@@ -78,14 +78,24 @@ def chunk_recent_rows(ring: torch.Tensor,  # [S + 1, C, W]
     return torch.cat([before, fresh[first:first + length]])[None]
 
 
+def write_index(rows: StateRows, positions: torch.Tensor,  # [T] int64
+                capacity: int, scratch: int) -> tuple[torch.Tensor, torch.Tensor]:  # [T] slot, [T] entry
+    """Where ``write_recent`` stores each token in a ring of ``capacity`` entries whose scratch slot is
+    ``scratch``: each chunk's last ``capacity`` rows (earlier ones would collide with them; they go to the scratch
+    slot)."""
+    keep = (positions >= rows.chunk_ends - capacity) & (rows.slots >= 0)
+    slot = torch.where(keep, rows.slots, torch.full_like(rows.slots, scratch))
+    return slot, _mod(positions.clamp(min=0), capacity)
+
+
 def write_recent(ring: torch.Tensor,  # [S + 1, C, W]
                  fresh: torch.Tensor,  # [T, W]
-                 rows: StateRows, positions: torch.Tensor) -> None:  # [T] int64
-    """Store each chunk's last ``C`` rows (earlier ones would collide with them; they go to the scratch slot)."""
-    capacity = ring.shape[1]
-    keep = (positions >= rows.chunk_ends - capacity) & (rows.slots >= 0)
-    slot = torch.where(keep, rows.slots, torch.full_like(rows.slots, ring.shape[0] - 1))
+                 rows: StateRows, positions: torch.Tensor,  # [T] int64
+                 index: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # write_index's, for this ring
+    """Store each chunk's last ``C`` rows in the ring (``index``: ``write_index`` computed once for rings of this
+    shape)."""
+    slot, entry = index if index is not None else write_index(rows, positions, ring.shape[1], ring.shape[0] - 1)
     # indexed on the ring itself, not on a flat view of it: inductor updates a graph input in place only then (an
     # index_put into ``ring.view(-1, W)`` copied the whole ring several times per layer and step: ~0.45 s of a
     # 0.5 s compiled V4 step at batch 32 with 1,057 state slots)
-    ring[slot, _mod(positions.clamp(min=0), capacity)] = fresh.to(ring.dtype)
+    ring[slot, entry] = fresh.to(ring.dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 
 from kernels.compressed_attention import (
@@ -184,3 +185,83 @@ def test_cpp_tail_rope_matches_the_torch_form():
         for s in (sin, -sin):  # the output's conjugate rotation too
             torch.testing.assert_close(apply_tail_rope(x, cos, s, cpp=True), apply_tail_rope(x, cos, s),
                                        atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_hc_pre_and_post_match_the_torch_forms(dtype):
+    from dataclasses import replace
+
+    from kernels.cpu_kernels import load_cpu_kernels
+    from kernels.hyper_connections import hc_post, hc_pre
+    assert load_cpu_kernels(), "the C++ kernels did not build"
+    hc, dim, tokens = 4, 32, 19  # hc * dim a multiple of 16 (the vector path); 19 tokens: groups of 4 and a remainder
+    streams = torch.randn(tokens, hc, dim, generator=_gen(21)).to(dtype)
+    fn = torch.randn((2 + hc) * hc, hc * dim, generator=_gen(22)) / 8
+    base, scale = torch.randn((2 + hc) * hc, generator=_gen(23)), torch.rand(3, generator=_gen(24)) + 0.5
+    spec = HyperConnectionSpec(hc, 20, 1e-6, 1e-6)
+    cpp = replace(spec, cpp_mixes=True)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    ref, got = hc_pre(streams, fn, base, scale, spec), hc_pre(streams, fn, base, scale, cpp)
+    assert got[0].dtype == dtype and got[0].shape == (tokens, dim)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, **tol)
+    # the multi-row dot products sum each row in the single dot's order: the mixes op agrees to the bit
+    pre_ref = hc_mixes(streams, fn, base, scale, cpp)[0]
+    torch.testing.assert_close(got[0], hc_collapse(streams, pre_ref), **tol)
+    block_out = torch.randn(tokens, dim, generator=_gen(25)).to(dtype)
+    post, comb = ref[1], ref[2]
+    expected = hc_expand(block_out, streams, post, comb)
+    out = hc_post(block_out, streams, post, comb, cpp)
+    assert out.dtype == dtype and out.shape == streams.shape
+    torch.testing.assert_close(out, expected, **tol)
+    torch.testing.assert_close(hc_post(block_out, streams, post, comb, spec), expected, atol=0, rtol=0)
+
+
+def test_cpp_ring_sink_attention_matches_the_gathered_window():
+    from kernels.attention_metadata import StateRows
+    from kernels.compressed_attention import cpu_ring_sink_attention, cpu_sink_attention
+    from kernels.cpu_kernels import load_cpu_kernels
+    from kernels.state_ring import recent_rows
+    assert load_cpu_kernels(), "the C++ kernels did not build"
+    heads, dim, window, capacity = 3, 32, 6, 8  # capacity = window + 2 draft positions
+    ring = torch.randn(5, capacity, dim, generator=_gen(31))  # 4 state slots + the scratch slot
+    # a 3-token prefill chunk (positions 0..2, slot 1), then decode rows: 1 + 1 draft each (slots 0, 2) and a padded
+    # row (slot -1, the scratch slot); positions below the window length leave masked keys
+    positions = torch.tensor([0, 1, 2, 40, 41, 3, 4, 7, 8])
+    slots = torch.tensor([1, 1, 1, 0, 0, 2, 2, -1, -1])
+    starts = torch.tensor([0, 0, 0, 40, 40, 3, 3, 7, 7])
+    rows = StateRows(slots, starts, starts + 2)
+    fresh = torch.randn(positions.shape[0], dim, generator=_gen(32))
+    q = torch.randn(positions.shape[0], heads, dim, generator=_gen(33))
+    entries = torch.randn(6, 4, dim, generator=_gen(34))
+    visible = torch.rand(6, 4, generator=_gen(35)) > 0.4
+    sinks = torch.randn(heads, generator=_gen(36))
+    first, count = 3, 6
+    keys, allowed = recent_rows(ring, fresh, rows, positions, window, first, count, longest_chunk=2)
+    for extra, extra_allowed in ((entries, visible), (entries[:1, :0], visible[:, :0])):
+        ref = cpu_sink_attention(q[first:], keys, allowed, extra, extra_allowed, sinks, 0.2)
+        got = cpu_ring_sink_attention(q[first:], ring, fresh, rows, positions, first, window, extra, extra_allowed,
+                                      sinks, 0.2)
+        assert torch.equal(got, ref)  # the same keys in the same order: the same bits
+    torch.testing.assert_close(
+        cpu_sink_attention(q[first:], keys, allowed, entries, visible, sinks, 0.2),
+        sink_attention(q[first:], torch.cat([keys, entries], dim=1), torch.cat([allowed, visible], dim=1), sinks,
+                       0.2), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_rms_norm_matches_the_torch_forms(dtype):
+    from backend_lib.models.deepseek_layers import RMSNorm
+    from kernels.cpu_kernels import load_cpu_kernels
+    from kernels.hyper_connections import unweighted_rms_norm
+    assert load_cpu_kernels(), "the C++ kernels did not build"
+    x = (torch.randn(5, 3, 40, generator=_gen(41)) * 3).to(dtype)  # 40: not a multiple of 16 (the scalar tail)
+    norm = RMSNorm(40, 1e-6)
+    norm.weight.data = torch.randn(40, generator=_gen(42))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    ref = norm(x)
+    norm.cpp = True
+    got = norm(x)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got, ref, **tol)
+    torch.testing.assert_close(unweighted_rms_norm(x, 1e-6, cpp=True), unweighted_rms_norm(x, 1e-6), **tol)

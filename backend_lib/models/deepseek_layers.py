@@ -17,6 +17,7 @@ from torch import nn
 
 from backend_lib.models.parallel import ParallelContext, Shard, read_shard
 from kernels.attention_metadata import AttentionMetadata
+from kernels.gemv import TILE, GemvPolicy, block_weight, blocked_linear, gemv_available
 from kernels.mla import mla_decode_absorbed, mla_prefill, split_kv_b, write_latent_cache
 from kernels.moe import ExpertWeights, RouterConfig, grouped_topk, moe_dynamic, moe_static
 from kernels.quant import DEFAULT_BLOCK, block_fp8_linear, dequantize_block_fp8
@@ -99,8 +100,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.cpp = False  # host engines with the C++ ops (DeepSeek-V4's use_cpu_attention): one call eagerly
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        if (self.cpp and self.weight.dtype == torch.float32 and x.dtype in (torch.float32, torch.bfloat16)
+                and not torch.compiler.is_compiling()):
+            return torch.ops.deepinfer.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight.dtype == torch.float32:  # DeepSeek-V4 keeps its norm weights in fp32 and rounds once after
@@ -151,6 +156,9 @@ class BlockLinear(nn.Module):
         self.register_buffer("weight_scale_inv", None)
         self.register_buffer("bias", None)
         self.has_bias = bias
+        # host engines: the weight again in kernels/gemv.py's blocked layout (``block_for_cpu``), for few-row calls
+        self.register_buffer("blocked", None, persistent=False)
+        self.gemv_policy = GemvPolicy()
 
     def set_weight(self, weight: Any,  # [out, in] of the checkpoint, possibly lazy
                    scale_inv: Any, dtype: torch.dtype, dequantize: bool) -> None:
@@ -178,12 +186,46 @@ class BlockLinear(nn.Module):
             return self.weight.to(dtype)
         return dequantize_block_fp8(self.weight, self.weight_scale_inv, self.block_size, dtype=dtype)
 
+    def block_for_cpu(self, policy: GemvPolicy) -> bool:
+        """Few-row calls (``policy``) on the blocked kernel: fp32 / bf16 weights on the host CPU with the C++ ops
+        built (fp8 weights keep their block-scaled path). One more copy of the weight, as ``weight`` stays for
+        ``dense_weight`` and state dicts. False when it does not apply."""
+        if self.weight is None or self.weight_scale_inv is not None or not gemv_available(self.weight.device,
+                                                                                          self.weight.dtype):
+            return False
+        self.register_buffer("blocked", block_weight(self.weight), persistent=False)
+        self.gemv_policy = policy
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in]
-        if self.weight_scale_inv is None:
+        if (self.blocked is not None and x.dtype == self.weight.dtype
+                and self.gemv_policy.use_blocked(x.numel() // x.shape[-1])):
+            y = blocked_linear(x.reshape(-1, x.shape[-1]), self.blocked, None, self.out_features)
+            y = y.view(*x.shape[:-1], self.out_features)
+        elif self.weight_scale_inv is None:
             y = F.linear(x, self.weight)
         else:
             y = block_fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size)
         return y if self.bias is None else y + self.bias
+
+
+def fuse_blocked(*linears: BlockLinear) -> torch.Tensor | None:
+    """One blocked weight for projections of the same input, their outputs side by side (``fused_linear``); every
+    one but the last must fill whole 16-row tiles. None when that does not hold or one is not blocked."""
+    if any(linear.blocked is None for linear in linears) or any(linear.out_features % TILE for linear in linears[:-1]):
+        return None
+    return torch.cat([linear.blocked for linear in linears])
+
+
+def fused_linear(x: torch.Tensor,  # [T, in]
+                 fused: torch.Tensor | None,  # fuse_blocked(*linears)
+                 linears: tuple[BlockLinear, ...]) -> torch.Tensor:  # [T, sum of out_features]
+    """The projections' outputs concatenated: one few-row GEMM over ``fused`` where the first's policy takes the
+    rows (each output the bits of its own call: tiles are independent), else one call each."""
+    first = linears[0]
+    if fused is not None and x.dtype == first.weight.dtype and first.gemv_policy.use_blocked(x.shape[0]):
+        return blocked_linear(x, fused, None, sum(linear.out_features for linear in linears))
+    return torch.cat([linear(x) for linear in linears], dim=-1)
 
 
 class DenseMLP(nn.Module):

@@ -28,6 +28,7 @@ from torch import nn
 from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm, build_rope
 from backend_lib.models.deepseek_v4_attention import (
     CSA, HCA, LAYER_TYPES, SLIDING, LayerCache, StepContext, V4Attention, V4AttentionDims, V4Rope,
+    compress_rope_scaling,
 )
 from backend_lib.models.deepseek_v4_layers import (
     HASH_MOE, MOE_IMPLS, SCORING_FUNCS, TOPK_MOE, V4DecoderLayer, V4MoE, V4MoEDims,
@@ -124,7 +125,7 @@ class DeepseekV4Args:
             factor = legacy / head_dim if legacy is not None else 64 / 512
         kw["rope_head_dim"] = int(head_dim * factor)
         kw["num_nextn_predict_layers"] = int(config.get("num_nextn_predict_layers") or 0)
-        kw["compress_rope_scaling"] = _compress_rope_scaling(config)
+        kw["compress_rope_scaling"] = compress_rope_scaling(config)
         if config.get("attention_bias") or config.get("mlp_bias"):
             raise ValueError("attention_bias / mlp_bias must be false for DeepSeek-V4")
         args = cls(**kw)
@@ -163,22 +164,6 @@ class DeepseekV4Args:
 
     def count(self, layer_type: str) -> int:
         return sum(1 for t in self.layer_types if t == layer_type)
-
-
-def _compress_rope_scaling(config: dict[str, Any]) -> dict | None:
-    """The "compress" rotary's YaRN parameters (transformers nests them under ``rope_parameters["compress"]``;
-    older configs give a flat ``rope_parameters`` / ``rope_scaling``); None for plain RoPE."""
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    compress = dict(rope["compress"]) if isinstance(rope.get("compress"), dict) else {
-        k: v for k, v in rope.items() if k != "main"}
-    rope_type = compress.get("rope_type", compress.get("type", "default"))
-    if rope_type == "default":
-        return None
-    if rope_type != "yarn":
-        raise ValueError(f"rope_parameters['compress'].rope_type must be 'default' or 'yarn', got {rope_type!r}")
-    compress.setdefault("attention_factor", 1.0)  # the V4 reference does not scale cos / sin
-    compress.setdefault("original_max_position_embeddings", config.get("max_position_embeddings", 1048576))
-    return compress
 
 
 _EXPERT = re.compile(r"^(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
@@ -267,11 +252,18 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Host engines (``executor/rank.py`` calls this before building compiled regions): the static MoE of a
         compiled region runs the grouped experts as one opaque op (``kernels/grouped_experts.py``), the work and
         results of an eager step; with the blocked layout (``plan.blocked``, or no plan) the experts run as one C++
-        op on weights blocked here (``V4MoE.block_experts``), eagerly and in compiled regions alike. The
-        projections keep ``F.linear``. mHC's mixes (Sinkhorn included) run as one C++ op where the ops are
-        built."""
+        op on weights blocked here (``V4MoE.block_experts``), eagerly and in compiled regions alike. So do the
+        fp32 / bf16 projections for the row counts ``plan.policy`` gives them (``BlockLinear.block_for_cpu``). mHC's
+        mixes (Sinkhorn included) run as one C++ op where the ops are built."""
         if load_cpu_kernels():
             self.hc = replace(self.hc, cpp_mixes=True)
+        if plan is not None and plan.blocked:
+            for module in self.modules():
+                if isinstance(module, BlockLinear):
+                    module.block_for_cpu(plan.policy)
+            for module in self.modules():  # projections of one input as one GEMM, once all are blocked
+                if hasattr(module, "fuse_for_cpu"):
+                    module.fuse_for_cpu()
         for layer in [*self.layers, *self.mtp]:
             layer.hc = self.hc
             layer.ffn.opaque_experts = True
@@ -280,12 +272,14 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def use_cpu_attention(self) -> None:
         """Host engines (``host_attention="cpp"``, the C++ ops built): fp32 attention in one C++ pass per token, and
-        the tail RoPE of attention, compressors and indexers in one C++ call each."""
+        the tail RoPE of attention, compressors and indexers and every RMS norm in one C++ call each."""
         for layer in self.layers:
             layer.attn.cpp_attention = True
         for module in self.modules():
             if hasattr(module, "cpp_rope"):
                 module.cpp_rope = True
+            if isinstance(module, RMSNorm):
+                module.cpp = True
 
     # ---- the model-runner contract -------------------------------------------------------------------
     def hybrid_cache_shapes(self, num_blocks: int, block_size: int, num_state_slots: int,

@@ -15,22 +15,25 @@ small and stay whole on every rank.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm
+from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm, fuse_blocked, fused_linear
 from backend_lib.models.parallel import ParallelContext, Shard
 from kernels.attention_metadata import StateRows
 from kernels.compressed_attention import (
-    ChunkPages, TokenPages, cpu_sink_attention, entry_write_rows, gather_rows, indexer_select, pool_heavily_compressed,
-    pool_overlapping, sink_attention,
+    ChunkPages, TokenPages, cpu_ring_sink_attention, cpu_sink_attention, entry_write_rows, gather_rows,
+    indexer_select, pool_heavily_compressed, pool_overlapping, sink_attention,
 )
+from kernels.gemv import TILE, blocked_linear
 from kernels.hyper_connections import unweighted_rms_norm
 from kernels.interleaved_rope import apply_tail_rope, rope_cos_sin
 from kernels.quant import DEFAULT_BLOCK
-from kernels.state_ring import chunk_recent_rows, recent_rows, write_recent
+from kernels.state_ring import chunk_recent_rows, recent_rows, write_index, write_recent
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
@@ -45,6 +48,22 @@ class V4Rope:
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # [T]
         return rope_cos_sin(self.inv_freq, positions, self.attention_scaling, dtype)
+
+
+def compress_rope_scaling(config: dict[str, Any]) -> dict | None:
+    """The "compress" rotary's YaRN parameters (transformers nests them under ``rope_parameters["compress"]``;
+    older configs give a flat ``rope_parameters`` / ``rope_scaling``); None for plain RoPE."""
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    compress = dict(rope["compress"]) if isinstance(rope.get("compress"), dict) else {
+        k: v for k, v in rope.items() if k != "main"}
+    rope_type = compress.get("rope_type", compress.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "yarn":
+        raise ValueError(f"rope_parameters['compress'].rope_type must be 'default' or 'yarn', got {rope_type!r}")
+    compress.setdefault("attention_factor", 1.0)  # the V4 reference does not scale cos / sin
+    compress.setdefault("original_max_position_embeddings", config.get("max_position_embeddings", 1048576))
+    return compress
 
 
 @dataclass(frozen=True)
@@ -78,6 +97,17 @@ class StepContext:
     groups: tuple[tuple[int, int, TokenPages | ChunkPages], ...]  # (first row, end row, pages)
     decode_query_len: int = 1  # tokens per decode row (1 + drafts)
     longest_chunk: int | None = None  # the step's longest chunk (None: unknown); bounds a token's fresh positions
+    # index arithmetic every layer of the step would redo (``shared``): ring write rows, closing tokens, entry rows
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def shared(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """``make()`` once per step for all layers asking for ``key`` (what it depends on beyond this context);
+        eagerly ~15 small ops each, from every layer. Compiled regions compute it in place (the graph shares it)."""
+        if torch.compiler.is_compiling():
+            return make()
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
 
 
 @dataclass(frozen=True)
@@ -90,6 +120,20 @@ class LayerCache:
     entries: torch.Tensor | None = None  # paged [E, D]: compressed entries
     index_state: torch.Tensor | None = None  # ring [S + 1, span + drafts, 4 Di]: indexer compressor projections
     index_entries: torch.Tensor | None = None  # paged [E, Di]
+
+
+def ring_write_index(ctx: StepContext, ring: torch.Tensor,  # [S + 1, C, W]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:  # [T] slot, [T] entry
+    """Where ``write_recent`` puts the step's rows in rings of this shape (shared by the step's layers)."""
+    return ctx.shared(("ring_write", ring.shape[0], ring.shape[1]),
+                      lambda: write_index(ctx.rows, ctx.pages.positions, ring.shape[1], ring.shape[0] - 1))
+
+
+def entry_rows_visible(pages: TokenPages | ChunkPages,
+                       rate: int) -> tuple[torch.Tensor, torch.Tensor]:  # [G, E] entry rows, [L, E] bool
+    """The paged rows of every compressed entry a group's tables hold, and which of them each query sees."""
+    entry_pos, visible = pages.entries(rate)
+    return pages.entry_slots(entry_pos, rate), visible
 
 
 class Compressor(nn.Module):
@@ -109,6 +153,11 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(rate, width), requires_grad=False)
         self.norm = RMSNorm(dim, eps)
         self.cpp_rope = False  # host engines with the C++ ops (V4 model's use_cpu_attention)
+        self.register_buffer("kv_gate_blocked", None, persistent=False)  # fuse_for_cpu
+
+    def fuse_for_cpu(self) -> None:
+        """``wkv`` and ``wgate`` as one blocked GEMM (after BlockLinear.block_for_cpu): they read the same input."""
+        self.register_buffer("kv_gate_blocked", fuse_blocked(self.wkv, self.wgate), persistent=False)
 
     def forward(self, x: torch.Tensor,  # [T, hidden] the attention block's normed input
                 ctx: StepContext,
@@ -120,17 +169,18 @@ class Compressor(nn.Module):
         Eagerly only the tokens that close a window are pooled (at decode, 1 in ``rate``; an HCA layer's window is
         128 tokens wide): the others' candidates only ever reach the scratch rows. Compiled regions keep every
         token (static shapes)."""
-        projections = torch.cat([self.wkv(x), self.wgate(x)], dim=-1)
+        projections = fused_linear(x, self.kv_gate_blocked, (self.wkv, self.wgate))
         positions = ctx.pages.positions
         if torch.compiler.is_compiling():
             self._pool(projections, ctx, state, entries, None)
         else:
-            closing = torch.nonzero((positions + 1) % self.rate == 0).flatten()
+            closing = ctx.shared(("closing", self.rate),
+                                 lambda: torch.nonzero((positions + 1) % self.rate == 0).flatten())
             if closing.numel():
                 self._pool(projections, ctx, state, entries, closing)
         # the ring write comes after every use of the rows read from it: inductor then updates the ring (a graph
         # input) in place; a write before the pooling made it copy the whole ring per layer and step
-        write_recent(state, projections, ctx.rows, positions)
+        write_recent(state, projections, ctx.rows, positions, ring_write_index(ctx, state))
 
     def _pool(self, projections: torch.Tensor,  # [T, 2 * width] this step's [kv | gate]
               ctx: StepContext, state: torch.Tensor, entries: torch.Tensor,
@@ -205,6 +255,7 @@ class V4Attention(nn.Module):
         self.indexer = Indexer(d, compress_rope, block_size) if d.layer_type == CSA else None
         self.cpp_attention = False  # host engines with the C++ ops: kernels/csrc/sink_attention.cpp
         self.cpp_rope = False
+        self.register_buffer("q_kv_blocked", None, persistent=False)  # fuse_for_cpu
         # checkpoint tensor -> the part this rank holds (tensors not listed are whole on every rank)
         self.shards = {
             "wq_b.weight": Shard(0, head_start * d.head_dim, self.num_heads * d.head_dim),
@@ -213,14 +264,19 @@ class V4Attention(nn.Module):
             "wo_b.weight": Shard(1, group_start * rank, self.o_groups * rank),
         }
 
+    def fuse_for_cpu(self) -> None:
+        """``wq_a`` and ``wkv`` as one blocked GEMM (after BlockLinear.block_for_cpu): they read the same input."""
+        self.register_buffer("q_kv_blocked", fuse_blocked(self.wq_a, self.wkv), persistent=False)
+
     def forward(self, x: torch.Tensor,  # [T, hidden] normed block input
                 ctx: StepContext, cache: LayerCache) -> torch.Tensor:  # [T, hidden]
         d = self.d
         cos, sin = ctx.main_rope if d.layer_type == SLIDING else ctx.compress_rope
-        q_residual = self.q_norm(self.wq_a(x))
-        q = unweighted_rms_norm(self.wq_b(q_residual).view(-1, self.num_heads, d.head_dim), d.eps)
+        q_a, kv = fused_linear(x, self.q_kv_blocked, (self.wq_a, self.wkv)).split([d.q_lora_rank, d.head_dim], -1)
+        q_residual = self.q_norm(q_a)
+        q = unweighted_rms_norm(self.wq_b(q_residual).view(-1, self.num_heads, d.head_dim), d.eps, self.cpp_rope)
         q = apply_tail_rope(q, cos, sin, self.cpp_rope)
-        kv = apply_tail_rope(self.norm(self.wkv(x)), cos, sin, self.cpp_rope)
+        kv = apply_tail_rope(self.norm(kv), cos, sin, self.cpp_rope)
 
         index_q = None
         if self.compressor is not None:
@@ -229,9 +285,10 @@ class V4Attention(nn.Module):
             self.indexer.compressor(x, ctx, cache.index_state, cache.index_entries)
             index_q = self.indexer.queries(x, q_residual, ctx)
         parts = [self._attend(q[start:end], None if index_q is None else (index_q[0][start:end], index_q[1][start:end]),
-                              self._window(kv, ctx, start, end, pages, cache.window), pages, cache)
+                              kv, ctx, start, end, pages, cache)
                  for start, end, pages in ctx.groups]
-        write_recent(cache.window, kv, ctx.rows, ctx.pages.positions)  # after every group read the window
+        # after every group read the window
+        write_recent(cache.window, kv, ctx.rows, ctx.pages.positions, ring_write_index(ctx, cache.window))
         out = torch.cat(parts) if len(parts) > 1 else parts[0]
         out = apply_tail_rope(out, cos, -sin, self.cpp_rope)
         return self.par.all_reduce(self.wo_b(self._grouped_output(out)))
@@ -250,20 +307,32 @@ class V4Attention(nn.Module):
 
     def _attend(self, q: torch.Tensor,  # [L, H, D] one group's queries
                 index_q: tuple[torch.Tensor, torch.Tensor] | None,  # its index queries [L, Hi, Di], weights [L, Hi]
-                window: tuple[torch.Tensor, torch.Tensor],  # its sliding-window keys and mask (``_window``)
-                pages: TokenPages | ChunkPages, cache: LayerCache) -> torch.Tensor:  # [L, H, D]
+                kv: torch.Tensor,  # [T, D] this step's K = V
+                ctx: StepContext, start: int, end: int, pages: TokenPages | ChunkPages,
+                cache: LayerCache) -> torch.Tensor:  # [L, H, D]
         """Sliding window plus (CSA: the indexer's picks among) the visible compressed entries."""
         d = self.d
-        keys, allowed = window
-        entry_keys, visible = keys[:, :0], allowed[:, :0]
+        entry_keys, visible = None, None  # sliding layers: no second key set
         if self.compressor is not None:
-            entry_pos, visible = pages.entries(d.compress_rate)
-            entry_slots = pages.entry_slots(entry_pos, d.compress_rate)
+            entry_slots, visible = ctx.shared(("entries", start, d.compress_rate),
+                                              lambda: entry_rows_visible(pages, d.compress_rate))
             if index_q is not None:
                 visible = self.indexer.select(*index_q, cache, entry_slots, visible)
             entry_keys = gather_rows(cache.entries, entry_slots)
         # both key sets in one pass, no concatenation; eager only: an opaque op over the ring's rows made inductor
         # copy the rings again (a batch-32 graph step 0.09 -> 0.45 s), and graphs fuse the torch form anyway
+        if self.cpp_attention and q.dtype == torch.float32 and not torch.compiler.is_compiling():
+            if isinstance(pages, TokenPages) and cache.window.dtype == kv.dtype and cache.window.is_contiguous():
+                # decode rows: the window read in place from the ring (no gathered copy)
+                if entry_keys is None:
+                    entry_keys = q.new_empty(1, 0, d.head_dim)
+                    visible = torch.zeros(q.shape[0], 0, dtype=torch.bool, device=q.device)
+                return cpu_ring_sink_attention(q, cache.window, kv, ctx.rows, ctx.pages.positions, start,
+                                               d.sliding_window, entry_keys.to(q.dtype), visible, self.attn_sink,
+                                               self.scale)
+        keys, allowed = self._window(kv, ctx, start, end, pages, cache.window)
+        if entry_keys is None:
+            entry_keys, visible = keys[:, :0], allowed[:, :0]
         if self.cpp_attention and q.dtype == torch.float32 and not torch.compiler.is_compiling():
             return cpu_sink_attention(q, keys.to(q.dtype), allowed, entry_keys.to(q.dtype), visible, self.attn_sink,
                                       self.scale)
@@ -273,6 +342,15 @@ class V4Attention(nn.Module):
 
     def _grouped_output(self, out: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [T, G * R]
         """Block-diagonal ``wo_a``: each group of heads has its own projection to ``o_lora_rank``."""
+        rank, blocked = self.d.o_lora_rank, self.wo_a.blocked
+        if (blocked is not None and rank % TILE == 0 and out.dtype == self.wo_a.weight.dtype
+                and self.wo_a.gemv_policy.use_blocked(out.shape[0])):
+            # group g's rows of wo_a are whole 16-row tiles of its blocked layout: one few-row GEMM per group
+            # (MKL's batched GEMM took ~3x their time at batch 32)
+            tiles = rank // TILE
+            flat = out.reshape(out.shape[0], self.o_groups, -1)
+            return torch.cat([blocked_linear(flat[:, g].contiguous(), blocked[g * tiles:(g + 1) * tiles], None, rank)
+                              for g in range(self.o_groups)], dim=1)
         groups = out.reshape(out.shape[0], self.o_groups, -1).transpose(0, 1)  # [G, T, H * D / G]
         weight = self.wo_a.dense_weight(out.dtype)
         weight = weight.view(self.o_groups, -1, weight.shape[-1]).transpose(1, 2)  # [G, H * D / G, R]

@@ -24,7 +24,7 @@ from kernels.gemv import gemv_available
 from kernels.grouped_experts import (
     block_experts, blocked_grouped_experts, clipped_swiglu, grouped_experts, grouped_experts_op, has_grouped_mm,
 )
-from kernels.hyper_connections import HyperConnectionSpec, hc_collapse, hc_expand, hc_mixes
+from kernels.hyper_connections import HyperConnectionSpec, hc_post, hc_pre
 from kernels.quant import DEFAULT_BLOCK, dequantize_block_fp8
 
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
@@ -268,9 +268,7 @@ class V4DecoderLayer(nn.Module):
     def forward(self, streams: torch.Tensor,  # [T, hc, hidden]
                 input_ids: torch.Tensor,  # [T] int64
                 ctx: StepContext, cache: LayerCache) -> torch.Tensor:  # [T, hc, hidden]
-        pre, post, comb = hc_mixes(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.hc)
-        out = self.attn(self.attn_norm(hc_collapse(streams, pre)), ctx, cache)
-        streams = hc_expand(out, streams, post, comb)
-        pre, post, comb = hc_mixes(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.hc)
-        out = self.ffn(self.ffn_norm(hc_collapse(streams, pre)), input_ids)
-        return hc_expand(out, streams, post, comb)
+        x, post, comb = hc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.hc)
+        streams = hc_post(self.attn(self.attn_norm(x), ctx, cache), streams, post, comb, self.hc)
+        x, post, comb = hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.hc)
+        return hc_post(self.ffn(self.ffn_norm(x), input_ids), streams, post, comb, self.hc)
