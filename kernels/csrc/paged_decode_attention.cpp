@@ -155,9 +155,16 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       for_each_chunk(k_ptr, [&](int64_t s0, int64_t n, int64_t offset, const float* keys) {
         // The chunk's V rows, towards L2 for the pass after the softmax: two streams from DRAM at once instead of
         // one (a core alone reaches ~half the bandwidth with one stream).
+        const int64_t chunk_bytes = n * slot_stride * int64_t(sizeof(scalar_t));
         const char* value_bytes = reinterpret_cast<const char*>(v_ptr + offset);
-        for (int64_t byte = 0; byte < n * slot_stride * int64_t(sizeof(scalar_t)); byte += 64) {
-          __builtin_prefetch(value_bytes + byte, 0, 2);
+        for (int64_t byte = 0; byte < chunk_bytes; byte += 64) __builtin_prefetch(value_bytes + byte, 0, 2);
+        // And the next chunk's K rows: where blocks are scattered the hardware prefetcher restarts at each block.
+        // A prefetch never faults, so the next block id is checked where it is used, not here.
+        const int64_t next = s0 + n;
+        if (next < num_keys) {
+          const int64_t next_offset = (table[next / block_size] * block_size + next % block_size) * slot_stride;
+          const char* key_bytes = reinterpret_cast<const char*>(k_ptr + next_offset);
+          for (int64_t byte = 0; byte < chunk_bytes; byte += 64) __builtin_prefetch(key_bytes + byte, 0, 3);
         }
         for (int64_t r = 0; r < rows; ++r) {
           const float* key = keys + ((r % heads) / group) * head_dim;
