@@ -1,20 +1,29 @@
 // Paged decode attention for the host CPU: deepinfer::cpu_paged_decode_attention.
 //
-// Why a hand-written kernel: decode attention streams the fp32 KV cache from DRAM, and both torch forms waste
+// Why a hand-written kernel: decode attention streams the KV cache from DRAM, and both torch forms waste
 // bandwidth. Eagerly, gathering the blocks copies K and V out before SDPA reads them again; under inductor, the
 // fused form reads every padded position of the width bucket and runs its softmax reductions one OpenMP region
 // per batch row. Here one task per request reads each visible K and V slot row (all KV heads, contiguous) exactly
-// once, for all its query rows, with the scores in a small per-task buffer. SmolLM2 layer at batch 32 with
-// 120-token contexts in a DRAM-resident pool: 0.22-0.25 ms with each request's blocks adjacent, against 0.40 ms
-// for gather + SDPA; 0.57 ms with blocks scattered at random (the hardware prefetcher restarts at every 12 KB
-// block; software prefetch of the next block won 14% there but lost 23% on adjacent blocks, so it is not used).
+// once, for all its query rows, with the scores in a small per-task buffer.
+//
+// Why chunks of 16 keys: the first form of this kernel spent its time on instructions, not bytes (bf16, half the
+// bytes, was barely faster): per key and query head a 64-float dot product ending in a horizontal reduce, then
+// that head's accumulator loaded and stored, and a block-id check per key. Now a query row's 16 dot products of a
+// chunk end in one transpose-add tree (attention_math.h), its accumulator stays in registers across the chunk,
+// block ids are checked once per block, and exp runs 16 lanes at a time (GCC left it scalar). What then bounds a
+// core is its DRAM stream, so the score pass prefetches the chunk's V rows (read again after the softmax) and the
+// next chunk's K rows. SmolLM2 layer at batch 32, 100-150-token contexts, DRAM-resident 512 MiB pools, 2 threads
+// on a shared 2-core Xeon (load 3-4; benchmarks/decode_attention.py): fp32 MEASURE_FP32; bf16 MEASURE_BF16.
+// Tried and dropped: prefetching the next request's K during the V pass (-14%: its misses hold the fill buffers
+// that the V pass's L2 hits need), and a one-pass online softmax (K and V of a chunk read together: +9% with
+// blocks scattered, -9% on adjacent bf16 blocks, within the noise otherwise).
 //
 // Semantics are those of kernels/attention.py's paged_decode_attention: query i of a request sits at position
 // max(seq_len - Q + i, 0) and sees keys 0..position; query head h reads KV head h / (H / Hkv).
 //
 // Element types: float32, or bfloat16 q / caches / output with every product, the softmax and the accumulators
-// in fp32. A bf16 slot row is widened to fp32 once (exact: a bf16 is the top half of an fp32) and then serves
-// all the query heads of its KV heads, so the math is the fp32 kernel's and only the loads differ; widening
+// in fp32. A bf16 chunk is widened to fp32 once a pass (exact: a bf16 is the top half of an fp32) and then
+// serves all the query heads of its KV heads, so the math is the fp32 kernel's and only the loads differ; widening
 // needs AVX-512F (or plain shifts), no bf16 instructions, so every x86 CPU runs it. The output is rounded to
 // bf16 once, at the end (round to nearest even).
 #include <ATen/ATen.h>
@@ -154,11 +163,11 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       // the softmax below reads only each row's visible ones.
       for_each_chunk(k_ptr, [&](int64_t s0, int64_t n, int64_t offset, const float* keys) {
         // The chunk's V rows, towards L2 for the pass after the softmax: two streams from DRAM at once instead of
-        // one (a core alone reaches ~half the bandwidth with one stream).
+        // one (1.4x on one thread with the pool in DRAM).
         const int64_t chunk_bytes = n * slot_stride * int64_t(sizeof(scalar_t));
         const char* value_bytes = reinterpret_cast<const char*>(v_ptr + offset);
         for (int64_t byte = 0; byte < chunk_bytes; byte += 64) __builtin_prefetch(value_bytes + byte, 0, 2);
-        // And the next chunk's K rows: where blocks are scattered the hardware prefetcher restarts at each block.
+        // And the next chunk's K rows (another 1.03-1.10x): the hardware prefetcher restarts at every block.
         // A prefetch never faults, so the next block id is checked where it is used, not here.
         const int64_t next = s0 + n;
         if (next < num_keys) {
@@ -178,7 +187,6 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         denominators[r] = sum_of(row, n);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      // (Prefetching the next request's K rows during this pass, which leaves DRAM idle, lost 14%.)
       for_each_chunk(v_ptr, [&](int64_t s0, int64_t n, int64_t /*offset*/, const float* values) {
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t seen = std::min(n, visible[r / heads] - s0);  // this query's keys in the chunk
