@@ -13,9 +13,11 @@
 // block ids are checked once per block, and exp runs 16 lanes at a time (GCC left it scalar). What then bounds a
 // core is its DRAM stream, so the score pass prefetches the chunk's V rows (read again after the softmax) and the
 // next chunk's K rows. SmolLM2 layer at batch 32, 100-150-token contexts, DRAM-resident 512 MiB pools, 2 threads
-// on a shared 2-core Xeon (load 3-4; benchmarks/decode_attention.py): fp32 MEASURE_FP32; bf16 MEASURE_BF16.
-// Tried and dropped: prefetching the next request's K during the V pass (-14%: its misses hold the fill buffers
-// that the V pass's L2 hits need), and a one-pass online softmax (K and V of a chunk read together: +9% with
+// on a shared 2-core Xeon (load 2.1; benchmarks/results/decode_attention.md): fp32 0.50 -> 0.31 ms (1.61x) with
+// each request's blocks adjacent, 0.60 -> 0.36 ms (1.67x) scattered, 85% of the read bandwidth x.sum() reached
+// then; bf16 0.40 -> 0.24 ms (1.69x) and 0.48 -> 0.27 ms (1.79x), bound by instructions (the widening) again.
+// Tried and dropped: prefetching the next request's K during the V pass (-14%; presumably its misses hold the fill
+// buffers that the V pass's L2 hits need), and a one-pass online softmax (K and V of a chunk read together: +9% with
 // blocks scattered, -9% on adjacent bf16 blocks, within the noise otherwise).
 //
 // Semantics are those of kernels/attention.py's paged_decode_attention: query i of a request sits at position
