@@ -142,8 +142,8 @@ def test_cpu_decode_kernel_rejects_block_ids_outside_the_cache(cpu_kernels):
 
 
 def _decode_case(seq_lens, query_len, head_dim, block_size, dtype=torch.float32, seed=0):
-    """SmolLM2's head layout (9 query heads, 3 KV heads) over a stale random cache, tables scattered at random and
-    padded with block 0; seq_lens may be below query_len (those queries all sit at position 0)."""
+    """SmolLM2's head layout (9 query heads, 3 KV heads) over a stale random cache, tables scattered at random with
+    a spare column, as the runner pads; seq_lens may be below query_len (those queries all sit at position 0)."""
     gen = torch.Generator().manual_seed(seed)
     width = max(-(-max(seq_lens) // block_size), 1) + 1
     num_blocks = len(seq_lens) * width + 3
@@ -154,11 +154,12 @@ def _decode_case(seq_lens, query_len, head_dim, block_size, dtype=torch.float32,
     return q, k_cache, v_cache, tables.to(torch.int32), torch.tensor(seq_lens, dtype=torch.int32)
 
 
-# The kernel walks each block in chunks of up to 16 keys: contexts around the chunk and block edges, context 1,
+# The kernel walks each block in chunks of up to 16 keys, in softmax segments of 256: contexts around the chunk,
+# block and segment edges (8 queries straddling one too), context 1,
 # blocks of 32 (two chunks) and 1, short contexts under 8 queries (speculative verification), head_dims with an
 # AVX-512 form (16, 64, 128) and without (48, the loops).
 @pytest.mark.parametrize("seq_lens,query_len", [([1, 15, 16, 17, 31, 33, 130], 1), ([1, 3, 8, 9, 20, 40], 8),
-                                                ([2, 16, 50], 3)])
+                                                ([2, 16, 50], 3), ([255, 256, 257, 600], 1), ([260, 300], 8)])
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (64, 32), (64, 1), (16, 16), (128, 4), (48, 16)])
 def test_cpu_decode_kernel_chunks_match_the_torch_form(seq_lens, query_len, head_dim, block_size, cpu_kernels):
     q, k_cache, v_cache, tables, lens = _decode_case(seq_lens, query_len, head_dim, block_size)

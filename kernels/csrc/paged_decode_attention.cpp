@@ -12,7 +12,8 @@
 // chunk end in one transpose-add tree (attention_math.h), its accumulator stays in registers across the chunk,
 // block ids are checked once per block, and exp runs 16 lanes at a time (GCC left it scalar). What then bounds a
 // core is its DRAM stream, so the score pass prefetches the chunk's V rows (read again after the softmax) and the
-// next chunk's K rows. SmolLM2 layer at batch 32, 100-150-token contexts, DRAM-resident 512 MiB pools, 2 threads
+// next chunk's K rows, and a request goes in softmax segments of 256 keys so that those V rows are still in L2
+// (1.17-1.25x on top at 2,048 tokens, fp32, one thread). SmolLM2 layer at batch 32, 100-150-token contexts, DRAM-resident 512 MiB pools, 2 threads
 // on a shared 2-core Xeon (load 2.1; benchmarks/results/decode_attention.md): fp32 0.50 -> 0.31 ms (1.61x) with
 // each request's blocks adjacent, 0.60 -> 0.36 ms (1.67x) scattered, 85% of the read bandwidth x.sum() reached
 // then; bf16 0.40 -> 0.24 ms (1.69x) and 0.48 -> 0.27 ms (1.79x), bound by instructions (the widening) again.
@@ -64,6 +65,7 @@ inline const float* as_float(const at::BFloat16* src, float* scratch, int64_t n)
 }
 
 constexpr int64_t kChunk = 16;  // keys per step: one 16-lane vector of scores per query row
+constexpr int64_t kSegment = 256;  // keys per softmax segment: 192 KB of fp32 V rows (SmolLM2) stay in L2
 
 // The per-chunk math: one query row (or its accumulator) against n <= kChunk key (value) rows ``stride`` floats
 // apart. The portable form is plain loops; AVX-512 has a form per head_dim / 16 below.
@@ -135,7 +137,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   at::parallel_for(0, num_reqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(rows * max_keys);  // row r = i * heads + h
     std::vector<float> acc(rows * head_dim);
-    std::vector<float> denominators(rows);
+    std::vector<float> top(rows), denominators(rows);  // running maximum and softmax denominator per row
     std::vector<float> q_scratch(rows * head_dim), chunk_scratch(kChunk * slot_stride);  // widened bf16
     std::vector<int64_t> visible(query_len);  // query i sees positions 0 .. visible[i] - 1
     for (int64_t b = begin; b < end; ++b) {
@@ -148,55 +150,71 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       const int64_t num_keys = visible[query_len - 1];
       // Chunks never cross a block, so the slots of one are contiguous and its block id is read (and checked:
       // a bad one would read outside the cache) once per block, where it is used.
-      auto for_each_chunk = [&](const scalar_t* cache, auto&& body) {
-        for (int64_t s0 = 0; s0 < num_keys;) {
+      auto for_each_chunk = [&](const scalar_t* cache, int64_t first, int64_t last, auto&& body) {
+        for (int64_t s0 = first; s0 < last;) {
           const int64_t block = table[s0 / block_size], in_block = s0 % block_size;
           if (in_block == 0) {
             TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables holds a block id outside the cache (",
                         num_blocks, " blocks): ", block);
           }
-          const int64_t n = std::min({kChunk, block_size - in_block, num_keys - s0});
+          const int64_t n = std::min({kChunk, block_size - in_block, last - s0});
           const int64_t offset = (block * block_size + in_block) * slot_stride;
           body(s0, n, offset, as_float(cache + offset, chunk_scratch.data(), n * slot_stride));
           s0 += n;
         }
       };
-      // Scores of every query row for keys a later query sees too (finite: those slots hold this step's tokens);
-      // the softmax below reads only each row's visible ones.
-      for_each_chunk(k_ptr, [&](int64_t s0, int64_t n, int64_t offset, const float* keys) {
-        // The chunk's V rows, towards L2 for the pass after the softmax: two streams from DRAM at once instead of
-        // one (1.4x on one thread with the pool in DRAM).
-        const int64_t chunk_bytes = n * slot_stride * int64_t(sizeof(scalar_t));
-        const char* value_bytes = reinterpret_cast<const char*>(v_ptr + offset);
-        for (int64_t byte = 0; byte < chunk_bytes; byte += 64) __builtin_prefetch(value_bytes + byte, 0, 2);
-        // And the next chunk's K rows (another 1.03-1.10x): the hardware prefetcher restarts at every block.
-        // A prefetch never faults, so the next block id is checked where it is used, not here.
-        const int64_t next = s0 + n;
-        if (next < num_keys) {
-          const int64_t next_offset = (table[next / block_size] * block_size + next % block_size) * slot_stride;
-          const char* key_bytes = reinterpret_cast<const char*>(k_ptr + next_offset);
-          for (int64_t byte = 0; byte < chunk_bytes; byte += 64) __builtin_prefetch(key_bytes + byte, 0, 3);
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* key = keys + ((r % heads) / group) * head_dim;
-          math.scores(q_req + r * head_dim, key, slot_stride, n, scale_f, scores.data() + r * max_keys + s0);
-        }
-      });
-      for (int64_t r = 0; r < rows; ++r) {  // softmax numerators; the division comes last, on the output
-        float* row = scores.data() + r * max_keys;
-        const int64_t n = visible[r / heads];
-        exp_shifted_inplace(row, n, max_of(row, n));
-        denominators[r] = sum_of(row, n);
-      }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_chunk(v_ptr, [&](int64_t s0, int64_t n, int64_t /*offset*/, const float* values) {
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t seen = std::min(n, visible[r / heads] - s0);  // this query's keys in the chunk
-          if (seen <= 0) continue;
-          const float* value = values + ((r % heads) / group) * head_dim;
-          math.accumulate(acc.data() + r * head_dim, scores.data() + r * max_keys + s0, value, slot_stride, seen);
+      std::fill(top.begin(), top.end(), -INFINITY);
+      std::fill(denominators.begin(), denominators.end(), 0.f);
+      // Segments of kSegment keys, the softmax rescaled between them: a segment's V rows, prefetched during its
+      // score pass, still sit in L2 for its V pass (a 2,048-token request's 1.5 MB of fp32 V rows would not).
+      for (int64_t first = 0; first < num_keys; first += kSegment) {
+        const int64_t last = std::min(first + kSegment, num_keys);
+        // Scores of every query row for keys a later query sees too (finite: those slots hold this step's tokens);
+        // the softmax below reads only each row's visible ones.
+        for_each_chunk(k_ptr, first, last, [&](int64_t s0, int64_t n, int64_t offset, const float* keys) {
+          // The chunk's V rows, towards L2 for the pass after the softmax: two streams from DRAM at once instead of
+          // one (1.4x on one thread with the pool in DRAM).
+          const int64_t chunk_bytes = n * slot_stride * int64_t(sizeof(scalar_t));
+          const char* value_bytes = reinterpret_cast<const char*>(v_ptr + offset);
+          for (int64_t byte = 0; byte < chunk_bytes; byte += 64) __builtin_prefetch(value_bytes + byte, 0, 2);
+          // And the next chunk's K rows (another 1.03-1.10x): the hardware prefetcher restarts at every block.
+          // A prefetch never faults, so the next block id is checked where it is used, not here.
+          const int64_t next = s0 + n;
+          if (next < num_keys) {
+            const int64_t next_offset = (table[next / block_size] * block_size + next % block_size) * slot_stride;
+            const char* key_bytes = reinterpret_cast<const char*>(k_ptr + next_offset);
+            for (int64_t byte = 0; byte < chunk_bytes; byte += 64) __builtin_prefetch(key_bytes + byte, 0, 3);
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* key = keys + ((r % heads) / group) * head_dim;
+            math.scores(q_req + r * head_dim, key, slot_stride, n, scale_f, scores.data() + r * max_keys + s0);
+          }
+        });
+        for (int64_t r = 0; r < rows; ++r) {  // softmax numerators; the division comes last, on the output
+          float* row = scores.data() + r * max_keys + first;
+          const int64_t n = std::min(visible[r / heads], last) - first;
+          if (n <= 0) continue;
+          const float old_top = top[r], new_top = std::max(old_top, max_of(row, n));
+          exp_shifted_inplace(row, n, new_top);
+          if (new_top != old_top) {  // what earlier segments summed, to the new maximum (at the first: zeros)
+            float factor = old_top;
+            exp_shifted_inplace(&factor, 1, new_top);
+            for (int64_t d = 0; d < head_dim; ++d) acc[r * head_dim + d] *= factor;
+            denominators[r] *= factor;
+            top[r] = new_top;
+          }
+          denominators[r] += sum_of(row, n);
         }
-      });
+        for_each_chunk(v_ptr, first, last, [&](int64_t s0, int64_t n, int64_t /*offset*/, const float* values) {
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t seen = std::min(n, visible[r / heads] - s0);  // this query's keys in the chunk
+            if (seen <= 0) continue;
+            const float* value = values + ((r % heads) / group) * head_dim;
+            math.accumulate(acc.data() + r * head_dim, scores.data() + r * max_keys + s0, value, slot_stride, seen);
+          }
+        });
+      }
       scalar_t* out_req = out_ptr + b * rows * head_dim;
       for (int64_t r = 0; r < rows; ++r) {
         const float inv = 1.f / denominators[r];
