@@ -198,13 +198,13 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           if (n <= 0) continue;
           const float old_top = top[r], new_top = std::max(old_top, max_of(row, n));
           exp_shifted_inplace(row, n, new_top);
-          if (new_top != old_top) {  // what earlier segments summed, to the new maximum (at the first: zeros)
+          if (first > 0 && new_top != old_top) {  // what earlier segments summed, to the new maximum
             float factor = old_top;
             exp_shifted_inplace(&factor, 1, new_top);
             for (int64_t d = 0; d < head_dim; ++d) acc[r * head_dim + d] *= factor;
             denominators[r] *= factor;
-            top[r] = new_top;
           }
+          top[r] = new_top;
           denominators[r] += sum_of(row, n);
         }
         for_each_chunk(v_ptr, first, last, [&](int64_t s0, int64_t n, int64_t /*offset*/, const float* values) {
