@@ -14,10 +14,10 @@
 // core is its DRAM stream, so the score pass prefetches the chunk's V rows (read again after the softmax) and the
 // next chunk's K rows, and a request goes in softmax segments of 256 keys so that those V rows are still in L2
 // (1.17-1.25x on top at 2,048 tokens, fp32, one thread). SmolLM2 layer at batch 32, 100-150-token contexts,
-// DRAM-resident 512 MiB pools, 2 threads on a shared 2-core Xeon (load 1.7-2.1, three runs;
-// benchmarks/results/decode_attention.md): fp32 0.50-0.53 -> 0.31-0.33 ms (1.58-1.61x) with each request's blocks
-// adjacent, 0.60-0.61 -> 0.36-0.40 ms (1.51-1.67x) scattered, 80-85% of the read bandwidth x.sum() reached then;
-// bf16 0.40-0.42 -> 0.24-0.25 ms (1.63-1.69x) and 0.48-0.52 -> 0.27-0.30 ms (1.72-1.79x), bound by instructions
+// DRAM-resident 512 MiB pools, 2 threads on a shared 2-core Xeon (load 0.3-2.1, four runs;
+// benchmarks/results/decode_attention.md): fp32 0.50-0.53 -> 0.31-0.33 ms (1.58-1.68x) with each request's blocks
+// adjacent, 0.55-0.61 -> 0.36-0.40 ms (1.51-1.67x) scattered, 80-85% of the read bandwidth x.sum() reached then;
+// bf16 0.38-0.42 -> 0.23-0.25 ms (1.63-1.69x) and 0.44-0.52 -> 0.26-0.30 ms (1.68-1.79x), bound by instructions
 // (the widening) again.
 // Tried and dropped: prefetching the next request's K during the V pass (-14%; presumably its misses hold the fill
 // buffers that the V pass's L2 hits need), and a one-pass online softmax (K and V of a chunk read together: +9% with
