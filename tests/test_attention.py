@@ -141,6 +141,45 @@ def test_cpu_decode_kernel_rejects_block_ids_outside_the_cache(cpu_kernels):
                                torch.tensor([5], dtype=torch.int32), 1, 4, 1.0, True)
 
 
+def _decode_case(seq_lens, query_len, head_dim, block_size, dtype=torch.float32, seed=0):
+    """SmolLM2's head layout (9 query heads, 3 KV heads) over a stale random cache, tables scattered at random with
+    a spare column, as the runner pads; seq_lens may be below query_len (those queries all sit at position 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(-(-max(seq_lens) // block_size), 1) + 1
+    num_blocks = len(seq_lens) * width + 3
+    tables = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * width].view(len(seq_lens), width)
+    k_cache = torch.randn(num_blocks * block_size, 3, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks * block_size, 3, head_dim, generator=gen).to(dtype)
+    q = torch.randn(len(seq_lens) * query_len, 9, head_dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables.to(torch.int32), torch.tensor(seq_lens, dtype=torch.int32)
+
+
+# The kernel walks each block in chunks of up to 16 keys, in softmax segments of 256: contexts around the chunk,
+# block and segment edges (8 queries straddling one too), context 1,
+# blocks of 32 (two chunks) and 1, short contexts under 8 queries (speculative verification), head_dims with an
+# AVX-512 form (16, 64, 128) and without (48, the loops).
+@pytest.mark.parametrize("seq_lens,query_len", [([1, 15, 16, 17, 31, 33, 130], 1), ([1, 3, 8, 9, 20, 40], 8),
+                                                ([2, 16, 50], 3), ([255, 256, 257, 600], 1), ([260, 300], 8)])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (64, 32), (64, 1), (16, 16), (128, 4), (48, 16)])
+def test_cpu_decode_kernel_chunks_match_the_torch_form(seq_lens, query_len, head_dim, block_size, cpu_kernels):
+    q, k_cache, v_cache, tables, lens = _decode_case(seq_lens, query_len, head_dim, block_size)
+    args = (q, k_cache, v_cache, tables, lens, query_len, block_size, head_dim ** -0.5)
+    got = paged_decode_attention(*args, cpu_kernel=True)
+    want = paged_decode_attention(*args, cpu_kernel=False)
+    assert (got - want).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("seq_lens,query_len", [([1, 17, 130], 1), ([1, 5, 40], 8)])
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_cpu_decode_kernel_bf16_is_the_fp32_kernel_rounded_once(seq_lens, query_len, head_dim, cpu_kernels):
+    # Widening bf16 is exact and the math after it is the fp32 kernel's, step for step: equal, not close.
+    q, k_cache, v_cache, tables, lens = _decode_case(seq_lens, query_len, head_dim, 16, torch.bfloat16, seed=3)
+    rest = (tables, lens, query_len, 16, head_dim ** -0.5)
+    got = paged_decode_attention(q, k_cache, v_cache, *rest, cpu_kernel=True)
+    fp32 = paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), *rest, cpu_kernel=True)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, fp32.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("heads,kv_heads,decode_q", [(4, 4, 1), (9, 3, 1), (6, 2, 3), (8, 1, 2)])
 def test_fused_decode_attention_matches_reference(heads, kv_heads, decode_q):
     """The form compiled regions take (gather fused into the reductions), run eagerly here; the regions tests

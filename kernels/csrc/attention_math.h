@@ -1,5 +1,6 @@
 // Small fp32 helpers of the host attention kernels (paged_decode_attention.cpp, sink_attention.cpp): dot
-// products with independent partial sums, sums, maxima and a vectorizable exp.
+// products with independent partial sums, sums, maxima, a vectorizable exp and (AVX-512) 16 dot products' final
+// sums at once.
 #pragma once
 
 #include <cmath>
@@ -74,15 +75,68 @@ inline float sum_of(const float* x, int64_t n) {
 
 inline float max_of(const float* x, int64_t n) {  // n >= 1
   float top = x[0];
-  for (int64_t i = 1; i < n; ++i) top = x[i] > top ? x[i] : top;
+  int64_t i = 1;
+#ifdef __AVX512F__
+  // The scalar loop does not vectorize (a max reduction needs -ffast-math): one compare per score otherwise.
+  if (n >= 16) {
+    __m512 m = _mm512_loadu_ps(x);
+    for (i = 16; i + 16 <= n; i += 16) m = _mm512_max_ps(_mm512_loadu_ps(x + i), m);
+    top = _mm512_reduce_max_ps(m);
+  }
+#endif
+  for (; i < n; ++i) top = x[i] > top ? x[i] : top;
   return top;
 }
+
+#ifdef __AVX512F__
+// Lane j of the result is the sum of v[j]'s 16 lanes: a transpose-add tree of 15 shuffle-and-add steps for 16
+// dot products, where 16 horizontal reductions (_mm512_reduce_add_ps) cost ~4x the instructions and a latency
+// chain each.
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 pairs[8], quads[4], octs[2];
+  for (int j = 0; j < 8; ++j) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    pairs[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  }
+  for (int j = 0; j < 4; ++j) {  // per 128-bit lane: one partial sum of each of 4 vectors, in order
+    const __m512d a = _mm512_castps_pd(pairs[2 * j]), b = _mm512_castps_pd(pairs[2 * j + 1]);
+    quads[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int j = 0; j < 2; ++j) {  // 128-bit lanes (0+1, 2+3) of one, then of the other
+    octs[j] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * j], quads[2 * j + 1], 0x88),
+                            _mm512_shuffle_f32x4(quads[2 * j], quads[2 * j + 1], 0xDD));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(octs[0], octs[1], 0x88), _mm512_shuffle_f32x4(octs[0], octs[1], 0xDD));
+}
+#endif
 
 // exp(x - shift) for x <= shift, in place, vectorizable: Cephes' expf polynomial on the reduced argument times
 // 2^k built from the exponent bits. Arguments below -87.3 give ~1e-38 instead of 0: negligible next to the 1 of
 // the maximum.
 inline void exp_shifted_inplace(float* x, int64_t n, float shift) {
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  // The same steps 16 at a time: GCC leaves the scalar loop below unvectorized (~25 scalar operations a score,
+  // as much as all the dot products of a decode step's attention).
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(shift)),
+                                   _mm512_set1_ps(-87.3f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(v, _mm512_set1_ps(1.44269504088896341f),
+                                                          _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f),
+                                     _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    _mm512_storeu_ps(x + i, _mm512_mul_ps(p, _mm512_castsi512_ps(bits)));
+  }
+#endif
+  for (; i < n; ++i) {
     const float t = x[i] - shift;
     const float v = t > -87.3f ? t : -87.3f;
     const float k = std::floor(v * 1.44269504088896341f + 0.5f);

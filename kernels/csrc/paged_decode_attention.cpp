@@ -1,20 +1,34 @@
 // Paged decode attention for the host CPU: deepinfer::cpu_paged_decode_attention.
 //
-// Why a hand-written kernel: decode attention streams the fp32 KV cache from DRAM, and both torch forms waste
+// Why a hand-written kernel: decode attention streams the KV cache from DRAM, and both torch forms waste
 // bandwidth. Eagerly, gathering the blocks copies K and V out before SDPA reads them again; under inductor, the
 // fused form reads every padded position of the width bucket and runs its softmax reductions one OpenMP region
 // per batch row. Here one task per request reads each visible K and V slot row (all KV heads, contiguous) exactly
-// once, for all its query rows, with the scores in a small per-task buffer. SmolLM2 layer at batch 32 with
-// 120-token contexts in a DRAM-resident pool: 0.22-0.25 ms with each request's blocks adjacent, against 0.40 ms
-// for gather + SDPA; 0.57 ms with blocks scattered at random (the hardware prefetcher restarts at every 12 KB
-// block; software prefetch of the next block won 14% there but lost 23% on adjacent blocks, so it is not used).
+// once, for all its query rows, with the scores in a small per-task buffer.
+//
+// Why chunks of 16 keys: the first form of this kernel spent its time on instructions, not bytes (bf16, half the
+// bytes, was barely faster): per key and query head a 64-float dot product ending in a horizontal reduce, then
+// that head's accumulator loaded and stored, and a block-id check per key. Now a query row's 16 dot products of a
+// chunk end in one transpose-add tree (attention_math.h), its accumulator stays in registers across the chunk,
+// block ids are checked once per block, and exp runs 16 lanes at a time (GCC left it scalar). What then bounds a
+// core is its DRAM stream, so the score pass prefetches the chunk's V rows (read again after the softmax) and the
+// next chunk's K rows, and a request goes in softmax segments of 256 keys so that those V rows are still in L2
+// (1.17-1.25x on top at 2,048 tokens, fp32, one thread). SmolLM2 layer at batch 32, 100-150-token contexts,
+// DRAM-resident 512 MiB pools, 2 threads on a shared 2-core Xeon (load 0.3-2.1, four runs;
+// benchmarks/results/decode_attention.md): fp32 0.50-0.53 -> 0.31-0.33 ms (1.58-1.68x) with each request's blocks
+// adjacent, 0.55-0.61 -> 0.36-0.40 ms (1.51-1.67x) scattered, 80-85% of the read bandwidth x.sum() reached then;
+// bf16 0.38-0.42 -> 0.23-0.25 ms (1.63-1.69x) and 0.44-0.52 -> 0.26-0.30 ms (1.68-1.79x), bound by instructions
+// (the widening) again.
+// Tried and dropped: prefetching the next request's K during the V pass (-14%; presumably its misses hold the fill
+// buffers that the V pass's L2 hits need), and a one-pass online softmax (K and V of a chunk read together: +9% with
+// blocks scattered, -9% on adjacent bf16 blocks, within the noise otherwise).
 //
 // Semantics are those of kernels/attention.py's paged_decode_attention: query i of a request sits at position
 // max(seq_len - Q + i, 0) and sees keys 0..position; query head h reads KV head h / (H / Hkv).
 //
 // Element types: float32, or bfloat16 q / caches / output with every product, the softmax and the accumulators
-// in fp32. A bf16 slot row is widened to fp32 once (exact: a bf16 is the top half of an fp32) and then serves
-// all the query heads of its KV heads, so the math is the fp32 kernel's and only the loads differ; widening
+// in fp32. A bf16 chunk is widened to fp32 once a pass (exact: a bf16 is the top half of an fp32) and then
+// serves all the query heads of its KV heads, so the math is the fp32 kernel's and only the loads differ; widening
 // needs AVX-512F (or plain shifts), no bf16 instructions, so every x86 CPU runs it. The output is rounded to
 // bf16 once, at the end (round to nearest even).
 #include <ATen/ATen.h>
@@ -52,10 +66,60 @@ inline const float* as_float(const at::BFloat16* src, float* scratch, int64_t n)
   return scratch;
 }
 
-template <typename scalar_t>
+constexpr int64_t kChunk = 16;  // keys per step: one 16-lane vector of scores per query row
+constexpr int64_t kSegment = 256;  // keys per softmax segment: 192 KB of fp32 V rows (SmolLM2) stay in L2
+
+// The per-chunk math: one query row (or its accumulator) against n <= kChunk key (value) rows ``stride`` floats
+// apart. The portable form is plain loops; AVX-512 has a form per head_dim / 16 below.
+struct PortableRows {
+  int64_t head_dim;
+  void scores(const float* q, const float* keys, int64_t stride, int64_t n, float scale, float* out) const {
+    for (int64_t j = 0; j < n; ++j) out[j] = dot(q, keys + j * stride, head_dim) * scale;
+  }
+  void accumulate(float* acc, const float* probs, const float* values, int64_t stride, int64_t n) const {
+    for (int64_t j = 0; j < n; ++j) {
+      const float p = probs[j];
+      const float* value = values + j * stride;
+      for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * value[d];
+    }
+  }
+};
+
+#ifdef __AVX512F__
+template <int kVecs>  // head_dim = 16 * kVecs
+struct Avx512Rows {
+  void scores(const float* q, const float* keys, int64_t stride, int64_t n, float scale, float* out) const {
+    __m512 qv[kVecs];
+    for (int v = 0; v < kVecs; ++v) qv[v] = _mm512_loadu_ps(q + 16 * v);
+    __m512 partial[kChunk];
+    // Lanes past n repeat key 0 (no branch, no read past the chunk); the masked store drops them.
+#pragma GCC unroll 16
+    for (int j = 0; j < kChunk; ++j) {
+      const float* key = keys + (j < n ? j : 0) * stride;
+      __m512 sum = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
+      for (int v = 1; v < kVecs; ++v) sum = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(key + 16 * v), sum);
+      partial[j] = sum;
+    }
+    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+    _mm512_mask_storeu_ps(out, keep, _mm512_mul_ps(sum_lanes16(partial), _mm512_set1_ps(scale)));
+  }
+  void accumulate(float* acc, const float* probs, const float* values, int64_t stride, int64_t n) const {
+    __m512 a[kVecs];  // in registers across the chunk: one load and store per chunk, not per key
+    for (int v = 0; v < kVecs; ++v) a[v] = _mm512_loadu_ps(acc + 16 * v);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 p = _mm512_set1_ps(probs[j]);
+      const float* value = values + j * stride;
+      for (int v = 0; v < kVecs; ++v) a[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 16 * v), a[v]);
+    }
+    for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(acc + 16 * v, a[v]);
+  }
+};
+#endif
+
+template <typename scalar_t, typename Rows>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, int64_t query_len,
-                      int64_t block_size, float scale_f) {
+                      int64_t block_size, float scale_f, Rows math) {
   const int64_t num_reqs = tables.size(0), width = tables.size(1);
   const int64_t heads = q.size(1), head_dim = q.size(2), kv_heads = k_cache.size(1);
   const int64_t num_blocks = k_cache.size(0) / block_size;
@@ -70,59 +134,88 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int32_t* len_ptr = lens.data_ptr<int32_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
 
-  // One task per request: a slot's K (or V) row for every head is one contiguous read, and the blocks of a
-  // request stream in order.
+  // One task per request: a chunk of up to 16 slots inside one block is one contiguous read of all KV heads,
+  // and the blocks of a request stream in order.
   at::parallel_for(0, num_reqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(rows * max_keys);  // row r = i * heads + h
     std::vector<float> acc(rows * head_dim);
-    std::vector<float> denominators(rows);
-    std::vector<float> q_scratch(rows * head_dim), row_scratch(slot_stride);  // widened bf16 (unused for fp32)
+    std::vector<float> top(rows), denominators(rows);  // running maximum and softmax denominator per row
+    std::vector<float> q_scratch(rows * head_dim), chunk_scratch(kChunk * slot_stride);  // widened bf16
     std::vector<int64_t> visible(query_len);  // query i sees positions 0 .. visible[i] - 1
     for (int64_t b = begin; b < end; ++b) {
       const int32_t* table = table_ptr + b * width;
-      // Offset of position s's slot row in a cache; every block id read is checked (a bad one would read
-      // outside the cache), where it is used rather than by extra reductions over the table per call.
-      auto slot_offset = [&](int64_t s) {
-        const int64_t block = table[s / block_size];
-        TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables holds a block id outside the cache (",
-                    num_blocks, " blocks): ", block);
-        return (block * block_size + s % block_size) * slot_stride;
-      };
       const float* q_req = as_float(q_ptr + b * rows * head_dim, q_scratch.data(), rows * head_dim);
       for (int64_t i = 0; i < query_len; ++i) {
         const int64_t position = std::max<int64_t>(len_ptr[b] - query_len + i, 0);
         visible[i] = std::min(position + 1, max_keys);
       }
       const int64_t num_keys = visible[query_len - 1];
-      for (int64_t s = 0; s < num_keys; ++s) {  // scores: each K row read once
-        const float* key = as_float(k_ptr + slot_offset(s), row_scratch.data(), slot_stride);
-        for (int64_t i = 0; i < query_len; ++i) {
-          if (s >= visible[i]) continue;
-          for (int64_t h = 0; h < heads; ++h) {
-            const int64_t r = i * heads + h;
-            scores[r * max_keys + s] = dot(q_req + r * head_dim, key + (h / group) * head_dim, head_dim) * scale_f;
+      // Chunks never cross a block, so the slots of one are contiguous and its block id is read (and checked:
+      // a bad one would read outside the cache) once per block, where it is used.
+      auto for_each_chunk = [&](const scalar_t* cache, int64_t first, int64_t last, auto&& body) {
+        for (int64_t s0 = first; s0 < last;) {
+          const int64_t block = table[s0 / block_size], in_block = s0 % block_size;
+          if (in_block == 0) {
+            TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables holds a block id outside the cache (",
+                        num_blocks, " blocks): ", block);
           }
+          const int64_t n = std::min({kChunk, block_size - in_block, last - s0});
+          const int64_t offset = (block * block_size + in_block) * slot_stride;
+          body(s0, n, offset, as_float(cache + offset, chunk_scratch.data(), n * slot_stride));
+          s0 += n;
         }
-      }
-      for (int64_t r = 0; r < rows; ++r) {  // softmax numerators; the division comes last, on the output
-        float* row = scores.data() + r * max_keys;
-        const int64_t n = visible[r / heads];
-        exp_shifted_inplace(row, n, max_of(row, n));
-        denominators[r] = sum_of(row, n);
-      }
+      };
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t s = 0; s < num_keys; ++s) {  // weighted values: each V row read once
-        const float* value_row = as_float(v_ptr + slot_offset(s), row_scratch.data(), slot_stride);
-        for (int64_t i = 0; i < query_len; ++i) {
-          if (s >= visible[i]) continue;
-          for (int64_t h = 0; h < heads; ++h) {
-            const int64_t r = i * heads + h;
-            const float p = scores[r * max_keys + s];
-            const float* value = value_row + (h / group) * head_dim;
-            float* a = acc.data() + r * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * value[d];
+      std::fill(top.begin(), top.end(), -INFINITY);
+      std::fill(denominators.begin(), denominators.end(), 0.f);
+      // Segments of kSegment keys, the softmax rescaled between them: a segment's V rows, prefetched during its
+      // score pass, still sit in L2 for its V pass (a 2,048-token request's 1.5 MB of fp32 V rows would not).
+      for (int64_t first = 0; first < num_keys; first += kSegment) {
+        const int64_t last = std::min(first + kSegment, num_keys);
+        // Scores of every query row for keys a later query sees too (finite: those slots hold this step's tokens);
+        // the softmax below reads only each row's visible ones.
+        for_each_chunk(k_ptr, first, last, [&](int64_t s0, int64_t n, int64_t offset, const float* keys) {
+          // The chunk's V rows, towards L2 for the pass after the softmax: two streams from DRAM at once instead of
+          // one (1.4x on one thread with the pool in DRAM).
+          const int64_t chunk_bytes = n * slot_stride * int64_t(sizeof(scalar_t));
+          const char* value_bytes = reinterpret_cast<const char*>(v_ptr + offset);
+          for (int64_t byte = 0; byte < chunk_bytes; byte += 64) __builtin_prefetch(value_bytes + byte, 0, 2);
+          // And the next chunk's K rows (another 1.03-1.10x): the hardware prefetcher restarts at every block.
+          // A prefetch never faults, so the next block id is checked where it is used, not here.
+          const int64_t next = s0 + n;
+          if (next < num_keys) {
+            const int64_t next_offset = (table[next / block_size] * block_size + next % block_size) * slot_stride;
+            const char* key_bytes = reinterpret_cast<const char*>(k_ptr + next_offset);
+            for (int64_t byte = 0; byte < chunk_bytes; byte += 64) __builtin_prefetch(key_bytes + byte, 0, 3);
           }
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* key = keys + ((r % heads) / group) * head_dim;
+            math.scores(q_req + r * head_dim, key, slot_stride, n, scale_f, scores.data() + r * max_keys + s0);
+          }
+        });
+        for (int64_t r = 0; r < rows; ++r) {  // softmax numerators; the division comes last, on the output
+          float* row = scores.data() + r * max_keys + first;
+          const int64_t n = std::min(visible[r / heads], last) - first;
+          if (n <= 0) continue;
+          const float old_top = top[r], new_top = std::max(old_top, max_of(row, n));
+          exp_shifted_inplace(row, n, new_top);
+          if (first > 0 && new_top != old_top) {  // what earlier segments summed, to the new maximum
+            float factor = old_top;
+            exp_shifted_inplace(&factor, 1, new_top);
+            for (int64_t d = 0; d < head_dim; ++d) acc[r * head_dim + d] *= factor;
+            denominators[r] *= factor;
+          }
+          top[r] = new_top;
+          denominators[r] += sum_of(row, n);
         }
+        for_each_chunk(v_ptr, first, last, [&](int64_t s0, int64_t n, int64_t /*offset*/, const float* values) {
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t seen = std::min(n, visible[r / heads] - s0);  // this query's keys in the chunk
+            if (seen <= 0) continue;
+            const float* value = values + ((r % heads) / group) * head_dim;
+            math.accumulate(acc.data() + r * head_dim, scores.data() + r * max_keys + s0, value, slot_stride, seen);
+          }
+        });
       }
       scalar_t* out_req = out_ptr + b * rows * head_dim;
       for (int64_t r = 0; r < rows; ++r) {
@@ -133,6 +226,29 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       }
     }
   });
+}
+
+// The AVX-512 forms for head_dim 16, 32, 64 or 128; any other, or a build without AVX-512, takes the loops.
+template <typename scalar_t>
+void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, int64_t query_len,
+                       int64_t block_size, float scale) {
+  const int64_t head_dim = q.size(2);
+#ifdef __AVX512F__
+  switch (head_dim) {
+    case 16: return decode_attention<scalar_t>(q, k_cache, v_cache, tables, lens, out, query_len, block_size,
+                                               scale, Avx512Rows<1>{});
+    case 32: return decode_attention<scalar_t>(q, k_cache, v_cache, tables, lens, out, query_len, block_size,
+                                               scale, Avx512Rows<2>{});
+    case 64: return decode_attention<scalar_t>(q, k_cache, v_cache, tables, lens, out, query_len, block_size,
+                                               scale, Avx512Rows<4>{});
+    case 128: return decode_attention<scalar_t>(q, k_cache, v_cache, tables, lens, out, query_len, block_size,
+                                                scale, Avx512Rows<8>{});
+    default: break;
+  }
+#endif
+  decode_attention<scalar_t>(q, k_cache, v_cache, tables, lens, out, query_len, block_size, scale,
+                             PortableRows{head_dim});
 }
 
 at::Tensor cpu_paged_decode_attention(const at::Tensor& q_in,          // [B*Q, H, D] float32 or bfloat16
@@ -159,11 +275,11 @@ at::Tensor cpu_paged_decode_attention(const at::Tensor& q_in,          // [B*Q, 
   const at::Tensor q = q_in.contiguous();
   at::Tensor out = at::empty_like(q);
   if (q.scalar_type() == at::kBFloat16) {
-    decode_attention<at::BFloat16>(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), out,
-                                   query_len, block_size, static_cast<float>(scale));
+    dispatch_head_dim<at::BFloat16>(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), out,
+                                    query_len, block_size, static_cast<float>(scale));
   } else {
-    decode_attention<float>(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), out,
-                            query_len, block_size, static_cast<float>(scale));
+    dispatch_head_dim<float>(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), out,
+                             query_len, block_size, static_cast<float>(scale));
   }
   return out;
 }
