@@ -109,6 +109,25 @@ inline __m512 sum_lanes16(const __m512* v) {
 }
 #endif
 
+// exp(v) for v in [-87.3, 88.7] (callers clamp below; 88.7 and above give inf): Cephes' expf polynomial on the
+// reduced argument times 2^k built from the exponent bits, within ~2 ulp; vectorizable where a loop calls it.
+inline float exp_poly(float v) {
+  v = v < 88.7f ? v : 88.7f;
+  const float k = std::floor(v * 1.44269504088896341f + 0.5f);
+  const float r = v - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float two_k;
+  std::memcpy(&two_k, &bits, sizeof two_k);
+  return p * two_k;
+}
+
 // exp(x - shift) for x <= shift, in place, vectorizable: Cephes' expf polynomial on the reduced argument times
 // 2^k built from the exponent bits. Arguments below -87.3 give ~1e-38 instead of 0: negligible next to the 1 of
 // the maximum.
@@ -138,20 +157,7 @@ inline void exp_shifted_inplace(float* x, int64_t n, float shift) {
 #endif
   for (; i < n; ++i) {
     const float t = x[i] - shift;
-    const float v = t > -87.3f ? t : -87.3f;
-    const float k = std::floor(v * 1.44269504088896341f + 0.5f);
-    const float r = v - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-    float two_k;
-    std::memcpy(&two_k, &bits, sizeof two_k);
-    x[i] = p * two_k;
+    x[i] = exp_poly(t > -87.3f ? t : -87.3f);
   }
 }
 

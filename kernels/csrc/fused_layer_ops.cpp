@@ -21,7 +21,11 @@
 #include <cstring>
 #include <tuple>
 
+#include "attention_math.h"
+
 namespace {
+
+namespace attention_math = deepinfer::attention_math;
 
 #define NO_FMA __attribute__((optimize("fp-contract=off")))
 
@@ -35,25 +39,6 @@ inline float stored(float v) {
 // more than the work (and, on a busy machine, stall on its barrier); prefill chunks split across threads.
 inline int64_t row_grain(int64_t row_elems) {
   return std::max<int64_t>(1, 262144 / std::max<int64_t>(row_elems, 1));
-}
-
-// exp(x) for the SiLU, vectorizable (std::exp is a libm call per element): Cephes' expf polynomial on the reduced
-// argument times 2^k built from the exponent bits, as attention_math.h's exp_shifted_inplace; within ~2 ulp.
-inline float exp_poly(float x) {
-  const float v = std::min(std::max(x, -87.3f), 88.7f);
-  const float k = std::floor(v * 1.44269504088896341f + 0.5f);
-  const float r = v - k * 0.693359375f + k * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float two_k;
-  std::memcpy(&two_k, &bits, sizeof two_k);
-  return p * two_k;
 }
 
 // torch's RMSNorm (kernels/norm.py): h = x in fp32; h * rsqrt(mean(h^2) + eps) stored in x's dtype; times weight.
@@ -139,7 +124,7 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
         const scalar_t* up = gate + inter;
         for (int64_t i = 0; i < inter; ++i) {
           const float g = static_cast<float>(gate[i]);
-          const float act = stored<scalar_t>(g / (1.f + exp_poly(-g)));
+          const float act = stored<scalar_t>(g / (1.f + attention_math::exp_poly(-g > -87.3f ? -g : -87.3f)));
           op[r * inter + i] = static_cast<scalar_t>(act * static_cast<float>(up[i]));
         }
       }
