@@ -3,7 +3,8 @@ residual add fused with the next RMSNorm, SiLU-and-multiply, and RoPE on q and k
 
 Eager host steps only: each replaces 2-14 torch calls whose dispatch, not arithmetic, is their cost at decode
 sizes; compiled regions keep the torch forms, which inductor fuses itself. Results equal the torch forms
-(kernels/norm.py, kernels/rope.py, backend_lib/models/layers.py) up to the norm's summation order and SiLU's expf.
+(kernels/norm.py, kernels/rope.py, backend_lib/models/layers.py) up to the norm's summation order and SiLU's exp
+(a polynomial, within ~2 ulp).
 """
 from __future__ import annotations
 

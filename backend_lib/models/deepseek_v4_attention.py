@@ -321,19 +321,19 @@ class V4Attention(nn.Module):
             entry_keys = gather_rows(cache.entries, entry_slots)
         # both key sets in one pass, no concatenation; eager only: an opaque op over the ring's rows made inductor
         # copy the rings again (a batch-32 graph step 0.09 -> 0.45 s), and graphs fuse the torch form anyway
-        if self.cpp_attention and q.dtype == torch.float32 and not torch.compiler.is_compiling():
-            if isinstance(pages, TokenPages) and cache.window.dtype == kv.dtype and cache.window.is_contiguous():
-                # decode rows: the window read in place from the ring (no gathered copy)
-                if entry_keys is None:
-                    entry_keys = q.new_empty(1, 0, d.head_dim)
-                    visible = torch.zeros(q.shape[0], 0, dtype=torch.bool, device=q.device)
-                return cpu_ring_sink_attention(q, cache.window, kv, ctx.rows, ctx.pages.positions, start,
-                                               d.sliding_window, entry_keys.to(q.dtype), visible, self.attn_sink,
-                                               self.scale)
+        cpp = self.cpp_attention and q.dtype == torch.float32 and not torch.compiler.is_compiling()
+        if cpp and isinstance(pages, TokenPages) and cache.window.dtype == kv.dtype and cache.window.is_contiguous():
+            # decode rows: the window read in place from the ring (no gathered copy)
+            if entry_keys is None:
+                entry_keys = q.new_empty(1, 0, d.head_dim)
+                visible = torch.zeros(q.shape[0], 0, dtype=torch.bool, device=q.device)
+            return cpu_ring_sink_attention(q, cache.window, kv, ctx.rows, ctx.pages.positions, start,
+                                           d.sliding_window, entry_keys.to(q.dtype), visible, self.attn_sink,
+                                           self.scale)
         keys, allowed = self._window(kv, ctx, start, end, pages, cache.window)
         if entry_keys is None:
             entry_keys, visible = keys[:, :0], allowed[:, :0]
-        if self.cpp_attention and q.dtype == torch.float32 and not torch.compiler.is_compiling():
+        if cpp:
             return cpu_sink_attention(q, keys.to(q.dtype), allowed, entry_keys.to(q.dtype), visible, self.attn_sink,
                                       self.scale)
         keys = torch.cat([keys, entry_keys.to(keys.dtype)], dim=1)
