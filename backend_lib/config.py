@@ -133,12 +133,17 @@ class CompileConfig:
     # Sampler graphs compiled at start: "greedy" (the argmax graph per batch bucket; a batch that samples compiles
     # its variant the first time one comes, from the cache when it is warm) or "all" (every variant up front).
     compile_sampler_variants: str = "greedy"
+    # "model": one graph per bucket over all layers; "layer": one graph per bucket and layer kind, shared by every
+    # layer of that kind (much less to trace and compile; what the Neuron port prescribes).
+    compile_scope: str = "model"
 
     def __post_init__(self) -> None:
         _require(self.compile_backend in _COMPILE_BACKENDS,
                  f"compile_backend must be one of {_COMPILE_BACKENDS}, got {self.compile_backend!r}")
         _require(self.compile_sampler_variants in ("greedy", "all"),
                  f"compile_sampler_variants must be 'greedy' or 'all', got {self.compile_sampler_variants!r}")
+        _require(self.compile_scope in ("model", "layer"),
+                 f"compile_scope must be 'model' or 'layer', got {self.compile_scope!r}")
         _require(isinstance(self.compile_cache_dir, str) and "\0" not in self.compile_cache_dir,
                  f"compile_cache_dir must be a directory path (or \"\" for the default), got "
                  f"{self.compile_cache_dir!r}")

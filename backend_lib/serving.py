@@ -62,6 +62,7 @@ _ENGINE_PARAMETERS: dict[str, tuple[str, type]] = {
     "prefill_buckets": ("prefill_buckets", str),
     "compile_cache_dir": ("compile_cache_dir", str),
     "compile_sampler_variants": ("compile_sampler_variants", str),
+    "compile_scope": ("compile_scope", str),
     "seed": ("seed", int),
     "num_threads": ("num_threads", int),
     "tensor_parallel_size": ("tensor_parallel_size", int),

@@ -5,7 +5,9 @@ Settings: the shared workload's compiled engine (benchmarks/offline_throughput.p
 fp32, max_num_seqs 32, max_num_batched_tokens 512, max_model_len 256, batch buckets 1,32, width buckets 8,16 (or
 --width-buckets), prefill bucket 128: 4 decode + 1 prefill + 2 lm_head + 2 greedy sampler graphs at start. An eager start runs
 alongside as the floor (no compile at all). The first token is one greedy token of one chat prompt after the
-engine is built; every run prints its token ids, which must agree.
+engine is built; every run prints its token ids, which must agree. Both compile scopes run (`--scopes`): "model"
+(one graph per bucket over the 30 layers) and "layer" (one graph per bucket shared by every layer), each cold and
+warm on its own cache directory.
 
 Prints the machine (CPU model and family) and writes benchmarks/results/compiled_startup.md and .png. Start-up is
 compile work (dynamo, AOTAutograd, inductor's codegen, gcc) on the host's cores: on a machine shared with other
@@ -29,7 +31,7 @@ PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @dataclass
 class StartRun:
-    name: str  # "cold", "warm", "eager"
+    name: str  # "cold (model)", "warm (layer)", ..., "eager"
     ready_s: float  # process start -> engine built (graphs compiled or loaded)
     first_token_s: float  # process start -> first token returned
     compile_s: float  # the engine's warm-up (compile or cache load), inside ready_s
@@ -53,7 +55,8 @@ def child(args) -> None:
             "enable_prefix_caching": False, "max_model_len": 256, "num_threads": args.threads}
     if args.mode != "eager":
         flat.update(compile_backend="inductor", batch_buckets="1,32", width_buckets=args.width_buckets,
-                    prefill_buckets=args.prefill_buckets, compile_cache_dir=args.cache_dir)
+                    prefill_buckets=args.prefill_buckets, compile_cache_dir=args.cache_dir,
+                    compile_scope=args.scope)
     llm = LLM(config=EngineConfig.from_flat(flat))
     ready = time.perf_counter() - start
     out = llm.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0))
@@ -73,32 +76,33 @@ def child(args) -> None:
         "backend_s": backend, "gcc_s": total("compile_file")}), flush=True)
 
 
-def run_child(mode: str, cache_dir: str, args) -> StartRun:
+def run_child(mode: str, cache_dir: str, args, scope: str = "model") -> StartRun:
     cmd = [sys.executable, __file__, "--child", mode, "--cache-dir", cache_dir, "--threads", str(args.threads),
-           "--width-buckets", args.width_buckets, "--prefill-buckets", args.prefill_buckets]
+           "--width-buckets", args.width_buckets, "--prefill-buckets", args.prefill_buckets, "--scope", scope]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    print(f"{mode} start ...", flush=True)
+    name = mode if mode == "eager" else f"{mode} ({scope})"
+    print(f"{name} start ...", flush=True)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"{mode} start failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     r = json.loads(lines[-1][len("RESULT "):])
-    run = StartRun(mode, r["ready_s"], r["first_token_s"], r["compile_s"], r["cache"], r["token_ids"],
+    run = StartRun(name, r["ready_s"], r["first_token_s"], r["compile_s"], r["cache"], r["token_ids"],
                    r["dynamo_s"], r["backend_s"], r["gcc_s"])
     print(f"  {run}", flush=True)
     return run
 
 
-def write_report(runs: list[StartRun], machine_line: str, load_after: float, cache_dir: str, out: Path) -> str:
+def write_report(runs: list[StartRun], scopes: list[str], machine_line: str, load_after: float, cache_dir: str,
+                 out: Path) -> str:
     by = {r.name: r for r in runs}
-    cold, warm = by["cold"], by["warm"]
     same = len({tuple(r.token_ids) for r in runs}) == 1
     lines = [
-        "# Compiled start-up: cold vs warm compile cache (SmolLM2-135M fp32, inductor)", "",
+        "# Compiled start-up: cold vs warm compile cache, per compile scope (SmolLM2-135M fp32, inductor)", "",
         f"Machine: {machine_line}; 1-min load average {load_after:.1f} at the end.", "",
         "Each start is a fresh process: build the engine (load the model, size the KV cache, compile or load every "
         "graph), then one greedy token of one chat prompt. Cold: an empty `compile_cache_dir`; warm: a second process "
-        f"on the same directory ({cache_dir}). Settings of `benchmarks/offline_throughput.py --compile inductor` "
+        f"on the same directory ({cache_dir}, one subdirectory per scope). Settings of `benchmarks/offline_throughput.py --compile inductor` "
         "(4 decode, 1 prefill, 2 lm_head and 2 greedy sampler graphs). gcc: summed over inductor's parallel compile "
         "workers, so it can exceed its wall time. Cache column: the AOTAutograd cache's hits / compiled-and-saved / not cacheable during the "
         "warm-up.", "",
@@ -107,9 +111,13 @@ def write_report(runs: list[StartRun], machine_line: str, load_after: float, cac
         "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r.name} | {r.ready_s:.1f} | {r.compile_s:.1f} | {r.dynamo_s:.1f} | {r.backend_s:.1f} | "
               f"{r.gcc_s:.1f} | {r.first_token_s:.1f} | {r.cache} |" for r in runs]
-    lines += ["", f"Cold / warm time to the first token: {cold.first_token_s / warm.first_token_s:.1f}x "
-              f"({cold.first_token_s:.0f} s -> {warm.first_token_s:.0f} s); graphs alone "
-              f"{cold.compile_s / max(warm.compile_s, 1e-9):.1f}x. Same first token in every start: {same}."]
+    lines.append("")
+    for scope in scopes:
+        cold, warm = by[f"cold ({scope})"], by[f"warm ({scope})"]
+        lines.append(f"- scope {scope}: cold / warm time to the first token {cold.first_token_s / warm.first_token_s:.1f}x "
+                     f"({cold.first_token_s:.0f} s -> {warm.first_token_s:.0f} s); graphs alone "
+                     f"{cold.compile_s / max(warm.compile_s, 1e-9):.1f}x.")
+    lines += ["", f"Same first token in every start: {same}."]
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "compiled_startup.md").write_text(text)
@@ -137,6 +145,8 @@ def main() -> int:
     parser.add_argument("--width-buckets", default="8,16", help="as offline_throughput.py --width-buckets")
     parser.add_argument("--prefill-buckets", default="128", help="as offline_throughput.py (\"\" = no prefill graph)")
     parser.add_argument("--skip-eager", action="store_true")
+    parser.add_argument("--scopes", default="model,layer", help="compile scopes to start, comma-separated")
+    parser.add_argument("--scope", default="model", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     if args.child:
@@ -152,10 +162,14 @@ def main() -> int:
         cache_dir = args.cache_dir or scratch
         if any(Path(cache_dir).iterdir()) if Path(cache_dir).exists() else False:
             raise SystemExit(f"--cache-dir {cache_dir} is not empty: a cold start needs an empty one")
-        runs = [run_child("cold", cache_dir, args), run_child("warm", cache_dir, args)]
+        scopes = [scope for scope in args.scopes.split(",") if scope]
+        runs = []
+        for scope in scopes:
+            scope_dir = str(Path(cache_dir) / scope)
+            runs += [run_child("cold", scope_dir, args, scope), run_child("warm", scope_dir, args, scope)]
         if not args.skip_eager:
             runs.append(run_child("eager", cache_dir, args))
-    print(write_report(runs, machine.line(), os.getloadavg()[0], cache_dir if args.cache_dir else "a new temp dir",
+    print(write_report(runs, scopes, machine.line(), os.getloadavg()[0], cache_dir if args.cache_dir else "a new temp dir",
                        Path(args.out)))
     return 0
 

@@ -363,6 +363,7 @@ def test_config_errors_name_the_field():
 
 @pytest.mark.parametrize("backend", [
     "aot_eager",
+    "aot_eager-layer",  # compile_scope="layer": one graph per layer type, shared by the layers of that type
     # inductor's cold compile of the decode, lm_head and sampler graphs runs gcc: ~90-110 s of CPU (150-270 s wall on the
     # loaded 2-core machine), so it is a slow test
     pytest.param("inductor", marks=pytest.mark.slow),
@@ -388,8 +389,10 @@ def test_compiled_decode_regions_give_the_same_greedy_ids(backend, tmp_path):
             engine.add_request(rid, prompt, params)
         return _drive(engine), engine
 
+    backend, _, scope = backend.partition("-")
     compiled, engine = run(compile_backend=backend, batch_buckets="2", width_buckets="16", compile_progress=False,
-                           compile_cache_dir=str(tmp_path / "compile-cache"))  # cold: no other run's graphs
+                           compile_cache_dir=str(tmp_path / "compile-cache"),  # cold: no other run's graphs
+                           compile_scope=scope or "model")
     eager, _ = run()
     assert compiled == eager == {rid: _hf_generate(hf, prompt, 12) for rid, prompt in prompts.items()}
     model = engine.runner.model

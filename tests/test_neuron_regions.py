@@ -110,6 +110,35 @@ def test_decode_graphs_match_eager_at_each_bucket(arch, backend, tiny_llama, tin
                 torch.testing.assert_close(c[:, pool], e[:, pool], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("arch", ["llama", "deepseek"])
+def test_layer_scope_shares_one_graph_per_layer_kind_and_matches_eager(arch, tiny_llama, tiny_deepseek):
+    """compile_scope="layer": one traced graph per bucket and layer kind, run by every layer of that kind (the
+    DeepSeek model's dense and MoE layers get one each); logits and the written K/V equal the eager step's."""
+    model = tiny_llama if arch == "llama" else tiny_deepseek
+    num_blocks = 24
+    spec = BucketSpec(batch_sizes=(2,), block_table_widths=(4,), prefill_lengths=(), block_size=BS)
+    compiled = CompiledModel(model, spec, "aot_eager", scratch_block=num_blocks, scope="layer")
+    kinds = {tuple(type(m).__name__ for m in layer.modules()) for layer in model.layers}
+    assert len(model.layers) > len(kinds)  # some layers must share a graph for the test to mean anything
+    with torch.inference_mode():
+        before = counters["stats"]["unique_graphs"]
+        compiled.warm_up(_random_caches(model, num_blocks, seed=1), progress=False)
+        layer_graphs = counters["stats"]["unique_graphs"] - before - 1  # less the lm_head graph
+        assert layer_graphs == len(kinds), (layer_graphs, kinds)
+        ids, pos, meta = _paged_decode_inputs(num_blocks, [3, 9], 4, model.arch.vocab_size, seed=2)
+        eager_caches = _random_caches(model, num_blocks, seed=3)
+        caches = [c.clone() for c in eager_caches]
+        eager = model.compute_logits(model(ids, pos, eager_caches, meta))
+        got = compiled.compute_logits(compiled(ids, pos, caches, meta))
+        assert counters["stats"]["unique_graphs"] - before - 1 == len(kinds)  # the step compiled nothing new
+    assert compiled.stats.compiled_steps == 1 and compiled.stats.eager_steps == 0
+    assert all("forward" not in vars(layer) for layer in model.layers)  # eager steps keep the plain forward
+    torch.testing.assert_close(got, eager, atol=1e-4, rtol=0)
+    pool = slice(0, num_blocks * BS)
+    for c, e in zip(caches, eager_caches):
+        torch.testing.assert_close(c[:, pool], e[:, pool], atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("arch", ["llama", "deepseek"])
 def test_prefill_graph_matches_eager(arch, backend, tiny_llama, tiny_deepseek):
