@@ -129,6 +129,11 @@ def _fused_decode_attention(
     return out.view(b, hkv, query_len, group, d).permute(0, 2, 1, 3, 4).reshape(b * query_len, hkv * group, d)
 
 
+# Query x key pairs (chunk length x context) up to which a prefill chunk takes the C++ kernel, e.g. a 128-token
+# prompt; not counted per head, so tensor-parallel ranks (fewer heads each) choose as one rank does.
+CPU_PREFILL_PAIRS = 1 << 14
+
+
 def paged_prefill_attention(
     q: torch.Tensor,  # [sum(query_lens), H, D]
     k_cache: torch.Tensor,  # [num_slots, Hkv, D]
@@ -138,15 +143,29 @@ def paged_prefill_attention(
     seq_lens: list[int],
     block_size: int,
     scale: float,
+    cpu_kernel: bool = False,
 ) -> torch.Tensor:  # [sum(query_lens), H, D]
-    """Prefill chunks, one request at a time (host ints): a chunk's queries are the last positions of its context."""
+    """Prefill chunks, one request at a time (host ints): a chunk's queries are the last positions of its context.
+
+    ``cpu_kernel``: a short chunk (queries x context within ``CPU_PREFILL_PAIRS``) runs on the
+    C++ decode kernel as one request with Q = the chunk's length (causal among its queries, K/V read in place);
+    gathering the blocks, building the mask and SDPA's set-up cost more than the attention itself there (~0.4 s of
+    the shared workload's prefill in bf16). Longer chunks keep SDPA, which threads over heads and does not score a
+    query's future keys."""
     outputs = []
     start = 0
+    in_kernel = cpu_kernel and q.dtype in CPU_ATTENTION_DTYPES and k_cache.dtype == q.dtype
     for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
         if not 1 <= q_len <= seq_len:
             raise ValueError(f"prefill request {i}: query_len must be in [1, seq_len={seq_len}], got {q_len}")
         num_blocks = -(-seq_len // block_size)
         table = block_tables[i : i + 1, :num_blocks]
+        if in_kernel and q_len * seq_len <= CPU_PREFILL_PAIRS:
+            outputs.append(torch.ops.deepinfer.cpu_paged_decode_attention(
+                q[start : start + q_len], k_cache, v_cache, table.contiguous(),
+                torch.tensor([seq_len], dtype=torch.int32, device=q.device), q_len, block_size, scale))
+            start += q_len
+            continue
         k = _gather_blocks(k_cache, table, block_size)[:, :, :seq_len]
         v = _gather_blocks(v_cache, table, block_size)[:, :, :seq_len]
         query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
@@ -176,7 +195,7 @@ def paged_attention(
     if meta.num_prefills:
         parts.append(paged_prefill_attention(
             q[num_decode_tokens:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_lens,
-            meta.prefill_seq_lens, meta.block_size, scale))
+            meta.prefill_seq_lens, meta.block_size, scale, cpu_kernel))
     if not parts:
         raise ValueError("attention metadata has no decode and no prefill requests")
     return parts[0] if len(parts) == 1 else torch.cat(parts)
