@@ -145,25 +145,30 @@ def paged_prefill_attention(
     scale: float,
     cpu_kernel: bool = False,
 ) -> torch.Tensor:  # [sum(query_lens), H, D]
-    """Prefill chunks, one request at a time (host ints): a chunk's queries are the last positions of its context.
+    """Prefill chunks (host ints): a chunk's queries are the last positions of its context.
 
-    ``cpu_kernel``: a short chunk (queries x context within ``CPU_PREFILL_PAIRS``) runs on the
-    C++ decode kernel as one request with Q = the chunk's length (causal among its queries, K/V read in place);
-    gathering the blocks, building the mask and SDPA's set-up cost more than the attention itself there (~0.4 s of
-    the shared workload's prefill in bf16). Longer chunks keep SDPA, which threads over heads and does not score a
-    query's future keys."""
-    outputs = []
-    start = 0
-    in_kernel = cpu_kernel and q.dtype in CPU_ATTENTION_DTYPES and k_cache.dtype == q.dtype
+    ``cpu_kernel``: a short chunk (queries x context within ``CPU_PREFILL_PAIRS``) runs on the C++ kernel (K/V
+    read in place, causal among the chunk's queries, threads over requests): gathering the blocks, building the
+    mask and SDPA's set-up cost more than the attention itself there. A longer chunk keeps SDPA, which threads over
+    heads and does not score a query's future keys. The choice is per request, so a request's numerics never depend
+    on the rest of its batch."""
     for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
         if not 1 <= q_len <= seq_len:
             raise ValueError(f"prefill request {i}: query_len must be in [1, seq_len={seq_len}], got {q_len}")
+    if sum(query_lens) != q.shape[0]:
+        raise ValueError(f"prefill query tokens: q has {q.shape[0]} rows but query_lens sum to {sum(query_lens)}")
+    in_kernel = [cpu_kernel and q.dtype in CPU_ATTENTION_DTYPES and k_cache.dtype == q.dtype
+                 and q_len * seq_len <= CPU_PREFILL_PAIRS for q_len, seq_len in zip(query_lens, seq_lens)]
+    if in_kernel and all(in_kernel):  # the usual case: one call for every chunk of the step
+        return _cpp_prefill(q, k_cache, v_cache, block_tables, query_lens, seq_lens, block_size, scale)
+    outputs = []
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
         num_blocks = -(-seq_len // block_size)
         table = block_tables[i : i + 1, :num_blocks]
-        if in_kernel and q_len * seq_len <= CPU_PREFILL_PAIRS:
-            outputs.append(torch.ops.deepinfer.cpu_paged_decode_attention(
-                q[start : start + q_len], k_cache, v_cache, table.contiguous(),
-                torch.tensor([seq_len], dtype=torch.int32, device=q.device), q_len, block_size, scale))
+        if in_kernel[i]:
+            outputs.append(_cpp_prefill(q[start : start + q_len], k_cache, v_cache, table, [q_len], [seq_len],
+                                        block_size, scale))
             start += q_len
             continue
         k = _gather_blocks(k_cache, table, block_size)[:, :, :seq_len]
@@ -172,9 +177,18 @@ def paged_prefill_attention(
         visible = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
         outputs.append(_grouped_attention(q[None, start : start + q_len], k, v, visible[None], scale)[0])
         start += q_len
-    if start != q.shape[0]:
-        raise ValueError(f"prefill query tokens: q has {q.shape[0]} rows but query_lens sum to {start}")
     return torch.cat(outputs) if outputs else q.new_empty((0, *q.shape[1:]))
+
+
+def _cpp_prefill(q: torch.Tensor,  # [sum(query_lens), H, D]
+                 k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor,  # [P, nb] int32
+                 query_lens: list[int], seq_lens: list[int], block_size: int, scale: float) -> torch.Tensor:
+    width = -(-max(seq_lens) // block_size)
+    starts = torch.tensor([0, *query_lens], dtype=torch.int64, device=q.device).cumsum(0)
+    return torch.ops.deepinfer.cpu_paged_prefill_attention(
+        q, k_cache, v_cache, block_tables[:, :width].contiguous(),
+        torch.tensor(seq_lens, dtype=torch.int32, device=q.device), starts, block_size, scale)
 
 
 def paged_attention(

@@ -103,6 +103,11 @@ def load_cpu_kernels() -> bool:
           seq_lens: torch.Tensor, query_len: int, block_size: int, scale: float) -> torch.Tensor:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake("deepinfer::cpu_paged_prefill_attention")
+    def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+          seq_lens: torch.Tensor, query_starts: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
     @torch.library.register_fake("deepinfer::shm_all_reduce")
     def _(x: torch.Tensor, handle: int) -> torch.Tensor:
         return torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -96,6 +96,37 @@ def test_paged_attention_matches_reference(heads, kv_heads, decode_seq_lens, dec
     assert (got - want).abs().max().item() <= TOL
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_chunks_on_the_cpu_kernel_match_the_reference_alone_and_batched(dtype, cpu_kernels, monkeypatch):
+    """Short chunks take the C++ kernel in one call, a chunk past CPU_PREFILL_PAIRS takes SDPA; each request's
+    output is the same whether its batch goes through the kernel whole, mixed with an SDPA chunk, or alone."""
+    import kernels.attention as attention
+    block_size, num_blocks, heads, kv_heads, head_dim = 4, 64, 6, 2, 16
+    prefill = [(7, 7), (3, 12), (1, 9), (20, 20)]  # plain, continuation, 1-token chunk, the long one
+    meta, num_tokens = _mixed_batch([], 1, prefill, block_size, num_blocks, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    k_cache = torch.randn((num_blocks + 1) * block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(num_tokens, heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim ** -0.5
+    want = reference_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+    whole = paged_attention(q, k_cache, v_cache, meta, scale, cpu_kernel=True)
+    monkeypatch.setattr(attention, "CPU_PREFILL_PAIRS", 200)  # (20, 20) now takes SDPA, the others the kernel
+    mixed = paged_attention(q, k_cache, v_cache, meta, scale, cpu_kernel=True)
+    tol = TOL if dtype == torch.float32 else 2e-2
+    assert (whole.float() - want).abs().max().item() <= tol
+    assert (mixed.float() - want).abs().max().item() <= tol
+    short = sum(q_len for q_len, _ in prefill[:3])
+    assert torch.equal(mixed[:short], whole[:short])  # a kernel request's output does not depend on its batch
+    alone = attention.paged_prefill_attention(q[7:10], k_cache, v_cache, meta.prefill_block_tables[1:2], [3], [12],
+                                              block_size, scale, cpu_kernel=True)
+    assert torch.equal(alone, whole[7:10])
+    with pytest.raises(RuntimeError, match="query count"):
+        torch.ops.deepinfer.cpu_paged_prefill_attention(
+            q[:7], k_cache, v_cache, meta.prefill_block_tables[:1], torch.tensor([5], dtype=torch.int32),
+            torch.tensor([0, 7]), block_size, scale)
+
+
 @pytest.mark.parametrize("cpu_kernel", [False, True])
 def test_decode_ignores_keys_past_seq_len_and_padded_rows_stay_finite(cpu_kernel, request):
     if cpu_kernel:

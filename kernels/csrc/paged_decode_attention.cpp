@@ -116,15 +116,25 @@ struct Avx512Rows {
 };
 #endif
 
+// Where each request's queries are in q: Q each (decode), or from query_starts [B + 1] (prefill chunks).
+struct QueryLayout {
+  int64_t query_len;              // Q of every request when starts is null
+  const int64_t* starts = nullptr;
+  int64_t start(int64_t b) const { return starts ? starts[b] : b * query_len; }
+  int64_t count(int64_t b) const { return starts ? starts[b + 1] - starts[b] : query_len; }
+};
+
 template <typename scalar_t, typename Rows>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, int64_t query_len,
+                      const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, QueryLayout layout,
                       int64_t block_size, float scale_f, Rows math) {
   const int64_t num_reqs = tables.size(0), width = tables.size(1);
   const int64_t heads = q.size(1), head_dim = q.size(2), kv_heads = k_cache.size(1);
   const int64_t num_blocks = k_cache.size(0) / block_size;
   const int64_t group = heads / kv_heads;
-  const int64_t rows = query_len * heads;  // one row per (query, head) of a request
+  int64_t max_queries = 0;
+  for (int64_t b = 0; b < num_reqs; ++b) max_queries = std::max(max_queries, layout.count(b));
+  const int64_t max_rows = max_queries * heads;  // one row per (query, head) of a request
   const int64_t max_keys = width * block_size;
   const int64_t slot_stride = kv_heads * head_dim;
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
@@ -137,14 +147,16 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   // One task per request: a chunk of up to 16 slots inside one block is one contiguous read of all KV heads,
   // and the blocks of a request stream in order.
   at::parallel_for(0, num_reqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(rows * max_keys);  // row r = i * heads + h
-    std::vector<float> acc(rows * head_dim);
-    std::vector<float> top(rows), denominators(rows);  // running maximum and softmax denominator per row
-    std::vector<float> q_scratch(rows * head_dim), chunk_scratch(kChunk * slot_stride);  // widened bf16
-    std::vector<int64_t> visible(query_len);  // query i sees positions 0 .. visible[i] - 1
+    std::vector<float> scores(max_rows * max_keys);  // row r = i * heads + h
+    std::vector<float> acc(max_rows * head_dim);
+    std::vector<float> top(max_rows), denominators(max_rows);  // running maximum and softmax denominator per row
+    std::vector<float> q_scratch(max_rows * head_dim), chunk_scratch(kChunk * slot_stride);  // widened bf16
+    std::vector<int64_t> visible(max_queries);  // query i sees positions 0 .. visible[i] - 1
     for (int64_t b = begin; b < end; ++b) {
+      const int64_t query_len = layout.count(b), rows = query_len * heads;
       const int32_t* table = table_ptr + b * width;
-      const float* q_req = as_float(q_ptr + b * rows * head_dim, q_scratch.data(), rows * head_dim);
+      const int64_t q_offset = layout.start(b) * heads * head_dim;
+      const float* q_req = as_float(q_ptr + q_offset, q_scratch.data(), rows * head_dim);
       for (int64_t i = 0; i < query_len; ++i) {
         const int64_t position = std::max<int64_t>(len_ptr[b] - query_len + i, 0);
         visible[i] = std::min(position + 1, max_keys);
@@ -165,9 +177,9 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           s0 += n;
         }
       };
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(top.begin(), top.end(), -INFINITY);
-      std::fill(denominators.begin(), denominators.end(), 0.f);
+      std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.f);
+      std::fill(top.begin(), top.begin() + rows, -INFINITY);
+      std::fill(denominators.begin(), denominators.begin() + rows, 0.f);
       // Segments of kSegment keys, the softmax rescaled between them: a segment's V rows, prefetched during its
       // score pass, still sit in L2 for its V pass (a 2,048-token request's 1.5 MB of fp32 V rows would not).
       for (int64_t first = 0; first < num_keys; first += kSegment) {
@@ -217,7 +229,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           }
         });
       }
-      scalar_t* out_req = out_ptr + b * rows * head_dim;
+      scalar_t* out_req = out_ptr + q_offset;
       for (int64_t r = 0; r < rows; ++r) {
         const float inv = 1.f / denominators[r];
         for (int64_t d = 0; d < head_dim; ++d) {
@@ -231,32 +243,30 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 // The AVX-512 forms for head_dim 16, 32, 64 or 128; any other, or a build without AVX-512, takes the loops.
 template <typename scalar_t>
 void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, int64_t query_len,
+                       const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, QueryLayout layout,
                        int64_t block_size, float scale) {
   const int64_t head_dim = q.size(2);
 #ifdef __AVX512F__
   switch (head_dim) {
-    case 16: return decode_attention<scalar_t>(q, k_cache, v_cache, tables, lens, out, query_len, block_size,
+    case 16: return decode_attention<scalar_t>(q, k_cache, v_cache, tables, lens, out, layout, block_size,
                                                scale, Avx512Rows<1>{});
-    case 32: return decode_attention<scalar_t>(q, k_cache, v_cache, tables, lens, out, query_len, block_size,
+    case 32: return decode_attention<scalar_t>(q, k_cache, v_cache, tables, lens, out, layout, block_size,
                                                scale, Avx512Rows<2>{});
-    case 64: return decode_attention<scalar_t>(q, k_cache, v_cache, tables, lens, out, query_len, block_size,
+    case 64: return decode_attention<scalar_t>(q, k_cache, v_cache, tables, lens, out, layout, block_size,
                                                scale, Avx512Rows<4>{});
-    case 128: return decode_attention<scalar_t>(q, k_cache, v_cache, tables, lens, out, query_len, block_size,
+    case 128: return decode_attention<scalar_t>(q, k_cache, v_cache, tables, lens, out, layout, block_size,
                                                 scale, Avx512Rows<8>{});
     default: break;
   }
 #endif
-  decode_attention<scalar_t>(q, k_cache, v_cache, tables, lens, out, query_len, block_size, scale,
+  decode_attention<scalar_t>(q, k_cache, v_cache, tables, lens, out, layout, block_size, scale,
                              PortableRows{head_dim});
 }
 
-at::Tensor cpu_paged_decode_attention(const at::Tensor& q_in,          // [B*Q, H, D] float32 or bfloat16
-                                      const at::Tensor& k_cache,       // [num_slots, Hkv, D] q's dtype
-                                      const at::Tensor& v_cache,       // [num_slots, Hkv, D] q's dtype
-                                      const at::Tensor& block_tables,  // [B, nb] int32
-                                      const at::Tensor& seq_lens,      // [B] int32
-                                      int64_t query_len, int64_t block_size, double scale) {
+// Both ops: q [rows, H, D] with each request's queries the last positions of its context (causal among them).
+at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens, QueryLayout layout,
+                           int64_t block_size, double scale) {
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and the caches must be 3-D");
   TORCH_CHECK(q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16,
               "q must be float32 or bfloat16, got ", q_in.scalar_type());
@@ -269,19 +279,56 @@ at::Tensor cpu_paged_decode_attention(const at::Tensor& q_in,          // [B*Q, 
               "the caches must be contiguous and of one shape");
   const int64_t num_reqs = block_tables.size(0), width = block_tables.size(1);
   const int64_t heads = q_in.size(1), head_dim = q_in.size(2), kv_heads = k_cache.size(1);
-  TORCH_CHECK(query_len >= 1 && q_in.size(0) == num_reqs * query_len, "q must have B * query_len rows");
+  TORCH_CHECK(q_in.size(0) == layout.start(num_reqs), "q must have one row per query (", layout.start(num_reqs),
+              "), got ", q_in.size(0));
   TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(2) == head_dim, "q and the caches disagree on heads / dim");
   TORCH_CHECK(seq_lens.size(0) == num_reqs && width >= 1, "seq_lens must have one entry per block-table row");
   const at::Tensor q = q_in.contiguous();
   at::Tensor out = at::empty_like(q);
   if (q.scalar_type() == at::kBFloat16) {
     dispatch_head_dim<at::BFloat16>(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), out,
-                                    query_len, block_size, static_cast<float>(scale));
+                                    layout, block_size, static_cast<float>(scale));
   } else {
     dispatch_head_dim<float>(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), out,
-                             query_len, block_size, static_cast<float>(scale));
+                             layout, block_size, static_cast<float>(scale));
   }
   return out;
+}
+
+at::Tensor cpu_paged_decode_attention(const at::Tensor& q,             // [B*Q, H, D] float32 or bfloat16
+                                      const at::Tensor& k_cache,       // [num_slots, Hkv, D] q's dtype
+                                      const at::Tensor& v_cache,       // [num_slots, Hkv, D] q's dtype
+                                      const at::Tensor& block_tables,  // [B, nb] int32
+                                      const at::Tensor& seq_lens,      // [B] int32
+                                      int64_t query_len, int64_t block_size, double scale) {
+  TORCH_CHECK(query_len >= 1, "query_len must be >= 1, got ", query_len);
+  return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, QueryLayout{query_len}, block_size, scale);
+}
+
+// Prefill chunks of different lengths in one call (threads over requests): request b's queries are rows
+// query_starts[b] .. query_starts[b + 1] - 1 of q.
+at::Tensor cpu_paged_prefill_attention(const at::Tensor& q,             // [sum(Q_b), H, D]
+                                       const at::Tensor& k_cache,       // [num_slots, Hkv, D] q's dtype
+                                       const at::Tensor& v_cache,       // [num_slots, Hkv, D] q's dtype
+                                       const at::Tensor& block_tables,  // [P, nb] int32
+                                       const at::Tensor& seq_lens,      // [P] int32
+                                       const at::Tensor& query_starts,  // [P + 1] int64, from 0
+                                       int64_t block_size, double scale) {
+  TORCH_CHECK(query_starts.scalar_type() == at::kLong && query_starts.dim() == 1 &&
+                  query_starts.size(0) == block_tables.size(0) + 1,
+              "query_starts must be int64 [P + 1] for P block-table rows");
+  const at::Tensor starts = query_starts.contiguous();
+  const int64_t* s = starts.data_ptr<int64_t>();
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.size(0) == block_tables.size(0),
+              "seq_lens must be int32 with one entry per block-table row");
+  const at::Tensor lens_c = seq_lens.contiguous();
+  const int32_t* lens = lens_c.data_ptr<int32_t>();
+  TORCH_CHECK(s[0] == 0, "query_starts must start at 0");
+  for (int64_t b = 0; b < block_tables.size(0); ++b) {
+    TORCH_CHECK(s[b + 1] > s[b] && s[b + 1] - s[b] <= lens[b], "prefill request ", b, ": its query count (",
+                s[b + 1] - s[b], ") must be in [1, seq_len=", lens[b], "]");
+  }
+  return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, QueryLayout{0, s}, block_size, scale);
 }
 
 }  // namespace
@@ -289,8 +336,11 @@ at::Tensor cpu_paged_decode_attention(const at::Tensor& q_in,          // [B*Q, 
 TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
   m.def("cpu_paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, int query_len, int block_size, float scale) -> Tensor");
+  m.def("cpu_paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor query_starts, int block_size, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer, CPU, m) {
   m.impl("cpu_paged_decode_attention", &cpu_paged_decode_attention);
+  m.impl("cpu_paged_prefill_attention", &cpu_paged_prefill_attention);
 }
