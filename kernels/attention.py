@@ -159,7 +159,9 @@ def paged_prefill_attention(
         raise ValueError(f"prefill query tokens: q has {q.shape[0]} rows but query_lens sum to {sum(query_lens)}")
     in_kernel = [cpu_kernel and q.dtype in CPU_ATTENTION_DTYPES and k_cache.dtype == q.dtype
                  and q_len * seq_len <= CPU_PREFILL_PAIRS for q_len, seq_len in zip(query_lens, seq_lens)]
-    if in_kernel and all(in_kernel):  # the usual case: one call for every chunk of the step
+    # The usual case: one call for every chunk of the step. Its score buffers are sized by the longest chunk times
+    # the widest context, so a long chunk beside a 1-token chunk of a long context goes request by request.
+    if in_kernel and all(in_kernel) and max(query_lens) * max(seq_lens) <= CPU_PREFILL_PAIRS:
         return _cpp_prefill(q, k_cache, v_cache, block_tables, query_lens, seq_lens, block_size, scale)
     outputs = []
     start = 0

@@ -102,7 +102,7 @@ def test_prefill_chunks_on_the_cpu_kernel_match_the_reference_alone_and_batched(
     output is the same whether its batch goes through the kernel whole, mixed with an SDPA chunk, or alone."""
     import kernels.attention as attention
     block_size, num_blocks, heads, kv_heads, head_dim = 4, 64, 6, 2, 16
-    prefill = [(7, 7), (3, 12), (1, 9), (20, 20)]  # plain, continuation, 1-token chunk, the long one
+    prefill = [(7, 7), (3, 12), (1, 30), (20, 20)]  # plain, continuation, 1-token chunk of a long context, long
     meta, num_tokens = _mixed_batch([], 1, prefill, block_size, num_blocks, seed=4)
     gen = torch.Generator().manual_seed(5)
     k_cache = torch.randn((num_blocks + 1) * block_size, kv_heads, head_dim, generator=gen).to(dtype)
@@ -111,6 +111,9 @@ def test_prefill_chunks_on_the_cpu_kernel_match_the_reference_alone_and_batched(
     scale = head_dim ** -0.5
     want = reference_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)
     whole = paged_attention(q, k_cache, v_cache, meta, scale, cpu_kernel=True)
+    monkeypatch.setattr(attention, "CPU_PREFILL_PAIRS", 400)  # each chunk fits, 20 x 30 does not: a call each
+    apart = paged_attention(q, k_cache, v_cache, meta, scale, cpu_kernel=True)
+    assert torch.equal(apart, whole)
     monkeypatch.setattr(attention, "CPU_PREFILL_PAIRS", 200)  # (20, 20) now takes SDPA, the others the kernel
     mixed = paged_attention(q, k_cache, v_cache, meta, scale, cpu_kernel=True)
     tol = TOL if dtype == torch.float32 else 2e-2
