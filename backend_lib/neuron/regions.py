@@ -15,7 +15,7 @@ Scope: ``"model"`` (default) traces the whole model per bucket; ``"layer"`` trac
 layer kind and runs every layer of that kind through the same graph (the embedding, RoPE table gather and final
 norm stay eager), as the Neuron port notes prescribe (one graph per class reused by every layer, every layer
 reusing the loaded NEFF). On the host a layer graph compiled in 12.7 s cold / 2.3 s warm against 34 s / 5.4 s for
-the 30-layer SmolLM2 graph, but a batch-32 step took 67 against 63 ms (30 guarded calls instead of one).
+the 30-layer SmolLM2 graph, but a batch-32 step took 67 against 63 ms (30 compiled-region entries instead of one).
 
 Graph count is bounded by the bucket lists (``BucketSpec.max_graphs`` + sampler variants); ``warm_up`` compiles
 every model graph at engine start and the sampler's greedy graph per batch bucket (every variant with
