@@ -85,7 +85,7 @@ def run_child(mode: str, cache_dir: str, args, scope: str = "model") -> StartRun
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise SystemExit(f"{mode} start failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        raise SystemExit(f"{name} start failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     r = json.loads(lines[-1][len("RESULT "):])
     run = StartRun(name, r["ready_s"], r["first_token_s"], r["compile_s"], r["cache"], r["token_ids"],
                    r["dynamo_s"], r["backend_s"], r["gcc_s"])

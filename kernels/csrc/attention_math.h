@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include <c10/util/BFloat16.h>
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -129,6 +131,13 @@ inline float exp_poly(float v) {
 }
 
 #ifdef __AVX512F__
+// 16 values as fp32: a float load, or bf16 widened (its bits are the fp32's upper half).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
 // exp_poly's steps 16 at a time (FMA-contracted, so within ~1 ulp of the scalar form): GCC leaves the scalar
 // function unvectorized (~25 scalar operations an element). v must be clamped to [-87.3, 88.7] by the caller.
 inline __m512 exp_poly16(__m512 v) {

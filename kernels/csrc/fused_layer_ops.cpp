@@ -112,11 +112,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
 // The scalar loop below costs ~25 operations an element (GCC does not vectorize exp_poly): 6 ms of a batch-32
 // SmolLM2 step; 16 lanes at a time it is ~1.7 ms. Returns how many leading elements it wrote (0 without AVX-512).
 #ifdef __AVX512F__
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+using attention_math::load16;
 // fp32 -> bf16 bits, round to nearest even (c10::BFloat16's rounding for finite values).
 inline __m256i bf16_bits16(__m512 v) {
   const __m512i b = _mm512_castps_si512(v);

@@ -57,10 +57,7 @@ inline const float* as_float(const float* src, float* /*scratch*/, int64_t /*n*/
 inline const float* as_float(const at::BFloat16* src, float* scratch, int64_t n) {
   int64_t i = 0;
 #ifdef __AVX512F__
-  for (; i + 16 <= n; i += 16) {
-    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    _mm512_storeu_ps(scratch + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
-  }
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(scratch + i, load16(src + i));
 #endif
   for (; i < n; ++i) scratch[i] = static_cast<float>(src[i]);
   return scratch;
