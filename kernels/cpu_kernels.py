@@ -117,6 +117,15 @@ def load_cpu_kernels() -> bool:
           isa: str = "auto") -> torch.Tensor:
         return x.new_empty(x.shape[0], out_features)
 
+    @torch.library.register_fake("deepinfer::blocked_linear_add")
+    def _(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+          residual: torch.Tensor, isa: str = "auto") -> torch.Tensor:
+        return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("deepinfer::blocked_linear_silu_mul")
+    def _(x: torch.Tensor, blocked: torch.Tensor, intermediate: int, isa: str = "auto") -> torch.Tensor:
+        return x.new_empty(x.shape[0], intermediate)
+
     @torch.library.register_fake("deepinfer::blocked_grouped_experts")
     def _(x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor, gate_up: torch.Tensor,
           down: torch.Tensor, inter: int, limit: float) -> torch.Tensor:

@@ -91,6 +91,26 @@ def blocked_linear(x: torch.Tensor,  # [T, in] float32 or bfloat16
     return torch.ops.deepinfer.blocked_linear(x, blocked, bias, out_features, isa)
 
 
+def blocked_linear_add(x: torch.Tensor,  # [T, in]
+                       blocked: torch.Tensor,  # from block_weight
+                       bias: torch.Tensor | None,  # [out]
+                       out_features: int,
+                       residual: torch.Tensor,  # [T, out], x's dtype
+                       isa: str = "auto") -> torch.Tensor:  # [T, out]
+    """``blocked_linear(...) + residual`` in one pass over the output, to the bit (a layer's last projection and its
+    residual add)."""
+    return torch.ops.deepinfer.blocked_linear_add(x, blocked, bias, out_features, residual, isa)
+
+
+def blocked_linear_silu_mul(x: torch.Tensor,  # [T, in]
+                            blocked: torch.Tensor,  # block_weight of the [gate; up] weight [2 * I, in]
+                            intermediate: int,  # I, a multiple of TILE
+                            isa: str = "auto") -> torch.Tensor:  # [T, I]
+    """``silu_and_mul(blocked_linear(x, blocked, None, 2 * I))`` to the bit, without storing the [T, 2 * I]
+    product: each pass pairs gate tile j with up tile j."""
+    return torch.ops.deepinfer.blocked_linear_silu_mul(x, blocked, intermediate, isa)
+
+
 def kernel_isa() -> str:
     """The instruction set the kernel picked on this CPU."""
     return torch.ops.deepinfer.blocked_linear_isa()

@@ -4,7 +4,8 @@ Every code path this CPU can run is checked (the CPU-flag dispatch picks one; th
 on shapes that are not multiples of the 16-row tile or of the bf16 pair, at T = 1..8 and past the 8-row block,
 with and without bias, fp32 and bf16 weights, fp32 and bf16 activations. Then the model wiring: a Linear packed
 for the host equals F.linear, compiled regions keep the op as one call with the same result, and a tiny Llama
-packed each way gives transformers' logits.
+packed each way gives transformers' logits. The fused epilogues (residual add; SiLU-and-multiply of a [gate; up]
+weight) equal the unfused pair of ops to the bit on every path.
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import torch.nn.functional as F
 from backend_lib.executor.rank import host_gemm_plan
 from backend_lib.models.layers import HostGemmPlan, Linear
 from backend_lib.models.loader import load_model
-from kernels.gemv import GemvPolicy, block_weight, blocked_linear, gemv_available, kernel_isa, unblock_weight
+from kernels.fused_layer_ops import silu_and_mul
+from kernels.gemv import (GemvPolicy, block_weight, blocked_linear, blocked_linear_add, blocked_linear_silu_mul,
+                         gemv_available, kernel_isa, unblock_weight)
 
 ISAS = ("avx512_bf16", "avx512", "avx2", "scalar")
 
@@ -53,6 +56,26 @@ def test_kernel_matches_matmul_on_odd_shapes(isas, weight_dtype, x_dtype):
                     assert err <= tol, (isa, out_features, in_features, rows, with_bias, err)
 
 
+@pytest.mark.parametrize("weight_dtype,x_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                  (torch.bfloat16, torch.bfloat16)])
+def test_fused_epilogues_equal_the_unfused_ops_to_the_bit(isas, weight_dtype, x_dtype):
+    gen = torch.Generator().manual_seed(1)
+    inter, in_features = 48, 37  # three gate / up tile pairs; an odd in (the bf16 pair's zero padding)
+    gate_up = torch.randn(2 * inter, in_features, generator=gen).to(weight_dtype)
+    proj = torch.randn(50, in_features, generator=gen).to(weight_dtype)
+    bias = torch.randn(50, generator=gen).to(weight_dtype)
+    for rows in (1, 3, 8, 13, 32):
+        x = (2 * torch.randn(rows, in_features, generator=gen)).to(x_dtype)  # gates on both sides of SiLU's bend
+        residual = torch.randn(rows, 50, generator=gen).to(x_dtype)
+        for isa in isas:
+            want = silu_and_mul(blocked_linear(x, block_weight(gate_up), None, 2 * inter, isa))
+            assert torch.equal(blocked_linear_silu_mul(x, block_weight(gate_up), inter, isa), want), (isa, rows)
+            for b in (None, bias):
+                want = blocked_linear(x, block_weight(proj), b, 50, isa) + residual
+                got = blocked_linear_add(x, block_weight(proj), b, 50, residual, isa)
+                assert torch.equal(got, want), (isa, rows, b is None)
+
+
 def test_block_weight_round_trips_and_pads_with_zeros():
     for dtype, lanes in ((torch.float32, 16), (torch.bfloat16, 32)):
         weight = torch.randn(37, 53).to(dtype)
@@ -72,6 +95,10 @@ def test_bad_input_names_the_field(isas):
         blocked_linear(torch.randn(2, 8), blocked, torch.randn(21), 20)
     with pytest.raises(RuntimeError, match="isa must be"):
         blocked_linear(torch.randn(2, 8), blocked, None, 20, "sse9")
+    with pytest.raises(RuntimeError, match="residual must be \\[2, 20\\]"):
+        blocked_linear_add(torch.randn(2, 8), blocked, None, 20, torch.randn(2, 19))
+    with pytest.raises(RuntimeError, match="intermediate \\(10\\) must be a multiple of 16"):
+        blocked_linear_silu_mul(torch.randn(2, 8), blocked, 10)
     with pytest.raises(ValueError, match="weight dtype"):
         block_weight(torch.randn(4, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="max_rows"):

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.gemv import GemvPolicy, block_weight, blocked_linear
+from kernels.fused_layer_ops import silu_and_mul as fused_silu_and_mul
+from kernels.gemv import TILE, GemvPolicy, block_weight, blocked_linear, blocked_linear_add, blocked_linear_silu_mul
 from kernels.norm import rms_norm
 from kernels.onednn_gemm import PackedWeight, packed_linear
 from kernels.rope import RopeScaling, apply_rope, rope_cos_sin_cache, rope_inv_freq
@@ -63,6 +64,22 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
         return linear(x, self.weight, self.bias, self.packed, self.blocked, self.gemv_policy)
+
+    def forward_add(self, x: torch.Tensor,  # [T, in]
+                    residual: torch.Tensor) -> torch.Tensor:  # [T, out] -> [T, out]
+        """``forward(x) + residual``; on the blocked kernel in one pass (the sum's output is written once)."""
+        if self.blocked is not None and self.gemv_policy.use_blocked(x.shape[0]):
+            return blocked_linear_add(x, self.blocked, self.bias, self.out_features, residual)
+        return self.forward(x) + residual
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out / 2]
+        """``silu_and_mul(forward(x))`` for a [gate; up] projection; on the blocked kernel without storing the
+        [T, out] product (needs no bias and out / 2 a multiple of its 16-row tiles), else the two steps."""
+        half = self.out_features // 2
+        if (self.blocked is not None and self.bias is None and half % TILE == 0
+                and self.gemv_policy.use_blocked(x.shape[0])):
+            return blocked_linear_silu_mul(x, self.blocked, half)
+        return fused_silu_and_mul(self.forward(x))
 
 
 class RMSNorm(nn.Module):

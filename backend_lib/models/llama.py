@@ -185,10 +185,18 @@ class LlamaMLP(nn.Module):
         return slice(start, start + self.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
-        gate_up = self.gate_up_proj(x)
-        fused_here = self.host_fused and not torch.compiler.is_compiling()
-        return self.par.all_reduce(self.down_proj(fused.silu_and_mul(gate_up) if fused_here
-                                                  else silu_and_mul(gate_up)))
+        if self.host_fused and not torch.compiler.is_compiling():
+            return self.par.all_reduce(self.down_proj(self.gate_up_proj.forward_silu_mul(x)))
+        return self.par.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
+
+    def forward_add(self, x: torch.Tensor,  # [T, hidden]
+                    residual: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        """``residual + forward(x)`` in eager host steps: the down projection adds the residual as it stores its
+        output unless the output still has to be all-reduced (then the add comes after it)."""
+        act = self.gate_up_proj.forward_silu_mul(x)
+        if self.par.world_size > 1:
+            return residual + self.par.all_reduce(self.down_proj(act))
+        return self.down_proj.forward_add(act, residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -212,7 +220,7 @@ class LlamaDecoderLayer(nn.Module):
             first, second = self.input_layernorm, self.post_attention_layernorm
             attn = self.self_attn(rope, fused.rms_norm(hidden, first.weight, first.eps), k_cache, v_cache, meta)
             normed, hidden = fused.add_rms_norm(attn, hidden, second.weight, second.eps)
-            return hidden + self.mlp(normed)
+            return self.mlp.forward_add(normed, hidden)
         hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), k_cache, v_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 

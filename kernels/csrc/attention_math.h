@@ -1,6 +1,6 @@
-// Small fp32 helpers of the host attention kernels (paged_decode_attention.cpp, sink_attention.cpp): dot
-// products with independent partial sums, sums, maxima, a vectorizable exp and (AVX-512) 16 dot products' final
-// sums at once.
+// Small fp32 helpers of the host kernels (attention, the fused layer ops, the blocked GEMM's epilogues): dot
+// products with independent partial sums, sums, maxima, a vectorizable exp, SiLU, bf16 rounding and (AVX-512)
+// 16 dot products' final sums at once.
 #pragma once
 
 #include <cmath>
@@ -154,6 +154,32 @@ inline __m512 exp_poly16(__m512 v) {
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// fp32 -> bf16 bits, round to nearest even (c10::BFloat16's rounding for finite values).
+inline __m256i bf16_bits16(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(
+      _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16));
+}
+// 16 values as a tensor of the tag's type would hold them (bf16: rounded to nearest even), back in fp32.
+inline __m512 stored16(__m512 v, float) { return v; }
+inline __m512 stored16(__m512 v, c10::BFloat16) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits16(v)), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits16(v));
+}
+
+// silu(g) = g / (1 + exp(-g)), stored in the tag's type as torch stores the activation before the gate product.
+// One definition for the SiLU-and-multiply op and the GEMM that fuses it, so the two agree to the bit.
+template <typename scalar_t>
+inline __m512 silu16(__m512 g, scalar_t tag) {
+  const __m512 minus_g = _mm512_sub_ps(_mm512_setzero_ps(), g);
+  const __m512 e = exp_poly16(_mm512_min_ps(_mm512_max_ps(minus_g, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f)));
+  return stored16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), tag);
 }
 #endif
 

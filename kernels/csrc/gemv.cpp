@@ -24,6 +24,8 @@
 #include <cstring>
 #include <string>
 
+#include "attention_math.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define DEEPINFER_X86 1
@@ -325,8 +327,50 @@ void store_block(const float* acc, const float* bias, Out* y, int64_t out, int64
   }
 }
 
-at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocked, const c10::optional<at::Tensor>& bias,
-                          int64_t out_features, c10::string_view isa_name_arg) {
+// The same, plus the residual stream: y = (sums + bias, stored in Out) + residual, as the unfused pair of ops
+// rounds it (a decoder layer's last projection and its residual add).
+template <typename Out>
+void store_add_block(const float* acc, const float* bias, const Out* residual, Out* y, int64_t out, int64_t row0,
+                     int rows, int64_t col0, int64_t cols) {
+  for (int r = 0; r < rows; ++r) {
+    const float* a = acc + r * kMaxTiles * kTile;
+    const int64_t offset = (row0 + r) * out + col0;
+    for (int64_t c = 0; c < cols; ++c) {
+      const Out sum = static_cast<Out>(bias != nullptr ? a[c] + bias[col0 + c] : a[c]);
+      y[offset + c] = static_cast<Out>(static_cast<float>(sum) + static_cast<float>(residual[offset + c]));
+    }
+  }
+}
+
+// A (gate tile, up tile) pair's sums -> silu(gate) * up for its 16 columns of y [rows, inter], each product
+// stored in Out first: the bits of gate_up stored, then fused_layer_ops.cpp's silu_and_mul.
+template <typename Out>
+void store_silu_block(const float* acc, Out* y, int64_t inter, int64_t row0, int rows, int64_t col0) {
+  namespace am = deepinfer::attention_math;
+  for (int r = 0; r < rows; ++r) {
+    const float* gate = acc + r * kMaxTiles * kTile;
+    const float* up = gate + kTile;
+    Out* dst = y + (row0 + r) * inter + col0;
+#ifdef __AVX512F__
+    const __m512 g = am::stored16(_mm512_loadu_ps(gate), Out{}), u = am::stored16(_mm512_loadu_ps(up), Out{});
+    am::store16(dst, _mm512_mul_ps(am::silu16(g, Out{}), u));
+#else
+    for (int64_t c = 0; c < kTile; ++c) {
+      const float g = static_cast<float>(static_cast<Out>(gate[c])), u = static_cast<float>(static_cast<Out>(up[c]));
+      const float act = static_cast<float>(static_cast<Out>(g / (1.f + am::exp_poly(-g > -87.3f ? -g : -87.3f))));
+      dst[c] = static_cast<Out>(act * u);
+    }
+#endif
+  }
+}
+
+// What a pass's sums become: y (+ bias); that plus a residual; or SiLU(gate) * up of a (gate, up) tile pair.
+enum class Epilogue { kStore, kAddResidual, kSiluMul };
+
+// out_features counts the weight's rows (gate and up together for kSiluMul, whose y has half as many columns).
+template <Epilogue E>
+at::Tensor run_blocked(const at::Tensor& x, const at::Tensor& blocked, const c10::optional<at::Tensor>& bias,
+                       int64_t out_features, c10::string_view isa_name_arg, const at::Tensor* residual) {
   TORCH_CHECK(x.dim() == 2, "blocked_linear: x must be [rows, in], got ", x.dim(), " dims");
   TORCH_CHECK(blocked.dim() == 3 && blocked.is_contiguous(),
               "blocked_linear: blocked must be a contiguous [tiles, k, lanes] tensor from kernels/gemv.py");
@@ -357,30 +401,64 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocked, const 
   } else if (kind == Kind::kF32 && xc.scalar_type() == at::kBFloat16) {
     xc = xc.to(at::kFloat);
   }
-  at::Tensor y = at::empty({rows, out_features}, x.options());
+  const int64_t y_cols = E == Epilogue::kSiluMul ? out_features / 2 : out_features;
+  at::Tensor y = at::empty({rows, y_cols}, x.options());
   if (rows == 0) return y;
   const KernelSet& set = kernels_for(isa, kind);
-  const int64_t units = (tiles + set.max_tiles - 1) / set.max_tiles;
   const int64_t tile_stride = blocked.size(1) * blocked.size(2);  // elements per tile
   const int64_t tile_bytes = tile_stride * blocked.element_size();
+  // A unit is the tiles one micro-kernel pass covers: max_tiles adjacent tiles, or a (gate j, up j) pair whose
+  // second tile lies tiles / 2 tiles further on (the pass's tile stride says so).
+  const int64_t tiles_per_unit = E == Epilogue::kSiluMul ? 2 : set.max_tiles;
+  const int64_t units = E == Epilogue::kSiluMul ? tiles / 2 : (tiles + set.max_tiles - 1) / set.max_tiles;
   // Below ~64 KiB of weights a second thread costs more than it saves.
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (tile_bytes * set.max_tiles));
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (tile_bytes * tiles_per_unit));
   const char* x_ptr = static_cast<const char*>(xc.data_ptr());
   const int64_t x_row_bytes = in * xc.element_size();
   const char* w_ptr = static_cast<const char*>(blocked.data_ptr());
   const float* bias_ptr = bias.has_value() ? bias_f32.data_ptr<float>() : nullptr;
   const bool y_bf16 = y.scalar_type() == at::kBFloat16;
   void* y_ptr = y.data_ptr();
+  const void* residual_ptr = residual != nullptr ? residual->data_ptr() : nullptr;
   at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
     alignas(64) float acc[kMaxRows * kMaxTiles * kTile];
+    alignas(64) float up_acc[kMaxRows * kMaxTiles * kTile];
     for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t tile0 = unit * set.max_tiles;
-      const int nt = static_cast<int>(std::min<int64_t>(set.max_tiles, tiles - tile0));
+      const int64_t tile0 = E == Epilogue::kSiluMul ? unit : unit * set.max_tiles;
+      const int nt = static_cast<int>(std::min<int64_t>(tiles_per_unit, tiles - tile0));
       const int64_t col0 = tile0 * kTile, cols = std::min<int64_t>(nt * kTile, out_features - col0);
       for (int64_t row0 = 0; row0 < rows; row0 += set.max_rows) {
         const int r = static_cast<int>(std::min<int64_t>(set.max_rows, rows - row0));
-        set.fn[r - 1][nt - 1](x_ptr + row0 * x_row_bytes, in, w_ptr + tile0 * tile_bytes, tile_stride, in, acc);
-        if (y_bf16) {
+        const char* xr = x_ptr + row0 * x_row_bytes;
+        const char* w0 = w_ptr + tile0 * tile_bytes;
+        if constexpr (E == Epilogue::kSiluMul) {
+          const int64_t pair_stride = tile_stride * (tiles / 2);
+          if (set.max_tiles >= 2) {
+            set.fn[r - 1][1](xr, in, w0, pair_stride, in, acc);
+          } else {  // one tile a pass: the up tile's sums go beside the gate tile's
+            set.fn[r - 1][0](xr, in, w0, tile_stride, in, acc);
+            set.fn[r - 1][0](xr, in, w0 + (tiles / 2) * tile_bytes, tile_stride, in, up_acc);
+            for (int row = 0; row < r; ++row) {
+              std::memcpy(acc + row * kMaxTiles * kTile + kTile, up_acc + row * kMaxTiles * kTile, kTile * 4);
+            }
+          }
+          if (y_bf16) {
+            store_silu_block(acc, static_cast<c10::BFloat16*>(y_ptr), y_cols, row0, r, col0);
+          } else {
+            store_silu_block(acc, static_cast<float*>(y_ptr), y_cols, row0, r, col0);
+          }
+          continue;
+        }
+        set.fn[r - 1][nt - 1](xr, in, w0, tile_stride, in, acc);
+        if constexpr (E == Epilogue::kAddResidual) {
+          if (y_bf16) {
+            store_add_block(acc, bias_ptr, static_cast<const c10::BFloat16*>(residual_ptr),
+                            static_cast<c10::BFloat16*>(y_ptr), out_features, row0, r, col0, cols);
+          } else {
+            store_add_block(acc, bias_ptr, static_cast<const float*>(residual_ptr), static_cast<float*>(y_ptr),
+                            out_features, row0, r, col0, cols);
+          }
+        } else if (y_bf16) {
           store_block(acc, bias_ptr, static_cast<c10::BFloat16*>(y_ptr), out_features, row0, r, col0, cols);
         } else {
           store_block(acc, bias_ptr, static_cast<float*>(y_ptr), out_features, row0, r, col0, cols);
@@ -389,6 +467,34 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocked, const 
     }
   });
   return y;
+}
+
+at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocked, const c10::optional<at::Tensor>& bias,
+                          int64_t out_features, c10::string_view isa) {
+  return run_blocked<Epilogue::kStore>(x, blocked, bias, out_features, isa, nullptr);
+}
+
+// x @ W^T (+ bias) + residual [rows, out_features] of x's dtype, rounded as the two unfused ops round it.
+at::Tensor blocked_linear_add(const at::Tensor& x, const at::Tensor& blocked, const c10::optional<at::Tensor>& bias,
+                              int64_t out_features, const at::Tensor& residual_in, c10::string_view isa) {
+  TORCH_CHECK(residual_in.dim() == 2 && residual_in.size(0) == x.size(0) && residual_in.size(1) == out_features &&
+                  residual_in.scalar_type() == x.scalar_type(),
+              "blocked_linear_add: residual must be [", x.size(0), ", ", out_features, "] of x's dtype (",
+              x.scalar_type(), "), got ", residual_in.sizes(), " ", residual_in.scalar_type());
+  const at::Tensor residual = residual_in.contiguous();
+  return run_blocked<Epilogue::kAddResidual>(x, blocked, bias, out_features, isa, &residual);
+}
+
+// silu(x @ Wg^T) * (x @ Wu^T) [rows, intermediate] for a gate_up weight blocked as one [gate; up] matrix: the
+// [rows, 2 * intermediate] product is never stored. Equal to the bit to blocked_linear, then silu_and_mul.
+at::Tensor blocked_linear_silu_mul(const at::Tensor& x, const at::Tensor& blocked, int64_t intermediate,
+                                   c10::string_view isa) {
+  TORCH_CHECK(intermediate >= 1 && intermediate % kTile == 0 && blocked.dim() == 3 &&
+                  blocked.size(0) * kTile == 2 * intermediate,
+              "blocked_linear_silu_mul: intermediate (", intermediate, ") must be a multiple of ", kTile,
+              " and the blocked weight must hold its gate and up rows (", 2 * intermediate / kTile, " tiles), got ",
+              blocked.sizes());
+  return run_blocked<Epilogue::kSiluMul>(x, blocked, c10::nullopt, 2 * intermediate, isa, nullptr);
 }
 
 std::string blocked_linear_isa() { return isa_name(best_isa()); }
@@ -427,9 +533,14 @@ void blocked_gemm_f32(const float* x, int64_t rows, int64_t in, const void* w, b
 
 TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
   m.def("blocked_linear(Tensor x, Tensor blocked, Tensor? bias, int out_features, str isa=\"auto\") -> Tensor");
+  m.def("blocked_linear_add(Tensor x, Tensor blocked, Tensor? bias, int out_features, Tensor residual, "
+        "str isa=\"auto\") -> Tensor");
+  m.def("blocked_linear_silu_mul(Tensor x, Tensor blocked, int intermediate, str isa=\"auto\") -> Tensor");
   m.def("blocked_linear_isa() -> str", &blocked_linear_isa);
 }
 
 TORCH_LIBRARY_IMPL(deepinfer, CPU, m) {
   m.impl("blocked_linear", &blocked_linear);
+  m.impl("blocked_linear_add", &blocked_linear_add);
+  m.impl("blocked_linear_silu_mul", &blocked_linear_silu_mul);
 }
