@@ -122,6 +122,10 @@ def load_cpu_kernels() -> bool:
           residual: torch.Tensor, isa: str = "auto") -> torch.Tensor:
         return x.new_empty(x.shape[0], out_features)
 
+    @torch.library.register_fake("deepinfer::blocked_linear_float")
+    def _(x: torch.Tensor, blocked: torch.Tensor, out_features: int, isa: str = "auto") -> torch.Tensor:
+        return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
+
     @torch.library.register_fake("deepinfer::blocked_linear_silu_mul")
     def _(x: torch.Tensor, blocked: torch.Tensor, intermediate: int, isa: str = "auto") -> torch.Tensor:
         return x.new_empty(x.shape[0], intermediate)

@@ -91,6 +91,15 @@ def blocked_linear(x: torch.Tensor,  # [T, in] float32 or bfloat16
     return torch.ops.deepinfer.blocked_linear(x, blocked, bias, out_features, isa)
 
 
+def blocked_linear_float(x: torch.Tensor,  # [T, in]
+                         blocked: torch.Tensor,  # from block_weight
+                         out_features: int,
+                         isa: str = "auto") -> torch.Tensor:  # [T, out] float32
+    """``blocked_linear(x, blocked, None, out_features).float()`` to the bit in one pass (a bf16 head's fp32
+    logits)."""
+    return torch.ops.deepinfer.blocked_linear_float(x, blocked, out_features, isa)
+
+
 def blocked_linear_add(x: torch.Tensor,  # [T, in]
                        blocked: torch.Tensor,  # from block_weight
                        bias: torch.Tensor | None,  # [out]

@@ -5,7 +5,7 @@ on shapes that are not multiples of the 16-row tile or of the bf16 pair, at T = 
 with and without bias, fp32 and bf16 weights, fp32 and bf16 activations. Then the model wiring: a Linear packed
 for the host equals F.linear, compiled regions keep the op as one call with the same result, and a tiny Llama
 packed each way gives transformers' logits. The fused epilogues (residual add; SiLU-and-multiply of a [gate; up]
-weight) equal the unfused pair of ops to the bit on every path.
+weight; fp32 output of bf16 sums) equal the unfused pair of ops to the bit on every path.
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from backend_lib.executor.rank import host_gemm_plan
 from backend_lib.models.layers import HostGemmPlan, Linear
 from backend_lib.models.loader import load_model
 from kernels.fused_layer_ops import silu_and_mul
-from kernels.gemv import (GemvPolicy, block_weight, blocked_linear, blocked_linear_add, blocked_linear_silu_mul,
+from kernels.gemv import (GemvPolicy, block_weight, blocked_linear, blocked_linear_add, blocked_linear_float,
+                         blocked_linear_silu_mul,
                          gemv_available, kernel_isa, unblock_weight)
 
 ISAS = ("avx512_bf16", "avx512", "avx2", "scalar")
@@ -70,6 +71,8 @@ def test_fused_epilogues_equal_the_unfused_ops_to_the_bit(isas, weight_dtype, x_
         for isa in isas:
             want = silu_and_mul(blocked_linear(x, block_weight(gate_up), None, 2 * inter, isa))
             assert torch.equal(blocked_linear_silu_mul(x, block_weight(gate_up), inter, isa), want), (isa, rows)
+            want = blocked_linear(x, block_weight(proj), None, 50, isa).float()
+            assert torch.equal(blocked_linear_float(x, block_weight(proj), 50, isa), want), (isa, rows)
             for b in (None, bias):
                 want = blocked_linear(x, block_weight(proj), b, 50, isa) + residual
                 got = blocked_linear_add(x, block_weight(proj), b, 50, residual, isa)

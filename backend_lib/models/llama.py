@@ -19,7 +19,7 @@ from backend_lib.models.parallel import ParallelContext, Shard, read_shard, voca
 from kernels import fused_layer_ops as fused
 from kernels.attention import paged_attention, write_kv
 from kernels.attention_metadata import AttentionMetadata
-from kernels.gemv import GemvPolicy, block_weight
+from kernels.gemv import GemvPolicy, block_weight, blocked_linear_float
 from kernels.onednn_gemm import PackedWeight
 from kernels.rope import RopeScaling, rope_at, rotate
 
@@ -249,6 +249,7 @@ class LlamaForCausalLM(nn.Module):
         self.packed_head: PackedWeight | None = None
         self.register_buffer("blocked_head", None, persistent=False)  # kernels.gemv layout of the head
         self.gemv_policy = GemvPolicy()
+        self.host_fused = False  # the final norm as a C++ op in eager host steps (use_cpu_attention)
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings)
 
     @classmethod
@@ -272,12 +273,17 @@ class LlamaForCausalLM(nn.Module):
         rope = rope_at(self.rotary.cos, self.rotary.sin, positions, hidden.dtype)
         for i, layer in enumerate(self.layers):
             hidden = layer(rope, hidden, k_caches[i], v_caches[i], meta)
+        if self.host_fused and not torch.compiler.is_compiling():
+            return fused.rms_norm(hidden, self.norm.weight, self.norm.eps)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [N, hidden] -> [N, vocab] float32
         """Every rank gets the full vocabulary row (all-gathered from the ranks' vocabulary shards)."""
-        return self.par.all_gather_last(linear(hidden, self._head_weight(), None, self.packed_head,
-                                                self.blocked_head, self.gemv_policy).float())
+        if self.blocked_head is not None and self.gemv_policy.use_blocked(hidden.shape[0]):
+            logits = blocked_linear_float(hidden, self.blocked_head, self._head_weight().shape[0])
+        else:
+            logits = linear(hidden, self._head_weight(), None, self.packed_head, None, self.gemv_policy).float()
+        return self.par.all_gather_last(logits)
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -296,6 +302,7 @@ class LlamaForCausalLM(nn.Module):
     def use_cpu_attention(self) -> None:
         """Decode attention on the C++ host kernel, and each layer's norms, SiLU gate and RoPE + KV write on the
         fused host ops (eager steps); the caller has loaded them (kernels.cpu_kernels)."""
+        self.host_fused = True
         for layer in self.layers:
             layer.self_attn.cpu_decode_kernel = True
             layer.host_fused = layer.self_attn.host_fused = layer.mlp.host_fused = True

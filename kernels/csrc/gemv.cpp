@@ -312,17 +312,18 @@ const KernelSet& kernels_for(Isa isa, Kind kind) {
   return scalar[static_cast<int>(kind)];
 }
 
-// One pass's sums (+ bias) into y's rows [row0, row0 + rows) and columns [col0, col0 + cols).
-template <typename Out>
+// One pass's sums (+ bias) into y's rows [row0, row0 + rows) and columns [col0, col0 + cols), each rounded to
+// Round first (fp32 logits of a bf16 model hold the bf16 values, as y.float() would).
+template <typename Out, typename Round = Out>
 void store_block(const float* acc, const float* bias, Out* y, int64_t out, int64_t row0, int rows, int64_t col0,
                  int64_t cols) {
   for (int r = 0; r < rows; ++r) {
     const float* a = acc + r * kMaxTiles * kTile;
     Out* dst = y + (row0 + r) * out + col0;
     if (bias != nullptr) {
-      for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<Out>(a[c] + bias[col0 + c]);
+      for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<Out>(static_cast<Round>(a[c] + bias[col0 + c]));
     } else {
-      for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<Out>(a[c]);
+      for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<Out>(static_cast<Round>(a[c]));
     }
   }
 }
@@ -368,9 +369,11 @@ void store_silu_block(const float* acc, Out* y, int64_t inter, int64_t row0, int
 enum class Epilogue { kStore, kAddResidual, kSiluMul };
 
 // out_features counts the weight's rows (gate and up together for kSiluMul, whose y has half as many columns).
+// float_out: y in fp32 whatever x's dtype (values rounded to x's dtype first).
 template <Epilogue E>
 at::Tensor run_blocked(const at::Tensor& x, const at::Tensor& blocked, const c10::optional<at::Tensor>& bias,
-                       int64_t out_features, c10::string_view isa_name_arg, const at::Tensor* residual) {
+                       int64_t out_features, c10::string_view isa_name_arg, const at::Tensor* residual,
+                       bool float_out = false) {
   TORCH_CHECK(x.dim() == 2, "blocked_linear: x must be [rows, in], got ", x.dim(), " dims");
   TORCH_CHECK(blocked.dim() == 3 && blocked.is_contiguous(),
               "blocked_linear: blocked must be a contiguous [tiles, k, lanes] tensor from kernels/gemv.py");
@@ -402,7 +405,8 @@ at::Tensor run_blocked(const at::Tensor& x, const at::Tensor& blocked, const c10
     xc = xc.to(at::kFloat);
   }
   const int64_t y_cols = E == Epilogue::kSiluMul ? out_features / 2 : out_features;
-  at::Tensor y = at::empty({rows, y_cols}, x.options());
+  at::Tensor y = at::empty({rows, y_cols}, float_out ? x.options().dtype(at::kFloat) : x.options());
+  const bool round_bf16 = float_out && x.scalar_type() == at::kBFloat16;
   if (rows == 0) return y;
   const KernelSet& set = kernels_for(isa, kind);
   const int64_t tile_stride = blocked.size(1) * blocked.size(2);  // elements per tile
@@ -460,6 +464,9 @@ at::Tensor run_blocked(const at::Tensor& x, const at::Tensor& blocked, const c10
           }
         } else if (y_bf16) {
           store_block(acc, bias_ptr, static_cast<c10::BFloat16*>(y_ptr), out_features, row0, r, col0, cols);
+        } else if (round_bf16) {
+          store_block<float, c10::BFloat16>(acc, bias_ptr, static_cast<float*>(y_ptr), out_features, row0, r, col0,
+                                            cols);
         } else {
           store_block(acc, bias_ptr, static_cast<float*>(y_ptr), out_features, row0, r, col0, cols);
         }
@@ -472,6 +479,13 @@ at::Tensor run_blocked(const at::Tensor& x, const at::Tensor& blocked, const c10
 at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocked, const c10::optional<at::Tensor>& bias,
                           int64_t out_features, c10::string_view isa) {
   return run_blocked<Epilogue::kStore>(x, blocked, bias, out_features, isa, nullptr);
+}
+
+// blocked_linear(x, blocked, None, out_features).float() without a second pass over the [rows, out] output (a
+// bf16 model's fp32 logits for the sampler).
+at::Tensor blocked_linear_float(const at::Tensor& x, const at::Tensor& blocked, int64_t out_features,
+                                c10::string_view isa) {
+  return run_blocked<Epilogue::kStore>(x, blocked, c10::nullopt, out_features, isa, nullptr, true);
 }
 
 // x @ W^T (+ bias) + residual [rows, out_features] of x's dtype, rounded as the two unfused ops round it.
@@ -535,6 +549,7 @@ TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
   m.def("blocked_linear(Tensor x, Tensor blocked, Tensor? bias, int out_features, str isa=\"auto\") -> Tensor");
   m.def("blocked_linear_add(Tensor x, Tensor blocked, Tensor? bias, int out_features, Tensor residual, "
         "str isa=\"auto\") -> Tensor");
+  m.def("blocked_linear_float(Tensor x, Tensor blocked, int out_features, str isa=\"auto\") -> Tensor");
   m.def("blocked_linear_silu_mul(Tensor x, Tensor blocked, int intermediate, str isa=\"auto\") -> Tensor");
   m.def("blocked_linear_isa() -> str", &blocked_linear_isa);
 }
@@ -542,5 +557,6 @@ TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
 TORCH_LIBRARY_IMPL(deepinfer, CPU, m) {
   m.impl("blocked_linear", &blocked_linear);
   m.impl("blocked_linear_add", &blocked_linear_add);
+  m.impl("blocked_linear_float", &blocked_linear_float);
   m.impl("blocked_linear_silu_mul", &blocked_linear_silu_mul);
 }
