@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = ("paged_decode_attention.cpp", "shm_all_reduce.cpp", "gemv.cpp", "grouped_experts.cpp",
             "hyper_connections.cpp", "sink_attention.cpp", "interleaved_rope.cpp", "rms_norm.cpp",
-            "fused_layer_ops.cpp")
+            "fused_layer_ops.cpp", "llama_decode.cpp")
 # torch.backends.cpu.get_cpu_capability() -> compiler flags (x86-64; anything else builds for the baseline).
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
@@ -129,6 +129,13 @@ def load_cpu_kernels() -> bool:
     @torch.library.register_fake("deepinfer::blocked_linear_silu_mul")
     def _(x: torch.Tensor, blocked: torch.Tensor, intermediate: int, isa: str = "auto") -> torch.Tensor:
         return x.new_empty(x.shape[0], intermediate)
+
+    @torch.library.register_fake("deepinfer::llama_decode_layers")
+    def _(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_caches: torch.Tensor,
+          v_caches: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+          query_len: int, block_size: int, scale: float, num_heads: int, num_kv_heads: int, intermediate: int,
+          eps: float, norms: list[torch.Tensor], projections: list[torch.Tensor], gemm_path: int) -> torch.Tensor:
+        return torch.empty_like(hidden, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("deepinfer::blocked_grouped_experts")
     def _(x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor, gate_up: torch.Tensor,

@@ -19,7 +19,7 @@ from backend_lib.models.parallel import ParallelContext, Shard, read_shard, voca
 from kernels import fused_layer_ops as fused
 from kernels.attention import paged_attention, write_kv
 from kernels.attention_metadata import AttentionMetadata
-from kernels.gemv import GemvPolicy, block_weight, blocked_linear_float
+from kernels.gemv import TILE, GemvPolicy, block_weight, blocked_linear_float
 from kernels.onednn_gemm import PackedWeight
 from kernels.rope import RopeScaling, rope_at, rotate
 
@@ -249,7 +249,8 @@ class LlamaForCausalLM(nn.Module):
         self.packed_head: PackedWeight | None = None
         self.register_buffer("blocked_head", None, persistent=False)  # kernels.gemv layout of the head
         self.gemv_policy = GemvPolicy()
-        self.host_fused = False  # the final norm as a C++ op in eager host steps (use_cpu_attention)
+        self.host_fused = False  # eager host steps on the C++ ops (use_cpu_attention)
+        self._decode_weight_lists: tuple | None = None  # _host_decode_weights' lists, collected once
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings)
 
     @classmethod
@@ -271,11 +272,54 @@ class LlamaForCausalLM(nn.Module):
         k_caches, v_caches = kv_caches
         hidden = vocab_parallel_embedding(input_ids, self.embed_tokens.weight, self.vocab_rows.start, self.par)
         rope = rope_at(self.rotary.cos, self.rotary.sin, positions, hidden.dtype)
-        for i, layer in enumerate(self.layers):
-            hidden = layer(rope, hidden, k_caches[i], v_caches[i], meta)
-        if self.host_fused and not torch.compiler.is_compiling():
-            return fused.rms_norm(hidden, self.norm.weight, self.norm.eps)
-        return self.norm(hidden)
+        if not self.host_fused or torch.compiler.is_compiling():
+            for i, layer in enumerate(self.layers):
+                hidden = layer(rope, hidden, k_caches[i], v_caches[i], meta)
+            return self.norm(hidden)
+        weights = self._host_decode_weights(hidden.shape[0], meta)
+        if weights is not None:
+            first = self.layers[0].self_attn
+            hidden = torch.ops.deepinfer.llama_decode_layers(
+                hidden, *rope, k_caches, v_caches, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
+                meta.decode_query_len, meta.block_size, first.scale, first.num_heads, first.num_kv_heads,
+                self.layers[0].mlp.intermediate_size, self.norm.eps, *weights)
+        else:
+            for i, layer in enumerate(self.layers):
+                hidden = layer(rope, hidden, k_caches[i], v_caches[i], meta)
+        return fused.rms_norm(hidden, self.norm.weight, self.norm.eps)
+
+    def _host_decode_weights(self, num_tokens: int,
+                             meta: AttentionMetadata) -> tuple[list[torch.Tensor], list[torch.Tensor], int] | None:
+        """(norms, projections, GEMM path) for ``deepinfer::llama_decode_layers`` (kernels/csrc/llama_decode.cpp:
+        the eager host path's ops from one C++ loop, same results) when this step is in its scope: decode tokens
+        only, one rank, no biases, every projection on the GEMM that ``linear`` picks at this row count (the
+        blocked kernel needs SiLU's width a multiple of its tile). Else None: the module path."""
+        if meta.num_prefills or meta.num_decode_tokens != num_tokens or self.par.world_size > 1:
+            return None
+        if self._decode_weight_lists is None:
+            self._decode_weight_lists = self._collect_decode_weights()
+        if not self._decode_weight_lists:
+            return None
+        norms, blocked, packed, plain = self._decode_weight_lists
+        if blocked is not None and self.gemv_policy.use_blocked(num_tokens):  # as linear() picks
+            return (norms, blocked, 0) if blocked else None
+        return (norms, packed, 1) if packed else (norms, plain, 2)
+
+    def _collect_decode_weights(self) -> tuple:
+        """(norms, blocked, oneDNN-packed, plain) weight lists, a list None where the projections lack that layout
+        (blocked: [] where SiLU's width does not fit the kernel's tiles); () when the C++ loop cannot serve this
+        model (biases)."""
+        layers = self.layers
+        linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        if any(m.bias is not None for m in linears):
+            return ()
+        norms = [n.weight for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        blocked = [m.blocked for m in linears] if all(m.blocked is not None for m in linears) else None
+        if blocked and any(layer.mlp.intermediate_size % TILE for layer in layers):
+            blocked = []
+        packed = [m.packed.packed for m in linears] if all(m.packed is not None for m in linears) else None
+        return norms, blocked, packed, [m.weight for m in linears]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [N, hidden] -> [N, vocab] float32
         """Every rank gets the full vocabulary row (all-gathered from the ranks' vocabulary shards)."""
@@ -298,6 +342,7 @@ class LlamaForCausalLM(nn.Module):
         if plan.blocked:
             self.blocked_head = block_weight(self._head_weight())
         self.gemv_policy = plan.policy
+        self._decode_weight_lists = None  # new layouts: the lists are rebuilt on the next decode step
 
     def use_cpu_attention(self) -> None:
         """Decode attention on the C++ host kernel, and each layer's norms, SiLU gate and RoPE + KV write on the
