@@ -28,9 +28,10 @@ class GemvPolicy:
     2-core Xeon, family 6 model 167, SmolLM2's 30 layers streamed from memory, 2 threads): fp32, the blocked
     kernel beat oneDNN's packed fp32 GEMM at every decode row count (1.43x at 1 row, 1.33x at 32, 1.14x at 128;
     its 16-wide register tiles keep the FMAs busy where oneDNN's fp32 kernel does not), so it takes up to 128
-    rows and chunked prefills stay on oneDNN; bf16 on AMX, oneDNN's tiles overtake the blocked ``vdpbf16ps``
-    kernel between 8 and 12 rows (0.67x its time at 16 rows, 0.42x at 32), so 8 there; bf16 without AMX uses
-    the same instruction as oneDNN and keeps 16 (not measured on such a CPU)."""
+    rows and chunked prefills stay on oneDNN; bf16 on AMX, the kernel's own AMX passes (kernels/csrc/gemm_amx.cpp,
+    from 2 rows) took 0.65-0.70x oneDNN's time from 1 to 32 rows, 0.82x at 64, 0.89x at 128, par at 256-512,
+    so 128 there too; bf16 without AMX, oneDNN overtakes the ``vdpbf16ps`` passes between 8 and 12 rows
+    (measured with AMX on; not measured on a CPU without it), so 8."""
 
     max_rows: int | None = 16  # None: every row count (host_gemm "gemv")
 
@@ -42,9 +43,9 @@ class GemvPolicy:
     def for_host(cls, dtype: torch.dtype) -> "GemvPolicy":
         if dtype == torch.float32:
             return cls(max_rows=128)
-        if dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported():
+        if dtype == torch.bfloat16 and not torch.cpu._is_amx_tile_supported():
             return cls(max_rows=8)
-        return cls(max_rows=16)
+        return cls(max_rows=128)
 
     def use_blocked(self, rows: int) -> bool:
         return self.max_rows is None or rows <= self.max_rows
@@ -86,8 +87,8 @@ def blocked_linear(x: torch.Tensor,  # [T, in] float32 or bfloat16
                    bias: torch.Tensor | None,  # [out]
                    out_features: int,
                    isa: str = "auto") -> torch.Tensor:  # [T, out], x's dtype
-    """``isa`` forces a code path ("avx512_bf16", "avx512", "avx2", "scalar"; tests); "auto" is the best the CPU
-    has."""
+    """``isa`` forces a code path ("amx_bf16", "avx512_bf16", "avx512", "avx2", "scalar"; tests); "auto" is the best
+    the CPU has: for bf16 x bf16 from 2 rows, AMX tiles where the CPU has them and ``in`` is a multiple of 32."""
     return torch.ops.deepinfer.blocked_linear(x, blocked, bias, out_features, isa)
 
 

@@ -1,8 +1,9 @@
 """The few-row GEMM on blocked weights (kernels/gemv.py, kernels/csrc/gemv.cpp) against torch's matmul.
 
 Every code path this CPU can run is checked (the CPU-flag dispatch picks one; the others are forced by name),
-on shapes that are not multiples of the 16-row tile or of the bf16 pair, at T = 1..8 and past the 8-row block,
-with and without bias, fp32 and bf16 weights, fp32 and bf16 activations. Then the model wiring: a Linear packed
+on shapes that are not multiples of the 16-row tile or of the bf16 pair (and on whole 32-wide k blocks, which
+bf16 x bf16 runs on AMX tiles where the CPU has them), at T = 1..8 and past the 8- and 32-row blocks, with and
+without bias, fp32 and bf16 weights, fp32 and bf16 activations. Then the model wiring: a Linear packed
 for the host equals F.linear, compiled regions keep the op as one call with the same result, and a tiny Llama
 packed each way gives transformers' logits. The fused epilogues (residual add; SiLU-and-multiply of a [gate; up]
 weight; fp32 output of bf16 sums) equal the unfused pair of ops to the bit on every path.
@@ -21,7 +22,7 @@ from kernels.gemv import (GemvPolicy, block_weight, blocked_linear, blocked_line
                          blocked_linear_silu_mul,
                          gemv_available, kernel_isa, unblock_weight)
 
-ISAS = ("avx512_bf16", "avx512", "avx2", "scalar")
+ISAS = ("amx_bf16", "avx512_bf16", "avx512", "avx2", "scalar")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def _reference(x, weight, bias):  # float64 on the same (rounded) inputs
                                                   (torch.bfloat16, torch.bfloat16)])
 def test_kernel_matches_matmul_on_odd_shapes(isas, weight_dtype, x_dtype):
     gen = torch.Generator().manual_seed(0)
-    for out_features, in_features in [(37, 53), (16, 16), (100, 577), (33, 1), (50, 130)]:
+    for out_features, in_features in [(37, 53), (16, 16), (100, 577), (33, 1), (50, 130), (37, 64), (50, 576)]:
         weight = torch.randn(out_features, in_features, generator=gen).to(weight_dtype)
         bias = torch.randn(out_features, generator=gen)
         blocked = block_weight(weight)
@@ -113,8 +114,8 @@ def test_host_policy_keeps_fp32_decode_batches_on_the_blocked_kernel_and_prefill
     assert fp32.use_blocked(1) and fp32.use_blocked(32) and fp32.use_blocked(128)
     assert not fp32.use_blocked(512)  # a chunked prefill
     bf16 = GemvPolicy.for_host(torch.bfloat16)
-    assert bf16.use_blocked(1) and bf16.use_blocked(8) and not bf16.use_blocked(32)
-    assert bf16.use_blocked(16) == (not torch.cpu._is_amx_tile_supported())  # AMX tiles win from ~12 rows
+    assert bf16.use_blocked(1) and bf16.use_blocked(8) and not bf16.use_blocked(512)
+    assert bf16.use_blocked(32) == torch.cpu._is_amx_tile_supported()  # the kernel's AMX passes; else oneDNN's
 
 
 @pytest.mark.parametrize("plan", [HostGemmPlan(onednn=False), HostGemmPlan(policy=GemvPolicy(2))])

@@ -25,6 +25,7 @@
 #include <string>
 
 #include "attention_math.h"
+#include "gemm_amx.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -245,8 +246,15 @@ const char* isa_name(Isa isa) {
   }
 }
 
+// "amx_bf16" (bf16 x bf16 on AMX tiles, gemm_amx.cpp) is not an Isa of the micro-kernel table: its other kinds run
+// the best table there is.
 Isa parse_isa(const std::string& name) {
   if (name == "auto") return best_isa();
+  if (name == "amx_bf16") {
+    TORCH_CHECK(deepinfer::amx_bf16_usable(), "blocked_linear: isa 'amx_bf16' is not supported by this CPU (best: ",
+                isa_name(best_isa()), ")");
+    return best_isa();
+  }
   for (Isa isa : {Isa::kAvx512Bf16, Isa::kAvx512, Isa::kAvx2, Isa::kScalar}) {
     if (name == isa_name(isa)) {
       TORCH_CHECK(static_cast<int>(isa) <= static_cast<int>(best_isa()), "blocked_linear: isa '", name,
@@ -254,7 +262,8 @@ Isa parse_isa(const std::string& name) {
       return isa;
     }
   }
-  TORCH_CHECK(false, "blocked_linear: isa must be auto, avx512_bf16, avx512, avx2 or scalar, got '", name, "'");
+  TORCH_CHECK(false, "blocked_linear: isa must be auto, amx_bf16, avx512_bf16, avx512, avx2 or scalar, got '", name,
+              "'");
 }
 
 // The micro-kernel table of one (ISA, kind): [rows - 1][tiles - 1], and its row / tile block sizes.
@@ -409,6 +418,16 @@ at::Tensor run_blocked(const at::Tensor& x, const at::Tensor& blocked, const c10
   const bool round_bf16 = float_out && x.scalar_type() == at::kBFloat16;
   if (rows == 0) return y;
   const KernelSet& set = kernels_for(isa, kind);
+  // AMX tiles for bf16 x bf16 from 2 rows (0.65-0.70x oneDNN's time and below vdpbf16ps's from 2 to 32 rows;
+  // one row stays on vdpbf16ps, as fast there), or when asked by name; whole 32-wide k blocks only.
+  const bool amx = kind == Kind::kBf16WX && in % 32 == 0 &&
+                   (isa_name_arg == "amx_bf16" || (isa_name_arg == "auto" && rows > 1)) &&
+                   deepinfer::amx_bf16_usable();
+  if (amx && rows % 16 != 0) {  // A tiles read whole 16-row blocks: pad with zero rows
+    at::Tensor padded = at::zeros({(rows + 15) / 16 * 16, in}, xc.options());
+    padded.narrow(0, 0, rows).copy_(xc);
+    xc = padded;
+  }
   const int64_t tile_stride = blocked.size(1) * blocked.size(2);  // elements per tile
   const int64_t tile_bytes = tile_stride * blocked.element_size();
   // A unit is the tiles one micro-kernel pass covers: max_tiles adjacent tiles, or a (gate j, up j) pair whose
@@ -424,52 +443,78 @@ at::Tensor run_blocked(const at::Tensor& x, const at::Tensor& blocked, const c10
   const bool y_bf16 = y.scalar_type() == at::kBFloat16;
   void* y_ptr = y.data_ptr();
   const void* residual_ptr = residual != nullptr ? residual->data_ptr() : nullptr;
+  // A pass's sums (rows [row0, row0 + r), columns [col0, col0 + cols); acc rows 32 floats apart) into y.
+  auto store = [&](const float* acc, int64_t row0, int r, int64_t col0, int64_t cols) {
+    if constexpr (E == Epilogue::kSiluMul) {
+      if (y_bf16) {
+        store_silu_block(acc, static_cast<c10::BFloat16*>(y_ptr), y_cols, row0, r, col0);
+      } else {
+        store_silu_block(acc, static_cast<float*>(y_ptr), y_cols, row0, r, col0);
+      }
+    } else if constexpr (E == Epilogue::kAddResidual) {
+      if (y_bf16) {
+        store_add_block(acc, bias_ptr, static_cast<const c10::BFloat16*>(residual_ptr),
+                        static_cast<c10::BFloat16*>(y_ptr), out_features, row0, r, col0, cols);
+      } else {
+        store_add_block(acc, bias_ptr, static_cast<const float*>(residual_ptr), static_cast<float*>(y_ptr),
+                        out_features, row0, r, col0, cols);
+      }
+    } else if (y_bf16) {
+      store_block(acc, bias_ptr, static_cast<c10::BFloat16*>(y_ptr), out_features, row0, r, col0, cols);
+    } else if (round_bf16) {
+      store_block<float, c10::BFloat16>(acc, bias_ptr, static_cast<float*>(y_ptr), out_features, row0, r, col0,
+                                        cols);
+    } else {
+      store_block(acc, bias_ptr, static_cast<float*>(y_ptr), out_features, row0, r, col0, cols);
+    }
+  };
+  // The unit's first tile, its tile count, and where its second tile starts.
+  auto unit_tiles = [&](int64_t unit) {
+    const int64_t tile0 = E == Epilogue::kSiluMul ? unit : unit * tiles_per_unit;
+    const int nt = static_cast<int>(std::min<int64_t>(tiles_per_unit, tiles - tile0));
+    const int64_t second = E == Epilogue::kSiluMul ? tile0 + tiles / 2 : tile0 + (nt > 1 ? 1 : 0);
+    return std::make_tuple(tile0, nt, second);
+  };
+  if (amx) {
+    const auto* xb = static_cast<const c10::BFloat16*>(xc.data_ptr());
+    at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+      deepinfer::amx_configure_thread();
+      alignas(64) float acc[32 * kMaxTiles * kTile];
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const auto [tile0, nt, second] = unit_tiles(unit);
+        const auto* w0 = reinterpret_cast<const c10::BFloat16*>(w_ptr + tile0 * tile_bytes);
+        const auto* w1 = reinterpret_cast<const c10::BFloat16*>(w_ptr + second * tile_bytes);
+        const int64_t col0 = tile0 * kTile, cols = std::min<int64_t>(nt * kTile, out_features - col0);
+        for (int64_t row0 = 0; row0 < rows; row0 += 32) {
+          const int r = static_cast<int>(std::min<int64_t>(32, rows - row0));
+          deepinfer::amx_tile_pair(xb + row0 * in, in, (r + 15) / 16, w0, w1, in, acc);
+          store(acc, row0, r, col0, cols);
+        }
+      }
+      deepinfer::amx_release_thread();
+    });
+    return y;
+  }
   at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
     alignas(64) float acc[kMaxRows * kMaxTiles * kTile];
     alignas(64) float up_acc[kMaxRows * kMaxTiles * kTile];
     for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t tile0 = E == Epilogue::kSiluMul ? unit : unit * set.max_tiles;
-      const int nt = static_cast<int>(std::min<int64_t>(tiles_per_unit, tiles - tile0));
+      const auto [tile0, nt, second] = unit_tiles(unit);
       const int64_t col0 = tile0 * kTile, cols = std::min<int64_t>(nt * kTile, out_features - col0);
       for (int64_t row0 = 0; row0 < rows; row0 += set.max_rows) {
         const int r = static_cast<int>(std::min<int64_t>(set.max_rows, rows - row0));
         const char* xr = x_ptr + row0 * x_row_bytes;
         const char* w0 = w_ptr + tile0 * tile_bytes;
-        if constexpr (E == Epilogue::kSiluMul) {
-          const int64_t pair_stride = tile_stride * (tiles / 2);
-          if (set.max_tiles >= 2) {
-            set.fn[r - 1][1](xr, in, w0, pair_stride, in, acc);
-          } else {  // one tile a pass: the up tile's sums go beside the gate tile's
-            set.fn[r - 1][0](xr, in, w0, tile_stride, in, acc);
-            set.fn[r - 1][0](xr, in, w0 + (tiles / 2) * tile_bytes, tile_stride, in, up_acc);
-            for (int row = 0; row < r; ++row) {
-              std::memcpy(acc + row * kMaxTiles * kTile + kTile, up_acc + row * kMaxTiles * kTile, kTile * 4);
-            }
+        if (E == Epilogue::kSiluMul && set.max_tiles < 2) {  // one tile a pass: up's sums go beside gate's
+          set.fn[r - 1][0](xr, in, w0, tile_stride, in, acc);
+          set.fn[r - 1][0](xr, in, w_ptr + second * tile_bytes, tile_stride, in, up_acc);
+          for (int row = 0; row < r; ++row) {
+            std::memcpy(acc + row * kMaxTiles * kTile + kTile, up_acc + row * kMaxTiles * kTile, kTile * 4);
           }
-          if (y_bf16) {
-            store_silu_block(acc, static_cast<c10::BFloat16*>(y_ptr), y_cols, row0, r, col0);
-          } else {
-            store_silu_block(acc, static_cast<float*>(y_ptr), y_cols, row0, r, col0);
-          }
-          continue;
+        } else {  // the pass's tile stride reaches the second tile (adjacent, or gate j's up tile)
+          set.fn[r - 1][nt - 1](xr, in, w0, (second - tile0) * tile_stride + (nt > 1 ? 0 : tile_stride), in, acc);
         }
-        set.fn[r - 1][nt - 1](xr, in, w0, tile_stride, in, acc);
-        if constexpr (E == Epilogue::kAddResidual) {
-          if (y_bf16) {
-            store_add_block(acc, bias_ptr, static_cast<const c10::BFloat16*>(residual_ptr),
-                            static_cast<c10::BFloat16*>(y_ptr), out_features, row0, r, col0, cols);
-          } else {
-            store_add_block(acc, bias_ptr, static_cast<const float*>(residual_ptr), static_cast<float*>(y_ptr),
-                            out_features, row0, r, col0, cols);
-          }
-        } else if (y_bf16) {
-          store_block(acc, bias_ptr, static_cast<c10::BFloat16*>(y_ptr), out_features, row0, r, col0, cols);
-        } else if (round_bf16) {
-          store_block<float, c10::BFloat16>(acc, bias_ptr, static_cast<float*>(y_ptr), out_features, row0, r, col0,
-                                            cols);
-        } else {
-          store_block(acc, bias_ptr, static_cast<float*>(y_ptr), out_features, row0, r, col0, cols);
-        }
+        store(acc, row0, r, col0, cols);
       }
     }
   });
@@ -511,7 +556,9 @@ at::Tensor blocked_linear_silu_mul(const at::Tensor& x, const at::Tensor& blocke
   return run_blocked<Epilogue::kSiluMul>(x, blocked, c10::nullopt, 2 * intermediate, isa, nullptr);
 }
 
-std::string blocked_linear_isa() { return isa_name(best_isa()); }
+std::string blocked_linear_isa() {
+  return best_isa() == Isa::kAvx512Bf16 && deepinfer::amx_bf16_usable() ? "amx_bf16" : isa_name(best_isa());
+}
 
 }  // namespace
 
