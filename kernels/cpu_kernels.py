@@ -9,8 +9,9 @@ attention (fp32, or bf16 with fp32 math), the shared-memory all-reduce of tensor
 CPU's flags at run time, whatever flags built it; kernels/gemv.py), the routed MoE experts on the same blocked
 weights (grouped_experts.cpp), mHC's mixes with their Sinkhorn loop and its stream collapse / expansion
 (hyper_connections.cpp) and DeepSeek-V4's sink attention over two key sets or over the window ring in place
-(sink_attention.cpp), interleaved tail RoPE (interleaved_rope.cpp) and its RMS norms (rms_norm.cpp), and a Llama
-layer's norms, SiLU gate and RoPE + KV-cache write (fused_layer_ops.cpp, kernels/fused_layer_ops.py). The ops are
+(sink_attention.cpp), interleaved tail RoPE (interleaved_rope.cpp) and its RMS norms (rms_norm.cpp), a Llama
+layer's norms, SiLU gate and RoPE + KV-cache write (fused_layer_ops.cpp, kernels/fused_layer_ops.py), the GEMM's
+AMX tile passes (gemm_amx.cpp) and a Llama decode step's layers as one op over the others (llama_decode.cpp). The ops are
 registered with the dispatcher (``torch.ops.deepinfer.*``) and have fake kernels, so compiled regions keep each as
 one opaque call, as they do the packed GEMM.
 """
