@@ -178,21 +178,19 @@ class LlamaMLP(nn.Module):
         self.down_columns = Shard(1, start, self.intermediate_size)
         self.gate_up_proj = Linear(arch.hidden_size, 2 * self.intermediate_size, arch.mlp_bias, dtype)
         self.down_proj = Linear(self.intermediate_size, arch.hidden_size, arch.mlp_bias and par.is_driver, dtype)
-        self.host_fused = False  # SiLU-and-multiply as one C++ op in eager host steps
 
     def shard_rows(self, shard: str) -> slice:
         start = 0 if shard == "gate" else self.intermediate_size
         return slice(start, start + self.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
-        if self.host_fused and not torch.compiler.is_compiling():
-            return self.par.all_reduce(self.down_proj(self.gate_up_proj.forward_silu_mul(x)))
         return self.par.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
     def forward_add(self, x: torch.Tensor,  # [T, hidden]
                     residual: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        """``residual + forward(x)`` in eager host steps: the down projection adds the residual as it stores its
-        output unless the output still has to be all-reduced (then the add comes after it)."""
+        """``residual + forward(x)`` in eager host steps, on the C++ ops: SiLU fused into the gate / up projection,
+        and the down projection adding the residual as it stores its output unless the output still has to be
+        all-reduced (then the add comes after it)."""
         act = self.gate_up_proj.forward_silu_mul(x)
         if self.par.world_size > 1:
             return residual + self.par.all_reduce(self.down_proj(act))
@@ -206,7 +204,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(arch, dtype, par)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(arch, dtype, par)
-        self.host_fused = False  # the norms and the residual add as C++ ops in eager host steps
+        self.host_fused = False  # norms, SiLU gate and residual adds on the C++ ops in eager host steps
 
     def forward(
         self,
@@ -350,7 +348,7 @@ class LlamaForCausalLM(nn.Module):
         self.host_fused = True
         for layer in self.layers:
             layer.self_attn.cpu_decode_kernel = True
-            layer.host_fused = layer.self_attn.host_fused = layer.mlp.host_fused = True
+            layer.host_fused = layer.self_attn.host_fused = True
 
     def _target(self, name: str) -> tuple[str, torch.Tensor, Shard | None] | None:
         """(loaded-key, destination view, this rank's part of the checkpoint tensor or None for all of it) for a
