@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -17,7 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.machine import describe  # noqa: E402
+from benchmarks.machine import best_seconds, describe  # noqa: E402
 from kernels.gemv import block_weight, blocked_linear, gemv_available, kernel_isa  # noqa: E402
 from kernels.onednn_gemm import PackedWeight, packed_linear  # noqa: E402
 
@@ -37,13 +36,7 @@ def time_method(method: str, weights, rows: int, passes: int = 5) -> float:
             else:
                 blocked_linear(x, blocked, None, out, method)
 
-    one_pass()
-    best = float("inf")
-    for _ in range(passes):
-        start = time.perf_counter()
-        one_pass()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+    return best_seconds(one_pass, passes) * 1e3
 
 
 def main() -> int:

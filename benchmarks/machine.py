@@ -55,7 +55,8 @@ def describe() -> Machine:
                    threads=torch.get_num_threads(), load=os.getloadavg())
 
 
-def _best_seconds(fn, repeats: int) -> float:
+def best_seconds(fn, repeats: int) -> float:
+    """Fastest of ``repeats`` timed calls after a warm-up call."""
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -67,7 +68,7 @@ def _best_seconds(fn, repeats: int) -> float:
 
 def read_bandwidth_gbs() -> float:
     x = torch.ones(1 << 28)  # 1 GiB of fp32
-    return x.numel() * 4 / _best_seconds(x.sum, 5) / 1e9
+    return x.numel() * 4 / best_seconds(x.sum, 5) / 1e9
 
 
 def measure_limits() -> Limits:
@@ -76,5 +77,5 @@ def measure_limits() -> Limits:
     gflops = {}
     for dtype in (torch.float32, torch.bfloat16):
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        gflops[dtype] = 2 * n ** 3 / _best_seconds(lambda: torch.mm(a, b), 3) / 1e9
+        gflops[dtype] = 2 * n ** 3 / best_seconds(lambda: torch.mm(a, b), 3) / 1e9
     return Limits(read, gflops[torch.float32], gflops[torch.bfloat16])
