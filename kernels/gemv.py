@@ -30,8 +30,8 @@ class GemvPolicy:
     its 16-wide register tiles keep the FMAs busy where oneDNN's fp32 kernel does not), so it takes up to 128
     rows and chunked prefills stay on oneDNN; bf16 on AMX, the kernel's own AMX passes (kernels/csrc/gemm_amx.cpp,
     from 2 rows) took 0.65-0.70x oneDNN's time from 1 to 32 rows, 0.82x at 64, 0.89x at 128, par at 256-512,
-    so 128 there too; bf16 without AMX, oneDNN overtakes the ``vdpbf16ps`` passes between 8 and 12 rows
-    (measured with AMX on; not measured on a CPU without it), so 8."""
+    so 128 there too; bf16 without AMX, where oneDNN has only the same ``vdpbf16ps`` instruction, 16 (not
+    measured on such a CPU)."""
 
     max_rows: int | None = 16  # None: every row count (host_gemm "gemv")
 
@@ -44,7 +44,7 @@ class GemvPolicy:
         if dtype == torch.float32:
             return cls(max_rows=128)
         if dtype == torch.bfloat16 and not torch.cpu._is_amx_tile_supported():
-            return cls(max_rows=8)
+            return cls(max_rows=16)
         return cls(max_rows=128)
 
     def use_blocked(self, rows: int) -> bool:
