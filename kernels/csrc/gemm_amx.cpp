@@ -11,14 +11,17 @@
 // are those of the blocked vdpbf16ps kernel in every case tested (tests/test_gemv.py compares them).
 #include <c10/util/BFloat16.h>
 
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <cstdint>
 
-#if defined(__x86_64__)
+// AMX intrinsics under target attributes: GCC 11 and clang 12 on; an older compiler builds the stubs below (the
+// kernel then never picks AMX) instead of failing the whole extension.
+#if defined(__x86_64__) && defined(__linux__) && ((defined(__clang__) && __clang_major__ >= 12) || \
+                                                  (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define DEEPINFER_AMX 1
 #define DEEPINFER_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
 #endif
 
@@ -27,7 +30,7 @@ namespace deepinfer {
 // CPUID says AMX-TILE and AMX-BF16, and Linux lets this process use the tile state (it must be asked once:
 // arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); oneDNN asks too).
 bool amx_bf16_usable() {
-#if defined(__x86_64__) && defined(SYS_arch_prctl)
+#if defined(DEEPINFER_AMX) && defined(SYS_arch_prctl)
   static const bool usable = [] {
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
@@ -41,7 +44,7 @@ bool amx_bf16_usable() {
 #endif
 }
 
-#if defined(__x86_64__)
+#if defined(DEEPINFER_AMX)
 namespace {
 
 struct alignas(64) TileConfig {
