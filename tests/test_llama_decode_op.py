@@ -53,7 +53,7 @@ def test_one_op_decode_loop_equals_the_module_path(tiny_llama_dir, dtype, host_g
     assert got_logprobs == want_logprobs
 
 
-def test_op_refuses_mismatched_weight_lists(tiny_llama_dir):
+def test_op_refuses_mismatched_weight_lists():
     caches = torch.zeros(2, 16, 2, 16)
     with pytest.raises(RuntimeError, match="norms must hold 2 and projections 4 tensors a layer"):
         torch.ops.deepinfer.llama_decode_layers(

@@ -272,6 +272,8 @@ at::Tensor run_blocked(const at::Tensor& x, const at::Tensor& blocked, const c10
     for (int64_t unit = begin; unit < end; ++unit) {
       const auto [tile0, nt, second] = unit_tiles(unit);
       const int64_t col0 = tile0 * kTile, cols = std::min<int64_t>(nt * kTile, out_features - col0);
+      // The pass's tile stride reaches the unit's second tile (the next one, or gate j's up tile).
+      const int64_t pass_stride = (nt > 1 ? second - tile0 : 1) * tile_stride;
       for (int64_t row0 = 0; row0 < rows; row0 += set.max_rows) {
         const int r = static_cast<int>(std::min<int64_t>(set.max_rows, rows - row0));
         const char* xr = x_ptr + row0 * x_row_bytes;
@@ -282,8 +284,8 @@ at::Tensor run_blocked(const at::Tensor& x, const at::Tensor& blocked, const c10
           for (int row = 0; row < r; ++row) {
             std::memcpy(acc + row * kMaxTiles * kTile + kTile, up_acc + row * kMaxTiles * kTile, kTile * 4);
           }
-        } else {  // the pass's tile stride reaches the second tile (adjacent, or gate j's up tile)
-          set.fn[r - 1][nt - 1](xr, in, w0, (second - tile0) * tile_stride + (nt > 1 ? 0 : tile_stride), in, acc);
+        } else {
+          set.fn[r - 1][nt - 1](xr, in, w0, pass_stride, in, acc);
         }
         store(acc, row0, r, col0, cols);
       }
