@@ -30,8 +30,10 @@ class GemvPolicy:
     its 16-wide register tiles keep the FMAs busy where oneDNN's fp32 kernel does not), so it takes up to 128
     rows and chunked prefills stay on oneDNN; bf16 on AMX, the kernel's own AMX passes (kernels/csrc/gemm_amx.cpp,
     from 2 rows) took 0.65-0.70x oneDNN's time from 1 to 32 rows, 0.82x at 64, 0.89x at 128, par at 256-512,
-    so 128 there too; bf16 without AMX, where oneDNN has only the same ``vdpbf16ps`` instruction, 16 (not
-    measured on such a CPU)."""
+    so 128 there too. bf16 with ``vdpbf16ps`` but no AMX (quiet 2-core Zen 4, family 25 model 17,
+    benchmarks/bf16_gemm.py): the kernel's vdpbf16ps passes took 0.61x oneDNN's bf16 time at 1 row, 0.81x at 16,
+    0.89x at 32, 0.97x at 128-512, so 128 there as well; bf16 without either (weights widened by shifts), 16
+    (not measured on such a CPU)."""
 
     max_rows: int | None = 16  # None: every row count (host_gemm "gemv")
 
@@ -43,7 +45,8 @@ class GemvPolicy:
     def for_host(cls, dtype: torch.dtype) -> "GemvPolicy":
         if dtype == torch.float32:
             return cls(max_rows=128)
-        if dtype == torch.bfloat16 and not torch.cpu._is_amx_tile_supported():
+        if dtype == torch.bfloat16 and not (torch.cpu._is_amx_tile_supported()
+                                            or torch.cpu._is_avx512_bf16_supported()):
             return cls(max_rows=16)
         return cls(max_rows=128)
 

@@ -115,7 +115,8 @@ def test_host_policy_keeps_fp32_decode_batches_on_the_blocked_kernel_and_prefill
     assert not fp32.use_blocked(512)  # a chunked prefill
     bf16 = GemvPolicy.for_host(torch.bfloat16)
     assert bf16.use_blocked(1) and bf16.use_blocked(8) and not bf16.use_blocked(512)
-    assert bf16.use_blocked(32) == torch.cpu._is_amx_tile_supported()  # the kernel's AMX passes; else oneDNN's
+    # the kernel's AMX or vdpbf16ps passes; without either, oneDNN's
+    assert bf16.use_blocked(32) == (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
 
 
 @pytest.mark.parametrize("plan", [HostGemmPlan(onednn=False), HostGemmPlan(policy=GemvPolicy(2))])

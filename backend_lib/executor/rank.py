@@ -17,6 +17,7 @@ from backend_lib.models.loader import load_model, resolve_model_path
 from backend_lib.models.parallel import ParallelContext
 from kernels.cpu_kernels import cpu_kernels_supported, load_cpu_kernels
 from kernels.gemv import GemvPolicy, gemv_available
+from kernels.host_memory import move_buffers_to_huge_pages
 from kernels.onednn_gemm import onednn_gemm_available
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,6 +77,10 @@ def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
     plan = host_gemm_plan(config.model.host_gemm, device, dtype)
     if hasattr(model, "pack_for_cpu") and (plan.onednn or plan.blocked):
         model.pack_for_cpu(plan)
+        if plan.blocked:  # the layouts every decode step streams, in the model's order, on huge pages
+            move_buffers_to_huge_pages([(module, name) for module in model.modules()
+                                        for name, buffer in module.named_buffers(recurse=False)
+                                        if "blocked" in name and buffer is not None])
     if (config.model.host_attention == "cpp" and hasattr(model, "use_cpu_attention")
             and cpu_kernels_supported(device, dtype) and load_cpu_kernels()):
         model.use_cpu_attention()

@@ -109,8 +109,15 @@ TARGET_AVX2 void micro_avx2(const void* x_, int64_t ldx, const void* w_, int64_t
 }
 
 // ----------------------------------------------------------------------------------------------- AVX-512 -----
-// Software prefetch this far ahead in each weight stream: the hardware prefetcher stops at 4 KiB pages.
-constexpr int64_t kPrefetchBytes = 1024;
+// Software prefetch into L2 this far ahead in each weight stream: the hardware prefetcher stops at 4 KiB pages,
+// and the core's own L1 prefetch takes the lines on from L2. Zen 4, a decode step's GEMVs streamed from memory
+// (same process, alternating): 0.90x (bf16) and 0.92x (fp32) the time of a prefetch into L1 1 KiB ahead, and
+// 0.93-0.97x that of no software prefetch; 3 KiB ahead measured the same as 2.
+constexpr int64_t kPrefetchBytes = 2048;
+
+inline void prefetch_weight(const void* line) {
+  _mm_prefetch(static_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T1);
+}
 
 template <int R, int NT, Kind K>
 TARGET_AVX512 void micro_avx512(const void* x_, int64_t ldx, const void* w_, int64_t tile_stride, int64_t in,
@@ -125,7 +132,7 @@ TARGET_AVX512 void micro_avx512(const void* x_, int64_t ldx, const void* w_, int
     for (int64_t k = 0; k < in; ++k, w += kTile) {
       __m512 wv[NT];
       for (int t = 0; t < NT; ++t) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + t * tile_stride) + kPrefetchBytes, _MM_HINT_T0);
+        prefetch_weight(w + t * tile_stride);
         wv[t] = _mm512_loadu_ps(w + t * tile_stride);
       }
       for (int r = 0; r < R; ++r) {
@@ -139,7 +146,7 @@ TARGET_AVX512 void micro_avx512(const void* x_, int64_t ldx, const void* w_, int
     for (int64_t k = 0; k < in; k += 2, w += 2 * kTile) {
       __m512i pv[NT];
       for (int t = 0; t < NT; ++t) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + t * tile_stride) + kPrefetchBytes, _MM_HINT_T0);
+        prefetch_weight(w + t * tile_stride);
         pv[t] = _mm512_loadu_si512(w + t * tile_stride);
       }
       for (int r = 0; r < R; ++r) {
@@ -174,7 +181,7 @@ TARGET_AVX512BF16 void micro_avx512_bf16(const void* x_, int64_t ldx, const void
   for (int64_t p = 0; p < full_pairs; ++p, w += 2 * kTile) {
     __m512i pv[NT];
     for (int t = 0; t < NT; ++t) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + t * tile_stride) + kPrefetchBytes, _MM_HINT_T0);
+      prefetch_weight(w + t * tile_stride);
       pv[t] = _mm512_loadu_si512(w + t * tile_stride);
     }
     for (int r = 0; r < R; ++r) {
