@@ -20,15 +20,25 @@ constexpr int64_t kTile = 16;  // output rows per tile
 constexpr int kMaxTiles = 2;   // tiles per micro-kernel pass
 constexpr int kMaxRows = 8;    // activation rows per micro-kernel pass
 
+// Software prefetch into L2 this far ahead in a weight stream: the hardware prefetcher stops at 4 KiB pages, and
+// the core's own L1 prefetch takes the lines on from L2. Zen 4, a decode step's GEMVs streamed from memory (same
+// process, alternating): 0.90x (bf16) and 0.92x (fp32) the time of a prefetch into L1 1 KiB ahead, and 0.93-0.97x
+// that of no software prefetch; 3 KiB ahead measured the same as 2.
+constexpr int64_t kPrefetchBytes = 2048;
+
 // Operand kinds: fp32 weights; bf16 weights with fp32 activations; bf16 weights with bf16 activations.
 enum class Kind { kF32, kBf16W, kBf16WX };
 
 // acc [kMaxRows][kMaxTiles * kTile] fp32: the micro-kernels write sums there; one epilogue adds bias and stores.
-using MicroKernel = void (*)(const void* x, int64_t ldx, const void* w, int64_t tile_stride, int64_t in, float* acc);
+// prefetch: the AVX-512 passes prefetch, beside each weight line they read, the line this many bytes further on
+// (their own stream ahead, or the next unit's tiles: gemv.cpp picks).
+using MicroKernel = void (*)(const void* x, int64_t ldx, const void* w, int64_t tile_stride, int64_t in, float* acc,
+                             int64_t prefetch);
 
 // ---------------------------------------------------------------------------------------------- plain C++ ----
 template <int R, int NT, Kind K>
-void micro_scalar(const void* x_, int64_t ldx, const void* w_, int64_t tile_stride, int64_t in, float* acc) {
+void micro_scalar(const void* x_, int64_t ldx, const void* w_, int64_t tile_stride, int64_t in, float* acc,
+                  int64_t /*prefetch*/) {
   for (int r = 0; r < R; ++r) std::fill(acc + r * kMaxTiles * kTile, acc + r * kMaxTiles * kTile + NT * kTile, 0.f);
   for (int t = 0; t < NT; ++t) {
     for (int64_t k = 0; k < in; ++k) {
@@ -63,7 +73,7 @@ void micro_scalar(const void* x_, int64_t ldx, const void* w_, int64_t tile_stri
 // A tile is two ymm halves per row; 4 rows x 2 halves = 8 accumulators (16 ymm registers in all).
 template <int R, int NT, Kind K>
 TARGET_AVX2 void micro_avx2(const void* x_, int64_t ldx, const void* w_, int64_t tile_stride, int64_t in,
-                            float* acc) {
+                            float* acc, int64_t /*prefetch*/) {
   static_assert(NT == 1 && R <= 4, "AVX2 has 16 vector registers");
   __m256 lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
@@ -109,19 +119,14 @@ TARGET_AVX2 void micro_avx2(const void* x_, int64_t ldx, const void* w_, int64_t
 }
 
 // ----------------------------------------------------------------------------------------------- AVX-512 -----
-// Software prefetch into L2 this far ahead in each weight stream: the hardware prefetcher stops at 4 KiB pages,
-// and the core's own L1 prefetch takes the lines on from L2. Zen 4, a decode step's GEMVs streamed from memory
-// (same process, alternating): 0.90x (bf16) and 0.92x (fp32) the time of a prefetch into L1 1 KiB ahead, and
-// 0.93-0.97x that of no software prefetch; 3 KiB ahead measured the same as 2.
-constexpr int64_t kPrefetchBytes = 2048;
-
-inline void prefetch_weight(const void* line) {
-  _mm_prefetch(static_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T1);
+// Into L2: the line ``ahead`` bytes past ``line``.
+inline void prefetch_weight(const void* line, int64_t ahead) {
+  _mm_prefetch(static_cast<const char*>(line) + ahead, _MM_HINT_T1);
 }
 
 template <int R, int NT, Kind K>
 TARGET_AVX512 void micro_avx512(const void* x_, int64_t ldx, const void* w_, int64_t tile_stride, int64_t in,
-                                float* acc) {
+                                float* acc, int64_t prefetch) {
   static_assert(K != Kind::kBf16WX, "bf16 activations take micro_avx512_bf16 or are widened first");
   __m512 a[R][NT];
   for (int r = 0; r < R; ++r)
@@ -132,7 +137,7 @@ TARGET_AVX512 void micro_avx512(const void* x_, int64_t ldx, const void* w_, int
     for (int64_t k = 0; k < in; ++k, w += kTile) {
       __m512 wv[NT];
       for (int t = 0; t < NT; ++t) {
-        prefetch_weight(w + t * tile_stride);
+        prefetch_weight(w + t * tile_stride, prefetch);
         wv[t] = _mm512_loadu_ps(w + t * tile_stride);
       }
       for (int r = 0; r < R; ++r) {
@@ -146,7 +151,7 @@ TARGET_AVX512 void micro_avx512(const void* x_, int64_t ldx, const void* w_, int
     for (int64_t k = 0; k < in; k += 2, w += 2 * kTile) {
       __m512i pv[NT];
       for (int t = 0; t < NT; ++t) {
-        prefetch_weight(w + t * tile_stride);
+        prefetch_weight(w + t * tile_stride, prefetch);
         pv[t] = _mm512_loadu_si512(w + t * tile_stride);
       }
       for (int r = 0; r < R; ++r) {
@@ -170,7 +175,7 @@ TARGET_AVX512 void micro_avx512(const void* x_, int64_t ldx, const void* w_, int
 // bf16 x bf16: the activation pair (x[k], x[k+1]) is one 32-bit broadcast; vdpbf16ps adds both products.
 template <int R, int NT, Kind K>
 TARGET_AVX512BF16 void micro_avx512_bf16(const void* x_, int64_t ldx, const void* w_, int64_t tile_stride,
-                                         int64_t in, float* acc) {
+                                         int64_t in, float* acc, int64_t prefetch) {
   static_assert(K == Kind::kBf16WX, "vdpbf16ps needs bf16 on both sides");
   __m512 a[R][NT];
   for (int r = 0; r < R; ++r)
@@ -181,7 +186,7 @@ TARGET_AVX512BF16 void micro_avx512_bf16(const void* x_, int64_t ldx, const void
   for (int64_t p = 0; p < full_pairs; ++p, w += 2 * kTile) {
     __m512i pv[NT];
     for (int t = 0; t < NT; ++t) {
-      prefetch_weight(w + t * tile_stride);
+      prefetch_weight(w + t * tile_stride, prefetch);
       pv[t] = _mm512_loadu_si512(w + t * tile_stride);
     }
     for (int r = 0; r < R; ++r) {

@@ -207,6 +207,8 @@ at::Tensor run_blocked(const at::Tensor& x, const at::Tensor& blocked, const c10
   const int64_t units = E == Epilogue::kSiluMul ? tiles / 2 : (tiles + set.max_tiles - 1) / set.max_tiles;
   // Below ~64 KiB of weights a second thread costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (tile_bytes * tiles_per_unit));
+  // From a unit's first tile to the next unit's (a gate tile's neighbour is the next gate tile).
+  const int64_t next_unit_bytes = (E == Epilogue::kSiluMul ? 1 : tiles_per_unit) * tile_bytes;
   const char* x_ptr = static_cast<const char*>(xc.data_ptr());
   const int64_t x_row_bytes = in * xc.element_size();
   const char* w_ptr = static_cast<const char*>(blocked.data_ptr());
@@ -274,18 +276,21 @@ at::Tensor run_blocked(const at::Tensor& x, const at::Tensor& blocked, const c10
       const int64_t col0 = tile0 * kTile, cols = std::min<int64_t>(nt * kTile, out_features - col0);
       // The pass's tile stride reaches the unit's second tile (the next one, or gate j's up tile).
       const int64_t pass_stride = (nt > 1 ? second - tile0 : 1) * tile_stride;
-      for (int64_t row0 = 0; row0 < rows; row0 += set.max_rows) {
+      for (int64_t row0 = 0, pass = 0; row0 < rows; row0 += set.max_rows, ++pass) {
         const int r = static_cast<int>(std::min<int64_t>(set.max_rows, rows - row0));
         const char* xr = x_ptr + row0 * x_row_bytes;
         const char* w0 = w_ptr + tile0 * tile_bytes;
+        // Only a unit's first pass waits on DRAM; the second, reading L2, fetches the next unit's tiles for it
+        // (Zen 4, fp32, SmolLM2's layers streamed: 0.95x the time at 32 rows, 0.93x at 16).
+        const int64_t prefetch = pass == 1 ? next_unit_bytes : kPrefetchBytes;
         if (E == Epilogue::kSiluMul && set.max_tiles < 2) {  // one tile a pass: up's sums go beside gate's
-          set.fn[r - 1][0](xr, in, w0, tile_stride, in, acc);
-          set.fn[r - 1][0](xr, in, w_ptr + second * tile_bytes, tile_stride, in, up_acc);
+          set.fn[r - 1][0](xr, in, w0, tile_stride, in, acc, prefetch);
+          set.fn[r - 1][0](xr, in, w_ptr + second * tile_bytes, tile_stride, in, up_acc, prefetch);
           for (int row = 0; row < r; ++row) {
             std::memcpy(acc + row * kMaxTiles * kTile + kTile, up_acc + row * kMaxTiles * kTile, kTile * 4);
           }
         } else {
-          set.fn[r - 1][nt - 1](xr, in, w0, pass_stride, in, acc);
+          set.fn[r - 1][nt - 1](xr, in, w0, pass_stride, in, acc, prefetch);
         }
         store(acc, row0, r, col0, cols);
       }
@@ -354,9 +359,10 @@ void blocked_gemm_f32(const float* x, int64_t rows, int64_t in, const void* w, b
       const int64_t tile0 = unit * set.max_tiles;
       const int nt = static_cast<int>(std::min<int64_t>(set.max_tiles, tiles - tile0));
       const int64_t col0 = tile0 * kTile, cols = std::min<int64_t>(nt * kTile, out_features - col0);
-      for (int64_t row0 = 0; row0 < rows; row0 += set.max_rows) {
+      for (int64_t row0 = 0, pass = 0; row0 < rows; row0 += set.max_rows, ++pass) {
         const int r = static_cast<int>(std::min<int64_t>(set.max_rows, rows - row0));
-        set.fn[r - 1][nt - 1](x + row0 * in, in, w_ptr + tile0 * tile_bytes, tile_stride, in, acc);
+        const int64_t prefetch = pass == 1 ? set.max_tiles * tile_bytes : kPrefetchBytes;  // as in run_blocked
+        set.fn[r - 1][nt - 1](x + row0 * in, in, w_ptr + tile0 * tile_bytes, tile_stride, in, acc, prefetch);
         store_block(acc, nullptr, y, out_features, row0, r, col0, cols);
       }
     }
