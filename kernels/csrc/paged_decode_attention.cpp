@@ -195,7 +195,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           if (next < num_keys) {
             const int64_t next_offset = (table[next / block_size] * block_size + next % block_size) * slot_stride;
             const char* key_bytes = reinterpret_cast<const char*>(k_ptr + next_offset);
-            for (int64_t byte = 0; byte < chunk_bytes; byte += 64) __builtin_prefetch(key_bytes + byte, 0, 3);
+            for (int64_t byte = 0; byte < chunk_bytes; byte += 64) __builtin_prefetch(key_bytes + byte, 0, 2);
           }
           for (int64_t r = 0; r < rows; ++r) {
             const float* key = keys + ((r % heads) / group) * head_dim;
