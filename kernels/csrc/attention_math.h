@@ -91,18 +91,22 @@ inline float max_of(const float* x, int64_t n) {  // n >= 1
 }
 
 #ifdef __AVX512F__
-// Lane j of the result is the sum of v[j]'s 16 lanes: a transpose-add tree of 15 shuffle-and-add steps for 16
-// dot products, where 16 horizontal reductions (_mm512_reduce_add_ps) cost ~4x the instructions and a latency
-// chain each.
-inline __m512 sum_lanes16(const __m512* v) {
-  __m512 pairs[8], quads[4], octs[2];
-  for (int j = 0; j < 8; ++j) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+// Sixteen dot products' final sums as a transpose-add tree (15 shuffle-and-add steps for 16 vectors, where 16
+// horizontal reductions (_mm512_reduce_add_ps) cost ~4x the instructions and a latency chain each), in two halves
+// so that a caller can reduce its partial sums four at a time and keep fewer of them in registers:
+// sum_lanes4 folds 4 vectors into one "quad" (each 128-bit lane: one partial sum of each of the 4, in order);
+// sum_quads4 folds 4 quads (of vectors 0-3, 4-7, 8-11, 12-15) into the result, lane j = the sum of vector j.
+inline __m512 sum_lanes4(const __m512* v) {
+  __m512 pairs[2];
+  for (int j = 0; j < 2; ++j) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
     pairs[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
   }
-  for (int j = 0; j < 4; ++j) {  // per 128-bit lane: one partial sum of each of 4 vectors, in order
-    const __m512d a = _mm512_castps_pd(pairs[2 * j]), b = _mm512_castps_pd(pairs[2 * j + 1]);
-    quads[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
+  const __m512d a = _mm512_castps_pd(pairs[0]), b = _mm512_castps_pd(pairs[1]);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+}
+
+inline __m512 sum_quads4(const __m512* quads) {
+  __m512 octs[2];
   for (int j = 0; j < 2; ++j) {  // 128-bit lanes (0+1, 2+3) of one, then of the other
     octs[j] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * j], quads[2 * j + 1], 0x88),
                             _mm512_shuffle_f32x4(quads[2 * j], quads[2 * j + 1], 0xDD));
