@@ -13,6 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from backend_lib.sampler import Sampler, SamplingMetadata, SamplingRow
 from backend_lib.sampling_params import SamplingParams
 from kernels import sampling as ops
+from kernels.cpu_kernels import load_cpu_kernels
 
 V = 64
 INT32_MAX = 2**31 - 1
@@ -69,6 +70,24 @@ def test_sampled_batch_has_no_host_sync_or_data_dependent_shape():
     assert sum("sort" in n for n in names) == 1, names  # one sort for the whole batch
     forbidden = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "remainder")
     assert not [n for n in names if any(f in n for f in forbidden)], names
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 49159])
+def test_host_row_argmax_is_torch_max_index(vocab):
+    """The C++ kernel greedy rows take on the host: the first index of the maximum, a NaN counting as the maximum,
+    for vocabularies inside one vector, on its edge and past it with a tail."""
+    assert load_cpu_kernels(), "the C++ host kernels (kernels/csrc) did not build"
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=gen)
+    x[1] = 0.0  # every entry tied
+    x[2, [vocab - 1, vocab // 2]] = 100.0  # a tie between a late vector (or the tail) and an earlier one
+    x[3, [vocab // 3, vocab - 1]] = float("nan")
+    x[4] = float("-inf")
+    x[5, vocab - 1] = float("inf")
+    expected = x.max(dim=-1).indices
+    assert torch.equal(torch.ops.deepinfer.row_argmax(x), expected)
+    assert torch.equal(ops.row_argmax(x), expected)
+    assert torch.equal(ops.row_argmax(x[:1]), expected[:1])
 
 
 # ------------------------------------------------------------------ seeded noise
