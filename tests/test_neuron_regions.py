@@ -110,11 +110,14 @@ def test_decode_graphs_match_eager_at_each_bucket(arch, backend, tiny_llama, tin
                 torch.testing.assert_close(c[:, pool], e[:, pool], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["llama", "deepseek"])
-def test_layer_scope_shares_one_graph_per_layer_kind_and_matches_eager(arch, tiny_llama, tiny_deepseek):
+@pytest.mark.parametrize("arch", ["llama", "llama-onednn", "deepseek"])
+def test_layer_scope_shares_one_graph_per_layer_kind_and_matches_eager(arch, tiny_llama, tiny_llama_onednn,
+                                                                        tiny_deepseek):
     """compile_scope="layer": one traced graph per bucket and layer kind, run by every layer of that kind (the
-    DeepSeek model's dense and MoE layers get one each); logits and the written K/V equal the eager step's."""
-    model = tiny_llama if arch == "llama" else tiny_deepseek
+    DeepSeek model's dense and MoE layers get one each); logits and the written K/V equal the eager step's.
+    llama-onednn: the host kernels on, whose eager steps run the layers from one C++ loop; a padded step must
+    still go through the layer graphs."""
+    model = {"llama": tiny_llama, "llama-onednn": tiny_llama_onednn, "deepseek": tiny_deepseek}[arch]
     num_blocks = 24
     spec = BucketSpec(batch_sizes=(2,), block_table_widths=(4,), prefill_lengths=(), block_size=BS)
     compiled = CompiledModel(model, spec, "aot_eager", scratch_block=num_blocks, scope="layer")

@@ -151,13 +151,20 @@ class CompiledModel(torch.nn.Module):
         if self._layer is None:
             yield
             return
+        # A model whose eager host steps run all layers from one C++ op (Llama's host_fused) must call each
+        # layer's forward here, the region, instead.
+        fused = getattr(self.model, "host_fused", False)
         for layer in self.model.layers:
             layer.forward = partial(self._layer, layer)
+        if fused:
+            self.model.host_fused = False
         try:
             yield
         finally:
             for layer in self.model.layers:
                 del layer.forward
+            if fused:
+                self.model.host_fused = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
         rows = self.buckets.batch_bucket(hidden.shape[0])
