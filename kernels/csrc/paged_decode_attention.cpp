@@ -123,7 +123,7 @@ struct PortableRows {
 template <int kVecs>  // head_dim = 16 * kVecs
 struct Avx512Rows {
   // Rows served by one load (callers pass count <= kMaxRows): their q vectors, 4 partial sums each and one key's
-  // vectors within 32 registers.
+  // vectors fit the 32 registers (3 x 4 + 3 x 4 + 4 at head_dim 64; the quads may spill to L1).
   static constexpr int64_t kMaxRows = kVecs <= 4 ? 3 : 1;
   static constexpr int64_t kPrefetchSlices = kChunk / 4;  // one before each four keys
 
