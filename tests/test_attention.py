@@ -188,12 +188,14 @@ def _decode_case(seq_lens, query_len, head_dim, block_size, dtype=torch.float32,
     return q, k_cache, v_cache, tables.to(torch.int32), torch.tensor(seq_lens, dtype=torch.int32)
 
 
-# The kernel walks each block in chunks of up to 16 keys, in softmax segments of 256: contexts around the chunk,
-# block and segment edges (8 queries straddling one too), context 1,
+# The kernel walks each block in chunks of up to 16 keys, in softmax segments of 256, and splits requests into parts
+# of 1,024 keys that merge afterwards: contexts around the chunk, block, segment and part edges (8 queries
+# straddling one too), context 1,
 # blocks of 32 (two chunks) and 1, short contexts under 8 queries (speculative verification), head_dims with an
 # AVX-512 form (16, 64, 128) and without (48, the loops).
 @pytest.mark.parametrize("seq_lens,query_len", [([1, 15, 16, 17, 31, 33, 130], 1), ([1, 3, 8, 9, 20, 40], 8),
-                                                ([2, 16, 50], 3), ([255, 256, 257, 600], 1), ([260, 300], 8)])
+                                                ([2, 16, 50], 3), ([255, 256, 257, 600], 1), ([260, 300], 8),
+                                                ([1023, 1024, 1025, 2100, 40], 1), ([1030, 2050], 8)])
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (64, 32), (64, 1), (16, 16), (128, 4), (48, 16)])
 def test_cpu_decode_kernel_chunks_match_the_torch_form(seq_lens, query_len, head_dim, block_size, cpu_kernels):
     q, k_cache, v_cache, tables, lens = _decode_case(seq_lens, query_len, head_dim, block_size)
@@ -203,7 +205,22 @@ def test_cpu_decode_kernel_chunks_match_the_torch_form(seq_lens, query_len, head
     assert (got - want).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("seq_lens,query_len", [([1, 17, 130], 1), ([1, 5, 40], 8)])
+def test_cpu_decode_kernel_long_requests_give_the_same_bits_on_any_thread_count(cpu_kernels):
+    # Requests past 1,024 keys split into parts the threads share; the parts merge in order afterwards.
+    q, k_cache, v_cache, tables, lens = _decode_case([2100, 40, 1500], 1, 64, 16)
+    args = (q, k_cache, v_cache, tables, lens, 1, 16, 0.125)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged_decode_attention(*args, cpu_kernel=True)
+        torch.set_num_threads(2)
+        two = paged_decode_attention(*args, cpu_kernel=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("seq_lens,query_len", [([1, 17, 130], 1), ([1, 5, 40], 8), ([40, 1100], 1)])
 @pytest.mark.parametrize("head_dim", [64, 48])
 def test_cpu_decode_kernel_bf16_is_the_fp32_kernel_rounded_once(seq_lens, query_len, head_dim, cpu_kernels):
     # Widening bf16 is exact and the math after it is the fp32 kernel's, step for step: equal, not close.

@@ -27,6 +27,9 @@
 // widened in registers, not through a scratch copy (benchmarks/results/decode_attention_zen4.md): fp32 0.41 ->
 // 0.31 ms adjacent (1.31x), 0.43 -> 0.32 scattered (1.33x); bf16 0.29 -> 0.16 (1.82x) and 0.36 -> 0.22 (1.66x);
 // 1.17-1.37x and 1.5-2.0x over all sizes. The results are the same bits as before.
+// Then requests past 1,024 keys split into parts that the threads share, merged afterwards
+// (benchmarks/results/decode_attention_parts_zen4.md): one stream at 2,048 tokens fp32 1.51-1.63x, bf16 1.59-1.60x,
+// every other size within the noise (0.96-1.03x).
 // Tried and dropped: prefetching the next request's K during the V pass as one burst (-14% on the Xeon; paced and
 // limited to its first chunk it gains 1.05-1.08x on Zen 4), K prefetched two chunks ahead (no change, both
 // machines), and a one-pass online softmax (K and V of a chunk read together: +9% with blocks scattered, -9% on
@@ -74,6 +77,7 @@ inline const float* as_float(const at::BFloat16* src, float* scratch, int64_t n)
 
 constexpr int64_t kChunk = 16;  // keys per step: one 16-lane vector of scores per query row
 constexpr int64_t kSegment = 256;  // keys per softmax segment: 192 KB of fp32 V rows (SmolLM2) stay in L2
+constexpr int64_t kPart = 4 * kSegment;  // keys per task: longer requests split into parts the threads share
 
 // Lines of up to two regions prefetched into L2 a slice per issue(), paced with the compute between the calls: one
 // burst fills the core's miss buffers and stalls it, and memory then idles while it computes (Zen 4, SmolLM2 layer
@@ -239,15 +243,27 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int32_t* len_ptr = lens.data_ptr<int32_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
 
-  // One task per request: a chunk of up to 16 slots inside one block is one contiguous read of all KV heads,
-  // and the blocks of a request stream in order.
-  at::parallel_for(0, num_reqs, 1, [&](int64_t begin, int64_t end) {
+  // One task per request part of up to kPart keys: a chunk of up to 16 slots inside one block is one contiguous
+  // read of all KV heads, and the blocks of a part stream in order. Parts let one long request spread over the
+  // threads (one stream at 2,048 tokens of context: its attention was one core's work). A part's rows end
+  // unnormalized (sums, maximum, denominator) and a request of several parts merges them in part order afterwards,
+  // so the result depends on kPart, never on the thread count; a request within one part (most) is normalized in
+  // place, as before.
+  auto keys_of = [&](int64_t b) { return std::min<int64_t>(std::max<int64_t>(len_ptr[b] - 1, 0) + 1, max_keys); };
+  std::vector<int64_t> first_task(num_reqs + 1, 0);
+  for (int64_t b = 0; b < num_reqs; ++b) first_task[b + 1] = first_task[b] + (keys_of(b) + kPart - 1) / kPart;
+  const int64_t num_tasks = first_task[num_reqs];
+  const int64_t partial_stride = max_rows * (head_dim + 2);  // a part's rows: sums, then maxima, then denominators
+  std::vector<float> partials(num_tasks > num_reqs ? num_tasks * partial_stride : 0);
+  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(max_rows * max_keys);  // row r = i * heads + h
     std::vector<float> acc(max_rows * head_dim);
     std::vector<float> top(max_rows), denominators(max_rows);  // running maximum and softmax denominator per row
     std::vector<float> q_scratch(max_rows * head_dim), chunk_scratch(kChunk * slot_stride);  // widened bf16
     std::vector<int64_t> visible(max_queries);  // query i sees positions 0 .. visible[i] - 1
-    for (int64_t b = begin; b < end; ++b) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = std::upper_bound(first_task.begin(), first_task.end(), t) - first_task.begin() - 1;
+      const int64_t part = t - first_task[b], parts = first_task[b + 1] - first_task[b];
       const int64_t query_len = layout.count(b), rows = query_len * heads;
       const int32_t* table = table_ptr + b * width;
       const int64_t q_offset = layout.start(b) * heads * head_dim;
@@ -257,6 +273,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         visible[i] = std::min(position + 1, max_keys);
       }
       const int64_t num_keys = visible[query_len - 1];
+      const int64_t part_first = part * kPart, part_last = std::min(part_first + kPart, num_keys);
       // The query rows in groups that share a KV head, and with it one load of each key and value vector:
       // body(query, KV head, first row, rows).
       auto for_each_row_group = [&](auto&& body) {
@@ -290,8 +307,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       std::fill(denominators.begin(), denominators.begin() + rows, 0.f);
       // Segments of kSegment keys, the softmax rescaled between them: a segment's V rows, prefetched during its
       // score pass, still sit in L2 for its V pass (a 2,048-token request's 1.5 MB of fp32 V rows would not).
-      for (int64_t first = 0; first < num_keys; first += kSegment) {
-        const int64_t last = std::min(first + kSegment, num_keys);
+      for (int64_t first = part_first; first < part_last; first += kSegment) {
+        const int64_t last = std::min(first + kSegment, part_last);
         // Scores of every query row for keys a later query sees too (finite: those slots hold this step's tokens);
         // the softmax below reads only each row's visible ones.
         for_each_chunk(k_ptr, first, last, [&](int64_t s0, int64_t n, int64_t offset, const auto* keys) {
@@ -315,7 +332,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           if (n <= 0) continue;
           const float old_top = top[r], new_top = std::max(old_top, max_of(row, n));
           exp_shifted_inplace(row, n, new_top);
-          if (first > 0 && new_top != old_top) {  // what earlier segments summed, to the new maximum
+          if (first > part_first && new_top != old_top) {  // what earlier segments summed, to the new maximum
             float factor = old_top;
             exp_shifted_inplace(&factor, 1, new_top);
             for (int64_t d = 0; d < head_dim; ++d) acc[r * head_dim + d] *= factor;
@@ -324,12 +341,15 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           top[r] = new_top;
           denominators[r] += sum_of(row, n);
         }
-        // The request's last V pass prefetches the next request's first K chunk, which that request's score pass
-        // reads before its own prefetches start (1.05-1.08x): a slice per chunk, while memory would idle.
+        // A part's last V pass prefetches the next task's first K chunk, which that task's score pass reads before
+        // its own prefetches start (1.05-1.08x): a slice per chunk, while memory would idle.
         PacedPrefetch next_request;
-        if (last == num_keys && b + 1 < end) {
-          const int64_t next_keys = std::clamp<int64_t>(len_ptr[b + 1], 1, std::min(kChunk, block_size));
-          next_request = {as_bytes(k_ptr + int64_t(table_ptr[(b + 1) * width]) * block_size * slot_stride), nullptr,
+        if (last == part_last && t + 1 < end) {
+          const int64_t next_b = part + 1 < parts ? b : b + 1, from = part + 1 < parts ? part_last : 0;
+          const int64_t next_keys = std::clamp<int64_t>(keys_of(next_b) - from, 1,
+                                                        std::min(kChunk, block_size - from % block_size));
+          const int64_t block = table_ptr[next_b * width + from / block_size];
+          next_request = {as_bytes(k_ptr + (block * block_size + from % block_size) * slot_stride), nullptr,
                           lines_of(next_keys), (last - first + chunk_keys - 1) / chunk_keys};
         }
         for_each_chunk(v_ptr, first, last, [&](int64_t s0, int64_t n, int64_t /*offset*/, const auto* values) {
@@ -342,12 +362,46 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           });
         });
       }
+      if (parts > 1) {  // merged below
+        float* partial = partials.data() + t * partial_stride;
+        std::copy_n(acc.data(), rows * head_dim, partial);
+        std::copy_n(top.data(), rows, partial + rows * head_dim);
+        std::copy_n(denominators.data(), rows, partial + rows * (head_dim + 1));
+        continue;
+      }
       scalar_t* out_req = out_ptr + q_offset;
       for (int64_t r = 0; r < rows; ++r) {
         const float inv = 1.f / denominators[r];
         for (int64_t d = 0; d < head_dim; ++d) {
           out_req[r * head_dim + d] = static_cast<scalar_t>(acc[r * head_dim + d] * inv);
         }
+      }
+    }
+  });
+  if (partials.empty()) return;
+  // Requests of several parts: each row's parts rescaled to their common maximum and summed in part order.
+  at::parallel_for(0, num_reqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sums(head_dim);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t parts = first_task[b + 1] - first_task[b];
+      if (parts == 1) continue;
+      const int64_t rows = layout.count(b) * heads;
+      const float* first_part = partials.data() + first_task[b] * partial_stride;
+      scalar_t* out_req = out_ptr + layout.start(b) * heads * head_dim;
+      for (int64_t r = 0; r < rows; ++r) {
+        float top = -INFINITY, denominator = 0.f;
+        for (int64_t p = 0; p < parts; ++p) top = std::max(top, first_part[p * partial_stride + rows * head_dim + r]);
+        std::fill(sums.begin(), sums.end(), 0.f);
+        for (int64_t p = 0; p < parts; ++p) {
+          const float* partial = first_part + p * partial_stride;
+          float factor = partial[rows * head_dim + r];
+          if (factor == -INFINITY) continue;  // none of this part's keys is visible to the row
+          exp_shifted_inplace(&factor, 1, top);
+          denominator += partial[rows * (head_dim + 1) + r] * factor;
+          for (int64_t d = 0; d < head_dim; ++d) sums[d] += partial[r * head_dim + d] * factor;
+        }
+        const float inv = 1.f / denominator;
+        for (int64_t d = 0; d < head_dim; ++d) out_req[r * head_dim + d] = static_cast<scalar_t>(sums[d] * inv);
       }
     }
   });
