@@ -80,3 +80,39 @@ def test_bad_inputs_name_the_argument_and_leave_the_cache_untouched():
         fused.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8), 1e-6)
     with pytest.raises(RuntimeError, match="silu_and_mul: x must be"):
         fused.silu_and_mul(torch.randn(2, 7))
+
+
+def _norm_in_kernel_order(x, weight, eps):
+    """The kernel's RMSNorm written out in its order of operations: 16 partial sums of squares over the 16-aligned
+    body, added in lane order, then the tail; fp32 products and sums unfused, bf16 rounded where torch stores it."""
+    xf, hidden = x.float(), x.shape[1]
+    body = hidden // 16 * 16
+    lanes = torch.zeros(x.shape[0], 16)
+    for start in range(0, body, 16):
+        chunk = xf[:, start:start + 16]
+        lanes = lanes + chunk * chunk
+    total = torch.zeros(x.shape[0])
+    for lane in range(16):
+        total = total + lanes[:, lane]
+    for i in range(body, hidden):
+        total = total + xf[:, i] * xf[:, i]
+    # Tensor by tensor: torch divides by a Python number as a product with its reciprocal. The square root in
+    # fp64 rounds to fp32's correctly rounded one (the kernel's sqrtf); torch's fp32 sqrt can be one ulp off.
+    mean = total / torch.full_like(total, hidden)
+    inv = torch.ones_like(mean) / torch.sqrt((mean + eps).double()).float()
+    h = (xf * inv[:, None]).to(x.dtype).float()
+    return (weight.float() * h).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (32, 576), (5, 100), (3, 7)])
+def test_rms_norm_is_its_written_order_to_the_bit(dtype, rows, hidden):
+    """Pins the norm's bits, whichever of the kernel's loops (16 lanes or scalar) serves the CPU: the decode loop
+    op and the per-layer ops must keep agreeing with each other and with earlier runs."""
+    torch.manual_seed(rows * hidden)
+    x, residual = (3 * torch.randn(rows, hidden)).to(dtype), torch.randn(rows, hidden).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden)).to(dtype)
+    assert torch.equal(fused.rms_norm(x, weight, 1e-5), _norm_in_kernel_order(x, weight, 1e-5))
+    normed, summed = fused.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(summed, x + residual)
+    assert torch.equal(normed, _norm_in_kernel_order(x + residual, weight, 1e-5))

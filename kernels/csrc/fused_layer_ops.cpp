@@ -42,32 +42,81 @@ inline int64_t row_grain(int64_t row_elems) {
   return std::max<int64_t>(1, 262144 / std::max<int64_t>(row_elems, 1));
 }
 
-// torch's RMSNorm (kernels/norm.py): h = x in fp32; h * rsqrt(mean(h^2) + eps) stored in x's dtype; times weight.
+// Whether scalar_t's loops below take 16 lanes at a time. Why: GCC leaves the bf16 loops scalar (each conversion
+// back to bf16 checks for NaN), ~1.4 ns an element: the norms and RoPE of a batch-32 bf16 SmolLM2 step took
+// ~1.5 ms on the main thread while the other one waited. The lanes do the scalar loops' operations in their order
+// (products and sums unfused, bf16 rounded to nearest even), so both forms give the same bits.
+#ifdef __AVX512F__
 template <typename scalar_t>
-NO_FMA void norm_rows(const scalar_t* x, const scalar_t* weight, scalar_t* out, int64_t rows, int64_t hidden,
-                      float eps) {
-  at::parallel_for(0, rows, row_grain(hidden), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* xr = x + r * hidden;
-      float lanes[16] = {};
-      int64_t i = 0;
-      for (; i + 16 <= hidden; i += 16) {
-        for (int l = 0; l < 16; ++l) {
-          const float v = static_cast<float>(xr[i + l]);
-          lanes[l] += v * v;
-        }
-      }
-      float sum = 0.f;
-      for (int l = 0; l < 16; ++l) sum += lanes[l];
-      for (; i < hidden; ++i) sum += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
-      const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
-      scalar_t* o = out + r * hidden;
-      for (int64_t j = 0; j < hidden; ++j) {
-        const float h = stored<scalar_t>(static_cast<float>(xr[j]) * inv);
-        o[j] = static_cast<scalar_t>(static_cast<float>(weight[j]) * h);
+constexpr bool kLanes16 = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>;
+using attention_math::load16;
+using attention_math::store16;
+using attention_math::stored16;
+#else
+template <typename scalar_t>
+constexpr bool kLanes16 = false;
+#endif
+
+// torch's RMSNorm (kernels/norm.py): h = x in fp32; h * rsqrt(mean(h^2) + eps) stored in x's dtype; times weight.
+// The mean's sum: 16 partial sums over the 16-aligned body, added in lane order, then the tail.
+template <typename scalar_t>
+NO_FMA void norm_row(const scalar_t* xr, const scalar_t* weight, scalar_t* o, int64_t hidden, float eps) {
+  float lanes[16] = {};
+  int64_t i = 0;
+  if constexpr (kLanes16<scalar_t>) {
+#ifdef __AVX512F__
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= hidden; i += 16) {
+      const __m512 v = load16(xr + i);
+      acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    }
+    _mm512_storeu_ps(lanes, acc);
+#endif
+  } else {
+    for (; i + 16 <= hidden; i += 16) {
+      for (int l = 0; l < 16; ++l) {
+        const float v = static_cast<float>(xr[i + l]);
+        lanes[l] += v * v;
       }
     }
+  }
+  float sum = 0.f;
+  for (int l = 0; l < 16; ++l) sum += lanes[l];
+  for (; i < hidden; ++i) sum += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+  int64_t j = 0;
+  if constexpr (kLanes16<scalar_t>) {
+#ifdef __AVX512F__
+    const __m512 inv16 = _mm512_set1_ps(inv);
+    for (; j + 16 <= hidden; j += 16) {
+      const __m512 h = stored16(_mm512_mul_ps(load16(xr + j), inv16), scalar_t{});
+      store16(o + j, _mm512_mul_ps(load16(weight + j), h));
+    }
+#endif
+  }
+  for (; j < hidden; ++j) {
+    const float h = stored<scalar_t>(static_cast<float>(xr[j]) * inv);
+    o[j] = static_cast<scalar_t>(static_cast<float>(weight[j]) * h);
+  }
+}
+
+template <typename scalar_t>
+void norm_rows(const scalar_t* x, const scalar_t* weight, scalar_t* out, int64_t rows, int64_t hidden, float eps) {
+  at::parallel_for(0, rows, row_grain(hidden), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) norm_row(x + r * hidden, weight, out + r * hidden, hidden, eps);
   });
+}
+
+// s = a + b, each sum rounded to scalar_t.
+template <typename scalar_t>
+void add_stored(const scalar_t* a, const scalar_t* b, scalar_t* s, int64_t n) {
+  int64_t i = 0;
+  if constexpr (kLanes16<scalar_t>) {
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) store16(s + i, _mm512_add_ps(load16(a + i), load16(b + i)));
+#endif
+  }
+  for (; i < n; ++i) s[i] = static_cast<scalar_t>(static_cast<float>(a[i]) + static_cast<float>(b[i]));
 }
 
 void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
@@ -102,8 +151,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
     const scalar_t* a = x.data_ptr<scalar_t>();
     const scalar_t* b = residual.data_ptr<scalar_t>();
     scalar_t* s = summed.data_ptr<scalar_t>();
-    const int64_t n = x.numel();
-    for (int64_t i = 0; i < n; ++i) s[i] = static_cast<scalar_t>(static_cast<float>(a[i]) + static_cast<float>(b[i]));
+    add_stored(a, b, s, x.numel());
   });
   return {rms_norm(summed, weight, eps), summed};
 }
@@ -112,9 +160,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
 // The scalar loop below costs ~25 operations an element (GCC does not vectorize exp_poly): 6 ms of a batch-32
 // SmolLM2 step; 16 lanes at a time it is ~1.7 ms. Returns how many leading elements it wrote (0 without AVX-512).
 #ifdef __AVX512F__
-using attention_math::load16;
-using attention_math::store16;
-
 template <typename scalar_t>
 int64_t silu_and_mul_avx512(const scalar_t* gate, const scalar_t* up, scalar_t* out, int64_t n) {
   int64_t i = 0;
@@ -161,7 +206,19 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
 // sum stored in scalar_t.
 template <typename scalar_t>
 NO_FMA void rotate_head(const scalar_t* src, const scalar_t* cos, const scalar_t* sin, scalar_t* dst, int64_t half) {
-  for (int64_t i = 0; i < half; ++i) {
+  int64_t i = 0;
+  if constexpr (kLanes16<scalar_t>) {
+#ifdef __AVX512F__
+    const scalar_t tag{};
+    for (; i + 16 <= half; i += 16) {
+      const __m512 x1 = load16(src + i), x2 = load16(src + half + i), c = load16(cos + i), s = load16(sin + i);
+      store16(dst + i, _mm512_sub_ps(stored16(_mm512_mul_ps(x1, c), tag), stored16(_mm512_mul_ps(x2, s), tag)));
+      store16(dst + half + i,
+              _mm512_add_ps(stored16(_mm512_mul_ps(x2, c), tag), stored16(_mm512_mul_ps(x1, s), tag)));
+    }
+#endif
+  }
+  for (; i < half; ++i) {
     const float x1 = static_cast<float>(src[i]), x2 = static_cast<float>(src[half + i]);
     const float c = static_cast<float>(cos[i]), s = static_cast<float>(sin[i]);
     dst[i] = static_cast<scalar_t>(stored<scalar_t>(x1 * c) - stored<scalar_t>(x2 * s));
