@@ -271,17 +271,21 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in chunks]
         if not inputs.sampling_chunks:
             return RunnerOutput(sampled_token_ids=sampled)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
         rows = [SamplingRow(params=r.sampling_params, seed=r.seed, output_position=r.num_output_tokens,
                             prompt_token_ids=r.prompt_token_ids, output_token_ids=r.output_token_ids,
                             eos_token_ids=r.eos_token_ids)
                 for r in (chunks[i].request for i in inputs.sampling_chunks)]
-        out = self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
+        meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
+        head_input = hidden[inputs.logits_indices]
+        # Plain greedy rows skip the logits where the model screens its head (kernels/head_screen.py).
+        screen = getattr(self.model, "greedy_token_ids", None) if meta.plain_greedy else None
+        greedy = screen(head_input) if screen is not None else None
+        out = self.sampler(self.model.compute_logits(head_input), meta) if greedy is None else None
         # The one host sync of the step.
-        token_ids = out.token_ids.tolist()
+        token_ids = (out.token_ids if out is not None else greedy).tolist()
         for row, i in enumerate(inputs.sampling_chunks):
             sampled[i] = [token_ids[row]]
-        if out.logprobs is None:
+        if out is None or out.logprobs is None:
             return RunnerOutput(sampled_token_ids=sampled)
         token_logprobs = out.logprobs.tolist()
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None

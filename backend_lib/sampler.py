@@ -60,6 +60,11 @@ class SamplingMetadata:
         return self.any_top_k or self.any_top_p or self.any_min_p
 
     @property
+    def plain_greedy(self) -> bool:
+        """Every row's token is the raw logits' argmax and nothing else is asked of them (no logprobs)."""
+        return self.all_greedy and not self.any_penalty and not self.any_min_tokens and self.max_num_logprobs is None
+
+    @property
     def batch_size(self) -> int:
         return int(self.temperature.shape[0])
 

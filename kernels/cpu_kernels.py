@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = ("paged_decode_attention.cpp", "shm_all_reduce.cpp", "gemv.cpp", "grouped_experts.cpp",
             "hyper_connections.cpp", "sink_attention.cpp", "interleaved_rope.cpp", "rms_norm.cpp",
-            "fused_layer_ops.cpp", "llama_decode.cpp", "gemm_amx.cpp", "row_argmax.cpp")
+            "fused_layer_ops.cpp", "llama_decode.cpp", "gemm_amx.cpp", "row_argmax.cpp",
+            "head_screen.cpp")
 # torch.backends.cpu.get_cpu_capability() -> compiler flags (x86-64; anything else builds for the baseline).
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],

@@ -60,12 +60,13 @@ def _agree_on_blocks(num_blocks: int, par: ParallelContext) -> int:
     return int(count.item())
 
 
-def host_gemm_plan(host_gemm: str, device: torch.device, dtype: torch.dtype) -> HostGemmPlan:
+def host_gemm_plan(host_gemm: str, device: torch.device, dtype: torch.dtype,
+                   greedy_head_screen: bool = True) -> HostGemmPlan:
     """``ModelConfig.host_gemm`` -> the layouts to pack, as far as this device and dtype have the kernels."""
     onednn = host_gemm in ("auto", "onednn") and onednn_gemm_available(device, dtype)
     blocked = host_gemm in ("auto", "gemv") and gemv_available(device, dtype)
     policy = GemvPolicy(max_rows=None) if host_gemm == "gemv" else GemvPolicy.for_host(dtype)
-    return HostGemmPlan(onednn=onednn, blocked=blocked, policy=policy)
+    return HostGemmPlan(onednn=onednn, blocked=blocked, policy=policy, screen_head=greedy_head_screen)
 
 
 def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
@@ -74,7 +75,7 @@ def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
                        par=par).to(device).eval()
     num_blocks = _agree_on_blocks(kv_cache_blocks(config, model, dtype, par.world_size), par)
     # Before the runner: compiled regions trace the packed GEMMs (opaque custom ops) that eager steps call.
-    plan = host_gemm_plan(config.model.host_gemm, device, dtype)
+    plan = host_gemm_plan(config.model.host_gemm, device, dtype, config.model.greedy_head_screen)
     if hasattr(model, "pack_for_cpu") and (plan.onednn or plan.blocked):
         model.pack_for_cpu(plan)
         if plan.blocked:  # the layouts every decode step streams, in the model's order, on huge pages

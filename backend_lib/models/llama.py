@@ -20,6 +20,7 @@ from kernels import fused_layer_ops as fused
 from kernels.attention import paged_attention, write_kv
 from kernels.attention_metadata import AttentionMetadata
 from kernels.gemv import TILE, GemvPolicy, block_weight, blocked_linear_float
+from kernels.head_screen import HeadScreen
 from kernels.onednn_gemm import PackedWeight
 from kernels.rope import RopeScaling, rope_at, rotate
 
@@ -246,6 +247,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, vocab_local, False, dtype)
         self.packed_head: PackedWeight | None = None
         self.register_buffer("blocked_head", None, persistent=False)  # kernels.gemv layout of the head
+        self.head_screen: HeadScreen | None = None
         self.gemv_policy = GemvPolicy()
         self.host_fused = False  # eager host steps on the C++ ops (use_cpu_attention)
         self._decode_weight_lists: tuple | None = None  # _host_decode_weights' lists, collected once
@@ -327,6 +329,14 @@ class LlamaForCausalLM(nn.Module):
             logits = linear(hidden, self._head_weight(), None, self.packed_head, None, self.gemv_policy).float()
         return self.par.all_gather_last(logits)
 
+    def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N] int64, or None
+        """``compute_logits(hidden)``'s argmax to the index, from the screened head (kernels/head_screen.py) where
+        this model has one and ``compute_logits`` would take the blocked kernel; None: compute the logits."""
+        if (self.head_screen is None or not self.gemv_policy.use_blocked(hidden.shape[0])
+                or torch.compiler.is_compiling()):
+            return None
+        return self.head_screen.argmax(hidden)
+
     def _head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
@@ -339,6 +349,10 @@ class LlamaForCausalLM(nn.Module):
         self.packed_head = PackedWeight(self._head_weight()) if plan.onednn else None
         if plan.blocked:
             self.blocked_head = block_weight(self._head_weight())
+        self.head_screen = None
+        if plan.screen_head and self.blocked_head is not None and self.blocked_head.dtype == torch.float32 \
+                and self.par.world_size == 1 and HeadScreen.supported():
+            self.head_screen = HeadScreen.build(self._head_weight(), self.blocked_head)
         self.gemv_policy = plan.policy
         self._decode_weight_lists = None  # new layouts: the lists are rebuilt on the next decode step
 

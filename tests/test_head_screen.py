@@ -1,0 +1,124 @@
+"""The screened greedy head (kernels/head_screen.py): its tokens are the full fp32 head's argmax, to the index."""
+import dataclasses
+
+import pytest
+import torch
+
+from kernels.cpu_kernels import load_cpu_kernels
+from kernels.gemv import block_weight, blocked_linear, blocked_linear_float
+from kernels.head_screen import HeadScreen, screen_coefficient
+from kernels.sampling import row_argmax
+
+pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="host C++ kernels not built")
+
+
+def _full_argmax(screen: HeadScreen, x: torch.Tensor) -> torch.Tensor:
+    return row_argmax(blocked_linear(x, screen.exact_head, None, screen.vocab_size))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 32])
+@pytest.mark.parametrize("vocab,width", [(4096, 576), (1000, 64), (37, 100)])
+def test_screened_tokens_equal_the_full_heads_argmax(rows, vocab, width):
+    torch.manual_seed(vocab + rows)
+    weight = torch.randn(vocab, width) / width ** 0.5
+    screen = HeadScreen.build(weight, block_weight(weight))
+    for scale in (1.0, 8.0, 0.01):
+        x = scale * torch.randn(rows, width)
+        assert torch.equal(screen.argmax(x), _full_argmax(screen, x))
+
+
+def _near_tie_case():
+    """A head whose best columns (every 100th, each in a tile of its own) lie within the bf16 head's error of each
+    other, and rows whose logits there are small against ||x|| ||W_j||: the cheap head often picks another."""
+    torch.manual_seed(3)
+    width, vocab = 576, 4096
+    weight = 0.001 * torch.randn(vocab, width)
+    base = torch.randn(width) / width ** 0.5
+    weight[::100] = base + 1e-4 * torch.randn(len(range(0, vocab, 100)), width)
+    rows = []
+    for _ in range(64):
+        x = 3 * torch.randn(width)
+        x += (0.3 - x @ base) / (base @ base) * base  # x . base = 0.3
+        rows.append(x[None, :])
+    return weight, rows
+
+
+def test_near_ties_the_bf16_head_gets_wrong_are_still_exact():
+    weight, rows = _near_tie_case()
+    screen = HeadScreen.build(weight, block_weight(weight))
+    wrong_cheap = sum(int(row_argmax(blocked_linear_float(x.to(torch.bfloat16), screen.approx_head, 4096)) !=
+                          _full_argmax(screen, x)) for x in rows)
+    assert wrong_cheap >= 8  # the case is a hard one
+    assert all(torch.equal(screen.argmax(x), _full_argmax(screen, x)) for x in rows)
+    # and the bound is what makes it exact: one far below the errors keeps the wrong columns alone
+    tight = dataclasses.replace(screen, coefficient=screen.coefficient * 1e-6)
+    assert not all(torch.equal(tight.argmax(x), _full_argmax(tight, x)) for x in rows)
+
+
+def test_ties_go_to_the_first_index_and_the_last_partial_tile_counts():
+    torch.manual_seed(1)
+    width, vocab = 64, 50  # 4 tiles, the last holding 2 columns and 14 zero pads
+    weight = torch.randn(vocab, width) * 0.1
+    weight[49] = weight[3] = torch.randn(width)  # an exact tie, the larger logits
+    screen = HeadScreen.build(weight, block_weight(weight))
+    x = weight[3][None, :].clone()
+    assert screen.argmax(x).tolist() == [3] == _full_argmax(screen, x).tolist()
+    weight[3] = 0.0
+    screen = HeadScreen.build(weight, block_weight(weight))
+    assert screen.argmax(x).tolist() == [49] == _full_argmax(screen, x).tolist()
+    # every logit negative: the zero pads past the vocabulary must not win
+    x = -weight[49][None, :]
+    assert screen.argmax(x).tolist() == _full_argmax(screen, x).tolist()
+    assert screen.argmax(x).item() < vocab
+
+
+def test_non_finite_rows_fall_back_to_the_full_head():
+    weight = torch.randn(64, 32)
+    screen = HeadScreen.build(weight, block_weight(weight))
+    x = torch.randn(2, 32)
+    x[1, 5] = float("nan")
+    assert screen.argmax(x) is None
+    x[1, 5] = 1e37  # bounds past 1e30: logits near fp32's range, the rounding argument no longer safe
+    assert screen.argmax(x) is None
+    x[1, 5] = 1e20  # large but far from it: screened, and exact
+    assert torch.equal(screen.argmax(x), _full_argmax(screen, x))
+
+
+def test_the_bound_holds():
+    torch.manual_seed(2)
+    width, vocab = 576, 4096
+    weight = torch.randn(vocab, width) / width ** 0.5
+    screen = HeadScreen.build(weight, block_weight(weight))
+    x = 3 * torch.randn(32, width)
+    exact = blocked_linear(x, screen.exact_head, None, vocab)
+    approx = blocked_linear_float(x.to(torch.bfloat16), screen.approx_head, vocab)
+    ratio = (exact - approx).abs() / (x.norm(dim=1)[:, None] * screen.row_norms[None, :])
+    assert 0 < ratio.max() <= screen.coefficient
+
+
+def test_the_engine_s_greedy_tokens_are_the_same_with_and_without_the_screen(smollm2_path):
+    """SmolLM2 fp32, a batch of 8 and one stream: the screened engine's tokens are the full head's; a row asking for
+    logprobs takes the full logits (and gets them) beside screened ones."""
+    from backend_lib.config import EngineConfig
+    from backend_lib.offline import LLM
+    from backend_lib.sampling_params import SamplingParams
+
+    prompts = [[{"role": "user", "content": text}] for text in (
+        "Name three prime numbers.", "What is the capital of France?", "Write a haiku about rain.",
+        "Explain recursion briefly.", "Count from one to ten.", "Say hello in Spanish.", "What is 12 times 12?",
+        "List the planets.")]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for screened in (True, False):
+        llm = LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 256, "max_num_seqs": 8,
+                                                 "greedy_head_screen": screened}))
+        assert (llm.engine.model.head_screen is not None) == screened
+        tokens[screened] = [r.token_ids for r in llm.generate(prompts, greedy)]
+        tokens[screened].append(llm.generate(prompts[:1], greedy)[0].token_ids)
+        if screened:
+            with_logprobs = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+            results = llm.generate(prompts[:2], [with_logprobs, greedy])
+            assert len(results[0].logprobs) == 8 and not results[1].logprobs
+            assert results[0].token_ids == tokens[True][0][:8] and results[1].token_ids == tokens[True][1]
+        llm.close()
+    assert tokens[True] == tokens[False]
