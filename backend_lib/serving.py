@@ -41,6 +41,7 @@ _ENGINE_PARAMETERS: dict[str, tuple[str, type]] = {
     "device": ("device", str),
     "host_gemm": ("host_gemm", str),
     "host_attention": ("host_attention", str),
+    "greedy_head_screen": ("greedy_head_screen", bool),
     "max_num_seqs": ("max_num_seqs", int),
     "max_model_len": ("max_model_len", int),
     "block_size": ("block_size", int),

@@ -36,10 +36,11 @@ inline float stored(float v) {
   return static_cast<float>(static_cast<scalar_t>(v));
 }
 
-// Rows per task: decode-sized inputs (up to ~200k elements) stay on one thread, where an OpenMP region would cost
-// more than the work (and, on a busy machine, stall on its barrier); prefill chunks split across threads.
-inline int64_t row_grain(int64_t row_elems) {
-  return std::max<int64_t>(1, 262144 / std::max<int64_t>(row_elems, 1));
+// Rows per task: decode-sized inputs (up to ~256k elements) stay on one thread, where an OpenMP region would cost
+// more than the work (and, on a busy machine, stall on its barrier); larger ones (prefill chunks) split evenly
+// across the threads (a grain of 455 rows split a 512-row chunk 455 + 57).
+inline int64_t row_grain(int64_t rows, int64_t row_elems) {
+  return rows * row_elems <= 262144 ? std::max<int64_t>(rows, 1) : 1;
 }
 
 // Whether scalar_t's loops below take 16 lanes at a time. Why: GCC leaves the bf16 loops scalar (each conversion
@@ -102,14 +103,14 @@ NO_FMA void norm_row(const scalar_t* xr, const scalar_t* weight, scalar_t* o, in
 
 template <typename scalar_t>
 void norm_rows(const scalar_t* x, const scalar_t* weight, scalar_t* out, int64_t rows, int64_t hidden, float eps) {
-  at::parallel_for(0, rows, row_grain(hidden), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, row_grain(rows, hidden), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) norm_row(x + r * hidden, weight, out + r * hidden, hidden, eps);
   });
 }
 
 // s = a + b, each sum rounded to scalar_t.
 template <typename scalar_t>
-void add_stored(const scalar_t* a, const scalar_t* b, scalar_t* s, int64_t n) {
+void add_stored_range(const scalar_t* a, const scalar_t* b, scalar_t* s, int64_t n) {
   int64_t i = 0;
   if constexpr (kLanes16<scalar_t>) {
 #ifdef __AVX512F__
@@ -117,6 +118,16 @@ void add_stored(const scalar_t* a, const scalar_t* b, scalar_t* s, int64_t n) {
 #endif
   }
   for (; i < n; ++i) s[i] = static_cast<scalar_t>(static_cast<float>(a[i]) + static_cast<float>(b[i]));
+}
+
+// Decode sizes on one thread; a prefill chunk in 16-aligned ranges over the threads.
+template <typename scalar_t>
+void add_stored(const scalar_t* a, const scalar_t* b, scalar_t* s, int64_t n) {
+  at::parallel_for(0, (n + 15) / 16, n <= 262144 ? std::max<int64_t>((n + 15) / 16, 1) : 4096,
+                   [&](int64_t begin, int64_t end) {
+                     const int64_t first = begin * 16, last = std::min(end * 16, n);
+                     add_stored_range(a + first, b + first, s + first, last - first);
+                   });
 }
 
 void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
@@ -186,7 +197,7 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, row_grain(inter), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, row_grain(rows, 2 * inter), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* gate = xp + r * 2 * inter;
         const scalar_t* up = gate + inter;
@@ -261,7 +272,7 @@ at::Tensor rope_qkv_to_cache(const at::Tensor& qkv, const at::Tensor& cos_in, co
     scalar_t* qp = q.data_ptr<scalar_t>();
     scalar_t* kp = k_cache.data_ptr<scalar_t>();
     scalar_t* vp = v_cache.data_ptr<scalar_t>();
-    at::parallel_for(0, tokens, row_grain((num_heads + 2 * num_kv_heads) * dim), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, tokens, row_grain(tokens, (num_heads + 2 * num_kv_heads) * dim), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t slot = slot_ptr[t];
         const scalar_t* row = src + t * row_stride;
