@@ -129,6 +129,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=0, help="override the workload's new tokens (0 = keep)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     parser.add_argument("--skip-transformers", action="store_true", help="no near-tie report")
+    parser.add_argument("--fp32-full-head", action="store_true",
+                        help="fp32 computes every logit (greedy_head_screen off): both dtypes do the same head work")
+    parser.add_argument("--stem", default="bf16", help="result file name")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     if args.threads:
@@ -140,7 +143,8 @@ def main() -> None:
 
     engines = {dtype: LLM(config=EngineConfig.from_flat({
         "model": default_model_path(), "dtype": dtype, "max_num_seqs": 32, "max_num_batched_tokens": 512,
-        "enable_prefix_caching": False, "num_blocks": 640, "num_threads": torch.get_num_threads()}))
+        "enable_prefix_caching": False, "num_blocks": 640, "num_threads": torch.get_num_threads(),
+        "greedy_head_screen": not (args.fp32_full_head and dtype == "float32")}))
         for dtype in DTYPES}
     for llm in engines.values():
         _generate(llm, prompts[:2], 4)  # warm-up
@@ -164,8 +168,11 @@ def main() -> None:
         llm.close()
     same_as_fp32 = sum(a == b for a, b in zip(ids.get("float32", []), ids.get("bfloat16", [])))
     divergences = None if args.skip_transformers else transformers_divergences(prompts, ids["bfloat16"], new_tokens)
-    write_report(machine + f", {os.getloadavg()[0]:.1f} at the end", timings, same_as_fp32, divergences,
-                 len(prompts), new_tokens, args.single, Path(args.out))
+    head = ("every fp32 logit computed (greedy_head_screen off)" if args.fp32_full_head else
+            "fp32 greedy head screened (the default: a bf16 copy of the head plus exact fp32 on the few columns its "
+            "error bound leaves; bf16 has no screen)")
+    write_report(machine + f", {os.getloadavg()[0]:.1f} at the end; {head}", timings, same_as_fp32, divergences,
+                 len(prompts), new_tokens, args.single, Path(args.out), args.stem)
 
 
 def _ratios(rates: dict[str, list[float]]) -> list[float]:
@@ -173,7 +180,7 @@ def _ratios(rates: dict[str, list[float]]) -> list[float]:
 
 
 def write_report(machine: str, timings: Timings, same_as_fp32: int, divergences, num_prompts: int,
-                 new_tokens: int, single: int, out: Path) -> None:
+                 new_tokens: int, single: int, out: Path, stem: str = "bf16") -> None:
     lines = [
         "# bf16 against fp32 on the host: shared workload",
         "",
@@ -219,7 +226,7 @@ def write_report(machine: str, timings: Timings, same_as_fp32: int, divergences,
     text = "\n".join(lines) + "\n"
     print(text)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bf16.md").write_text(text)
+    (out / f"{stem}.md").write_text(text)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -233,7 +240,7 @@ def write_report(machine: str, timings: Timings, same_as_fp32: int, divergences,
     ax.set_title("SmolLM2-135M, shared workload: fp32 vs bf16 (same run)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "bf16.png", dpi=120)
+    fig.savefig(out / f"{stem}.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -196,7 +196,9 @@ def write_report(runs: list[PeerRun], agree: int | None, num_prompts: int, new_t
     lines = ["# Offline throughput: shared workload, side by side", "",
              f"{num_prompts} chat prompts x {new_tokens} new tokens, greedy, EOS ignored, SmolLM2-135M-Instruct; "
              f"generated tokens/s over the whole run, prefill included. One-stream rows: the first {single} prompts "
-             "one at a time (llama.cpp: llama-batched-bench with 64-token prompts)."
+             "one at a time (llama.cpp: llama-batched-bench with 64-token prompts). Our engine runs its defaults: "
+             "an fp32 engine's greedy steps take the head's argmax through the screened head "
+             "(kernels/head_screen.py: the same tokens as every fp32 logit)."
              + (f" Every run repeated in {rounds} rounds; each row is its fastest round." if rounds > 1 else ""), "",
              f"Machine: {machine}; {limits}.", "",
              "| engine | streams | tokens | seconds | tokens/s |" + range_head + " "

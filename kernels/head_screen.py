@@ -44,9 +44,11 @@ def screen_coefficient(width: int) -> float:
 
 @dataclass(frozen=True)
 class HeadScreen:
-    approx_head: torch.Tensor  # the head in bf16, kernels.gemv's blocked layout
+    """What the screen keeps beside the two blocked heads, which the model holds as buffers (so the host's
+    huge-page move relocates them with the other blocked weights): ``approx_head(weight)`` and the full head's own
+    ``block_weight(weight)``."""
+
     row_norms: torch.Tensor  # [V] float32: ||W_j|| rounded up
-    exact_head: torch.Tensor  # the fp32 head, blocked: [tiles, H, 16]
     vocab_size: int
     coefficient: float
 
@@ -57,18 +59,22 @@ class HeadScreen:
         return kernel_isa() != "scalar"
 
     @classmethod
-    def build(cls, weight: torch.Tensor,  # [V, H] float32, the head
-              exact_head: torch.Tensor) -> "HeadScreen":  # block_weight(weight), the full head's own layout
+    def of(cls, weight: torch.Tensor) -> "HeadScreen":  # weight [V, H] float32, the head
         if weight.dtype != torch.float32 or weight.dim() != 2:
             raise ValueError(f"HeadScreen: the head must be [V, H] float32, got {tuple(weight.shape)} {weight.dtype}")
         norms = weight.detach().double().norm(dim=1).float()
-        return cls(approx_head=block_weight(weight.detach().to(torch.bfloat16)),
-                   row_norms=torch.nextafter(norms, torch.full_like(norms, float("inf"))),
-                   exact_head=exact_head, vocab_size=weight.shape[0], coefficient=screen_coefficient(weight.shape[1]))
+        return cls(row_norms=torch.nextafter(norms, torch.full_like(norms, float("inf"))),
+                   vocab_size=weight.shape[0], coefficient=screen_coefficient(weight.shape[1]))
 
-    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:  # x [B, H] float32 -> [B] int64, or None
+    @staticmethod
+    def approx_head(weight: torch.Tensor) -> torch.Tensor:  # [V, H] float32 -> the bf16 copy, blocked
+        return block_weight(weight.detach().to(torch.bfloat16))
+
+    def argmax(self, x: torch.Tensor,  # [B, H] float32
+               approx_head: torch.Tensor,  # approx_head(W)
+               exact_head: torch.Tensor) -> torch.Tensor | None:  # block_weight(W) -> [B] int64, or None
         """The full head's greedy tokens (``row_argmax(x @ W^T)``, the blocked fp32 kernel's bits); None when a
         value is not finite."""
-        approx = blocked_linear_float(x.to(torch.bfloat16), self.approx_head, self.vocab_size)
-        tokens = torch.ops.deepinfer.screened_argmax(approx, x, self.row_norms, self.exact_head, self.coefficient)
+        approx = blocked_linear_float(x.to(torch.bfloat16), approx_head, self.vocab_size)
+        tokens = torch.ops.deepinfer.screened_argmax(approx, x, self.row_norms, exact_head, self.coefficient)
         return tokens if tokens.numel() else None

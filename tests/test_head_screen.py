@@ -12,8 +12,18 @@ from kernels.sampling import row_argmax
 pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="host C++ kernels not built")
 
 
-def _full_argmax(screen: HeadScreen, x: torch.Tensor) -> torch.Tensor:
-    return row_argmax(blocked_linear(x, screen.exact_head, None, screen.vocab_size))
+class Screened:
+    """A head with its screen and both blocked layouts, as the model holds them."""
+
+    def __init__(self, weight: torch.Tensor, screen: HeadScreen | None = None) -> None:
+        self.screen = screen or HeadScreen.of(weight)
+        self.approx_head, self.exact_head = HeadScreen.approx_head(weight), block_weight(weight)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        return self.screen.argmax(x, self.approx_head, self.exact_head)
+
+    def full_argmax(self, x: torch.Tensor) -> torch.Tensor:
+        return row_argmax(blocked_linear(x, self.exact_head, None, self.screen.vocab_size))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 32])
@@ -21,10 +31,10 @@ def _full_argmax(screen: HeadScreen, x: torch.Tensor) -> torch.Tensor:
 def test_screened_tokens_equal_the_full_heads_argmax(rows, vocab, width):
     torch.manual_seed(vocab + rows)
     weight = torch.randn(vocab, width) / width ** 0.5
-    screen = HeadScreen.build(weight, block_weight(weight))
+    screen = Screened(weight)
     for scale in (1.0, 8.0, 0.01):
         x = scale * torch.randn(rows, width)
-        assert torch.equal(screen.argmax(x), _full_argmax(screen, x))
+        assert torch.equal(screen.argmax(x), screen.full_argmax(x))
 
 
 def _near_tie_case():
@@ -45,14 +55,14 @@ def _near_tie_case():
 
 def test_near_ties_the_bf16_head_gets_wrong_are_still_exact():
     weight, rows = _near_tie_case()
-    screen = HeadScreen.build(weight, block_weight(weight))
+    screen = Screened(weight)
     wrong_cheap = sum(int(row_argmax(blocked_linear_float(x.to(torch.bfloat16), screen.approx_head, 4096)) !=
-                          _full_argmax(screen, x)) for x in rows)
+                          screen.full_argmax(x)) for x in rows)
     assert wrong_cheap >= 8  # the case is a hard one
-    assert all(torch.equal(screen.argmax(x), _full_argmax(screen, x)) for x in rows)
+    assert all(torch.equal(screen.argmax(x), screen.full_argmax(x)) for x in rows)
     # and the bound is what makes it exact: one far below the errors keeps the wrong columns alone
-    tight = dataclasses.replace(screen, coefficient=screen.coefficient * 1e-6)
-    assert not all(torch.equal(tight.argmax(x), _full_argmax(tight, x)) for x in rows)
+    tight = Screened(weight, dataclasses.replace(screen.screen, coefficient=screen.screen.coefficient * 1e-6))
+    assert not all(torch.equal(tight.argmax(x), tight.full_argmax(x)) for x in rows)
 
 
 def test_ties_go_to_the_first_index_and_the_last_partial_tile_counts():
@@ -60,40 +70,40 @@ def test_ties_go_to_the_first_index_and_the_last_partial_tile_counts():
     width, vocab = 64, 50  # 4 tiles, the last holding 2 columns and 14 zero pads
     weight = torch.randn(vocab, width) * 0.1
     weight[49] = weight[3] = torch.randn(width)  # an exact tie, the larger logits
-    screen = HeadScreen.build(weight, block_weight(weight))
+    screen = Screened(weight)
     x = weight[3][None, :].clone()
-    assert screen.argmax(x).tolist() == [3] == _full_argmax(screen, x).tolist()
+    assert screen.argmax(x).tolist() == [3] == screen.full_argmax(x).tolist()
     weight[3] = 0.0
-    screen = HeadScreen.build(weight, block_weight(weight))
-    assert screen.argmax(x).tolist() == [49] == _full_argmax(screen, x).tolist()
+    screen = Screened(weight)
+    assert screen.argmax(x).tolist() == [49] == screen.full_argmax(x).tolist()
     # every logit negative: the zero pads past the vocabulary must not win
     x = -weight[49][None, :]
-    assert screen.argmax(x).tolist() == _full_argmax(screen, x).tolist()
+    assert screen.argmax(x).tolist() == screen.full_argmax(x).tolist()
     assert screen.argmax(x).item() < vocab
 
 
 def test_non_finite_rows_fall_back_to_the_full_head():
     weight = torch.randn(64, 32)
-    screen = HeadScreen.build(weight, block_weight(weight))
+    screen = Screened(weight)
     x = torch.randn(2, 32)
     x[1, 5] = float("nan")
     assert screen.argmax(x) is None
     x[1, 5] = 1e37  # bounds past 1e30: logits near fp32's range, the rounding argument no longer safe
     assert screen.argmax(x) is None
     x[1, 5] = 1e20  # large but far from it: screened, and exact
-    assert torch.equal(screen.argmax(x), _full_argmax(screen, x))
+    assert torch.equal(screen.argmax(x), screen.full_argmax(x))
 
 
 def test_the_bound_holds():
     torch.manual_seed(2)
     width, vocab = 576, 4096
     weight = torch.randn(vocab, width) / width ** 0.5
-    screen = HeadScreen.build(weight, block_weight(weight))
+    screen = Screened(weight)
     x = 3 * torch.randn(32, width)
     exact = blocked_linear(x, screen.exact_head, None, vocab)
     approx = blocked_linear_float(x.to(torch.bfloat16), screen.approx_head, vocab)
-    ratio = (exact - approx).abs() / (x.norm(dim=1)[:, None] * screen.row_norms[None, :])
-    assert 0 < ratio.max() <= screen.coefficient
+    ratio = (exact - approx).abs() / (x.norm(dim=1)[:, None] * screen.screen.row_norms[None, :])
+    assert 0 < ratio.max() <= screen.screen.coefficient
 
 
 def test_the_engine_s_greedy_tokens_are_the_same_with_and_without_the_screen(smollm2_path):

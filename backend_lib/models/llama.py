@@ -248,6 +248,7 @@ class LlamaForCausalLM(nn.Module):
         self.packed_head: PackedWeight | None = None
         self.register_buffer("blocked_head", None, persistent=False)  # kernels.gemv layout of the head
         self.head_screen: HeadScreen | None = None
+        self.register_buffer("screen_blocked_head", None, persistent=False)  # HeadScreen.approx_head
         self.gemv_policy = GemvPolicy()
         self.host_fused = False  # eager host steps on the C++ ops (use_cpu_attention)
         self._decode_weight_lists: tuple | None = None  # _host_decode_weights' lists, collected once
@@ -335,7 +336,7 @@ class LlamaForCausalLM(nn.Module):
         if (self.head_screen is None or not self.gemv_policy.use_blocked(hidden.shape[0])
                 or torch.compiler.is_compiling()):
             return None
-        return self.head_screen.argmax(hidden)
+        return self.head_screen.argmax(hidden, self.screen_blocked_head, self.blocked_head)
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -349,10 +350,11 @@ class LlamaForCausalLM(nn.Module):
         self.packed_head = PackedWeight(self._head_weight()) if plan.onednn else None
         if plan.blocked:
             self.blocked_head = block_weight(self._head_weight())
-        self.head_screen = None
+        self.head_screen, self.screen_blocked_head = None, None
         if plan.screen_head and self.blocked_head is not None and self.blocked_head.dtype == torch.float32 \
                 and self.par.world_size == 1 and HeadScreen.supported():
-            self.head_screen = HeadScreen.build(self._head_weight(), self.blocked_head)
+            self.head_screen = HeadScreen.of(self._head_weight())
+            self.screen_blocked_head = HeadScreen.approx_head(self._head_weight())
         self.gemv_policy = plan.policy
         self._decode_weight_lists = None  # new layouts: the lists are rebuilt on the next decode step
 
