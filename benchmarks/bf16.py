@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.offline_throughput import load_workload  # noqa: E402
+from benchmarks.plots import paired_bars  # noqa: E402
 from backend_lib.config import EngineConfig  # noqa: E402
 from backend_lib.models.loader import default_model_path  # noqa: E402
 from backend_lib.offline import LLM  # noqa: E402
@@ -227,20 +228,11 @@ def write_report(machine: str, timings: Timings, same_as_fp32: int, divergences,
     print(text)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.md").write_text(text)
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 3))
-    labels = ["32 streams", "1 stream"]
-    for offset, dtype, color in ((-0.2, "float32", "#999999"), (0.2, "bfloat16", "#4c72b0")):
-        values = [statistics.median(t[dtype] or [0.0]) for t in (timings.streams32, timings.stream1)]
-        ax.barh([i + offset for i in range(2)], values, height=0.4, color=color, label=dtype)
-    ax.set_yticks(range(2), labels)
-    ax.set_xlabel("output tokens / s (higher is better)")
-    ax.set_title("SmolLM2-135M, shared workload: fp32 vs bf16 (same run)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / f"{stem}.png", dpi=120)
+    runs = (timings.streams32, timings.stream1)
+    paired_bars(out / f"{stem}.png", ["32 streams", "1 stream"],
+                [(dtype, [statistics.median(t[dtype] or [0.0]) for t in runs], color)
+                 for dtype, color in (("float32", "#999999"), ("bfloat16", "#4c72b0"))],
+                "output tokens / s (higher is better)", "SmolLM2-135M, shared workload: fp32 vs bf16 (same run)")
 
 
 if __name__ == "__main__":

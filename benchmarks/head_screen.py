@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.offline_throughput import load_workload  # noqa: E402
+from benchmarks.plots import paired_bars  # noqa: E402
 from backend_lib.config import EngineConfig  # noqa: E402
 from backend_lib.models.loader import default_model_path  # noqa: E402
 from backend_lib.offline import LLM  # noqa: E402
@@ -117,20 +118,10 @@ def write_report(machine: str, rows_out, tiles: list[int], steps: int, out: Path
     print(text)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.md").write_text(text)
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 3))
-    labels = [f"{rows} rows" for rows, _, _ in rows_out]
-    for offset, index, name, color in ((-0.2, 1, "full fp32 head", "#999999"), (0.2, 2, "screened", "#4c72b0")):
-        ax.barh([i + offset for i in range(len(rows_out))], [statistics.median(r[index]) for r in rows_out],
-                height=0.4, color=color, label=name)
-    ax.set_yticks(range(len(rows_out)), labels)
-    ax.set_xlabel("ms per call (lower is better)")
-    ax.set_title("SmolLM2-135M fp32 head, greedy: full vs screened")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / f"{stem}.png", dpi=120)
+    paired_bars(out / f"{stem}.png", [f"{rows} rows" for rows, _, _ in rows_out],
+                [("full fp32 head", [statistics.median(r[1]) for r in rows_out], "#999999"),
+                 ("screened", [statistics.median(r[2]) for r in rows_out], "#4c72b0")],
+                "ms per call (lower is better)", "SmolLM2-135M fp32 head, greedy: full vs screened")
 
 
 if __name__ == "__main__":
