@@ -16,8 +16,8 @@ and u_b = 2^-8 (bf16, round to nearest), gamma = n u / (1 - n u) bounds a length
 - the exact fp32 kernel is itself within gamma S_j of the real sum.
 b_j is their sum times ||x|| ||W_j||, with 1% to spare (the fp32 norms' own roundings are far below it); the C++
 screen adds a few ulps for its own comparisons. Flushed subnormals move a logit by < 1e-30: in that slack.
-On SmolLM2's workload (4,096 greedy rows) the bound was 7x the largest error seen and left 2 candidate columns a
-row at the median, 7 at the 90th percentile, 28 at most.
+On SmolLM2's workload the bound was about 10x the largest error seen and left 4 candidate tiles of 3,072 a row at
+the median, 16 at the 90th percentile, 78 at most (benchmarks/head_screen.py, 1,440 rows of batch-32 steps).
 
 Eager host steps only, fp32 heads, one rank. Anything not finite (a NaN logit, an overflowing bound) returns None
 and the caller computes the full logits.
