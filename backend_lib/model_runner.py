@@ -31,7 +31,7 @@ from backend_lib.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput, T
 from backend_lib.sampler import Sampler, SamplingMetadata, SamplingRow
 from backend_lib.spec_decode import make_mtp_proposer
 from backend_lib.spec_decode.ngram import NgramProposer
-from backend_lib.spec_decode.rejection import DraftLayout, num_accepted, rejection_sample
+from backend_lib.spec_decode.rejection import DraftLayout, greedy_verify, num_accepted, rejection_sample
 from kernels import sampling as sampling_ops
 from kernels.attention_metadata import AttentionMetadata, StateRows
 
@@ -277,9 +277,7 @@ class ModelRunner:
                 for r in (chunks[i].request for i in inputs.sampling_chunks)]
         meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
         head_input = hidden[inputs.logits_indices]
-        # Plain greedy rows skip the logits where the model screens its head (kernels/head_screen.py).
-        screen = getattr(self.model, "greedy_token_ids", None) if meta.plain_greedy else None
-        greedy = screen(head_input) if screen is not None else None
+        greedy = self._screened_greedy(head_input, meta)
         out = self.sampler(self.model.compute_logits(head_input), meta) if greedy is None else None
         # The one host sync of the step.
         token_ids = (out.token_ids if out is not None else greedy).tolist()
@@ -298,6 +296,13 @@ class ModelRunner:
             top = list(zip(top_ids[row][:wanted], top_logprobs[row][:wanted])) if top_ids and wanted else []
             logprobs[i] = [TokenLogprob(token_ids[row], token_logprobs[row], top)]
         return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _screened_greedy(self, head_input: torch.Tensor,  # [N, hidden]
+                         meta: SamplingMetadata) -> torch.Tensor | None:  # [N] int64
+        """Plain greedy rows' tokens without the logits, where the model screens its head
+        (kernels/head_screen.py); None: compute the logits."""
+        screen = getattr(self.model, "greedy_token_ids", None) if meta.plain_greedy else None
+        return screen(head_input) if screen is not None else None
 
     # ---- speculative decoding -------------------------------------------------------------------------
     def _verify_rows(self, chunks: list[ScheduledChunk], inputs: ModelInputs) -> list[SamplingRow]:
@@ -322,10 +327,13 @@ class ModelRunner:
             if self.mtp is not None:  # keep the MTP cache complete for the prefill tokens
                 self.mtp.first_pass(mtp_host["mtp_next_ids"], hidden, inputs.positions, inputs.meta)
             return RunnerOutput(sampled_token_ids=sampled, draft_token_ids=proposals)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
         meta = SamplingMetadata.build(self._verify_rows(chunks, inputs), self.vocab_size, self.device)
         layout = DraftLayout.build([chunks[i].draft_token_ids for i in sampling], self.device)
-        verified = rejection_sample(logits, layout, meta, sampler=self.sampler)
+        head_input = hidden[inputs.logits_indices]
+        greedy = self._screened_greedy(head_input, meta)
+        logits = self.model.compute_logits(head_input) if greedy is None else None
+        verified = (greedy_verify(greedy, layout) if greedy is not None
+                    else rejection_sample(logits, layout, meta, sampler=self.sampler))
         to_read = [verified.token_ids.flatten()]
         if self.mtp is not None:
             if self.channel is not None:

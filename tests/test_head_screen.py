@@ -132,3 +132,9 @@ def test_the_engine_s_greedy_tokens_are_the_same_with_and_without_the_screen(smo
             assert results[0].token_ids == tokens[True][0][:8] and results[1].token_ids == tokens[True][1]
         llm.close()
     assert tokens[True] == tokens[False]
+    # n-gram speculation verifies its drafts from the screened tokens too (greedy_verify): the same continuations
+    ngram = LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 256, "max_num_seqs": 8,
+                                               "method": "ngram", "num_speculative_tokens": 4}))
+    assert ngram.engine.model.head_screen is not None
+    assert [r.token_ids for r in ngram.generate(prompts, greedy)] == tokens[False][:-1]
+    ngram.close()

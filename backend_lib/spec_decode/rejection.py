@@ -95,21 +95,26 @@ def rejection_sample(target_logits: torch.Tensor,  # [N, V] raw target logits, o
     logits = target_logits.to(torch.float32)
     drafts = layout.draft_token_ids
     if meta.all_greedy and not meta.any_penalty and not meta.any_min_tokens:
-        row_tokens = ops.row_argmax(logits)
+        return greedy_verify(ops.row_argmax(logits), layout)
+    processed = sampler.process_logits(logits, meta)
+    greedy = ops.row_argmax(processed)
+    if meta.all_greedy:
+        return greedy_verify(greedy, layout)
+    if draft_probs is None:
+        sampled = ops.gumbel_argmax(sampler.filtered_logits(processed, meta), meta.seeds, meta.positions)
+        row_tokens = torch.where(meta.is_greedy, greedy, sampled)
         accept = (row_tokens == drafts) & layout.is_draft_row
     else:
-        processed = sampler.process_logits(logits, meta)
-        greedy = ops.row_argmax(processed)
-        if meta.all_greedy:
-            row_tokens = greedy
-            accept = (row_tokens == drafts) & layout.is_draft_row
-        elif draft_probs is None:
-            sampled = ops.gumbel_argmax(sampler.filtered_logits(processed, meta), meta.seeds, meta.positions)
-            row_tokens = torch.where(meta.is_greedy, greedy, sampled)
-            accept = (row_tokens == drafts) & layout.is_draft_row
-        else:
-            row_tokens, accept = _standard_rule(sampler.filtered_logits(processed, meta), greedy, draft_probs,
-                                                layout, meta)
+        row_tokens, accept = _standard_rule(sampler.filtered_logits(processed, meta), greedy, draft_probs,
+                                            layout, meta)
+    return RejectionOutput(token_ids=_assemble(row_tokens, accept, layout), row_token_ids=row_tokens)
+
+
+def greedy_verify(row_tokens: torch.Tensor,  # [N] int64: each row's greedy token (raw logits' argmax)
+                  layout: DraftLayout) -> RejectionOutput:
+    """The greedy rule from tokens already picked (the runner's screened head gives them without logits): a draft
+    stands while it equals its row's token."""
+    accept = (row_tokens == layout.draft_token_ids) & layout.is_draft_row
     return RejectionOutput(token_ids=_assemble(row_tokens, accept, layout), row_token_ids=row_tokens)
 
 
