@@ -31,34 +31,40 @@ namespace {
 
 constexpr int64_t kTile = 16;  // columns per tile of kernels/gemv.py's blocked layout
 
-// max_j (a_j - k * norms_j) and max_j |a_j|; false when some a_j is not finite.
-bool lower_bound_max(const float* a, const float* norms, int64_t n, float k, float& best, float& largest) {
-  float top = -std::numeric_limits<float>::infinity(), big = 0.f;
+// max_j (a_j - k * norms_j), max_j |a_j| and max_j norms_j in one pass; false when some a_j is not finite.
+bool lower_bound_max(const float* a, const float* norms, int64_t n, float k, float& best, float& largest,
+                     float& norm_max) {
+  float top = -std::numeric_limits<float>::infinity(), big = 0.f, nmax = 0.f;
   bool finite = true;
   int64_t j = 0;
 #ifdef __AVX512F__
   if (n >= 16) {
     const __m512 kv = _mm512_set1_ps(k), zero = _mm512_setzero_ps();
-    __m512 top16 = _mm512_set1_ps(top), big16 = zero;
+    __m512 top16 = _mm512_set1_ps(top), big16 = zero, nmax16 = zero;
     __mmask16 bad = 0;
     for (; j + 16 <= n; j += 16) {
       const __m512 v = _mm512_loadu_ps(a + j);
       bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(v, v), zero, _CMP_NEQ_UQ);  // NaN or +-inf
-      top16 = _mm512_max_ps(top16, _mm512_sub_ps(v, _mm512_mul_ps(kv, _mm512_loadu_ps(norms + j))));
+      const __m512 w = _mm512_loadu_ps(norms + j);
+      top16 = _mm512_max_ps(top16, _mm512_sub_ps(v, _mm512_mul_ps(kv, w)));
       big16 = _mm512_max_ps(big16, _mm512_abs_ps(v));
+      nmax16 = _mm512_max_ps(nmax16, w);
     }
     finite = bad == 0;
     top = _mm512_reduce_max_ps(top16);
     big = _mm512_reduce_max_ps(big16);
+    nmax = _mm512_reduce_max_ps(nmax16);
   }
 #endif
   for (; j < n; ++j) {
     finite = finite && std::isfinite(a[j]);
     top = std::max(top, a[j] - k * norms[j]);
     big = std::max(big, std::fabs(a[j]));
+    nmax = std::max(nmax, norms[j]);
   }
   best = top;
   largest = big;
+  norm_max = nmax;
   return finite;
 }
 
@@ -116,7 +122,6 @@ at::Tensor screened_argmax(const at::Tensor& approx_in,      // [B, V] float32, 
   const float* xp = x.data_ptr<float>();
   const float* np = norms.data_ptr<float>();
   const float* wp = exact_head.data_ptr<float>();
-  const float norm_max = vocab ? *std::max_element(np, np + vocab) : 0.f;
   at::Tensor tokens = at::empty({rows}, at::kLong);
   int64_t* out = tokens.data_ptr<int64_t>();
   std::vector<uint8_t> row_ok(static_cast<size_t>(rows), 1);
@@ -129,9 +134,10 @@ at::Tensor screened_argmax(const at::Tensor& approx_in,      // [B, V] float32, 
       // k rounded up: the bound only grows.
       const double k_exact = coefficient * std::sqrt(squares) * (1.0 + 1e-6);
       const float k = static_cast<float>(k_exact);
-      float best = 0.f, largest = 0.f;
+      float best = 0.f, largest = 0.f, norm_max = 0.f;
       const float* ar = a + r * vocab;
-      if (!std::isfinite(k) || k_exact * norm_max > 1e30 || !lower_bound_max(ar, np, vocab, k, best, largest)) {
+      if (!std::isfinite(k) || !lower_bound_max(ar, np, vocab, k, best, largest, norm_max) ||
+          k_exact * norm_max > 1e30) {
         row_ok[r] = 0;
         continue;
       }
