@@ -11,8 +11,8 @@ weights (grouped_experts.cpp), mHC's mixes with their Sinkhorn loop and its stre
 (hyper_connections.cpp) and DeepSeek-V4's sink attention over two key sets or over the window ring in place
 (sink_attention.cpp), interleaved tail RoPE (interleaved_rope.cpp) and its RMS norms (rms_norm.cpp), a Llama
 layer's norms, SiLU gate and RoPE + KV-cache write (fused_layer_ops.cpp, kernels/fused_layer_ops.py), the GEMM's
-AMX tile passes (gemm_amx.cpp), a Llama decode step's layers as one op over the others (llama_decode.cpp) and greedy
-sampling's row argmax (row_argmax.cpp). The ops are
+AMX tile passes (gemm_amx.cpp), a Llama decode step's layers as one op over the others (llama_decode.cpp), greedy
+sampling's row argmax (row_argmax.cpp) and the screened greedy heads' passes (head_screen.cpp, head_int8.cpp). The ops are
 registered with the dispatcher (``torch.ops.deepinfer.*``) and have fake kernels, so compiled regions keep each as
 one opaque call, as they do the packed GEMM.
 """
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = ("paged_decode_attention.cpp", "shm_all_reduce.cpp", "gemv.cpp", "grouped_experts.cpp",
             "hyper_connections.cpp", "sink_attention.cpp", "interleaved_rope.cpp", "rms_norm.cpp",
             "fused_layer_ops.cpp", "llama_decode.cpp", "gemm_amx.cpp", "row_argmax.cpp",
-            "head_screen.cpp")
+            "head_screen.cpp", "head_int8.cpp")
 # torch.backends.cpu.get_cpu_capability() -> compiler flags (x86-64; anything else builds for the baseline).
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],

@@ -21,6 +21,7 @@ from kernels.attention import paged_attention, write_kv
 from kernels.attention_metadata import AttentionMetadata
 from kernels.gemv import TILE, GemvPolicy, block_weight, blocked_linear_float
 from kernels.head_screen import HeadScreen
+from kernels.int8_head_screen import Int8HeadScreen
 from kernels.onednn_gemm import PackedWeight
 from kernels.rope import RopeScaling, rope_at, rotate
 
@@ -249,6 +250,8 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("blocked_head", None, persistent=False)  # kernels.gemv layout of the head
         self.head_screen: HeadScreen | None = None
         self.register_buffer("screen_blocked_head", None, persistent=False)  # HeadScreen.approx_head
+        self.int8_screen: Int8HeadScreen | None = None  # greedy steps of up to 4 rows, fp32 or bf16
+        self.register_buffer("screen_int8_blocked_head", None, persistent=False)  # Int8HeadScreen.int8_head
         self.gemv_policy = GemvPolicy()
         self.host_fused = False  # eager host steps on the C++ ops (use_cpu_attention)
         self._decode_weight_lists: tuple | None = None  # _host_decode_weights' lists, collected once
@@ -331,12 +334,17 @@ class LlamaForCausalLM(nn.Module):
         return self.par.all_gather_last(logits)
 
     def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N] int64, or None
-        """``compute_logits(hidden)``'s argmax to the index, from the screened head (kernels/head_screen.py) where
-        this model has one and ``compute_logits`` would take the blocked kernel; None: compute the logits."""
-        if (self.head_screen is None or not self.gemv_policy.use_blocked(hidden.shape[0])
-                or torch.compiler.is_compiling()):
+        """``compute_logits(hidden)``'s argmax to the index, from a screened head where ``compute_logits`` would
+        take the blocked kernel: the int8 copy (kernels/int8_head_screen.py) for up to 4 rows, the bf16 copy of an
+        fp32 head (kernels/head_screen.py) for more; None: compute the logits."""
+        rows = hidden.shape[0]
+        if torch.compiler.is_compiling() or not self.gemv_policy.use_blocked(rows):
             return None
-        return self.head_screen.argmax(hidden, self.screen_blocked_head, self.blocked_head)
+        if self.int8_screen is not None and rows <= Int8HeadScreen.MAX_ROWS:
+            return self.int8_screen.argmax(hidden, self.screen_int8_blocked_head, self.blocked_head)
+        if self.head_screen is not None:
+            return self.head_screen.argmax(hidden, self.screen_blocked_head, self.blocked_head)
+        return None
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -351,10 +359,14 @@ class LlamaForCausalLM(nn.Module):
         if plan.blocked:
             self.blocked_head = block_weight(self._head_weight())
         self.head_screen, self.screen_blocked_head = None, None
-        if plan.screen_head and self.blocked_head is not None and self.blocked_head.dtype == torch.float32 \
-                and self.par.world_size == 1 and HeadScreen.supported():
-            self.head_screen = HeadScreen.of(self._head_weight())
-            self.screen_blocked_head = HeadScreen.approx_head(self._head_weight())
+        self.int8_screen, self.screen_int8_blocked_head = None, None
+        if plan.screen_head and self.blocked_head is not None and self.par.world_size == 1:
+            head = self._head_weight()
+            if self.blocked_head.dtype == torch.float32 and HeadScreen.supported():
+                self.head_screen = HeadScreen.of(head)
+                self.screen_blocked_head = HeadScreen.approx_head(head)
+            if Int8HeadScreen.supported():
+                self.int8_screen, self.screen_int8_blocked_head = Int8HeadScreen.build(head)
         self.gemv_policy = plan.policy
         self._decode_weight_lists = None  # new layouts: the lists are rebuilt on the next decode step
 

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -97,25 +98,118 @@ void exact_tile(const float* x, const float* tile, int64_t width, float* out) {
 #endif
 }
 
+// Row r's bound scale k (bound of column j: k * norms_j) and the lower bound every candidate must reach, with
+// this kernel's own fp32 roundings of a_j -+ k * norms_j (a few ulps of the largest term) taken off it. False
+// when a logit, the norm of x or a bound is not finite or past 1e30 (the caller computes every logit).
+bool row_threshold(const float* ar, const float* xr, const float* norms, int64_t vocab, int64_t width,
+                   double coefficient, float& k, float& threshold) {
+  double squares = 0.0;
+  for (int64_t i = 0; i < width; ++i) squares += static_cast<double>(xr[i]) * xr[i];
+  const double k_exact = coefficient * std::sqrt(squares) * (1.0 + 1e-6);  // rounded up: the bound only grows
+  k = static_cast<float>(k_exact);
+  float best = 0.f, largest = 0.f, norm_max = 0.f;
+  if (!std::isfinite(k) || !lower_bound_max(ar, norms, vocab, k, best, largest, norm_max) ||
+      k_exact * norm_max > 1e30) {
+    return false;
+  }
+  threshold = static_cast<float>(best - (8.0 * std::ldexp(1.0, -24) * (largest + k_exact * norm_max) + 1e-30));
+  return true;
+}
+
+void check_screen_inputs(const at::Tensor& approx, const at::Tensor& x, const at::Tensor& norms, double coefficient,
+                         const char* op) {
+  TORCH_CHECK(approx.dim() == 2 && approx.scalar_type() == at::kFloat, op, ": approx must be [B, V] float32, got ",
+              approx.sizes(), " ", approx.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == approx.size(0) && x.scalar_type() == at::kFloat, op, ": x must be [",
+              approx.size(0), ", H] float32, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(norms.dim() == 1 && norms.size(0) == approx.size(1) && norms.scalar_type() == at::kFloat, op,
+              ": norms must be [", approx.size(1), "] float32, got ", norms.sizes());
+  TORCH_CHECK(coefficient > 0 && std::isfinite(coefficient), op, ": coefficient must be > 0");
+}
+
+// (reach [B, ceil(V/16)] bool, tiles [n] int64): tile t of row b holds a column whose interval reaches the row's
+// best lower bound (the tiles an exact pass must cover), and the tiles some row reaches, ascending; both empty
+// when some row's values are not finite (row_threshold).
+std::tuple<at::Tensor, at::Tensor> screen_tiles(const at::Tensor& approx_in,  // [B, V] float32, the cheap logits
+                                                const at::Tensor& x_in,       // [B, H] float32, the head's input
+                                                const at::Tensor& norms_in,   // [V] float32: bound = c ||x|| norms_j
+                                                double coefficient) {
+  check_screen_inputs(approx_in, x_in, norms_in, coefficient, "screen_tiles");
+  const at::Tensor approx = approx_in.contiguous(), x = x_in.contiguous(), norms = norms_in.contiguous();
+  const int64_t rows = approx.size(0), vocab = approx.size(1), width = x.size(1), tiles = (vocab + kTile - 1) / kTile;
+  at::Tensor reach = at::zeros({rows, tiles}, at::kBool);
+  bool* out = reach.data_ptr<bool>();
+  std::vector<int64_t> any;
+  std::vector<uint8_t> seen(static_cast<size_t>(tiles), 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* ar = approx.data_ptr<float>() + r * vocab;
+    float k = 0.f, threshold = 0.f;
+    if (!row_threshold(ar, x.data_ptr<float>() + r * width, norms.data_ptr<float>(), vocab, width, coefficient, k,
+                       threshold)) {
+      return {at::empty({0, tiles}, at::kBool), at::empty({0}, at::kLong)};
+    }
+    for (int64_t t = 0; t < tiles; ++t) {
+      out[r * tiles + t] = tile_reaches(ar, norms.data_ptr<float>(), t * kTile, vocab, k, threshold);
+      seen[t] |= out[r * tiles + t];
+    }
+  }
+  for (int64_t t = 0; t < tiles; ++t) {
+    if (seen[t]) any.push_back(t);
+  }
+  at::Tensor union_tiles = at::empty({static_cast<int64_t>(any.size())}, at::kLong);
+  std::copy(any.begin(), any.end(), union_tiles.data_ptr<int64_t>());
+  return {reach, union_tiles};
+}
+
+// Each row's token from the exact logits of the gathered tiles: the first column, among the row's own reaching
+// tiles and below vocab, holding the largest value. [B] int64; empty when such a value is not finite.
+at::Tensor pick_screened(const at::Tensor& exact_in,  // [B, n * 16] float32, the exact head on tiles' columns
+                         const at::Tensor& tiles_in,  // [n] int64, ascending (screen_tiles' second value)
+                         const at::Tensor& reach_in,  // [B, T] bool (screen_tiles' first value)
+                         int64_t vocab) {
+  const int64_t n = tiles_in.numel();
+  TORCH_CHECK(exact_in.dim() == 2 && exact_in.size(1) == n * kTile && exact_in.scalar_type() == at::kFloat &&
+                  reach_in.dim() == 2 && reach_in.size(0) == exact_in.size(0) && reach_in.scalar_type() == at::kBool &&
+                  tiles_in.scalar_type() == at::kLong,
+              "pick_screened: exact [B, n*16] float32, tiles [n] int64 and reach [B, T] bool, got ", exact_in.sizes(),
+              ", ", tiles_in.sizes(), ", ", reach_in.sizes());
+  const at::Tensor exact = exact_in.contiguous(), tiles = tiles_in.contiguous(), reach = reach_in.contiguous();
+  const int64_t rows = exact.size(0), all_tiles = reach.size(1);
+  at::Tensor tokens = at::empty({rows}, at::kLong);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* er = exact.data_ptr<float>() + r * n * kTile;
+    float top = 0.f;
+    int64_t token = -1;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = tiles.data_ptr<int64_t>()[i];
+      TORCH_CHECK(t >= 0 && t < all_tiles, "pick_screened: tile ", t, " outside the ", all_tiles, " tiles");
+      if (!reach.data_ptr<bool>()[r * all_tiles + t]) continue;
+      for (int64_t c = 0; c < kTile && t * kTile + c < vocab; ++c) {
+        const float v = er[i * kTile + c];
+        if (!std::isfinite(v)) return at::empty({0}, at::kLong);
+        if (token < 0 || v > top) {  // strictly larger: the first column of a tie keeps it
+          top = v;
+          token = t * kTile + c;
+        }
+      }
+    }
+    tokens.data_ptr<int64_t>()[r] = token;
+  }
+  return tokens;
+}
+
 at::Tensor screened_argmax(const at::Tensor& approx_in,      // [B, V] float32, the cheap head's logits
                            const at::Tensor& x_in,           // [B, H] float32, the head's input rows
                            const at::Tensor& norms_in,       // [V] float32, ||W_j||, rounded up
                            const at::Tensor& exact_head_in,  // [ceil(V/16), H, 16] float32, kernels.gemv's layout
                            double coefficient) {
-  TORCH_CHECK(approx_in.dim() == 2 && approx_in.scalar_type() == at::kFloat,
-              "screened_argmax: approx must be [B, V] float32, got ", approx_in.sizes(), " ",
-              approx_in.scalar_type());
+  check_screen_inputs(approx_in, x_in, norms_in, coefficient, "screened_argmax");
   const int64_t rows = approx_in.size(0), vocab = approx_in.size(1), tiles = (vocab + kTile - 1) / kTile;
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(0) == rows && x_in.scalar_type() == at::kFloat,
-              "screened_argmax: x must be [", rows, ", H] float32, got ", x_in.sizes(), " ", x_in.scalar_type());
   const int64_t width = x_in.size(1);
-  TORCH_CHECK(norms_in.dim() == 1 && norms_in.size(0) == vocab && norms_in.scalar_type() == at::kFloat,
-              "screened_argmax: norms must be [", vocab, "] float32, got ", norms_in.sizes());
   TORCH_CHECK(exact_head_in.dim() == 3 && exact_head_in.size(0) == tiles && exact_head_in.size(1) == width &&
                   exact_head_in.size(2) == kTile && exact_head_in.scalar_type() == at::kFloat,
               "screened_argmax: exact_head must be [", tiles, ", ", width, ", 16] float32, got ",
               exact_head_in.sizes(), " ", exact_head_in.scalar_type());
-  TORCH_CHECK(coefficient > 0 && std::isfinite(coefficient), "screened_argmax: coefficient must be > 0");
   const at::Tensor approx = approx_in.contiguous(), x = x_in.contiguous(), norms = norms_in.contiguous();
   const at::Tensor exact_head = exact_head_in.contiguous();
   const float* a = approx.data_ptr<float>();
@@ -129,21 +223,12 @@ at::Tensor screened_argmax(const at::Tensor& approx_in,      // [B, V] float32, 
     alignas(64) float exact[kTile];
     for (int64_t r = begin; r < end; ++r) {
       const float* xr = xp + r * width;
-      double squares = 0.0;
-      for (int64_t i = 0; i < width; ++i) squares += static_cast<double>(xr[i]) * xr[i];
-      // k rounded up: the bound only grows.
-      const double k_exact = coefficient * std::sqrt(squares) * (1.0 + 1e-6);
-      const float k = static_cast<float>(k_exact);
-      float best = 0.f, largest = 0.f, norm_max = 0.f;
       const float* ar = a + r * vocab;
-      if (!std::isfinite(k) || !lower_bound_max(ar, np, vocab, k, best, largest, norm_max) ||
-          k_exact * norm_max > 1e30) {
+      float k = 0.f, threshold = 0.f;
+      if (!row_threshold(ar, xr, np, vocab, width, coefficient, k, threshold)) {
         row_ok[r] = 0;
         continue;
       }
-      // This kernel's fp32 roundings of a_j -+ k * norms_j: a few ulps of the largest term, taken off the threshold.
-      const float threshold =
-          static_cast<float>(best - (8.0 * std::ldexp(1.0, -24) * (largest + k_exact * norm_max) + 1e-30));
       float top = -std::numeric_limits<float>::infinity();
       int64_t token = -1;
       for (int64_t t = 0; t < tiles; ++t) {
@@ -169,8 +254,12 @@ at::Tensor screened_argmax(const at::Tensor& approx_in,      // [B, V] float32, 
 
 TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
   m.def("screened_argmax(Tensor approx, Tensor x, Tensor norms, Tensor exact_head, float coefficient) -> Tensor");
+  m.def("screen_tiles(Tensor approx, Tensor x, Tensor norms, float coefficient) -> (Tensor, Tensor)");
+  m.def("pick_screened(Tensor exact, Tensor tiles, Tensor reach, int vocab) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer, CPU, m) {
   m.impl("screened_argmax", &screened_argmax);
+  m.impl("screen_tiles", &screen_tiles);
+  m.impl("pick_screened", &pick_screened);
 }
