@@ -40,9 +40,10 @@ class ModelConfig:
     # Host fp32 decode attention: "cpp" is the C++ kernel in kernels/csrc (built on first use; each KV row read
     # once), "torch" the block gather + SDPA (eager) / fused torch form (compiled) that Neuron runs.
     host_attention: str = "cpp"
-    # Greedy steps of an fp32 model on the host take the head's argmax from a bf16 copy of the head (56 MB more for
-    # SmolLM2) plus the exact fp32 kernel on the few columns the copy's error bound leaves (kernels/head_screen.py):
-    # the same tokens, the head's time about halved. Off: every fp32 logit is computed.
+    # Greedy steps on the host take the head's argmax from a cheap copy of the head plus the exact kernel on the few
+    # columns the copy's error bound leaves: up to 4 rows an int8 copy, fp32 or bf16 (kernels/int8_head_screen.py,
+    # 28 MB for SmolLM2), more rows of an fp32 head a bf16 copy (kernels/head_screen.py, 56 MB). The same tokens,
+    # the head's time at one row 0.3-0.6x. Off: every logit is computed.
     greedy_head_screen: bool = True
 
     def __post_init__(self) -> None:

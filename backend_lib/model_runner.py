@@ -300,7 +300,7 @@ class ModelRunner:
     def _screened_greedy(self, head_input: torch.Tensor,  # [N, hidden]
                          meta: SamplingMetadata) -> torch.Tensor | None:  # [N] int64
         """Plain greedy rows' tokens without the logits, where the model screens its head
-        (kernels/head_screen.py); None: compute the logits."""
+        (kernels/int8_head_screen.py, kernels/head_screen.py); None: compute the logits."""
         screen = getattr(self.model, "greedy_token_ids", None) if meta.plain_greedy else None
         return screen(head_input) if screen is not None else None
 

@@ -28,7 +28,7 @@ class HostGemmPlan:
     onednn: bool = True  # oneDNN's packed layout (kernels/onednn_gemm.py): fp32
     blocked: bool = True  # the few-row kernel's blocked layout (kernels/gemv.py): fp32 or bf16
     policy: GemvPolicy = field(default_factory=GemvPolicy)
-    screen_head: bool = True  # greedy steps of an fp32 head via its bf16 copy (kernels/head_screen.py)
+    screen_head: bool = True  # greedy steps via a screened head (kernels/int8_head_screen.py, head_screen.py)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None,

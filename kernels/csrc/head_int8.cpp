@@ -1,15 +1,18 @@
 // Approximate head logits from an int8 copy of the head: deepinfer::int8_head_logits.
 //
-// Why: a greedy step of one or a few rows only needs the head's argmax, and the head is a fifth of a SmolLM2
-// step's bytes (bf16: 56 MB of 270 MB). An int8 copy with one scale per vocabulary row holds it in half the bytes
-// of bf16 (a quarter of fp32); kernels/head_screen.py bounds each approximate logit's distance from the exact one
-// and the exact kernel then runs on the few tiles the bound leaves. This op is only the approximate pass: per row
-// of x, y_j = scale_j * sum_k x_k q_jk in fp32 (any summation order: the bound covers every order).
+// Why: a greedy step of one to four rows only needs the head's argmax, and the head is a fifth of a SmolLM2 step's
+// bytes (bf16: 56 MB of 270 MB). An int8 copy with one scale per vocabulary row holds it in half the bytes of bf16
+// (a quarter of fp32); kernels/int8_head_screen.py bounds each approximate logit's distance from the exact one and
+// the exact kernel then runs on the few tiles the bound leaves. This op is only the approximate pass.
 //
-// Layout (kernels/head_screen.py: int8_blocked_head): [groups, H, 64] int8, group g's step k holds q[64g + c, k]
-// for c in 0..63, so a thread's share is one contiguous stream read a 64-byte line per k. Rows past the vocabulary
-// are zeros with scale 0. Up to 4 activation rows per pass: each k's 64 weights are widened to fp32 once
-// (4 x vpmovsxbd + vcvtdq2ps) and used by every row of the pass; the 4 column groups are 4 independent FMA chains.
+// Arithmetic: each row of x to int16 levels (step = max|x| / x_levels, level = round(x / step)), so the sums over
+// the int8 rows are exact int32 (x_levels keeps them from overflowing): y_j = float(S_j) * step * scale_j.
+// VNNI's vpdpwssd takes 16 columns x 2 k a instruction, as many products as vdpbf16ps, on half the bytes.
+//
+// Layout (kernels/int8_head_screen.py: block_int8): [groups, ceil(H/2), 128] int8, group g's pair step p holds
+// (q[64g + c, 2p], q[64g + c, 2p + 1]) for c in 0..63, so a thread's share is one contiguous stream, two 64-byte
+// lines a step. Rows past the vocabulary are zeros with scale 0. Up to 4 activation rows per pass, the group's 4
+// column tiles as independent chains (16 accumulators). Without VNNI a plain loop gives the same integers.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
