@@ -130,8 +130,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=0, help="override the workload's new tokens (0 = keep)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     parser.add_argument("--skip-transformers", action="store_true", help="no near-tie report")
-    parser.add_argument("--fp32-full-head", action="store_true",
-                        help="fp32 computes every logit (greedy_head_screen off): both dtypes do the same head work")
+    parser.add_argument("--full-head", action="store_true",
+                        help="both dtypes compute every logit (greedy_head_screen off): the same head work")
     parser.add_argument("--stem", default="bf16", help="result file name")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
@@ -145,7 +145,7 @@ def main() -> None:
     engines = {dtype: LLM(config=EngineConfig.from_flat({
         "model": default_model_path(), "dtype": dtype, "max_num_seqs": 32, "max_num_batched_tokens": 512,
         "enable_prefix_caching": False, "num_blocks": 640, "num_threads": torch.get_num_threads(),
-        "greedy_head_screen": not (args.fp32_full_head and dtype == "float32")}))
+        "greedy_head_screen": not args.full_head}))
         for dtype in DTYPES}
     for llm in engines.values():
         _generate(llm, prompts[:2], 4)  # warm-up
@@ -169,9 +169,9 @@ def main() -> None:
         llm.close()
     same_as_fp32 = sum(a == b for a, b in zip(ids.get("float32", []), ids.get("bfloat16", [])))
     divergences = None if args.skip_transformers else transformers_divergences(prompts, ids["bfloat16"], new_tokens)
-    head = ("every fp32 logit computed (greedy_head_screen off)" if args.fp32_full_head else
-            "fp32 greedy head screened (the default: a bf16 copy of the head plus exact fp32 on the few columns its "
-            "error bound leaves; bf16 has no screen)")
+    head = ("every logit computed in both (greedy_head_screen off)" if args.full_head else
+            "greedy heads screened (the default: an int8 copy of the head up to 4 rows, fp32 and bf16, and a bf16 "
+            "copy past that for fp32, each plus the exact kernel on the few columns its error bound leaves)")
     write_report(machine + f", {os.getloadavg()[0]:.1f} at the end; {head}", timings, same_as_fp32, divergences,
                  len(prompts), new_tokens, args.single, Path(args.out), args.stem)
 

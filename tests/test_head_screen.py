@@ -107,8 +107,10 @@ def test_the_bound_holds():
 
 
 def test_the_engine_s_greedy_tokens_are_the_same_with_and_without_the_screen(smollm2_path):
-    """SmolLM2 fp32, a batch of 8 and one stream: the screened engine's tokens are the full head's; a row asking for
-    logprobs takes the full logits (and gets them) beside screened ones."""
+    """SmolLM2 fp32, a batch of 8 (the bf16 copy) and one stream (the int8 copy where the CPU has VNNI): the
+    screened engine's tokens are the full head's; a row asking for logprobs takes the full logits (and gets them)
+    beside screened ones."""
+    from kernels.int8_head_screen import Int8HeadScreen
     from backend_lib.config import EngineConfig
     from backend_lib.offline import LLM
     from backend_lib.sampling_params import SamplingParams
@@ -123,6 +125,7 @@ def test_the_engine_s_greedy_tokens_are_the_same_with_and_without_the_screen(smo
         llm = LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 256, "max_num_seqs": 8,
                                                  "greedy_head_screen": screened}))
         assert (llm.engine.model.head_screen is not None) == screened
+        assert (llm.engine.model.int8_screen is not None) == (screened and Int8HeadScreen.supported())
         tokens[screened] = [r.token_ids for r in llm.generate(prompts, greedy)]
         tokens[screened].append(llm.generate(prompts[:1], greedy)[0].token_ids)
         if screened:
