@@ -9,6 +9,7 @@ from kernels.cpu_kernels import load_cpu_kernels
 from kernels.gemv import block_weight, blocked_linear_float
 from kernels.int8_head_screen import Int8HeadScreen, quantize_rows, x_levels
 from kernels.sampling import row_argmax
+from tests.test_head_screen import check_ties_and_pads, near_tie_case
 
 pytestmark = [pytest.mark.skipif(not load_cpu_kernels(), reason="host C++ kernels not built"),
               pytest.mark.skipif(load_cpu_kernels() and not Int8HeadScreen.supported(),
@@ -68,24 +69,10 @@ def test_x_levels_keep_int32_sums_from_overflowing():
         torch.ops.deepinfer.int8_head_logits(torch.randn(1, 576), int8_head, screen.scales, 64, 32000)
 
 
-def _near_tie_case(dtype):
-    """Best columns (every 100th, a tile each) within the int8 copy's error of each other: it often picks another."""
-    torch.manual_seed(3)
-    width, vocab = 576, 4096
-    weight = 0.001 * torch.randn(vocab, width)
-    base = torch.randn(width) / width ** 0.5
-    weight[::100] = base + 1e-3 * torch.randn(len(range(0, vocab, 100)), width)
-    rows = []
-    for _ in range(64):
-        x = 3 * torch.randn(width)
-        x += (0.3 - x @ base) / (base @ base) * base  # x . base = 0.3
-        rows.append(x[None, :].to(dtype))
-    return weight.to(dtype), rows
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_near_ties_the_int8_copy_gets_wrong_are_still_exact(dtype):
-    weight, rows = _near_tie_case(dtype)
+    weight, rows = near_tie_case(spread=1e-3)
+    weight, rows = weight.to(dtype), [x.to(dtype) for x in rows]
     screen = Screened(weight)
     s = screen.screen
     cheap = [row_argmax(torch.ops.deepinfer.int8_head_logits(x, screen.int8_head, s.scales, s.vocab_size, s.levels))
@@ -99,20 +86,7 @@ def test_near_ties_the_int8_copy_gets_wrong_are_still_exact(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ties_go_to_the_first_index_and_the_zero_pads_never_win(dtype):
-    torch.manual_seed(1)
-    width, vocab = 64, 50  # 4 tiles, the last holding 2 columns and 14 zero pads; one column group
-    weight = torch.randn(vocab, width) * 0.1
-    weight[49] = weight[3] = torch.randn(width)  # an exact tie, the larger logits
-    weight = weight.to(dtype)
-    screen = Screened(weight)
-    x = weight[3][None, :].clone()
-    assert screen.argmax(x).tolist() == [3] == screen.full_argmax(x).tolist()
-    weight[3] = 0.0
-    screen = Screened(weight)
-    assert screen.argmax(x).tolist() == [49] == screen.full_argmax(x).tolist()
-    x = -weight[49][None, :]  # every logit negative
-    assert screen.argmax(x).tolist() == screen.full_argmax(x).tolist()
-    assert screen.argmax(x).item() < vocab
+    check_ties_and_pads(Screened, dtype)
 
 
 def test_non_finite_rows_fall_back_to_the_full_head():
