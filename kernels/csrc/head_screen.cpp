@@ -139,19 +139,28 @@ std::tuple<at::Tensor, at::Tensor> screen_tiles(const at::Tensor& approx_in,  //
   const int64_t rows = approx.size(0), vocab = approx.size(1), width = x.size(1), tiles = (vocab + kTile - 1) / kTile;
   at::Tensor reach = at::zeros({rows, tiles}, at::kBool);
   bool* out = reach.data_ptr<bool>();
+  std::vector<uint8_t> row_ok(static_cast<size_t>(rows), 1);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {  // a row's two passes: ~60 us on Zen 4
+    for (int64_t r = begin; r < end; ++r) {
+      const float* ar = approx.data_ptr<float>() + r * vocab;
+      float k = 0.f, threshold = 0.f;
+      if (!row_threshold(ar, x.data_ptr<float>() + r * width, norms.data_ptr<float>(), vocab, width, coefficient,
+                         k, threshold)) {
+        row_ok[r] = 0;
+        continue;
+      }
+      for (int64_t t = 0; t < tiles; ++t) {
+        out[r * tiles + t] = tile_reaches(ar, norms.data_ptr<float>(), t * kTile, vocab, k, threshold);
+      }
+    }
+  });
+  if (std::find(row_ok.begin(), row_ok.end(), 0) != row_ok.end()) {
+    return {at::empty({0, tiles}, at::kBool), at::empty({0}, at::kLong)};
+  }
   std::vector<int64_t> any;
   std::vector<uint8_t> seen(static_cast<size_t>(tiles), 0);
   for (int64_t r = 0; r < rows; ++r) {
-    const float* ar = approx.data_ptr<float>() + r * vocab;
-    float k = 0.f, threshold = 0.f;
-    if (!row_threshold(ar, x.data_ptr<float>() + r * width, norms.data_ptr<float>(), vocab, width, coefficient, k,
-                       threshold)) {
-      return {at::empty({0, tiles}, at::kBool), at::empty({0}, at::kLong)};
-    }
-    for (int64_t t = 0; t < tiles; ++t) {
-      out[r * tiles + t] = tile_reaches(ar, norms.data_ptr<float>(), t * kTile, vocab, k, threshold);
-      seen[t] |= out[r * tiles + t];
-    }
+    for (int64_t t = 0; t < tiles; ++t) seen[t] |= out[r * tiles + t];
   }
   for (int64_t t = 0; t < tiles; ++t) {
     if (seen[t]) any.push_back(t);
