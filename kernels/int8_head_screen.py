@@ -66,6 +66,8 @@ class Int8HeadScreen:
     column_bounds: torch.Tensor  # [V] float32, e_j rounded up
     vocab_size: int
     levels: int
+    # Past this fraction of the tiles, gathering the candidates costs more than the full head: None instead.
+    gather_limit: float = 0.25
 
     MAX_ROWS = 4  # past 4 rows the int8 pass stops beating the bf16 head (benchmarks/head_screen.py)
 
@@ -106,10 +108,11 @@ class Int8HeadScreen:
     def argmax(self, x: torch.Tensor,  # [B, H] float32 or bfloat16, the head's input rows
                int8_head: torch.Tensor,  # build(W)[1]
                exact_head: torch.Tensor) -> torch.Tensor | None:  # block_weight(W) -> [B] int64, or None
-        """``row_argmax(blocked_linear_float(x, exact_head, V))`` to the index; None when a value is not finite."""
+        """``row_argmax(blocked_linear_float(x, exact_head, V))`` to the index; None when a value is not finite or
+        the rows' candidates cover more than ``gather_limit`` of the tiles."""
         approx = torch.ops.deepinfer.int8_head_logits(x, int8_head, self.scales, self.vocab_size, self.levels)
         reach, tiles = torch.ops.deepinfer.screen_tiles(approx, x.float(), self.column_bounds, 1.0)  # [B, T], [n]
-        if reach.numel() == 0:
+        if reach.numel() == 0 or tiles.numel() > self.gather_limit * reach.shape[1]:
             return None
         exact = blocked_linear_float(x, exact_head.index_select(0, tiles), tiles.numel() * TILE)  # [B, n * 16]
         tokens = torch.ops.deepinfer.pick_screened(exact, tiles, reach, self.vocab_size)

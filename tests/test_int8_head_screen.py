@@ -18,10 +18,12 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 class Screened:
-    """A head with its int8 screen and its blocked layout, as the model holds them."""
+    """A head with its int8 screen and its blocked layout, as the model holds them; the screen gathers any number
+    of candidate tiles (random heads have no clear winner: many candidates) unless ``gather_limit`` says."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.screen, self.int8_head = Int8HeadScreen.build(weight, chunk_rows=1000)
+    def __init__(self, weight: torch.Tensor, gather_limit: float = 1.0) -> None:
+        screen, self.int8_head = Int8HeadScreen.build(weight, chunk_rows=1000)
+        self.screen = dataclasses.replace(screen, gather_limit=gather_limit)
         self.exact_head, self.vocab = block_weight(weight), weight.shape[0]
 
     def argmax(self, x: torch.Tensor, screen: Int8HeadScreen | None = None) -> torch.Tensor | None:
@@ -98,6 +100,16 @@ def test_non_finite_rows_fall_back_to_the_full_head():
     assert screen.argmax(x) is None
     x[1, 5] = 1e20
     assert torch.equal(screen.argmax(x), screen.full_argmax(x))
+
+
+def test_rows_the_screen_cannot_narrow_take_the_full_head():
+    """A zero row ties every logit: every tile is a candidate, and gathering them all would cost more than the head."""
+    screen = Screened(torch.randn(1000, 64), gather_limit=Int8HeadScreen.gather_limit)
+    assert screen.argmax(torch.zeros(1, 64)) is None
+    x = torch.zeros(1, 64)
+    x[0, 0] = 1.0
+    screen = Screened(torch.eye(64) * 10 + 0.01 * torch.randn(64, 64), gather_limit=Int8HeadScreen.gather_limit)
+    assert torch.equal(screen.argmax(x), screen.full_argmax(x))  # a clear winner: screened
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
