@@ -59,6 +59,9 @@ def test_the_int8_pass_is_exact_integer_arithmetic():
     want = sums * step[:, None] * scales[None, :]
     got = torch.ops.deepinfer.int8_head_logits(x, int8_head, screen.scales, vocab, screen.levels)
     assert torch.equal(got, want)
+    # the plain loop (CPUs without VNNI) gives the same integers
+    plain = torch.ops.deepinfer.int8_head_logits(x, int8_head, screen.scales, vocab, screen.levels, "plain")
+    assert torch.equal(plain, want)
 
 
 def test_x_levels_keep_int32_sums_from_overflowing():

@@ -82,7 +82,8 @@ using GroupPass = void (*)(const int32_t*, int64_t, const int8_t*, int32_t*);
 at::Tensor int8_head_logits(const at::Tensor& x_in,       // [B, H] float32 or bfloat16
                             const at::Tensor& q_in,       // [ceil(V/64), ceil(H/2), 128] int8
                             const at::Tensor& scales_in,  // [ceil(V/64) * 64] float32
-                            int64_t vocab, int64_t x_levels) {
+                            int64_t vocab, int64_t x_levels,
+                            c10::string_view isa) {  // "auto" (VNNI where the CPU has it) or "plain"
   TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
               "int8_head_logits: x must be [B, H] float32 or bfloat16, got ", x_in.sizes(), " ", x_in.scalar_type());
   const int64_t rows = x_in.size(0), width = x_in.size(1), pairs = (width + 1) / 2;
@@ -97,7 +98,7 @@ at::Tensor int8_head_logits(const at::Tensor& x_in,       // [B, H] float32 or b
   TORCH_CHECK(scales_in.dim() == 1 && scales_in.size(0) == groups * kGroup && scales_in.scalar_type() == at::kFloat,
               "int8_head_logits: scales must be [", groups * kGroup, "] float32, got ", scales_in.sizes());
   const at::Tensor x = x_in.to(at::kFloat).contiguous(), scales = scales_in.contiguous();
-  // Each row to int16 levels: xq = round(x / step), step = max |x| / x_levels (kernels/head_screen.py bounds it).
+  // Each row to int16 levels: xq = round(x / step), step = max |x| / x_levels (kernels/int8_head_screen.py bounds it).
   std::vector<int32_t> xq(static_cast<size_t>(rows * pairs), 0);
   std::vector<float> steps(static_cast<size_t>(rows), 0.f);
   const float* xp = x.data_ptr<float>();
@@ -108,7 +109,8 @@ at::Tensor int8_head_logits(const at::Tensor& x_in,       // [B, H] float32 or b
     steps[r] = step;
     if (!(step > 0.f) || !std::isfinite(step)) continue;  // zeros (or not finite: the caller checks the logits)
     for (int64_t i = 0; i < width; ++i) {
-      const int32_t level = static_cast<int32_t>(std::nearbyint(xp[r * width + i] / step));
+      const float v = xp[r * width + i];  // a NaN (max skips it) takes level 0: its row's screen returns None
+      const int32_t level = std::isfinite(v) ? static_cast<int32_t>(std::nearbyint(v / step)) : 0;
       auto* lanes = reinterpret_cast<int16_t*>(&xq[r * pairs + i / 2]);
       lanes[i % 2] = static_cast<int16_t>(std::clamp<int32_t>(level, -32767, 32767));
     }
@@ -119,7 +121,8 @@ at::Tensor int8_head_logits(const at::Tensor& x_in,       // [B, H] float32 or b
   float* yp = y.data_ptr<float>();
   const int64_t group_bytes = pairs * 2 * kGroup;
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / group_bytes);
-  const bool vnni = has_vnni();
+  TORCH_CHECK(isa == "auto" || isa == "plain", "int8_head_logits: isa must be 'auto' or 'plain', got ", isa);
+  const bool vnni = isa == "auto" && has_vnni();
 #if defined(__x86_64__)
   static constexpr GroupPass vnni_passes[kMaxRows] = {&group_pass_vnni<1>, &group_pass_vnni<2>,
                                                       &group_pass_vnni<3>, &group_pass_vnni<4>};
@@ -153,7 +156,7 @@ std::string int8_head_isa() { return has_vnni() ? "avx512_vnni" : "plain"; }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
-  m.def("int8_head_logits(Tensor x, Tensor q, Tensor scales, int vocab, int x_levels) -> Tensor");
+  m.def("int8_head_logits(Tensor x, Tensor q, Tensor scales, int vocab, int x_levels, str isa=\"auto\") -> Tensor");
   m.def("int8_head_isa() -> str", &int8_head_isa);
 }
 
