@@ -1,4 +1,5 @@
-"""How many KV cache blocks to allocate, from the memory actually free after the weights are loaded.
+"""How many KV cache blocks to allocate, from the memory actually free after the weights are loaded (with their
+host layouts: packed and blocked copies, screened heads; backend_lib/executor/rank.py builds those first).
 
 ``plan_kv_cache`` is a pure function (config, bytes per block, free bytes -> a plan or a ValueError naming the
 numbers), so every rule is unit-tested without a model; ``kv_cache_num_blocks`` is the engine's one call, which

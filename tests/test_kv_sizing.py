@@ -90,3 +90,23 @@ def test_fixed_state_slots_come_off_the_budget_first():
                       fixed_bytes=8 * MIB, fixed_what="40 state slots (max_num_seqs + max_sessions)")
     with pytest.raises(ValueError, match="after the state slots"):
         plan_kv_cache(CacheConfig(block_size=16), MIB, 64 * MIB, max_model_len=256, max_num_seqs=4, fixed_bytes=30 * MIB)
+
+
+def test_the_cache_is_sized_after_the_host_layouts_take_their_memory(smollm2_path, monkeypatch):
+    """The blocked and packed weight copies and the screened heads are built before the free memory is measured, so
+    the auto size never counts memory they then take."""
+    import backend_lib.executor.rank as rank
+    from backend_lib.config import EngineConfig
+    from backend_lib.models.parallel import ParallelContext
+
+    seen = []
+    measure = rank.kv_cache_blocks
+
+    def sizing(config, model, dtype, world_size=1):
+        seen.append(model.blocked_head is not None)
+        return measure(config, model, dtype, world_size)
+
+    monkeypatch.setattr(rank, "kv_cache_blocks", sizing)
+    state = rank.build_rank(EngineConfig.from_flat({"model": smollm2_path, "max_num_seqs": 2, "max_model_len": 256}),
+                            ParallelContext())
+    assert state.model.blocked_head is not None and seen == [True]

@@ -73,8 +73,8 @@ def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
     device, dtype = torch.device(config.model.device), DTYPES[config.model.dtype]
     model = load_model(resolve_model_path(config.model.model), dtype=dtype, progress=par.is_driver,
                        par=par).to(device).eval()
-    num_blocks = _agree_on_blocks(kv_cache_blocks(config, model, dtype, par.world_size), par)
-    # Before the runner: compiled regions trace the packed GEMMs (opaque custom ops) that eager steps call.
+    # Before the runner: compiled regions trace the packed GEMMs (opaque custom ops) that eager steps call. Before
+    # the KV cache's sizing: the packed and blocked copies and the screened heads take memory the cache must not.
     plan = host_gemm_plan(config.model.host_gemm, device, dtype, config.model.greedy_head_screen)
     if hasattr(model, "pack_for_cpu") and (plan.onednn or plan.blocked):
         model.pack_for_cpu(plan)
@@ -82,6 +82,7 @@ def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
             move_buffers_to_huge_pages([(module, name) for module in model.modules()
                                         for name, buffer in module.named_buffers(recurse=False)
                                         if "blocked" in name and buffer is not None])
+    num_blocks = _agree_on_blocks(kv_cache_blocks(config, model, dtype, par.world_size), par)
     if (config.model.host_attention == "cpp" and hasattr(model, "use_cpu_attention")
             and cpu_kernels_supported(device, dtype) and load_cpu_kernels()):
         model.use_cpu_attention()
