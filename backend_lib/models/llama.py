@@ -251,7 +251,7 @@ class LlamaForCausalLM(nn.Module):
         self.head_screen: HeadScreen | None = None
         self.register_buffer("screen_blocked_head", None, persistent=False)  # HeadScreen.approx_head
         self.int8_screen: Int8HeadScreen | None = None  # greedy steps of up to 4 rows, fp32 or bf16
-        self.register_buffer("screen_int8_blocked_head", None, persistent=False)  # Int8HeadScreen.int8_head
+        self.register_buffer("screen_int8_blocked_head", None, persistent=False)  # Int8HeadScreen.build's
         self.gemv_policy = GemvPolicy()
         self.host_fused = False  # eager host steps on the C++ ops (use_cpu_attention)
         self._decode_weight_lists: tuple | None = None  # _host_decode_weights' lists, collected once
