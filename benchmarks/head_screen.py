@@ -145,8 +145,8 @@ def write_report(machine: str, results, out: Path, stem: str) -> None:
         lines.append("")
         for name, counts in tiles.items():
             ranked = sorted(counts)
-            lines.append(f"Candidate tiles (16 columns) per row, {name}, of 3072: median {statistics.median(ranked):.0f}, "
-                         f"90th percentile {ranked[int(0.9 * len(ranked))]}, most {ranked[-1]} ({len(ranked)} rows "
+            lines.append(f"Candidate tiles (16 columns) per row, {name}, of 3072: median "
+                         f"{statistics.median(ranked):.0f}, 90th percentile {ranked[int(0.9 * len(ranked))]}, most {ranked[-1]} ({len(ranked)} rows "
                          f"of {steps} steps).")
         lines.append("")
     text = "\n".join(lines)

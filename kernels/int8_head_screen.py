@@ -20,7 +20,8 @@ u = 2^-24, gamma_m = m u / (1 - m u), W~_j = s_j q_j:
 So |exact_j - y_j| <= ||x|| e_j with e_j = 1.01 (||W_j - W~_j|| + (eps + gamma_3 (1 + eps)) ||W~_j|| +
 ((1 + u_b)(1 + gamma_2n) - 1) ||W_j||), rounded up; the C++ screen adds its own comparison slack. On SmolLM2's
 workload it left 6 candidate tiles of 3,072 a row at the median, 34 at the 90th percentile, 200 at most for the
-bf16 head, and 3, 16 and 74 for the fp32 one (benchmarks/head_screen.py, 1,440 rows of batch-32 steps). Subnormals flushed by the dot instructions move a logit by far less than the screen's 1e-30.
+bf16 head, and 3, 16 and 74 for the fp32 one (benchmarks/head_screen.py, 1,440 rows of batch-32 steps).
+Subnormals flushed by the dot instructions move a logit by far less than the screen's 1e-30.
 """
 from __future__ import annotations
 
