@@ -146,8 +146,8 @@ def write_report(machine: str, results, out: Path, stem: str) -> None:
         for name, counts in tiles.items():
             ranked = sorted(counts)
             lines.append(f"Candidate tiles (16 columns) per row, {name}, of 3072: median "
-                         f"{statistics.median(ranked):.0f}, 90th percentile {ranked[int(0.9 * len(ranked))]}, most {ranked[-1]} ({len(ranked)} rows "
-                         f"of {steps} steps).")
+                         f"{statistics.median(ranked):.0f}, 90th percentile {ranked[int(0.9 * len(ranked))]}, "
+                         f"most {ranked[-1]} ({len(ranked)} rows of {steps} steps).")
         lines.append("")
     text = "\n".join(lines)
     print(text)
