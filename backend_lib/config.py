@@ -41,7 +41,7 @@ class ModelConfig:
     # once), "torch" the block gather + SDPA (eager) / fused torch form (compiled) that Neuron runs.
     host_attention: str = "cpp"
     # Greedy steps on the host take the head's argmax from a cheap copy of the head plus the exact kernel on the few
-    # columns the copy's error bound leaves: up to 4 rows an int8 copy, fp32 or bf16 (kernels/int8_head_screen.py,
+    # columns the copy's error bound leaves: up to 4 rows (bf16) or 6 (fp32) an int8 copy (kernels/int8_head_screen.py,
     # 28 MB for SmolLM2), more rows of an fp32 head a bf16 copy (kernels/head_screen.py, 56 MB). The same tokens,
     # the head's time at one row 0.3-0.6x. Off: every logit is computed.
     greedy_head_screen: bool = True

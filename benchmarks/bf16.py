@@ -170,7 +170,7 @@ def main() -> None:
     same_as_fp32 = sum(a == b for a, b in zip(ids.get("float32", []), ids.get("bfloat16", [])))
     divergences = None if args.skip_transformers else transformers_divergences(prompts, ids["bfloat16"], new_tokens)
     head = ("every logit computed in both (greedy_head_screen off)" if args.full_head else
-            "greedy heads screened (the default: an int8 copy of the head up to 4 rows, fp32 and bf16, and a bf16 "
+            "greedy heads screened (the default: an int8 copy of the head up to 6 rows (fp32) or 4 (bf16), and a bf16 "
             "copy past that for fp32, each plus the exact kernel on the few columns its error bound leaves)")
     write_report(machine + f", {os.getloadavg()[0]:.1f} at the end; {head}", timings, same_as_fp32, divergences,
                  len(prompts), new_tokens, args.single, Path(args.out), args.stem)

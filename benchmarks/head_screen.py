@@ -1,5 +1,5 @@
 """The greedy head of SmolLM2: every logit and its argmax against the screened heads (kernels/head_screen.py:
-a bf16 copy of an fp32 head; kernels/int8_head_screen.py: an int8 copy of an fp32 or bf16 head, up to 4 rows),
+a bf16 copy of an fp32 head; kernels/int8_head_screen.py: an int8 copy of an fp32 or bf16 head, up to 6 / 4 rows),
 each an error bound and the exact kernel on the tiles the bound leaves.
 
 SmolLM2-135M-Instruct, fp32 and bf16 (head 49152 x 576: 113 MB fp32, 56 MB bf16, 28 MB int8). The head inputs are
@@ -125,7 +125,8 @@ def write_report(machine: str, results, out: Path, stem: str) -> None:
     lines = ["# Greedy head of SmolLM2: every logit against the screened heads", "",
              "Head inputs: the shared workload's batch-32 decode steps (real final hidden rows; fewer rows: the "
              "first ones of a step). The forms take turns call by call; every screened token equals the full "
-             "head's argmax. The engine takes the int8 copy up to 4 rows, the bf16 copy (fp32 heads) past that. "
+             "head's argmax. The engine takes the int8 copy up to 4 rows (bf16) or 6 (fp32), the bf16 copy (fp32 "
+             "heads) past that. "
              f"Machine: {machine}.", ""]
     labels, series = [], {}
     for dtype, timed, tiles, steps in results:

@@ -197,8 +197,8 @@ def write_report(runs: list[PeerRun], agree: int | None, num_prompts: int, new_t
              f"{num_prompts} chat prompts x {new_tokens} new tokens, greedy, EOS ignored, SmolLM2-135M-Instruct; "
              f"generated tokens/s over the whole run, prefill included. One-stream rows: the first {single} prompts "
              "one at a time (llama.cpp: llama-batched-bench with 64-token prompts). Our engine runs its defaults: "
-             "greedy steps take the head's argmax through a screened head (kernels/int8_head_screen.py up to 4 rows, "
-             "fp32 and bf16; kernels/head_screen.py past that, fp32: the same tokens as every logit)."
+             "greedy steps take the head's argmax through a screened head (kernels/int8_head_screen.py up to 4 / 6 "
+             "rows, bf16 / fp32; kernels/head_screen.py past that, fp32: the same tokens as every logit)."
              + (f" Every run repeated in {rounds} rounds; each row is its fastest round." if rounds > 1 else ""), "",
              f"Machine: {machine}; {limits}.", "",
              "| engine | streams | tokens | seconds | tokens/s |" + range_head + " "

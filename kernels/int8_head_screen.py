@@ -1,12 +1,13 @@
 """Greedy tokens of a few rows from an int8 copy of the head (kernels/csrc/head_int8.cpp, head_screen.cpp).
 
-At one to four rows the head is a weight stream, and an int8 copy (one scale per vocabulary row) is half of a
-bf16 head's bytes and a quarter of an fp32 one's. Its approximate logits and a rigorous per-column bound on their
-distance from the exact ones leave a few candidate tiles (the argument of kernels/head_screen.py); the head's own
-blocked kernel then runs on those tiles (gathered) with the same rows, so each exact logit has the bits the full
-head gives it: the same instruction set, the same pass for this row count, one FMA / dot chain per column whatever
-the tile count. The token is the first column holding the largest exact logit, as ``row_argmax`` picks. Serves fp32
-and bf16 heads alike (bf16 logits are rounded to bf16: ties are common, and every tied column is a candidate).
+At a few rows (up to 4 for a bf16 head, 6 for fp32) the head is a weight stream, and an int8 copy (one scale per
+vocabulary row) is half of a bf16 head's bytes and a quarter of an fp32 one's. Its approximate logits and a
+rigorous per-column bound on their distance from the exact ones leave a few candidate tiles (the argument of
+kernels/head_screen.py); the head's own blocked kernel then runs on those tiles (gathered) with the same rows, so
+each exact logit has the bits the full head gives it: the same instruction set, the same pass for this row count,
+one FMA / dot chain per column whatever the tile count. The token is the first column holding the largest exact
+logit, as ``row_argmax`` picks. Serves fp32 and bf16 heads alike (bf16 logits are rounded to bf16: ties are
+common, and every tied column is a candidate).
 
 The approximate pass (integers, exact): x rounded to L int16 levels per row (step = max|x| / L), W_j to int8 with
 scale s_j = max|W_j| / 127; y_j = fl(fl(fl(S_j) * step) * s_j) with S_j = sum_i xq_i q_ji. For a row x of width n,
@@ -67,10 +68,9 @@ class Int8HeadScreen:
     column_bounds: torch.Tensor  # [V] float32, e_j rounded up
     vocab_size: int
     levels: int
+    max_rows: int  # the most rows a step screens here (more: the bf16 copy of an fp32 head, or the full head)
     # Past this fraction of the tiles, gathering the candidates costs more than the full head: None instead.
     gather_limit: float = 0.25
-
-    MAX_ROWS = 4  # past 4 rows the int8 pass stops beating the bf16 head (benchmarks/head_screen.py)
 
     @staticmethod
     def supported() -> bool:
@@ -102,8 +102,12 @@ class Int8HeadScreen:
                 (rows - approx).norm(dim=1) + (eps + gamma3 * (1 + eps)) * approx.norm(dim=1)
                 + ((1 + output) * (1 + gamma2n) - 1) * rows.norm(dim=1))
         bounds32 = bounds.float()
+        # Zen 4, SmolLM2's head on the workload's rows (benchmarks/head_screen.py): against the full bf16 head the
+        # int8 pass stops paying past 4 rows (1.83 / 1.90 ms at 4, 2.03 / 1.94 at 5); against an fp32 head's bf16
+        # copy past 6 (1.85 / 2.26 ms at 6, 2.28 / 2.23 at 8).
+        max_rows = 6 if weight.dtype == torch.float32 else 4
         screen = cls(scales=scales, column_bounds=torch.nextafter(bounds32, torch.full_like(bounds32, math.inf)),
-                     vocab_size=vocab, levels=levels)
+                     vocab_size=vocab, levels=levels, max_rows=max_rows)
         return screen, block_int8(q)
 
     def argmax(self, x: torch.Tensor,  # [B, H] float32 or bfloat16, the head's input rows

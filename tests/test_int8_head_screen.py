@@ -148,3 +148,10 @@ def test_the_bf16_engine_s_greedy_tokens_are_the_same_with_and_without_the_scree
         tokens[screened].append(llm.generate(prompts[:1], greedy)[0].token_ids)
         llm.close()
     assert tokens[True] == tokens[False]
+
+
+def test_rows_screened_by_dtype():
+    """fp32 heads up to 6 rows (the int8 pass beats the bf16 copy there), bf16 heads up to 4 (it beats the head)."""
+    weight = torch.randn(64, 32)
+    assert Int8HeadScreen.build(weight)[0].max_rows == 6
+    assert Int8HeadScreen.build(weight.to(torch.bfloat16))[0].max_rows == 4

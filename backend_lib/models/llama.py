@@ -250,7 +250,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("blocked_head", None, persistent=False)  # kernels.gemv layout of the head
         self.head_screen: HeadScreen | None = None
         self.register_buffer("screen_blocked_head", None, persistent=False)  # HeadScreen.approx_head
-        self.int8_screen: Int8HeadScreen | None = None  # greedy steps of up to 4 rows, fp32 or bf16
+        self.int8_screen: Int8HeadScreen | None = None  # greedy steps of a few rows, fp32 or bf16
         self.register_buffer("screen_int8_blocked_head", None, persistent=False)  # Int8HeadScreen.build's
         self.gemv_policy = GemvPolicy()
         self.host_fused = False  # eager host steps on the C++ ops (use_cpu_attention)
@@ -335,12 +335,12 @@ class LlamaForCausalLM(nn.Module):
 
     def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N] int64, or None
         """``compute_logits(hidden)``'s argmax to the index, from a screened head where ``compute_logits`` would
-        take the blocked kernel: the int8 copy (kernels/int8_head_screen.py) for up to 4 rows, the bf16 copy of an
-        fp32 head (kernels/head_screen.py) for more; None: compute the logits."""
+        take the blocked kernel: the int8 copy (kernels/int8_head_screen.py) for a few rows (4 bf16, 6 fp32), the
+        bf16 copy of an fp32 head (kernels/head_screen.py) for more; None: compute the logits."""
         rows = hidden.shape[0]
         if torch.compiler.is_compiling() or not self.gemv_policy.use_blocked(rows):
             return None
-        if self.int8_screen is not None and rows <= Int8HeadScreen.MAX_ROWS:
+        if self.int8_screen is not None and rows <= self.int8_screen.max_rows:
             return self.int8_screen.argmax(hidden, self.screen_int8_blocked_head, self.blocked_head)
         if self.head_screen is not None:
             return self.head_screen.argmax(hidden, self.screen_blocked_head, self.blocked_head)
