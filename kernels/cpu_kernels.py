@@ -12,9 +12,10 @@ weights (grouped_experts.cpp), mHC's mixes with their Sinkhorn loop and its stre
 (sink_attention.cpp), interleaved tail RoPE (interleaved_rope.cpp) and its RMS norms (rms_norm.cpp), a Llama
 layer's norms, SiLU gate and RoPE + KV-cache write (fused_layer_ops.cpp, kernels/fused_layer_ops.py), the GEMM's
 AMX tile passes (gemm_amx.cpp), a Llama decode step's layers as one op over the others (llama_decode.cpp), greedy
-sampling's row argmax (row_argmax.cpp) and the screened greedy heads' passes (head_screen.cpp, head_int8.cpp). The ops are
-registered with the dispatcher (``torch.ops.deepinfer.*``) and have fake kernels, so compiled regions keep each as
-one opaque call, as they do the packed GEMM.
+sampling's row argmax (row_argmax.cpp) and the screened greedy heads' passes (head_screen.cpp, head_int8.cpp). The
+ops are registered with the dispatcher (``torch.ops.deepinfer.*``); those compiled regions can meet have fake
+kernels, so regions keep each as one opaque call, as they do the packed GEMM (the screened heads' ops run in eager
+steps only and have none).
 """
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-// Greedy decoding's tokens from a cheap head and a few exact tiles: deepinfer::screened_argmax.
+// Greedy decoding's tokens from a cheap head and a few exact tiles: deepinfer::screened_argmax (the bf16 copy of
+// an fp32 head, exact tiles here), deepinfer::screen_tiles and deepinfer::pick_screened (the int8 screen of
+// kernels/int8_head_screen.py: the candidate tiles, then the token from the head kernel's logits on them).
 //
 // Why: an fp32 model's head is its largest GEMM (SmolLM2: 49152 x 576, ~10 ms of a 57 ms batch-32 step on Zen 4,
 // 113 MB of a one-stream step's 540 MB), yet a greedy step only needs the argmax. A bf16 copy of the head gives
@@ -88,7 +90,9 @@ bool tile_reaches(const float* a, const float* norms, int64_t j, int64_t n, floa
 void exact_tile(const float* x, const float* tile, int64_t width, float* out) {
 #ifdef __AVX512F__
   __m512 acc = _mm512_setzero_ps();
-  for (int64_t k = 0; k < width; ++k) acc = _mm512_fmadd_ps(_mm512_loadu_ps(tile + k * kTile), _mm512_set1_ps(x[k]), acc);
+  for (int64_t k = 0; k < width; ++k) {
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(tile + k * kTile), _mm512_set1_ps(x[k]), acc);
+  }
   _mm512_storeu_ps(out, acc);
 #else
   std::fill(out, out + kTile, 0.f);
@@ -137,7 +141,7 @@ std::tuple<at::Tensor, at::Tensor> screen_tiles(const at::Tensor& approx_in,  //
   check_screen_inputs(approx_in, x_in, norms_in, coefficient, "screen_tiles");
   const at::Tensor approx = approx_in.contiguous(), x = x_in.contiguous(), norms = norms_in.contiguous();
   const int64_t rows = approx.size(0), vocab = approx.size(1), width = x.size(1), tiles = (vocab + kTile - 1) / kTile;
-  at::Tensor reach = at::zeros({rows, tiles}, at::kBool);
+  at::Tensor reach = at::empty({rows, tiles}, at::kBool);  // every entry written below, or not returned
   bool* out = reach.data_ptr<bool>();
   std::vector<uint8_t> row_ok(static_cast<size_t>(rows), 1);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {  // a row's two passes: ~60 us on Zen 4
