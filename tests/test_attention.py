@@ -205,19 +205,23 @@ def test_cpu_decode_kernel_chunks_match_the_torch_form(seq_lens, query_len, head
     assert (got - want).abs().max().item() <= TOL
 
 
-def test_cpu_decode_kernel_long_requests_give_the_same_bits_on_any_thread_count(cpu_kernels):
-    # Requests past 1,024 keys split into parts the threads share; the parts merge in order afterwards.
-    q, k_cache, v_cache, tables, lens = _decode_case([2100, 40, 1500], 1, 64, 16)
-    args = (q, k_cache, v_cache, tables, lens, 1, 16, 0.125)
+# Requests past 1,024 keys split into parts the threads share (the parts merge in order afterwards); with fewer
+# parts than threads, each part splits further by KV head (on 4 threads a 2,100-key request: 3 parts of 3 tasks
+# each). Neither may change a bit: one request short and long, a few, a batch, several queries a request.
+@pytest.mark.parametrize("seq_lens,query_len", [([2100, 40, 1500], 1), ([130], 1), ([2100], 1), ([300], 8),
+                                                ([7, 300], 4), ([5 + 37 * i % 400 for i in range(32)], 1)])
+def test_cpu_decode_kernel_gives_the_same_bits_on_any_thread_count(seq_lens, query_len, cpu_kernels):
+    q, k_cache, v_cache, tables, lens = _decode_case(seq_lens, query_len, 64, 16)
+    args = (q, k_cache, v_cache, tables, lens, query_len, 16, 0.125)
     threads = torch.get_num_threads()
+    results = []
     try:
-        torch.set_num_threads(1)
-        one = paged_decode_attention(*args, cpu_kernel=True)
-        torch.set_num_threads(2)
-        two = paged_decode_attention(*args, cpu_kernel=True)
+        for count in (1, 2, 4):
+            torch.set_num_threads(count)
+            results.append(paged_decode_attention(*args, cpu_kernel=True))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, two)
+    assert all(torch.equal(results[0], other) for other in results[1:])
 
 
 @pytest.mark.parametrize("seq_lens,query_len", [([1, 17, 130], 1), ([1, 5, 40], 8), ([40, 1100], 1)])
