@@ -113,8 +113,9 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   std::vector<float> partials(part_tasks > num_reqs ? part_tasks * partial_stride : 0);
   // With fewer parts than threads (a lone request of up to 1,024 keys: one stream, speculative verification),
   // each part splits into one task per KV head: disjoint rows and the same arithmetic a row, so the same bits.
-  // Zen 4, 2 threads, bf16, 30 layers, one request at 150 tokens with 8 queries: 0.75-0.79x the time. Not with
-  // more parts: each task then streams a third of every slot row and prefetches all of it (2,048 tokens: 1.42x).
+  // Zen 4, 2 threads, 30 layers, one request at 150 tokens with 8 queries (fp32, bf16): 0.75-0.93x the time (medians;
+  // one pair of eight even). Not with more parts: each task then streams a third of every slot row and prefetches
+  // all of it (2,048 tokens: 1.4-1.6x slower).
   const int64_t kv_split = part_tasks < at::get_num_threads() ? kv_heads : 1;
   const int64_t num_tasks = part_tasks * kv_split;
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
