@@ -8,6 +8,7 @@ from kernels.cpu_kernels import load_cpu_kernels
 from kernels.gemv import block_weight, blocked_linear, blocked_linear_float
 from kernels.head_screen import HeadScreen, screen_coefficient
 from kernels.sampling import row_argmax
+from tests.screen_cases import check_ties_and_pads, near_tie_case
 
 pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="host C++ kernels not built")
 
@@ -37,23 +38,6 @@ def test_screened_tokens_equal_the_full_heads_argmax(rows, vocab, width):
         assert torch.equal(screen.argmax(x), screen.full_argmax(x))
 
 
-def near_tie_case(spread: float = 1e-4) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """A head whose best columns (every 100th, each in a tile of its own, ``spread`` apart) lie within a cheap
-    copy's error of each other, and rows whose logits there are small against ||x|| ||W_j||: the copy often picks
-    another. (fp32 head and rows; tests/test_int8_head_screen.py takes it with a wider spread.)"""
-    torch.manual_seed(3)
-    width, vocab = 576, 4096
-    weight = 0.001 * torch.randn(vocab, width)
-    base = torch.randn(width) / width ** 0.5
-    weight[::100] = base + spread * torch.randn(len(range(0, vocab, 100)), width)
-    rows = []
-    for _ in range(64):
-        x = 3 * torch.randn(width)
-        x += (0.3 - x @ base) / (base @ base) * base  # x . base = 0.3
-        rows.append(x[None, :])
-    return weight, rows
-
-
 def test_near_ties_the_bf16_head_gets_wrong_are_still_exact():
     weight, rows = near_tie_case()
     screen = Screened(weight)
@@ -64,26 +48,6 @@ def test_near_ties_the_bf16_head_gets_wrong_are_still_exact():
     # and the bound is what makes it exact: one far below the errors keeps the wrong columns alone
     tight = Screened(weight, dataclasses.replace(screen.screen, coefficient=screen.screen.coefficient * 1e-6))
     assert not all(torch.equal(tight.argmax(x), tight.full_argmax(x)) for x in rows)
-
-
-def check_ties_and_pads(screened_of, dtype: torch.dtype = torch.float32) -> None:
-    """Ties go to the first index, the last partial tile counts and its zero pads never win (``screened_of(weight)``
-    has ``argmax`` and ``full_argmax``; tests/test_int8_head_screen.py runs it for its screen)."""
-    torch.manual_seed(1)
-    width, vocab = 64, 50  # 4 tiles, the last holding 2 columns and 14 zero pads
-    weight = torch.randn(vocab, width) * 0.1
-    weight[49] = weight[3] = torch.randn(width)  # an exact tie, the larger logits
-    weight = weight.to(dtype)
-    screen = screened_of(weight)
-    x = weight[3][None, :].clone()
-    assert screen.argmax(x).tolist() == [3] == screen.full_argmax(x).tolist()
-    weight[3] = 0.0
-    screen = screened_of(weight)
-    assert screen.argmax(x).tolist() == [49] == screen.full_argmax(x).tolist()
-    # every logit negative: the zero pads past the vocabulary must not win
-    x = -weight[49][None, :]
-    assert screen.argmax(x).tolist() == screen.full_argmax(x).tolist()
-    assert screen.argmax(x).item() < vocab
 
 
 def test_ties_go_to_the_first_index_and_the_last_partial_tile_counts():

@@ -9,7 +9,7 @@ from kernels.cpu_kernels import load_cpu_kernels
 from kernels.gemv import block_weight, blocked_linear_float
 from kernels.int8_head_screen import Int8HeadScreen, quantize_rows, x_levels
 from kernels.sampling import row_argmax
-from tests.test_head_screen import check_ties_and_pads, near_tie_case
+from tests.screen_cases import check_ties_and_pads, near_tie_case
 
 pytestmark = [pytest.mark.skipif(not load_cpu_kernels(), reason="host C++ kernels not built"),
               pytest.mark.skipif(load_cpu_kernels() and not Int8HeadScreen.supported(),
