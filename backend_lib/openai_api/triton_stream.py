@@ -8,7 +8,9 @@ reads, so the model builds only those.
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from typing import AsyncIterator
 
 import grpc
@@ -79,6 +81,18 @@ def parse_response(result: service_pb2.ModelInferResponse) -> ModelDelta:
     return delta
 
 
+async def _end_completed(call: grpc.aio.StreamStreamCall, timeout_s: float = 5.0) -> None:
+    """After a request's last response: half-close and read the server's end of the stream, so the call ends
+    as completed, not cancelled. A cancel racing Triton's own end of the stream (after an error response) left
+    the model referenced in ~1 of 4 runs: Triton then never finalized it and waited out its exit timeout."""
+    try:
+        await call.done_writing()
+        await asyncio.wait_for(call.read(), timeout_s)
+    except (asyncio.TimeoutError, grpc.aio.AioRpcError) as exc:  # the caller's finally cancels the call
+        logging.getLogger("deepinfer.openai").warning("could not end a Triton stream as completed (%r): "
+                                                      "cancelling it", exc)
+
+
 class TritonStreamClient:
     """The front's one channel to Triton; ``generate`` streams one request's deltas."""
 
@@ -110,16 +124,15 @@ class TritonStreamClient:
                 if response is grpc.aio.EOF:
                     raise OpenAIError(502, f"request {request_id}: Triton closed the stream before the final "
                                            "response", "server_error")
-                if response.error_message:
+                if response.error_message:  # the request's last response
+                    await _end_completed(call)
                     raise from_model_error(response.error_message, request.field_names)
                 result = response.infer_response
                 final = result.parameters["triton_final_response"].bool_param
                 if result.outputs or not final:
                     yield parse_response(result)
                 if final:
-                    # Half-close and read the server's end of the stream, so the call ends as completed.
-                    await call.done_writing()
-                    await call.read()
+                    await _end_completed(call)
                     return
         except grpc.aio.AioRpcError as exc:
             raise unreachable(f"{exc.code().name}: {exc.details()}") from exc

@@ -105,8 +105,9 @@ def test_stop_string_cuts_the_text(client):
 
 def test_seeded_sampling_is_reproducible(client):
     def sample(seed: int) -> str:
-        return client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=1.0, top_p=0.95,
-                                              seed=seed, max_tokens=8, extra_body={"top_k": 50}).choices[0].message.content
+        reply = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=1.0, top_p=0.95,
+                                               seed=seed, max_tokens=8, extra_body={"top_k": 50})
+        return reply.choices[0].message.content
     assert sample(1234) == sample(1234)
 
 
@@ -187,3 +188,18 @@ def test_session_headers_continue_a_conversation(client):
     # The session ended: another turn is refused, naming the session.
     with pytest.raises(openai.BadRequestError, match="unknown session"):
         client.chat.completions.create(model=MODEL, messages=second_turn, max_tokens=4, extra_headers=session)
+
+
+def test_model_errors_leave_nothing_that_holds_the_server_at_stop(tmp_path):
+    """A request the model refuses ends its gRPC call as completed. When the front cancelled it instead, Triton
+    kept the model referenced in ~1 of 4 runs and waited out its whole exit timeout on shutdown."""
+    with new_server(tmp_path, dict(SERVER_PARAMETERS), openai=True) as server:
+        client = openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=120)
+        for turn in range(6):
+            client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=4)
+            with pytest.raises(openai.BadRequestError, match="unknown session"):
+                client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4,
+                                               extra_headers={"X-Session-Id": f"never-started-{turn}"})
+        started = time.monotonic()
+        server.stop()
+        assert time.monotonic() - started < 10, "Triton waited out its exit timeout (15 s): the model was held"
