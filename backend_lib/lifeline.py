@@ -151,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--region", default="")
     parser.add_argument("--poll-s", type=float, default=0.1)
     args = parser.parse_args(argv)
+    # `deepinfer serve` stops tritonserver with a SIGINT to its process group, which holds this sidecar: it
+    # guards until the stub or the server is gone (StubGuard.stop and kill() end it with SIGTERM / SIGKILL).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     return guard_stub(args.stub_pid, args.server_pid, args.region, args.poll_s)
 
 
