@@ -104,6 +104,15 @@ def blocked_linear_float(x: torch.Tensor,  # [T, in]
     return torch.ops.deepinfer.blocked_linear_float(x, blocked, out_features, isa)
 
 
+def blocked_linear_argmax(x: torch.Tensor,  # [T, in]
+                          blocked: torch.Tensor,  # from block_weight
+                          out_features: int,
+                          isa: str = "auto") -> torch.Tensor:  # [T] int64
+    """``row_argmax(blocked_linear_float(x, blocked, out_features))`` to the index, the logits never stored (a
+    greedy step's head where no screen applies)."""
+    return torch.ops.deepinfer.blocked_linear_argmax(x, blocked, out_features, isa)
+
+
 def blocked_linear_add(x: torch.Tensor,  # [T, in]
                        blocked: torch.Tensor,  # from block_weight
                        bias: torch.Tensor | None,  # [out]

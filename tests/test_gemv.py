@@ -18,9 +18,9 @@ from backend_lib.executor.rank import host_gemm_plan
 from backend_lib.models.layers import HostGemmPlan, Linear
 from backend_lib.models.loader import load_model
 from kernels.fused_layer_ops import silu_and_mul
-from kernels.gemv import (GemvPolicy, block_weight, blocked_linear, blocked_linear_add, blocked_linear_float,
-                         blocked_linear_silu_mul,
-                         gemv_available, kernel_isa, unblock_weight)
+from kernels.gemv import (GemvPolicy, block_weight, blocked_linear, blocked_linear_add, blocked_linear_argmax,
+                          blocked_linear_float, blocked_linear_silu_mul, gemv_available, kernel_isa, unblock_weight)
+from kernels.sampling import row_argmax
 
 ISAS = ("amx_bf16", "avx512_bf16", "avx512", "avx2", "scalar")
 
@@ -177,3 +177,19 @@ def test_tiny_llama_packed_matches_transformers_logits(isas, tiny_llama_dir, pla
             got = model.compute_logits(hidden[:rows])
             want = hf.lm_head(hidden[:rows])
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("weight_dtype,x_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                  (torch.bfloat16, torch.float32)])
+def test_fused_argmax_picks_the_stored_logits_argmax(isas, weight_dtype, x_dtype):
+    gen = torch.Generator().manual_seed(0)
+    for out_features, in_features in [(37, 53), (100, 577), (50, 576), (3000, 64)]:
+        weight = torch.randn(out_features, in_features, generator=gen).to(weight_dtype)
+        weight[out_features // 2] = weight[out_features // 3]  # tied columns: the first one wins
+        blocked = block_weight(weight)
+        for rows in (1, 5, 13, 32, 70):
+            x = torch.randn(rows, in_features, generator=gen).to(x_dtype)
+            x[rows // 2, 0] = float("nan") if rows > 1 else x[0, 0]  # a NaN logit row: its first NaN wins
+            for isa in isas:
+                want = row_argmax(blocked_linear_float(x, blocked, out_features, isa))
+                assert torch.equal(blocked_linear_argmax(x, blocked, out_features, isa), want), (isa, rows)

@@ -81,7 +81,7 @@ def test_the_bound_holds():
 def test_the_engine_s_greedy_tokens_are_the_same_with_and_without_the_screen(smollm2_path):
     """SmolLM2 fp32, a batch of 8 (the bf16 copy) and one stream (the int8 copy where the CPU has VNNI): the
     screened engine's tokens are the full head's; a row asking for logprobs takes the full logits (and gets them)
-    beside screened ones."""
+    beside screened ones. Then bf16 at 8 rows (the fused argmax)."""
     from kernels.int8_head_screen import Int8HeadScreen
     from backend_lib.config import EngineConfig
     from backend_lib.offline import LLM
@@ -113,3 +113,13 @@ def test_the_engine_s_greedy_tokens_are_the_same_with_and_without_the_screen(smo
     assert ngram.engine.model.head_screen is not None
     assert [r.token_ids for r in ngram.generate(prompts, greedy)] == tokens[False][:-1]
     ngram.close()
+    # bf16, 8 rows: past the int8 copy's 4, the head's fused argmax (blocked_linear_argmax) gives the tokens
+    short = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    bf16_tokens = {}
+    for screened in (True, False):
+        llm = LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 256, "max_num_seqs": 8,
+                                                 "dtype": "bfloat16", "greedy_head_screen": screened}))
+        assert llm.engine.model.greedy_argmax == screened
+        bf16_tokens[screened] = [r.token_ids for r in llm.generate(prompts, short)]
+        llm.close()
+    assert bf16_tokens[True] == bf16_tokens[False]

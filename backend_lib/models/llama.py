@@ -19,7 +19,7 @@ from backend_lib.models.parallel import ParallelContext, Shard, read_shard, voca
 from kernels import fused_layer_ops as fused
 from kernels.attention import paged_attention, write_kv
 from kernels.attention_metadata import AttentionMetadata
-from kernels.gemv import TILE, GemvPolicy, block_weight, blocked_linear_float
+from kernels.gemv import TILE, GemvPolicy, block_weight, blocked_linear_argmax, blocked_linear_float
 from kernels.head_screen import HeadScreen
 from kernels.int8_head_screen import Int8HeadScreen
 from kernels.onednn_gemm import PackedWeight
@@ -251,6 +251,7 @@ class LlamaForCausalLM(nn.Module):
         self.head_screen: HeadScreen | None = None
         self.register_buffer("screen_blocked_head", None, persistent=False)  # HeadScreen.approx_head
         self.int8_screen: Int8HeadScreen | None = None  # greedy steps of a few rows, fp32 or bf16
+        self.greedy_argmax = False  # greedy steps no screen covers: the blocked head's fused argmax
         self.register_buffer("screen_int8_blocked_head", None, persistent=False)  # Int8HeadScreen.build's
         self.gemv_policy = GemvPolicy()
         self.host_fused = False  # eager host steps on the C++ ops (use_cpu_attention)
@@ -336,7 +337,8 @@ class LlamaForCausalLM(nn.Module):
     def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N] int64, or None
         """``compute_logits(hidden)``'s argmax to the index, from a screened head where ``compute_logits`` would
         take the blocked kernel: the int8 copy (kernels/int8_head_screen.py) for a few rows (4 bf16, 6 fp32), the
-        bf16 copy of an fp32 head (kernels/head_screen.py) for more; None: compute the logits."""
+        bf16 copy of an fp32 head (kernels/head_screen.py) for more, else the head's argmax without storing its
+        logits (a bf16 head past 4 rows); None: compute the logits."""
         rows = hidden.shape[0]
         if torch.compiler.is_compiling() or not self.gemv_policy.use_blocked(rows):
             return None
@@ -344,6 +346,8 @@ class LlamaForCausalLM(nn.Module):
             return self.int8_screen.argmax(hidden, self.screen_int8_blocked_head, self.blocked_head)
         if self.head_screen is not None:
             return self.head_screen.argmax(hidden, self.screen_blocked_head, self.blocked_head)
+        if self.greedy_argmax:  # no screen covers these rows: every logit, none stored
+            return blocked_linear_argmax(hidden, self.blocked_head, self._head_weight().shape[0])
         return None
 
     def _head_weight(self) -> torch.Tensor:
@@ -360,7 +364,8 @@ class LlamaForCausalLM(nn.Module):
             self.blocked_head = block_weight(self._head_weight())
         self.head_screen, self.screen_blocked_head = None, None
         self.int8_screen, self.screen_int8_blocked_head = None, None
-        if plan.screen_head and self.blocked_head is not None and self.par.world_size == 1:
+        self.greedy_argmax = plan.screen_head and self.blocked_head is not None and self.par.world_size == 1
+        if self.greedy_argmax:
             head = self._head_weight()
             if self.blocked_head.dtype == torch.float32 and HeadScreen.supported():
                 self.head_screen = HeadScreen.of(head)
