@@ -240,12 +240,13 @@ at::Tensor run_blocked(const at::Tensor& x, const at::Tensor& blocked, const c10
   const bool round_bf16 = (float_out || E == Epilogue::kArgmax) && x.scalar_type() == at::kBFloat16;
   if (rows == 0) return y;
   // kArgmax: each thread's best per row over the units it ran; merged by finish().
-  std::vector<Best> best(E == Epilogue::kArgmax ? static_cast<size_t>(at::get_num_threads() * rows) : 0);
+  const int64_t threads = at::get_num_threads();
+  std::vector<Best> best(E == Epilogue::kArgmax ? static_cast<size_t>(threads * rows) : 0);
   auto finish = [&]() -> at::Tensor {
     if constexpr (E == Epilogue::kArgmax) {
       for (int64_t row = 0; row < rows; ++row) {
         Best all;
-        for (int64_t t = 0; t < at::get_num_threads(); ++t) {
+        for (int64_t t = 0; t < threads; ++t) {
           const Best& b = best[t * rows + row];
           if (b.column >= 0) all.offer(b.value, b.column);
         }
@@ -289,8 +290,10 @@ at::Tensor run_blocked(const at::Tensor& x, const at::Tensor& blocked, const c10
       float values[deepinfer::gemm_epilogues::kAccStride];
       for (int i = 0; i < r; ++i) {
         const float* a = acc + i * deepinfer::gemm_epilogues::kAccStride;
-        for (int64_t c = 0; c < cols; ++c) values[c] = round_bf16 ? static_cast<float>(c10::BFloat16(a[c])) : a[c];
-        mine[i].offer_block(values, cols, col0);
+        if (round_bf16) {  // the values blocked_linear_float would store
+          for (int64_t c = 0; c < cols; ++c) values[c] = static_cast<float>(c10::BFloat16(a[c]));
+        }
+        mine[i].offer_block(round_bf16 ? values : a, cols, col0);
       }
     } else if constexpr (E == Epilogue::kSiluMul) {
       if (y_bf16) {
