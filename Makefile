@@ -23,11 +23,18 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/deepinfer serve --openai-port $(OPENAI_PORT)
 
+# Two pytest workers (pytest-xdist), each file's tests on one of them so that module fixtures (oracles, servers)
+# are built once: much of the suite waits on one core (gcc under inductor, server starts, transformers' loads).
+# Each worker keeps torch's 2 threads (tests/conftest.py); OMP_WAIT_POLICY=PASSIVE keeps an idle OpenMP thread
+# from spinning on the core the other worker needs. Zen 4, 2 cores, 804 tests: 12-13 minutes, 15-17 one at a time.
+TEST_WORKERS ?= 2
+PYTEST := OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile
+
 test: $(STAMP)
-	$(PY) -m pytest -q -rs --durations=30
+	$(PYTEST) --durations=30
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -rs -m "not slow and not e2e"
+	$(PYTEST) -m "not slow and not e2e"
 
 bench: $(STAMP)
 	$(PY) benchmarks/offline_throughput.py
