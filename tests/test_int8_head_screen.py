@@ -150,6 +150,25 @@ def test_the_bf16_engine_s_greedy_tokens_are_the_same_with_and_without_the_scree
     assert tokens[True] == tokens[False]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rows_a_screen_gives_up_on_take_the_whole_heads_argmax(smollm2_path, dtype):
+    """A screen that returns None (here: no candidate tile allowed; in use: a value not finite, too many candidates)
+    hands its rows to the fused head argmax, not to the logits and the sampler: the same tokens."""
+    from backend_lib.config import EngineConfig
+    from backend_lib.offline import LLM
+
+    llm = LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 16, "max_num_seqs": 2,
+                                             "dtype": dtype}))
+    model = llm.engine.model
+    model.int8_screen = dataclasses.replace(model.int8_screen, gather_limit=0.0)
+    torch.manual_seed(3)
+    hidden = (3 * torch.randn(2, model.norm.weight.shape[0])).to(model.norm.weight.dtype)  # [2, hidden]
+    assert model.int8_screen.argmax(hidden, model.screen_int8_blocked_head, model.blocked_head) is None
+    hidden[1, 0] = float("nan")  # a NaN row's argmax is its first NaN logit, as row_argmax gives
+    assert torch.equal(model.greedy_token_ids(hidden), row_argmax(model.compute_logits(hidden)))
+    llm.close()
+
+
 def test_rows_screened_by_dtype():
     """fp32 heads up to 6 rows (the int8 pass beats the bf16 copy there), bf16 heads up to 4 (it beats the head)."""
     weight = torch.randn(64, 32)

@@ -338,17 +338,19 @@ class LlamaForCausalLM(nn.Module):
         """``compute_logits(hidden)``'s argmax to the index, from a screened head where ``compute_logits`` would
         take the blocked kernel: the int8 copy (kernels/int8_head_screen.py) for a few rows (4 bf16, 6 fp32), the
         bf16 copy of an fp32 head (kernels/head_screen.py) for more, else the head's argmax without storing its
-        logits (a bf16 head past 4 rows); None: compute the logits."""
+        logits (a bf16 head past 4 rows, or rows a screen gives up on: a value not finite, too many candidates);
+        None: compute the logits."""
         rows = hidden.shape[0]
         if torch.compiler.is_compiling() or not self.gemv_policy.use_blocked(rows):
             return None
+        screened = None
         if self.int8_screen is not None and rows <= self.int8_screen.max_rows:
-            return self.int8_screen.argmax(hidden, self.screen_int8_blocked_head, self.blocked_head)
-        if self.head_screen is not None:
-            return self.head_screen.argmax(hidden, self.screen_blocked_head, self.blocked_head)
-        if self.greedy_argmax:  # no screen covers these rows: every logit, none stored
+            screened = self.int8_screen.argmax(hidden, self.screen_int8_blocked_head, self.blocked_head)
+        elif self.head_screen is not None:
+            screened = self.head_screen.argmax(hidden, self.screen_blocked_head, self.blocked_head)
+        if screened is None and self.greedy_argmax:  # every logit, none stored
             return blocked_linear_argmax(hidden, self.blocked_head, self._head_weight().shape[0])
-        return None
+        return screened
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
