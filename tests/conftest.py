@@ -17,22 +17,28 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2(smollm2_path):
-    """(model, tokenizer) from transformers, loading the same GGUF file in fp32."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def hf_smollm2_tokenizer(smollm2_path):
+    """transformers' tokenizer from the GGUF file (its conversion takes ~7 s: once per pytest worker)."""
+    from transformers import AutoTokenizer
     directory, name = os.path.split(smollm2_path)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
-    return model, tokenizer
+    return AutoTokenizer.from_pretrained(directory, gguf_file=name)
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory, smollm2_path) -> Path:
-    """A tiny random Llama (HF directory) written by transformers, with SmolLM2's tokenizer files."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    out = tmp_path_factory.mktemp("tiny_llama")
+def hf_smollm2(smollm2_path, hf_smollm2_tokenizer):
+    """(model, tokenizer) from transformers, loading the same GGUF file in fp32."""
+    from transformers import AutoModelForCausalLM
     directory, name = os.path.split(smollm2_path)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    return model, hf_smollm2_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, hf_smollm2_tokenizer) -> Path:
+    """A tiny random Llama (HF directory) written by transformers, with SmolLM2's tokenizer files."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    out = tmp_path_factory.mktemp("tiny_llama")
+    tokenizer = hf_smollm2_tokenizer
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                          rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.2,

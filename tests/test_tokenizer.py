@@ -52,8 +52,8 @@ def ours() -> Tokenizer:
 
 
 @pytest.fixture(scope="session")
-def oracle():
-    return AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF_NAME)
+def oracle(hf_smollm2_tokenizer):
+    return hf_smollm2_tokenizer
 
 
 @pytest.fixture(scope="session")
