@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from triton_helpers import StreamClient, http_generate, metric, metrics, new_server, server_ready
@@ -37,25 +36,13 @@ def reference(model_dir):
         return llm.generate(PROMPTS, SamplingParams(**GREEDY))
 
 
-def _worker_pids(under: int | None = None) -> set[int]:
-    """Live worker ranks, or only those in ``under``'s process tree: the suite runs on two pytest workers, so
-    another test's ranks may be alive at the same time."""
-    out = subprocess.run(["pgrep", "-f", "backend_lib.executor.worker"], capture_output=True, text=True).stdout
-    pids = {int(p) for p in out.split()}
-    if under is None:
-        return pids
-    return {pid for pid in pids if under in _ancestors(pid)}
-
-
-def _ancestors(pid: int) -> list[int]:
-    chain = []
-    while pid > 1:
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            break
-        chain.append(pid)
-    return chain
+def _worker_pids(session: int | None = None) -> set[int]:
+    """Live worker ranks, or only those in one tritonserver's session (its pid: it starts its own, and ranks keep
+    it even when orphaned): the suite runs on two pytest workers, so another test's ranks may be alive."""
+    session_filter = ["-s", str(session)] if session is not None else []
+    out = subprocess.run(["pgrep", *session_filter, "-f", "backend_lib.executor.worker"], capture_output=True,
+                         text=True).stdout
+    return {int(p) for p in out.split()}
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +96,7 @@ def test_session_turns_and_cancellation(tp_server, reference):
 def test_no_worker_outlives_the_server(model_dir, tmp_path):
     overrides = {**SETTINGS, "model": str(model_dir), "tensor_parallel_size": "2"}
     with new_server(tmp_path, overrides) as server:
-        started = _worker_pids(under=server.process.pid)
+        started = _worker_pids(session=server.process.pid)
         assert len(started) == 1
         client = StreamClient(server.grpc_url)
         try:
@@ -125,7 +112,7 @@ def test_no_worker_outlives_the_server(model_dir, tmp_path):
 def test_killed_worker_fails_the_request_and_the_model_goes_not_ready(model_dir, tmp_path):
     overrides = {**SETTINGS, "model": str(model_dir), "tensor_parallel_size": "2", "distributed_timeout_s": "30"}
     with new_server(tmp_path, overrides) as server:
-        (worker,) = _worker_pids(under=server.process.pid)
+        (worker,) = _worker_pids(session=server.process.pid)
         client = StreamClient(server.grpc_url)
         try:
             client.send(_request("Count to one thousand:", sampling_parameters=json.dumps(
@@ -148,5 +135,5 @@ def test_killed_worker_fails_the_request_and_the_model_goes_not_ready(model_dir,
             time.sleep(0.2)
         status, body = http_generate(server.http_url, {"text_input": "hi", "max_tokens": 2}, timeout_s=10)
         assert status != 200, body
-        ranks = _worker_pids(under=server.process.pid) | {worker}
+        ranks = _worker_pids(session=server.process.pid) | {worker}
     assert not ranks & _worker_pids()
