@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from triton_helpers import Result, StreamClient, _absorb, http_generate, new_server, server_ready, wait_for
+from triton_helpers import (Result, StreamClient, _absorb, child_processes, http_generate, new_server, server_ready,
+                            wait_for)
 
 import backend_lib
 from backend_lib.lifeline import pid_alive
@@ -24,19 +25,6 @@ PROJECT_ROOT = Path(backend_lib.__file__).resolve().parents[1]
 PARAMS = {"max_model_len": "512", "num_blocks": "128", "max_num_seqs": "4", "max_num_batched_tokens": "128",
           "num_threads": "1"}
 SHM = Path("/dev/shm")
-
-
-def _children(pid: int) -> list[tuple[int, list[str]]]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid:
-                cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
-                found.append((int(stat.parent.name), [a.decode(errors="replace") for a in cmdline if a]))
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-    return found
 
 
 class Serve:
@@ -53,10 +41,10 @@ class Serve:
                                         cwd=PROJECT_ROOT)
         wait_for(lambda: self.process.poll() is not None or server_ready(self.http_url), 300, "the model")
         assert self.process.poll() is None, (workdir / "serve.out").read_text()
-        [(self.triton_pid, _)] = [c for c in _children(self.process.pid) if c[1][0].endswith("tritonserver")]
-        [(self.stub_pid, stub_argv)] = [c for c in _children(self.triton_pid) if "stub" in c[1][0]]
+        [(self.triton_pid, _)] = [c for c in child_processes(self.process.pid) if c[1][0].endswith("tritonserver")]
+        [(self.stub_pid, stub_argv)] = [c for c in child_processes(self.triton_pid) if "stub" in c[1][0]]
         self.region = SHM / stub_argv[2]
-        [(self.guard_pid, _)] = [c for c in _children(self.stub_pid) if "backend_lib.lifeline" in c[1]]
+        [(self.guard_pid, _)] = [c for c in child_processes(self.stub_pid) if "backend_lib.lifeline" in c[1]]
         assert self.region.name.startswith("deepinfer_") and self.region.exists()
 
     @property

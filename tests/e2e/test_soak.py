@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from triton_helpers import StreamClient, _absorb, metric, metrics, new_server, server_ready, wait_for
+from triton_helpers import (StreamClient, _absorb, child_processes, metric, metrics, new_server, server_ready,
+                            wait_for)
 
 from backend_lib.lifeline import pid_alive
 
@@ -151,14 +152,9 @@ def _worker(url: str, index: int, count: int, tally: Tally, deadline: float) -> 
 
 
 def _stub_pid(server) -> int:
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) == server.process.pid and b"stub" in (stat.parent / "cmdline").read_bytes():
-                return int(stat.parent.name)
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-    raise AssertionError("no Python-backend stub under tritonserver")
+    stubs = [pid for pid, argv in child_processes(server.process.pid) if argv and "stub" in argv[0]]
+    assert stubs, "no Python-backend stub under tritonserver"
+    return stubs[0]
 
 
 def _rss_mb(pid: int) -> float:

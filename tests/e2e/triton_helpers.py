@@ -8,6 +8,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,20 @@ from backend_lib.server import TritonServer, free_port
 
 MODEL = "deepinfer"
 _DTYPES = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "FP32": np.float32}
+
+
+def child_processes(pid: int) -> list[tuple[int, list[str]]]:
+    """(pid, argv) of each live process whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
+                found.append((int(stat.parent.name), [a.decode(errors="replace") for a in cmdline if a]))
+        except (FileNotFoundError, ProcessLookupError, IndexError):  # it exited while we read
+            continue
+    return found
 
 
 def new_server(workdir: Any, overrides: dict[str, str], exit_timeout_s: float = 15,
