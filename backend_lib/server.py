@@ -1,11 +1,6 @@
-"""`deepinfer serve`: run a real tritonserver with the DeepInfer model, no Docker needed.
-
-The nvidia-pytriton wheel carries tritonserver 2.51, libtritonserver and the Python backend. We copy its
-``tritonserver/`` folder once into a cache dir, put the stub for this interpreter's Python version into
-``backends/python/``, and launch ``bin/tritonserver`` with LD_LIBRARY_PATH holding the wheel's bundled
-libraries and this interpreter's lib dir (the stub links libpython), and DEEPINFER_SITE_DIRS holding the
-project and this environment's site-packages, which model.py puts on sys.path (the stub's Python runs
-isolated and does not know our venv).
+"""`deepinfer serve`: run a real tritonserver with the DeepInfer model, no Docker needed (and in the Docker
+image: NVIDIA's Triton, the image's /models). Where tritonserver and the model repository come from:
+backend_lib/triton_install.py.
 
 Lifecycle. tritonserver dies with the launcher (a parent-death signal) and its stub with tritonserver (the stub's
 guard process, see lifeline.py); our shm regions carry a per-launcher prefix and are removed on stop. The model is
@@ -22,15 +17,13 @@ Triton waiting that long, after which Triton 2.51 was seen to crash and hang ins
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 import urllib.error
@@ -41,106 +34,14 @@ from pathlib import Path
 
 from backend_lib import lifeline
 from backend_lib.shutdown import ExitNow, ShutdownSignals
+from backend_lib.triton_install import (MODEL_NAME, PROJECT_ROOT, checked_model_repository,
+                                        installed_tritonserver, prepare_tritonserver, server_env,
+                                        write_model_repository)
 
-MODEL_NAME = "deepinfer"
 _STOP_FILE_GRACE_S = 1.0  # the model polls the stop file every 0.5 s
 _DRAIN_POLL_S = 0.3
 _METRICS_REFRESH_S = 0.6  # the model refreshes its gauges every 0.5 s: two idle reads this far apart agree
 _IN_FLIGHT_GAUGES = ("deepinfer_num_requests_running", "deepinfer_num_requests_waiting")
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-MODEL_SOURCE = PROJECT_ROOT / "model_repository" / MODEL_NAME
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("DEEPINFER_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "deepinfer")
-    return Path(base)
-
-
-@dataclass(frozen=True)
-class TritonInstall:
-    root: Path
-    libs: Path  # the wheel's bundled shared libraries (nvidia_pytriton.libs)
-
-    @property
-    def binary(self) -> Path:
-        return self.root / "bin" / "tritonserver"
-
-    @property
-    def backends(self) -> Path:
-        return self.root / "backends"
-
-
-def prepare_tritonserver(dest: Path | None = None) -> TritonInstall:
-    """Copy tritonserver + the Python backend out of the nvidia-pytriton wheel (once per Python version)."""
-    try:
-        import pytriton
-    except ImportError as exc:
-        raise RuntimeError("nvidia-pytriton is not installed: pip install -e '.[serve]'") from exc
-    package = Path(pytriton.__file__).resolve().parent
-    source = package / "tritonserver"
-    libs = package.parent / "nvidia_pytriton.libs"
-    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
-    stub = source / "python_backend_stubs" / version / "triton_python_backend_stub"
-    if not stub.exists():
-        raise RuntimeError(f"nvidia-pytriton has no Python backend stub for Python {version} ({stub})")
-    root = (dest or cache_dir()) / f"tritonserver-py{version}"
-    stamp = root / ".complete"
-    if not stamp.exists():
-        if root.exists():
-            shutil.rmtree(root)
-        partial = root.with_name(root.name + f".partial-{os.getpid()}")
-        shutil.copytree(source, partial, ignore=shutil.ignore_patterns("python_backend_stubs", "__pycache__"))
-        shutil.copy2(stub, partial / "backends" / "python" / "triton_python_backend_stub")
-        (partial / ".complete").write_text(str(source) + "\n")
-        try:
-            partial.rename(root)
-        except OSError:  # another process finished first: use theirs
-            shutil.rmtree(partial)
-    return TritonInstall(root=root, libs=libs)
-
-
-_PARAMETER_LINE = re.compile(r'^(parameters \{ key: "(\w+)" value: \{ string_value: ")([^"]*)(" \} \})$', re.M)
-
-
-def render_config(template: str, overrides: dict[str, str]) -> str:
-    """Set the string value of existing ``parameters`` lines of config.pbtxt; unknown names are errors."""
-    known = {m.group(2) for m in _PARAMETER_LINE.finditer(template)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise ValueError(f"unknown model parameter {unknown[0]!r} (allowed: {', '.join(sorted(known))})")
-    for name, value in overrides.items():
-        if '"' in value or "\\" in value or "\n" in value:
-            raise ValueError(f"model parameter {name} must not contain quotes, backslashes or newlines: {value!r}")
-
-    def replace(match: re.Match) -> str:
-        name = match.group(2)
-        return match.group(1) + overrides.get(name, match.group(3)) + match.group(4)
-
-    return _PARAMETER_LINE.sub(replace, template)
-
-
-def write_model_repository(dest: Path, overrides: dict[str, str]) -> Path:
-    """A model repository at ``dest`` with our model and config.pbtxt carrying ``overrides``."""
-    model_dir = dest / MODEL_NAME
-    (model_dir / "1").mkdir(parents=True, exist_ok=True)
-    shutil.copy2(MODEL_SOURCE / "1" / "model.py", model_dir / "1" / "model.py")
-    config = render_config((MODEL_SOURCE / "config.pbtxt").read_text(), overrides)
-    (model_dir / "config.pbtxt").write_text(config)
-    return dest
-
-
-def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ if base is None else base)
-    python_lib = sysconfig.get_config_var("LIBDIR") or ""
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(install.libs), python_lib,
-                                                         env.get("LD_LIBRARY_PATH", "")) if p)
-    # The stub's Python runs isolated (no PYTHONPATH); model.py adds these itself, ahead of its own site-packages.
-    site = [str(PROJECT_ROOT), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
-    env["DEEPINFER_SITE_DIRS"] = os.pathsep.join(dict.fromkeys(site))
-    # Worker ranks (tensor parallelism) are started from the stub, whose sys.executable is not a Python.
-    env["DEEPINFER_PYTHON"] = sys.executable
-    return env
 
 
 def free_port() -> int:
@@ -158,6 +59,9 @@ class TritonServer:
     metrics_port: int = 8002
     overrides: dict[str, str] = field(default_factory=dict)
     workdir: Path | None = None  # model repository + log; a temporary dir when None
+    triton_root: Path | None = None  # an installed Triton (bin/, backends/); None: the nvidia-pytriton wheel's
+    model_repository: Path | None = None  # the user's, served as is; None: written to workdir with overrides
+    log_to_stdout: bool = False  # tritonserver's and the front's output to ours (docker logs), no log files
     log_verbose: int = 0
     # How long Triton waits on shutdown for the model to unload (requests were drained or aborted before: this
     # only covers finalize, and idle client streams that hold the model); then stop() kills what is left.
@@ -187,10 +91,14 @@ class TritonServer:
         return f"http://localhost:{self.openai_port}/v1" if self.openai_port is not None else None
 
     def start(self, timeout_s: float = 600.0, stop_requested: Callable[[], bool] | None = None) -> "TritonServer":
-        install = prepare_tritonserver()
+        if self.model_repository is not None and self.overrides:
+            raise ValueError(f"model settings ({', '.join(sorted(self.overrides))}) go into the config.pbtxt of "
+                             f"the repository served as is ({self.model_repository}), not into overrides")
+        install = installed_tritonserver(self.triton_root) if self.triton_root else prepare_tritonserver()
         work = self.workdir or Path(tempfile.mkdtemp(prefix="deepinfer-serve-"))
-        repo = write_model_repository(work / "models", self.overrides)
-        self.log_path = work / "tritonserver.log"
+        repo = (checked_model_repository(self.model_repository) if self.model_repository is not None
+                else write_model_repository(work / "models", self.overrides))
+        self.log_path = None if self.log_to_stdout else work / "tritonserver.log"
         command = [str(install.binary), f"--model-repository={repo}", f"--backend-directory={install.backends}",
                    f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}",
                    f"--metrics-port={self.metrics_port}", "--allow-metrics=true", "--allow-cpu-metrics=true",
@@ -205,7 +113,7 @@ class TritonServer:
         env = server_env(install)
         env.update(self.env)
         env["DEEPINFER_STOP_FILE"] = str(self.stop_file)
-        with open(self.log_path, "ab") as log:
+        with self._output_to(work / "tritonserver.log") as log:
             # Own process group: stop() signals tritonserver and its Python stub together. The parent-death
             # signal: if this process dies without stop() (SIGKILL, OOM killer), tritonserver dies with it.
             self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -227,14 +135,15 @@ class TritonServer:
         # Not tritonserver's environment: its LD_LIBRARY_PATH holds the wheel's bundled libraries.
         front_env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p))
-        with open(work / "openai.log", "ab") as log:
+        with self._output_to(work / "openai.log") as log:
             self.openai_process = subprocess.Popen(command, env=front_env, stdout=log, stderr=subprocess.STDOUT,
                                                    stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.openai_process.poll() is not None:
-                raise RuntimeError(f"the OpenAI front exited with code {self.openai_process.returncode}; log "
-                                   f"{work / 'openai.log'}:\n{(work / 'openai.log').read_text(errors='replace')[-4000:]}")
+                output = ("its output is above" if self.log_to_stdout else
+                          f"log {work / 'openai.log'}:\n{(work / 'openai.log').read_text(errors='replace')[-4000:]}")
+                raise RuntimeError(f"the OpenAI front exited with code {self.openai_process.returncode}; {output}")
             try:
                 with urllib.request.urlopen(f"http://localhost:{self.openai_port}/health", timeout=2) as response:
                     if response.status == 200:
@@ -255,6 +164,10 @@ class TritonServer:
             process.kill()
             process.wait(timeout=10)
 
+    def _output_to(self, path: Path) -> contextlib.AbstractContextManager:
+        """A child's stdout: the file at ``path``, or None (ours) when logging to stdout."""
+        return contextlib.nullcontext(None) if self.log_to_stdout else open(path, "ab")
+
     def log_tail(self, lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.exists():
             return ""
@@ -273,14 +186,14 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with code {self.process.returncode} before the model "
-                                   f"was ready; log {self.log_path}:\n{self.log_tail()}")
+                                   f"was ready; log {self.log_path or 'above'}:\n{self.log_tail()}")
             if self.is_ready():  # first: a stop asked for after the model came up is a drain, not an abort
                 return
             if stop_requested():
                 raise ExitNow("stop requested before the model was ready")
             time.sleep(0.5)
-        raise TimeoutError(f"model {MODEL_NAME} not ready within {timeout_s:.0f} s; log {self.log_path}:\n"
-                           f"{self.log_tail()}")
+        raise TimeoutError(f"model {MODEL_NAME} not ready within {timeout_s:.0f} s; log "
+                           f"{self.log_path or 'above'}:\n{self.log_tail()}")
 
     def _repository(self, path: str, body: dict | None = None, timeout_s: float = 5.0) -> object:
         request = urllib.request.Request(f"http://localhost:{self.http_port}/v2/repository{path}",
@@ -402,7 +315,7 @@ def banner(server: TritonServer) -> str:
         f"  curl -sN http://{server.http_url}/v2/models/{MODEL_NAME}/generate_stream -d '{stream}'",
         *([f"  curl -s {server.openai_url}/chat/completions -H 'Content-Type: application/json' -d "
            f"'{openai_chat}'"] if server.openai_url else []),
-        f"Log: {server.log_path}   Stop: Ctrl-C",
+        f"Log: {server.log_path or 'this output'}   Stop: Ctrl-C",
     ])
 
 
@@ -418,7 +331,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                         help="engine setting from config.pbtxt, e.g. --param max_num_seqs=8 (repeatable)")
     parser.add_argument("--workdir", type=Path, default=None, help="where to write the model repository and log")
+    parser.add_argument("--model-repository", type=Path, default=None,
+                        help="serve this repository as is (its deepinfer/config.pbtxt holds the engine settings; "
+                             "no --param or --model then) instead of writing one from model_repository/")
+    parser.add_argument("--tritonserver", type=Path, default=None, metavar="TRITON_ROOT",
+                        help="an installed Triton to run (bin/tritonserver, backends/python; /opt/tritonserver in "
+                             "NVIDIA's images) instead of the nvidia-pytriton wheel's")
     parser.add_argument("--log-verbose", type=int, default=0)
+    parser.add_argument("--log-stdout", action="store_true",
+                        help="tritonserver's and the OpenAI front's output to this process's stdout (docker logs) "
+                             "instead of log files in the workdir")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the model to load")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="on SIGTERM or Ctrl-C: seconds in-flight requests may take to finish (new ones are "
@@ -430,9 +352,20 @@ def main(argv: list[str] | None = None) -> int:
     overrides = _parse_overrides(args.param)
     if args.model is not None:
         overrides["model"] = str(Path(args.model).expanduser().resolve())
+    if args.model_repository is not None and overrides:
+        raise SystemExit("--model-repository is served as is: set the engine (--param, --model) in its "
+                         "deepinfer/config.pbtxt instead")
+    try:  # before anything starts: a missing part named now, not in Triton's log
+        if args.tritonserver is not None:
+            installed_tritonserver(args.tritonserver)
+        if args.model_repository is not None:
+            checked_model_repository(args.model_repository)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     server = TritonServer(http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
                           openai_port=args.openai_port, overrides=overrides, workdir=args.workdir,
-                          log_verbose=args.log_verbose)
+                          triton_root=args.tritonserver, model_repository=args.model_repository,
+                          log_to_stdout=args.log_stdout, log_verbose=args.log_verbose)
     signals = ShutdownSignals().install()
     print("Starting tritonserver (loading the model takes a while) ...", flush=True)
     try:

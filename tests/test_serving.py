@@ -291,7 +291,7 @@ def test_named_outputs_are_the_only_ones_built():
 # ---- `deepinfer serve` plumbing (no server started here; tests/e2e starts real ones) ----------------
 
 def test_render_config_sets_parameters_and_rejects_unknown_names():
-    from backend_lib import server
+    from backend_lib import triton_install as server
 
     template = (server.MODEL_SOURCE / "config.pbtxt").read_text()
     rendered = server.render_config(template, {"max_num_seqs": "4", "model": "/m/x.gguf"})
@@ -307,7 +307,7 @@ def test_render_config_sets_parameters_and_rejects_unknown_names():
 def test_server_env_points_the_stub_at_this_environment(tmp_path):
     import sysconfig
 
-    from backend_lib import server
+    from backend_lib import triton_install as server
 
     install = server.TritonInstall(root=tmp_path, libs=tmp_path / "libs")
     env = server.server_env(install, base={"LD_LIBRARY_PATH": "/opt/x"})
@@ -319,10 +319,42 @@ def test_server_env_points_the_stub_at_this_environment(tmp_path):
 
 
 def test_prepared_tritonserver_has_binary_backend_and_stub(tmp_path):
-    from backend_lib import server
+    from backend_lib import triton_install as server
 
     install = server.prepare_tritonserver(tmp_path)
     assert install.binary.is_file()
     assert (install.backends / "python" / "libtriton_python.so").is_file()
     assert (install.backends / "python" / "triton_python_backend_stub").is_file()
     assert server.prepare_tritonserver(tmp_path) == install  # cached: the second call copies nothing
+
+
+def test_an_installed_triton_or_a_users_repository_missing_a_part_is_refused_naming_it(tmp_path):
+    from backend_lib import triton_install
+
+    root = tmp_path / "triton"
+    with pytest.raises(ValueError, match="no bin/tritonserver there"):
+        triton_install.installed_tritonserver(root)
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "tritonserver").write_bytes(b"")
+    with pytest.raises(ValueError, match="no backends/python/triton_python_backend_stub there"):
+        triton_install.installed_tritonserver(root)
+    (root / "backends" / "python").mkdir(parents=True)
+    (root / "backends" / "python" / "triton_python_backend_stub").write_bytes(b"")
+    assert triton_install.installed_tritonserver(root).libs is None  # its libraries are the loader's business
+    (root / "lib").mkdir()
+    assert triton_install.installed_tritonserver(root).libs == root / "lib"  # NVIDIA's layout: on LD_LIBRARY_PATH
+    with pytest.raises(ValueError, match="no deepinfer/config.pbtxt there"):
+        triton_install.checked_model_repository(tmp_path / "models")
+    repository = triton_install.write_model_repository(tmp_path / "models", {})
+    assert triton_install.checked_model_repository(repository) == repository.resolve()
+
+
+def test_serve_refuses_engine_settings_beside_a_repository_served_as_is(tmp_path, capsys):
+    from backend_lib import server
+
+    with pytest.raises(SystemExit, match="--model-repository is served as is"):
+        server.main(["--model-repository", str(tmp_path), "--param", "max_num_seqs=2"])
+    with pytest.raises(SystemExit, match="no deepinfer/config.pbtxt there"):
+        server.main(["--model-repository", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no bin/tritonserver there"):
+        server.main(["--tritonserver", str(tmp_path)])

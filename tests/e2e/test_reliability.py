@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from triton_helpers import (Result, StreamClient, _absorb, child_processes, http
 import backend_lib
 from backend_lib.lifeline import pid_alive
 from backend_lib.server import free_port
+from backend_lib.triton_install import prepare_tritonserver, write_model_repository
 
 pytestmark = pytest.mark.e2e
 
@@ -169,3 +172,42 @@ def test_engine_failure_fails_the_request_and_the_model_goes_not_ready(tmp_path)
                               "step 10" in server.log_path.read_text(), 10, "the log to say why")
         finally:
             client.close()
+
+
+def _installed_triton(dest: Path) -> Path:
+    """A Triton install laid out as NVIDIA's images lay out /opt/tritonserver (bin/, lib/, backends/), made from
+    the wheel's: the binary finds its libraries through its own RPATH ($ORIGIN/../lib)."""
+    wheel = prepare_tritonserver()
+    (dest / "bin").mkdir(parents=True)
+    shutil.copy2(wheel.binary, dest / "bin" / "tritonserver")
+    (dest / "lib").symlink_to(wheel.libs)
+    (dest / "backends").symlink_to(wheel.backends)
+    return dest
+
+
+def test_serve_runs_an_installed_triton_on_a_users_repository_beside_the_openai_front(tmp_path):
+    """The Docker image's command: an installed Triton (--tritonserver), the user's repository served as is
+    (--model-repository), the OpenAI front, the logs on stdout; SIGTERM stops them all."""
+    repository = write_model_repository(tmp_path / "my_models", PARAMS)
+    openai_port = free_port()
+    triton = _installed_triton(tmp_path / "triton")
+    serve = Serve(tmp_path, "--tritonserver", str(triton), "--model-repository", str(repository), "--openai-port",
+                  str(openai_port), "--log-stdout", params={})
+    try:
+        argv = Path(f"/proc/{serve.triton_pid}/cmdline").read_bytes().split(b"\0")
+        assert argv[0] == bytes(triton / "bin" / "tritonserver") and f"--model-repository={repository}".encode() in argv
+        assert not (tmp_path / "models").exists()  # no repository written: the user's is served
+        assert not (tmp_path / "tritonserver.log").exists()  # Triton's log went to our stdout (docker logs)
+        wait_for(lambda: b"OpenAI" in (tmp_path / "serve.out").read_bytes(), 60, "the OpenAI front")
+        body = {"model": "deepinfer", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                "temperature": 0, "ignore_eos": True}
+        request = urllib.request.Request(f"http://localhost:{openai_port}/v1/chat/completions",
+                                         data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert json.loads(response.read())["usage"]["completion_tokens"] == 4
+        serve.process.send_signal(signal.SIGTERM)
+        assert serve.process.wait(timeout=60) == 0
+        assert not serve.leftovers()
+        assert b"Started GRPCInferenceService" in (tmp_path / "serve.out").read_bytes()
+    finally:
+        serve.close()
