@@ -18,47 +18,15 @@ from hypothesis import strategies as st
 
 from backend_lib import serving
 from backend_lib.sampling_params import SamplingParams
+from tests.fuzz_values import (FUZZ, JSON_VALUES, SAMPLING_DICTS, TEXT, accepts_or_value_error,
+                               small_engine)
 
-FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                         HealthCheck.function_scoped_fixture])
-
-# Any code point, lone surrogates included (a JSON "\ud800" escape decodes to one; st.text() never makes them).
-TEXT = st.lists(st.one_of(st.characters(), st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF,
-                                                         categories=["Cs"])), max_size=20).map("".join)
-# JSON-like values, including what Python's json module produces from NaN / Infinity / huge literals.
-_SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(), st.integers(min_value=-2**70, max_value=2**70),
-    st.floats(allow_nan=True, allow_infinity=True), TEXT,
-    st.sampled_from([10**400, -10**400, 2**63, 2**64, -2**63 - 1, 1e308, -0.0, "nan", "inf", "1e999", "-1",
-                     "0x10", " 5 ", "\ud800", "true", ""]),
-)
-JSON_VALUES = st.recursive(_SCALARS, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(TEXT, inner, max_size=4)), max_leaves=12)
-
-FIELDS = SamplingParams.field_names()
-# Mostly plausible values for the real fields, so the fuzzer gets past the first check often.
-_PLAUSIBLE = {
-    "max_tokens": st.integers(-3, 5000), "temperature": st.floats(-1, 3), "top_p": st.floats(0, 1.5),
-    "top_k": st.integers(-3, 10**6), "min_p": st.floats(-0.5, 1.5), "seed": st.integers(-5, 2**32),
-    "logprobs": st.integers(-2, 30), "min_tokens": st.integers(-1, 40),
-    "stop": st.lists(TEXT, max_size=4), "stop_token_ids": st.lists(st.integers(-5, 60000), max_size=4),
-}
-SAMPLING_DICTS = st.dictionaries(
-    st.one_of(st.sampled_from(FIELDS), TEXT),
-    st.one_of(JSON_VALUES, *_PLAUSIBLE.values()), max_size=6)
-
-
-def _accepts_or_value_error(call):
-    try:
-        return call()
-    except ValueError:
-        return None
 
 
 @FUZZ
 @given(SAMPLING_DICTS)
 def test_sampling_params_from_dict_is_valid_or_a_value_error(values):
-    params = _accepts_or_value_error(lambda: SamplingParams.from_dict(values))
+    params = accepts_or_value_error(lambda: SamplingParams.from_dict(values))
     if params is not None:  # what it accepted is what the engine can use
         assert isinstance(params.max_tokens, int) and params.max_tokens >= 1
         assert math.isfinite(params.temperature) and 0 < params.top_p <= 1
@@ -70,7 +38,7 @@ def test_sampling_params_from_dict_is_valid_or_a_value_error(values):
 @given(st.one_of(TEXT, st.binary(max_size=60),
                  JSON_VALUES.map(lambda v: json.dumps(v, allow_nan=True))))
 def test_sampling_params_from_json_is_valid_or_a_value_error(text):
-    _accepts_or_value_error(lambda: SamplingParams.from_json(text))
+    accepts_or_value_error(lambda: SamplingParams.from_json(text))
 
 
 # ---- decode_request: arbitrary tensors --------------------------------------------------------------------
@@ -143,7 +111,7 @@ def requests(draw):
 @given(requests())
 def test_decode_request_is_valid_or_a_value_error(request):
     inputs, parameters, correlation, flags, outputs = request
-    decoded = _accepts_or_value_error(lambda: serving.decode_request(inputs, parameters, correlation, flags, outputs))
+    decoded = accepts_or_value_error(lambda: serving.decode_request(inputs, parameters, correlation, flags, outputs))
     if decoded is not None:
         assert isinstance(decoded.params, SamplingParams)
         prompt = decoded.prompt
@@ -154,21 +122,17 @@ def test_decode_request_is_valid_or_a_value_error(request):
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir):
-    from backend_lib.config import EngineConfig
-    from backend_lib.engine import LLMEngine
-    # Small enough that the session turns below run out of context, blocks and sessions.
-    return LLMEngine(EngineConfig.from_flat({"model": str(tiny_llama_dir), "max_model_len": 96, "num_blocks": 24,
-                                             "block_size": 4, "max_sessions": 2, "max_logprobs": 5}))
+    return small_engine(tiny_llama_dir)
 
 
 @FUZZ
 @given(requests())
 def test_decoded_requests_are_prepared_or_refused_with_a_value_error(engine, request):
     inputs, parameters, correlation, flags, outputs = request
-    decoded = _accepts_or_value_error(lambda: serving.decode_request(inputs, parameters, correlation, flags, outputs))
+    decoded = accepts_or_value_error(lambda: serving.decode_request(inputs, parameters, correlation, flags, outputs))
     if decoded is None:
         return
-    prepared = _accepts_or_value_error(lambda: engine.prepare_request("fuzz", decoded.prompt, decoded.params))
+    prepared = accepts_or_value_error(lambda: engine.prepare_request("fuzz", decoded.prompt, decoded.params))
     if prepared is not None:
         assert all(0 <= t < engine.vocab_size for t in prepared.prompt_ids)
         assert len(prepared.prompt_ids) < engine.config.model.max_model_len
@@ -184,10 +148,10 @@ MESSAGES = st.lists(st.dictionaries(
 @FUZZ
 @given(MESSAGES)
 def test_chat_template_path_is_valid_or_a_value_error(engine, messages):
-    ids = _accepts_or_value_error(lambda: engine.tokenizer.apply_chat_template(messages))
+    ids = accepts_or_value_error(lambda: engine.tokenizer.apply_chat_template(messages))
     if ids is not None:
         assert all(isinstance(t, int) for t in ids)
-    _accepts_or_value_error(lambda: engine.prepare_request("fuzz", messages, SamplingParams()))
+    accepts_or_value_error(lambda: engine.prepare_request("fuzz", messages, SamplingParams()))
 
 
 # ---- session turns: any sequence of START / END / turns leaves the engine consistent ---------------------

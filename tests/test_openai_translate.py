@@ -51,6 +51,19 @@ def test_completion_prompts():
         translate.completion_request(CompletionRequest(model="m", prompt="a", echo=True), None)
 
 
+@pytest.mark.parametrize("prompt, message", [
+    ("a\ud800b", r"prompt is not valid Unicode: a lone surrogate \(U\+D800\) at character 1"),  # JSON "\ud800"
+    ([5, 2**31], r"prompt\[1\] must be a token id in \[0, 2147483647\], got 2147483648"),
+    ([[-1]], r"prompt\[0\] must be a token id"),
+])
+def test_prompts_triton_cannot_carry_are_refused_naming_the_prompt(prompt, message):
+    """The first two, found by tests/test_fuzz_openai.py, failed while the gRPC request was built (a 500); a
+    negative id, which the engine refused, is now refused here with the others."""
+    with pytest.raises(OpenAIError, match=message) as refused:
+        translate.completion_request(CompletionRequest(model="m", prompt=prompt), None)
+    assert (refused.value.status, refused.value.param) == (400, "prompt")
+
+
 def test_session_headers():
     assert translate.session_from_headers({}) is None
     assert translate.session_from_headers({"x-session-id": "42", "x-session-start": "true"}) == Session(42, True)

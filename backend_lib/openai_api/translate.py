@@ -23,6 +23,7 @@ SESSION_END_HEADER = "x-session-end"
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "frequency_penalty", "presence_penalty",
                 "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
                 "skip_special_tokens")
+_INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
 
 
@@ -103,6 +104,15 @@ def _sampling(request: CompletionRequest | ChatCompletionRequest, max_tokens: in
     return sampling
 
 
+def _check_unicode(text: str, param: str) -> None:
+    """JSON's \\ud800 escapes decode to lone surrogates, which no UTF-8 text (what Triton carries) can hold."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"{param} is not valid Unicode: a lone surrogate (U+{ord(text[exc.start]):04X}) at "
+                          f"character {exc.start}", param=param) from None
+
+
 def completion_request(request: CompletionRequest, session: Session | None) -> ModelRequest:
     _refuse_unsupported(request)
     if request.echo:
@@ -119,6 +129,13 @@ def completion_request(request: CompletionRequest, session: Session | None) -> M
         prompt = prompt[0]
     if isinstance(prompt, list) and not prompt:
         raise bad_request("prompt is empty: give at least one token id", param="prompt")
+    if isinstance(prompt, str):
+        _check_unicode(prompt, "prompt")
+    else:  # Triton's input_ids are INT32; the engine checks them against the vocabulary
+        bad = next((i for i, token in enumerate(prompt) if not 0 <= token <= _INT32_MAX), None)
+        if bad is not None:
+            raise bad_request(f"prompt[{bad}] must be a token id in [0, {_INT32_MAX}], got {prompt[bad]}",
+                              param="prompt")
     sampling = _sampling(request, request.max_tokens)
     if request.logprobs is not None:
         sampling["logprobs"] = request.logprobs

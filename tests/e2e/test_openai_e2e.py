@@ -138,6 +138,22 @@ def test_bad_field_is_a_400_naming_it(client, kwargs, param):
     assert error["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("prompt", ['"a\\ud800"', "[5, 2147483648]"], ids=["lone-surrogate", "id-past-int32"])
+def test_prompts_triton_cannot_carry_are_a_400(served, prompt):
+    """Raw JSON (the openai client cannot even encode a lone surrogate); both were a 500 before the front
+    checked them (the gRPC request could not be built)."""
+    url = urlparse(served.openai_url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    try:
+        connection.request("POST", f"{url.path}/completions", headers={"Content-Type": "application/json"},
+                           body=f'{{"model": "{MODEL}", "prompt": {prompt}, "max_tokens": 2}}')
+        response = connection.getresponse()
+        status, body = response.status, json.loads(response.read())
+    finally:
+        connection.close()
+    assert status == 400 and body["error"]["param"] == "prompt", body
+
+
 def test_unknown_model_is_a_404(client):
     with pytest.raises(openai.NotFoundError) as raised:
         client.chat.completions.create(model="gpt-4o", messages=QUESTION)
