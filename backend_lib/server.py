@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -44,9 +45,24 @@ _METRICS_REFRESH_S = 0.6  # the model refreshes its gauges every 0.5 s: two idle
 _IN_FLIGHT_GAUGES = ("deepinfer_num_requests_running", "deepinfer_num_requests_waiting")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+def free_port(lowest: int = 10000) -> int:
+    """A TCP port free now, below the kernel's ephemeral range. bind(0) hands out a port inside that range, which
+    any outgoing connection (a client of another test, another server's workers) may take as its local port
+    before our server binds it: Triton then fails to start a service (seen with two pytest workers)."""
+    ephemeral_low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    choose = random.SystemRandom()  # not the process's seeded generator: forked workers would pick alike
+    for _ in range(200) if ephemeral_low - lowest >= 1000 else ():
+        port = choose.randrange(lowest, ephemeral_low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # no room below the range: any free port
+        sock.bind(("", 0))
         return sock.getsockname()[1]
 
 

@@ -358,3 +358,15 @@ def test_serve_refuses_engine_settings_beside_a_repository_served_as_is(tmp_path
         server.main(["--model-repository", str(tmp_path)])
     with pytest.raises(SystemExit, match="no bin/tritonserver there"):
         server.main(["--tritonserver", str(tmp_path)])
+
+
+def test_free_ports_lie_below_the_ephemeral_range():
+    """Outgoing connections take their local ports from the ephemeral range, so a server port chosen there can
+    be gone by the time the server binds it."""
+    from pathlib import Path
+
+    from backend_lib.server import free_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(10000 <= port < low for port in ports) and len(ports) > 1
