@@ -335,7 +335,8 @@ def banner(server: TritonServer) -> str:
     ])
 
 
-def main(argv: list[str] | None = None) -> int:
+def command_line() -> argparse.ArgumentParser:
+    """`deepinfer serve`'s flags (the Docker image's command uses them too: tests/test_packaging.py checks it)."""
     parser = argparse.ArgumentParser(prog="deepinfer serve", description="Serve the DeepInfer model with tritonserver.")
     parser.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: bundled SmolLM2)")
     parser.add_argument("--http-port", type=int, default=8000)
@@ -361,7 +362,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="on SIGTERM or Ctrl-C: seconds in-flight requests may take to finish (new ones are "
                              "refused) before they are aborted; a second Ctrl-C exits at once")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = command_line().parse_args(argv)
     if args.drain_timeout < 0:
         raise SystemExit(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import re
 from fnmatch import fnmatch
 from pathlib import Path
@@ -32,3 +33,17 @@ def test_package_data_ships_every_kernel_source_and_header():
 
 def test_every_kernel_source_is_built():
     assert set(_SOURCES) == {path.name for path in CSRC.glob("*.cpp")}
+
+
+def test_the_docker_image_runs_a_valid_deepinfer_serve_command():
+    """The image cannot be built here (no Docker engine): at least its command must parse as `deepinfer serve`
+    flags that exist, with the OpenAI front on the port it exposes."""
+    from backend_lib.server import command_line
+
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    command = json.loads(re.search(r"^CMD (\[.*?\])$", dockerfile.replace("\\\n", ""), re.M | re.S).group(1))
+    assert command[:2] == ["deepinfer", "serve"]
+    args = command_line().parse_args(command[2:])  # an unknown flag or a bad value exits here
+    assert str(args.tritonserver) == "/opt/tritonserver" and str(args.model_repository) == "/models"
+    exposed = re.search(r"^EXPOSE (.*)$", dockerfile, re.M).group(1).split()
+    assert str(args.openai_port) in exposed and {"8000", "8001", "8002"} <= set(exposed)
