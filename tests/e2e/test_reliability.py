@@ -1,5 +1,6 @@
 """Faults against a real tritonserver: no process or shm region outlives a killed `deepinfer serve`, SIGTERM
-drains in-flight requests up to a deadline, and an engine that dies fails its requests and goes not ready."""
+drains in-flight requests up to a deadline, an engine that dies fails its requests and goes not ready, and
+`deepinfer serve` as the Docker image runs it (an installed Triton, the user's repository) stops as cleanly."""
 from __future__ import annotations
 
 import json
