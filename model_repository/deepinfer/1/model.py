@@ -190,10 +190,12 @@ class TritonPythonModel:
         if output is None:
             return bool(ready)
         if output.finished:
-            self._send_final(item, output)  # if this raises, _fail still sends an error FINAL
-            item.done = True
+            # Counted before the client can have its final response: a client that reads /metrics after it finds
+            # its request there (the soak test once read the counters between the two).
             if self._metrics is not None and not output.rejected:  # refused input is not counted as a request
                 self._metrics.on_finished(output)
+            self._send_final(item, output)  # if this raises, _fail still sends an error FINAL
+            item.done = True
         else:
             self._send_delta(item, output)
         return True
