@@ -112,6 +112,7 @@ class TritonServer:
                              f"the repository served as is ({self.model_repository}), not into overrides")
         install = installed_tritonserver(self.triton_root) if self.triton_root else prepare_tritonserver()
         work = self.workdir or Path(tempfile.mkdtemp(prefix="deepinfer-serve-"))
+        work.mkdir(parents=True, exist_ok=True)  # the logs and the stop file go here (the image's /tmp/deepinfer)
         repo = (checked_model_repository(self.model_repository) if self.model_repository is not None
                 else write_model_repository(work / "models", self.overrides))
         self.log_path = None if self.log_to_stdout else work / "tritonserver.log"

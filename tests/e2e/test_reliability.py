@@ -192,13 +192,15 @@ def test_serve_runs_an_installed_triton_on_a_users_repository_beside_the_openai_
     repository = write_model_repository(tmp_path / "my_models", PARAMS)
     openai_port = free_port()
     triton = _installed_triton(tmp_path / "triton")
+    workdir = tmp_path / "not" / "there" / "yet"  # as the image's /tmp/deepinfer
     serve = Serve(tmp_path, "--tritonserver", str(triton), "--model-repository", str(repository), "--openai-port",
-                  str(openai_port), "--log-stdout", params={})
+                  str(openai_port), "--log-stdout", "--workdir", str(workdir), params={})
     try:
+        assert workdir.is_dir()  # made: the stop file goes there when a drain runs out
         argv = Path(f"/proc/{serve.triton_pid}/cmdline").read_bytes().split(b"\0")
         assert argv[0] == bytes(triton / "bin" / "tritonserver") and f"--model-repository={repository}".encode() in argv
-        assert not (tmp_path / "models").exists()  # no repository written: the user's is served
-        assert not (tmp_path / "tritonserver.log").exists()  # Triton's log went to our stdout (docker logs)
+        assert not (workdir / "models").exists()  # no repository written: the user's is served
+        assert not (workdir / "tritonserver.log").exists()  # Triton's log went to our stdout (docker logs)
         wait_for(lambda: b"OpenAI" in (tmp_path / "serve.out").read_bytes(), 60, "the OpenAI front")
         body = {"model": "deepinfer", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
                 "temperature": 0, "ignore_eos": True}
