@@ -53,7 +53,8 @@ def free_port(lowest: int = 10000) -> int:
     with contextlib.suppress(OSError, ValueError):
         ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     choose = random.SystemRandom()  # not the process's seeded generator: forked workers would pick alike
-    for _ in range(200) if ephemeral_low - lowest >= 1000 else ():
+    tries = 200 if ephemeral_low - lowest >= 1000 else 0  # else no room below the range
+    for _ in range(tries):
         port = choose.randrange(lowest, ephemeral_low)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
@@ -61,7 +62,7 @@ def free_port(lowest: int = 10000) -> int:
             except OSError:
                 continue
             return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # no room below the range: any free port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # any free port
         sock.bind(("", 0))
         return sock.getsockname()[1]
 

@@ -291,41 +291,41 @@ def test_named_outputs_are_the_only_ones_built():
 # ---- `deepinfer serve` plumbing (no server started here; tests/e2e starts real ones) ----------------
 
 def test_render_config_sets_parameters_and_rejects_unknown_names():
-    from backend_lib import triton_install as server
+    from backend_lib import triton_install
 
-    template = (server.MODEL_SOURCE / "config.pbtxt").read_text()
-    rendered = server.render_config(template, {"max_num_seqs": "4", "model": "/m/x.gguf"})
+    template = (triton_install.MODEL_SOURCE / "config.pbtxt").read_text()
+    rendered = triton_install.render_config(template, {"max_num_seqs": "4", "model": "/m/x.gguf"})
     assert 'parameters { key: "max_num_seqs" value: { string_value: "4" } }' in rendered
     assert 'parameters { key: "model" value: { string_value: "/m/x.gguf" } }' in rendered
     assert 'parameters { key: "block_size" value: { string_value: "16" } }' in rendered  # untouched
     with pytest.raises(ValueError, match="unknown model parameter 'max_batch'"):
-        server.render_config(template, {"max_batch": "4"})
+        triton_install.render_config(template, {"max_batch": "4"})
     with pytest.raises(ValueError, match="must not contain quotes"):
-        server.render_config(template, {"model": 'a"b'})
+        triton_install.render_config(template, {"model": 'a"b'})
 
 
 def test_server_env_points_the_stub_at_this_environment(tmp_path):
     import sysconfig
 
-    from backend_lib import triton_install as server
+    from backend_lib import triton_install
 
-    install = server.TritonInstall(root=tmp_path, libs=tmp_path / "libs")
-    env = server.server_env(install, base={"LD_LIBRARY_PATH": "/opt/x"})
+    install = triton_install.TritonInstall(root=tmp_path, libs=tmp_path / "libs")
+    env = triton_install.server_env(install, base={"LD_LIBRARY_PATH": "/opt/x"})
     ld = env["LD_LIBRARY_PATH"].split(":")
     assert ld[0] == str(tmp_path / "libs") and ld[-1] == "/opt/x"
     assert sysconfig.get_config_var("LIBDIR") in ld  # the stub links this interpreter's libpython
     site_dirs = env["DEEPINFER_SITE_DIRS"].split(":")
-    assert str(server.PROJECT_ROOT) in site_dirs and sysconfig.get_paths()["purelib"] in site_dirs
+    assert str(triton_install.PROJECT_ROOT) in site_dirs and sysconfig.get_paths()["purelib"] in site_dirs
 
 
 def test_prepared_tritonserver_has_binary_backend_and_stub(tmp_path):
-    from backend_lib import triton_install as server
+    from backend_lib import triton_install
 
-    install = server.prepare_tritonserver(tmp_path)
+    install = triton_install.prepare_tritonserver(tmp_path)
     assert install.binary.is_file()
     assert (install.backends / "python" / "libtriton_python.so").is_file()
     assert (install.backends / "python" / "triton_python_backend_stub").is_file()
-    assert server.prepare_tritonserver(tmp_path) == install  # cached: the second call copies nothing
+    assert triton_install.prepare_tritonserver(tmp_path) == install  # cached: the second call copies nothing
 
 
 def test_an_installed_triton_or_a_users_repository_missing_a_part_is_refused_naming_it(tmp_path):
@@ -349,7 +349,7 @@ def test_an_installed_triton_or_a_users_repository_missing_a_part_is_refused_nam
     assert triton_install.checked_model_repository(repository) == repository.resolve()
 
 
-def test_serve_refuses_engine_settings_beside_a_repository_served_as_is(tmp_path, capsys):
+def test_serve_refuses_engine_settings_beside_a_repository_served_as_is(tmp_path):
     from backend_lib import server
 
     with pytest.raises(SystemExit, match="--model-repository is served as is"):
