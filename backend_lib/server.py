@@ -35,8 +35,8 @@ from pathlib import Path
 
 from backend_lib import lifeline
 from backend_lib.shutdown import ExitNow, ShutdownSignals
-from backend_lib.triton_install import (MODEL_NAME, PROJECT_ROOT, checked_model_repository,
-                                        installed_tritonserver, prepare_tritonserver, server_env,
+from backend_lib.triton_install import (MODEL_NAME, MODEL_SOURCE, PROJECT_ROOT, checked_model_repository,
+                                        installed_tritonserver, prepare_tritonserver, render_config, server_env,
                                         write_model_repository)
 
 _STOP_FILE_GRACE_S = 1.0  # the model polls the stop file every 0.5 s
@@ -383,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
             installed_tritonserver(args.tritonserver)
         if args.model_repository is not None:
             checked_model_repository(args.model_repository)
+        else:  # an unknown --param or a bad value: named here, not in a traceback from start()
+            render_config((MODEL_SOURCE / "config.pbtxt").read_text(), overrides)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     server = TritonServer(http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,

@@ -358,6 +358,8 @@ def test_serve_refuses_engine_settings_beside_a_repository_served_as_is(tmp_path
         server.main(["--model-repository", str(tmp_path)])
     with pytest.raises(SystemExit, match="no bin/tritonserver there"):
         server.main(["--tritonserver", str(tmp_path)])
+    with pytest.raises(SystemExit, match="unknown model parameter 'bogus'"):  # was a traceback from start()
+        server.main(["--param", "bogus=1"])
 
 
 def test_free_ports_lie_below_the_ephemeral_range():
