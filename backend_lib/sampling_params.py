@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's default
-_SEED_LIMIT = 2**31
+SEED_LIMIT = 2**31
 
 
 def _is_int(value: Any) -> bool:
@@ -100,8 +100,8 @@ class SamplingParams:
 
         if self.seed is not None:
             self.seed = _as_int("seed", self.seed)
-            _require(0 <= self.seed < _SEED_LIMIT,
-                     f"seed must be in [0, {_SEED_LIMIT - 1}] (or null), got {self.seed}")
+            _require(0 <= self.seed < SEED_LIMIT,
+                     f"seed must be in [0, {SEED_LIMIT - 1}] (or null), got {self.seed}")
 
         self.stop = self._check_stop(self.stop)
         self.stop_token_ids = self._check_stop_token_ids(self.stop_token_ids)

@@ -24,7 +24,7 @@ from tests.fuzz_values import FUZZ, JSON_VALUES, PLAUSIBLE, TEXT, small_engine
 _FIELD_VALUES = {
     **{name: PLAUSIBLE[name] for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                                           "min_tokens", "stop_token_ids")},
-    "stop": st.one_of(TEXT, PLAUSIBLE["stop"]), "n": st.integers(-1, 3), "stream": st.booleans(),
+    "stop": st.one_of(TEXT, PLAUSIBLE["stop"]), "n": st.integers(-1, 70), "stream": st.booleans(),
     "frequency_penalty": st.floats(-3, 3), "presence_penalty": st.floats(-3, 3),
     "repetition_penalty": st.floats(-1, 3), "ignore_eos": st.booleans(), "logit_bias": st.dictionaries(TEXT, st.floats()),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
@@ -88,11 +88,17 @@ def test_openai_calls_are_prepared_or_refused_with_a_client_error(engine, call):
         return
     try:
         session = translate.session_from_headers(headers)
-        build = translate.chat_request if kind == "chat" else translate.completion_request
-        model_request = build(request, session)
+        build = translate.chat_requests if kind == "chat" else translate.completion_requests
+        choices = build(request, session)
     except OpenAIError as error:
         _refused_as_a_client_error(error)
         return
+    assert 1 <= len(choices) <= translate.MAX_CHOICES
+    for model_request in choices:
+        _prepared_or_refused(engine, model_request, session)
+
+
+def _prepared_or_refused(engine, model_request: translate.ModelRequest, session: translate.Session | None) -> None:
     infer = build_infer_request("deepinfer", "fuzz", model_request)
     correlation = session.sequence_id if session is not None else 0
     flags = (serving.FLAG_SEQUENCE_START * session.start + serving.FLAG_SEQUENCE_END * session.end) if session else 0

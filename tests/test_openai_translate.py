@@ -22,7 +22,7 @@ def test_chat_request_maps_fields_and_messages():
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
         max_completion_tokens=7, temperature=0.5, stop="x", seed=3, logprobs=True, top_logprobs=2, top_k=5,
         ignore_eos=True, user="someone")
-    model = translate.chat_request(request, None)
+    [model] = translate.chat_requests(request, None)
     assert model.prompt_input == "messages"
     assert json.loads(model.prompt) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
     assert model.sampling == {"max_tokens": 7, "temperature": 0.5, "stop": "x", "seed": 3, "logprobs": 2,
@@ -31,36 +31,68 @@ def test_chat_request_maps_fields_and_messages():
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"n": 2}, "n"), ({"logit_bias": {"1": 2.0}}, "logit_bias"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"n": 0}, "n"), ({"n": 65}, "n"), ({"logit_bias": {"1": 2.0}}, "logit_bias"), ({"tools": [{"type": "function"}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"max_tokens": 1, "max_completion_tokens": 2}, "max_completion_tokens"),
 ])
 def test_chat_fields_we_cannot_honour_are_refused(fields, param):
     with pytest.raises(OpenAIError) as raised:
-        translate.chat_request(_chat(**fields), None)
+        translate.chat_requests(_chat(**fields), None)
     assert raised.value.status == 400 and raised.value.param == param
 
 
 def test_completion_prompts():
-    assert translate.completion_request(CompletionRequest(model="m", prompt="abc"), None).prompt_input == "text_input"
-    by_ids = translate.completion_request(CompletionRequest(model="m", prompt=[[1, 2, 3]], logprobs=2), None)
+    [text] = translate.completion_requests(CompletionRequest(model="m", prompt="abc"), None)
+    assert text.prompt_input == "text_input"
+    [by_ids] = translate.completion_requests(CompletionRequest(model="m", prompt=[[1, 2, 3]], logprobs=2), None)
     assert (by_ids.prompt_input, by_ids.prompt, by_ids.sampling) == ("input_ids", [1, 2, 3], {"logprobs": 2})
-    with pytest.raises(OpenAIError, match="one prompt per request"):
-        translate.completion_request(CompletionRequest(model="m", prompt=["a", "b"]), None)
     with pytest.raises(OpenAIError, match="echo"):
-        translate.completion_request(CompletionRequest(model="m", prompt="a", echo=True), None)
+        translate.completion_requests(CompletionRequest(model="m", prompt="a", echo=True), None)
+
+
+def test_choices_are_n_requests_per_prompt_with_their_own_seeds():
+    """OpenAI's choice index is prompt * n + j; choice j samples with seed + j (vLLM's rule)."""
+    choices = translate.completion_requests(CompletionRequest(model="m", prompt=["a", "b"], n=3, seed=5), None)
+    assert [(c.prompt_index, c.prompt, c.sampling["seed"]) for c in choices] == [
+        (0, "a", 5), (0, "a", 6), (0, "a", 7), (1, "b", 5), (1, "b", 6), (1, "b", 7)]
+    by_ids = translate.completion_requests(CompletionRequest(model="m", prompt=[[7, 8], [9]]), None)
+    assert [(c.prompt_index, c.prompt_input, c.prompt) for c in by_ids] == [(0, "input_ids", [7, 8]),
+                                                                            (1, "input_ids", [9])]
+    top = translate.SEED_LIMIT - 1  # wraps inside the model's range
+    assert [c.sampling["seed"] for c in translate.chat_requests(_chat(n=2, seed=top), None)] == [top, 0]
+    assert all("seed" not in c.sampling for c in translate.chat_requests(_chat(n=2), None))
+    # A seed the model refuses stays as given, so its refusal names it.
+    assert [c.sampling["seed"] for c in translate.chat_requests(_chat(n=2, seed=-1), None)] == [-1, -1]
+    totals = [Totals(prompt_tokens=4, completion_tokens=2), Totals(prompt_tokens=4, completion_tokens=3),
+              Totals(prompt_tokens=9, completion_tokens=1), Totals(prompt_tokens=9, completion_tokens=1)]
+    two_by_two = translate.completion_requests(CompletionRequest(model="m", prompt=["a", "bc"], n=2), None)
+    assert translate.call_usage(totals, two_by_two).model_dump() == {
+        "prompt_tokens": 13, "completion_tokens": 7, "total_tokens": 20}
+
+
+@pytest.mark.parametrize("fields, session, param, message", [
+    ({"prompt": ["a"] * 8, "n": 9}, None, "prompt", "n x prompts is 9 x 8 = 72 choices; at most 64"),
+    ({"prompt": "a", "n": 2}, Session(3), "n", "a session turn continues one conversation"),
+    ({"prompt": ["a", "b"]}, Session(3), "prompt", "a session turn continues one conversation"),
+    ({"prompt": [[1], []]}, None, "prompt", r"prompt\[1\] is empty"),
+])
+def test_choices_past_the_limit_or_in_a_session_are_refused(fields, session, param, message):
+    with pytest.raises(OpenAIError, match=message) as raised:
+        translate.completion_requests(CompletionRequest(model="m", **fields), session)
+    assert raised.value.status == 400 and raised.value.param == param
 
 
 @pytest.mark.parametrize("prompt, message", [
     ("a\ud800b", r"prompt is not valid Unicode: a lone surrogate \(U\+D800\) at character 1"),  # JSON "\ud800"
     ([5, 2**31], r"prompt\[1\] must be a token id in \[0, 2147483647\], got 2147483648"),
-    ([[-1]], r"prompt\[0\] must be a token id"),
+    ([[-1]], r"prompt\[0\]\[0\] must be a token id"),
+    (["ok", "a\udfffb"], r"prompt\[1\] is not valid Unicode"),
 ])
 def test_prompts_triton_cannot_carry_are_refused_naming_the_prompt(prompt, message):
     """The first two, found by tests/test_fuzz_openai.py, failed while the gRPC request was built (a 500); a
     negative id, which the engine refused, is now refused here with the others."""
     with pytest.raises(OpenAIError, match=message) as refused:
-        translate.completion_request(CompletionRequest(model="m", prompt=prompt), None)
+        translate.completion_requests(CompletionRequest(model="m", prompt=prompt), None)
     assert (refused.value.status, refused.value.param) == (400, "prompt")
 
 
@@ -87,7 +119,7 @@ def test_model_errors_get_their_status_and_param():
 
 
 def test_infer_request_carries_inputs_outputs_and_session():
-    model = translate.chat_request(_chat(temperature=0), Session("s1", start=True))
+    [model] = translate.chat_requests(_chat(temperature=0), Session("s1", start=True))
     infer = build_infer_request("deepinfer", "chatcmpl-1", model)
     inputs = {i.name: i for i in infer.inputs}
     assert json.loads(inputs["messages"].contents.bytes_contents[0]) == [{"role": "user", "content": "hi"}]
@@ -95,7 +127,7 @@ def test_infer_request_carries_inputs_outputs_and_session():
     assert inputs["stream"].contents.bool_contents[0] is False
     assert {o.name for o in infer.outputs} == {"text_output", "finish_reason", "num_input_tokens", "num_output_tokens"}
     assert infer.parameters["sequence_id"].string_param == "s1" and infer.parameters["sequence_start"].bool_param
-    ids = build_infer_request("deepinfer", "cmpl-1", translate.completion_request(
+    ids = build_infer_request("deepinfer", "cmpl-1", *translate.completion_requests(
         CompletionRequest(model="m", prompt=[5, 6]), Session(9)))
     assert list(next(i for i in ids.inputs if i.name == "input_ids").contents.int_contents) == [5, 6]
     assert ids.parameters["sequence_id"].int64_param == 9
@@ -132,10 +164,16 @@ def test_totals_and_chunks():
     totals = Totals()
     totals.add(ModelDelta("Hel", 1, 9, "None"))
     totals.add(ModelDelta("lo", 1, 9, "length"))
-    answer = translate.chat_response("chatcmpl-x", 1, "deepinfer", totals, False)
-    assert answer.choices[0].message.content == "Hello" and answer.choices[0].finish_reason == "length"
-    assert answer.usage.model_dump() == {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}
-    opening = translate.chat_chunk("chatcmpl-x", 1, "deepinfer", None, False)
+    other = Totals()
+    other.add(ModelDelta("Hi", 1, 9, "stop"))
+    [request] = translate.chat_requests(_chat(), None)
+    call = translate.call_usage([totals, other], [request, request])
+    answer = translate.chat_response("chatcmpl-x", 1, "deepinfer", [totals, other], call, False)
+    assert [(c.index, c.message.content, c.finish_reason) for c in answer.choices] == \
+        [(0, "Hello", "length"), (1, "Hi", "stop")]
+    assert answer.usage.model_dump() == {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}
+    opening = translate.chat_chunk("chatcmpl-x", 1, "deepinfer", 2, None, False)
     assert opening.choices[0].delta.role == "assistant" and opening.choices[0].finish_reason is None
-    chunk = translate.completion_chunk("cmpl-x", 1, "deepinfer", ModelDelta("lo", 1, 9, "stop"), 3, False)
-    assert chunk.choices[0].text == "lo" and chunk.choices[0].finish_reason == "stop"
+    assert opening.choices[0].index == 2
+    chunk = translate.completion_chunk("cmpl-x", 1, "deepinfer", 1, ModelDelta("lo", 1, 9, "stop"), 3, False)
+    assert (chunk.choices[0].index, chunk.choices[0].text, chunk.choices[0].finish_reason) == (1, "lo", "stop")

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP front (FastAPI): /v1/models, /v1/completions, /v1/chat/completions, /health.
 
-Every call becomes one request to our Triton model over gRPC streaming (triton_stream.py), so one engine
-serves both APIs and Triton's metrics and logs see every request. Streaming answers are server-sent events
+Every choice of a call (``n`` of each prompt) becomes one request to our Triton model over gRPC streaming
+(triton_stream.py, fan_out.py), so one engine serves both APIs and Triton's metrics and logs see every request. Streaming answers are server-sent events
 ending in ``data: [DONE]``; the first model response is awaited before the HTTP status is sent, so a refused
 request (bad field, busy server, unknown session) gets its real status, not a 200 with an error event.
 State (the gRPC channel, the settings) lives on ``app.state.front``.
@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Literal
+from typing import AsyncGenerator, AsyncIterator, Awaitable, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from backend_lib.openai_api import translate
+from backend_lib.openai_api import fan_out, translate
 from backend_lib.openai_api.errors import OpenAIError
 from backend_lib.openai_api.schema import (ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionRequest,
                                            ModelCard, ModelList)
@@ -69,27 +69,32 @@ class OpenAIFront:
                                    f"{self.settings.served_model_name!r}", "invalid_request_error", "model",
                               "model_not_found")
 
-    async def respond(self, kind: Literal["chat", "completion"], model_request: ModelRequest, include_usage: bool,
+    async def respond(self, kind: Literal["chat", "completion"], choices: list[ModelRequest], include_usage: bool,
                       http_request: Request) -> Response:
+        """One Triton request per choice, all at once (ids ``<id>-<index>`` when there are several)."""
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         assert self.client is not None, "the front is not started"
-        deltas = self.client.generate(request_id, model_request)
-        if not model_request.stream:
-            totals = await _until_disconnected(http_request, _gather(deltas))
+        ids = [request_id] if len(choices) == 1 else [f"{request_id}-{index}" for index in range(len(choices))]
+        deltas = [self.client.generate(triton_id, choice) for triton_id, choice in zip(ids, choices)]
+        logprobs = choices[0].logprobs
+        if not choices[0].stream:
+            totals = await _until_disconnected(http_request, fan_out.gather_all([_gather(d) for d in deltas]))
             build = translate.chat_response if kind == "chat" else translate.completion_response
-            answer = build(request_id, created, self.settings.served_model_name, totals, model_request.logprobs)
+            answer = build(request_id, created, self.settings.served_model_name, totals,
+                           translate.call_usage(totals, choices), logprobs)
             return Response(answer.model_dump_json(), media_type="application/json")
-        try:
-            first = await anext(deltas)  # an error here raises with its status: nothing was sent yet
+        try:  # an error here raises with its status: nothing was sent yet
+            firsts = await fan_out.gather_all([anext(d) for d in deltas])
         except BaseException:
-            await deltas.aclose()
+            for stream in deltas:
+                await stream.aclose()
             raise
-        stream = _Stream(kind, request_id, created, self.settings.served_model_name, model_request.logprobs,
-                         include_usage)
-        events = stream.events(first, deltas)
+        stream = _Stream(kind, request_id, created, self.settings.served_model_name, logprobs,
+                         include_usage, choices)
+        events = stream.events(firsts, fan_out.merged(deltas))
         # On a disconnect Starlette cancels the sending task, which may leave the generator parked at a yield;
-        # closing it afterwards (a no-op when it finished) cancels the Triton request without waiting for GC.
+        # closing it afterwards (a no-op when it finished) cancels the Triton requests without waiting for GC.
         return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose),
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
 
@@ -101,8 +106,8 @@ async def _gather(deltas: AsyncIterator[ModelDelta]) -> Totals:
     return totals
 
 
-async def _until_disconnected(http_request: Request, work: Awaitable[Totals]) -> Totals:
-    """Runs ``work``; if the HTTP client goes away first, cancels it (which cancels the Triton request)."""
+async def _until_disconnected(http_request: Request, work: Awaitable[list[Totals]]) -> list[Totals]:
+    """Runs ``work``; if the HTTP client goes away first, cancels it (which cancels the Triton requests)."""
     task = asyncio.ensure_future(work)
     try:
         while True:
@@ -119,7 +124,8 @@ async def _until_disconnected(http_request: Request, work: Awaitable[Totals]) ->
 
 @dataclass
 class _Stream:
-    """One request's server-sent events: chunks, the usage chunk when asked for, then [DONE]."""
+    """One call's server-sent events: each choice's chunks (tagged with its index) as they come, the usage chunk
+    when asked for, then [DONE]."""
 
     kind: Literal["chat", "completion"]
     request_id: str
@@ -127,34 +133,41 @@ class _Stream:
     model: str
     logprobs: bool
     include_usage: bool
+    choices: list[ModelRequest]
 
-    async def events(self, first: ModelDelta, deltas: AsyncIterator[ModelDelta]) -> AsyncIterator[bytes]:
-        totals = Totals()
+    async def events(self, firsts: list[ModelDelta], rest: AsyncGenerator[tuple[int, ModelDelta], None]
+                     ) -> AsyncIterator[bytes]:
+        totals = [Totals() for _ in firsts]
         try:
             if self.kind == "chat":
-                yield _sse(translate.chat_chunk(self.request_id, self.created, self.model, None, False))
-            delta: ModelDelta | None = first
-            while delta is not None:
-                yield self._chunk(delta, len("".join(totals.text)) if self.logprobs else 0)
-                totals.add(delta)
-                delta = await anext(deltas, None)
+                for index in range(len(firsts)):
+                    yield _sse(translate.chat_chunk(self.request_id, self.created, self.model, index, None, False))
+            for index, delta in enumerate(firsts):
+                yield self._chunk(index, delta, totals[index])
+            async for index, delta in rest:
+                yield self._chunk(index, delta, totals[index])
             if self.include_usage:
                 chunk_type = ChatCompletionChunk if self.kind == "chat" else Completion
                 yield _sse(chunk_type(id=self.request_id, created=self.created, model=self.model, choices=[],
-                                      usage=totals.usage))
+                                      usage=translate.call_usage(totals, self.choices)))
         except OpenAIError as exc:  # the status is sent: the error goes as an event, as OpenAI's API does
             logger.warning("request %s failed mid-stream: %s", self.request_id, exc.message)
             yield _sse(exc.body())
         finally:
-            # Also on a client disconnect (this generator is cancelled): closing cancels the Triton request.
-            await deltas.aclose()
+            # Also on a client disconnect (this generator is cancelled): closing cancels the Triton requests.
+            await rest.aclose()
         yield _DONE
 
-    def _chunk(self, delta: ModelDelta, text_offset: int) -> bytes:
+    def _chunk(self, index: int, delta: ModelDelta, totals: Totals) -> bytes:
+        """The chunk of one choice's delta, then counted in its totals (a logprobs offset is the text before)."""
         if self.kind == "chat":
-            return _sse(translate.chat_chunk(self.request_id, self.created, self.model, delta, self.logprobs))
-        return _sse(translate.completion_chunk(self.request_id, self.created, self.model, delta, text_offset,
-                                               self.logprobs))
+            chunk = translate.chat_chunk(self.request_id, self.created, self.model, index, delta, self.logprobs)
+        else:
+            offset = len("".join(totals.text)) if self.logprobs else 0
+            chunk = translate.completion_chunk(self.request_id, self.created, self.model, index, delta, offset,
+                                               self.logprobs)
+        totals.add(delta)
+        return _sse(chunk)
 
 
 def _error_response(error: OpenAIError) -> JSONResponse:
@@ -213,15 +226,15 @@ def create_app(settings: FrontSettings) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         front.check_model(body.model)
-        model_request = translate.completion_request(body, translate.session_from_headers(request.headers))
+        choices = translate.completion_requests(body, translate.session_from_headers(request.headers))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await front.respond("completion", model_request, include_usage, request)
+        return await front.respond("completion", choices, include_usage, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         front.check_model(body.model)
-        model_request = translate.chat_request(body, translate.session_from_headers(request.headers))
+        choices = translate.chat_requests(body, translate.session_from_headers(request.headers))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await front.respond("chat", model_request, include_usage, request)
+        return await front.respond("chat", choices, include_usage, request)
 
     return app

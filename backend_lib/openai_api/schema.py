@@ -1,7 +1,7 @@
 """Pydantic models of the OpenAI API subset we serve: requests, responses, stream chunks, errors.
 
 Requests ignore fields we do not know (clients and SDKs send many optional ones, e.g. ``user``, ``store``);
-fields we know but cannot honour (``n`` > 1, ``tools``, ``logit_bias``, ``echo``, ...) are refused in
+fields we know but cannot honour (``tools``, ``logit_bias``, ``echo``, ...) are refused in
 translate.py with a 400 naming them, never silently dropped.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
-    # A string, one token-id list, or a one-element list of either (batches of prompts are refused: n = 1 only).
+    # A string, one token-id list, or a batch (a list) of either: a choice for each (n each).
     prompt: Union[str, list[int], list[str], list[list[int]]]
     logprobs: int | None = None
     echo: bool | None = None

@@ -1,16 +1,19 @@
 """OpenAI requests -> our Triton model's request; the model's responses -> OpenAI responses and chunks.
 
 The model validates every sampling field itself and names the field it refuses (SamplingParams), so fields
-pass through with their engine names; here we only refuse what the model has no notion of (n > 1, tools,
-logit_bias, ...), pick the prompt input (text_input, input_ids or messages) and map the session headers.
+pass through with their engine names; here we only refuse what the model has no notion of (tools,
+logit_bias, ...), pick the prompt input (text_input, input_ids or messages) and map the session headers. A call
+asking for several choices (``n``, a completions batch of prompts) becomes one model request per choice, prompt
+by prompt, n each: OpenAI's choice index is the request's place in that list.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from backend_lib.openai_api.errors import bad_request
+from backend_lib.sampling_params import SEED_LIMIT
 from backend_lib.openai_api.schema import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                            ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatLogprobs,
                                            CompletionChoice, Completion, CompletionLogprobs, CompletionRequest,
@@ -25,6 +28,8 @@ _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "frequ
                 "skip_special_tokens")
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
+# Choices (prompts x n) one call may ask for: each is an engine request, admitted like any other.
+MAX_CHOICES = 64
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,7 @@ class ModelRequest:
     session: Session | None
     # Engine field name -> the name the client used, so an engine refusal names the client's field.
     field_names: dict[str, str] = field(default_factory=dict)
+    prompt_index: int = 0  # which of the call's prompts (choices of one prompt count its tokens once)
 
 
 @dataclass
@@ -91,8 +97,6 @@ def session_from_headers(headers: Mapping[str, str]) -> Session | None:
 
 
 def _refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
-    if request.n is not None and request.n != 1:
-        raise bad_request(f"n must be 1: this server returns one choice per request, got n={request.n}", param="n")
     if request.logit_bias:
         raise bad_request("logit_bias is not supported", param="logit_bias")
 
@@ -104,16 +108,60 @@ def _sampling(request: CompletionRequest | ChatCompletionRequest, max_tokens: in
     return sampling
 
 
-def _check_unicode(text: str, param: str) -> None:
+def _choices(prompts: list[ModelRequest], n: int | None) -> list[ModelRequest]:
+    """n requests for each prompt, prompt by prompt; choice j of a prompt samples with seed + j (vLLM's rule), so
+    a seeded call's choices differ and each is reproducible."""
+    count = 1 if n is None else n
+    if count < 1:
+        raise bad_request(f"n must be at least 1, got {n}", param="n")
+    if count * len(prompts) > MAX_CHOICES:
+        raise bad_request(f"n x prompts is {count} x {len(prompts)} = {count * len(prompts)} choices; at most "
+                          f"{MAX_CHOICES} a request", param="n" if len(prompts) == 1 else "prompt")
+    if prompts[0].session is not None and count * len(prompts) > 1:
+        raise bad_request(f"a session turn continues one conversation: n must be 1 and prompt one prompt, got "
+                          f"n={count} and {len(prompts)} prompts", param="n" if count > 1 else "prompt")
+    choices = []
+    for index, prompt in enumerate(prompts):
+        for j in range(count):
+            sampling = dict(prompt.sampling)
+            seed = sampling.get("seed")
+            if j and isinstance(seed, int) and 0 <= seed < SEED_LIMIT:  # the model refuses a bad one by name
+                sampling["seed"] = (seed + j) % SEED_LIMIT
+            choices.append(replace(prompt, sampling=sampling, prompt_index=index))
+    return choices
+
+
+def _check_unicode(text: str, name: str) -> None:
     """JSON's \\ud800 escapes decode to lone surrogates, which no UTF-8 text (what Triton carries) can hold."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise bad_request(f"{param} is not valid Unicode: a lone surrogate (U+{ord(text[exc.start]):04X}) at "
-                          f"character {exc.start}", param=param) from None
+        raise bad_request(f"{name} is not valid Unicode: a lone surrogate (U+{ord(text[exc.start]):04X}) at "
+                          f"character {exc.start}", param="prompt") from None
 
 
-def completion_request(request: CompletionRequest, session: Session | None) -> ModelRequest:
+def _prompts(prompt: Any) -> list[tuple[str, str | list[int]]]:
+    """(the name an error gives it, the prompt) for each prompt of a completions call: a string, a list of token
+    ids, or a batch (a list) of either."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        named = [(f"prompt[{index}]", one) for index, one in enumerate(prompt)]
+    else:
+        named = [("prompt", prompt)]
+    for name, one in named:
+        if isinstance(one, list) and not one:
+            raise bad_request(f"{name} is empty: give at least one token id", param="prompt")
+        if isinstance(one, str):
+            _check_unicode(one, name)
+        else:  # Triton's input_ids are INT32; the engine checks them against the vocabulary
+            bad = next((i for i, token in enumerate(one) if not 0 <= token <= _INT32_MAX), None)
+            if bad is not None:
+                raise bad_request(f"{name}[{bad}] must be a token id in [0, {_INT32_MAX}], got {one[bad]}",
+                                  param="prompt")
+    return named
+
+
+def completion_requests(request: CompletionRequest, session: Session | None) -> list[ModelRequest]:
+    """One model request per choice: n for each prompt."""
     _refuse_unsupported(request)
     if request.echo:
         raise bad_request("echo is not supported", param="echo")
@@ -121,27 +169,13 @@ def completion_request(request: CompletionRequest, session: Session | None) -> M
         raise bad_request("suffix is not supported", param="suffix")
     if request.best_of is not None and request.best_of != 1:
         raise bad_request(f"best_of must be 1, got {request.best_of}", param="best_of")
-    prompt: Any = request.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise bad_request(f"prompt must be one string or one list of token ids (one prompt per request), "
-                              f"got a list of {len(prompt)} prompts", param="prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, list) and not prompt:
-        raise bad_request("prompt is empty: give at least one token id", param="prompt")
-    if isinstance(prompt, str):
-        _check_unicode(prompt, "prompt")
-    else:  # Triton's input_ids are INT32; the engine checks them against the vocabulary
-        bad = next((i for i, token in enumerate(prompt) if not 0 <= token <= _INT32_MAX), None)
-        if bad is not None:
-            raise bad_request(f"prompt[{bad}] must be a token id in [0, {_INT32_MAX}], got {prompt[bad]}",
-                              param="prompt")
     sampling = _sampling(request, request.max_tokens)
     if request.logprobs is not None:
         sampling["logprobs"] = request.logprobs
-    return ModelRequest(prompt_input="input_ids" if isinstance(prompt, list) else "text_input", prompt=prompt,
-                        sampling=sampling, stream=request.stream, logprobs=request.logprobs is not None,
-                        session=session)
+    prompts = [ModelRequest(prompt_input="input_ids" if isinstance(prompt, list) else "text_input", prompt=prompt,
+                            sampling=sampling, stream=request.stream, logprobs=request.logprobs is not None,
+                            session=session) for _, prompt in _prompts(request.prompt)]
+    return _choices(prompts, request.n)
 
 
 def _message_text(index: int, content: Any) -> str:
@@ -159,7 +193,8 @@ def _message_text(index: int, content: Any) -> str:
     return "".join(texts)
 
 
-def chat_request(request: ChatCompletionRequest, session: Session | None) -> ModelRequest:
+def chat_requests(request: ChatCompletionRequest, session: Session | None) -> list[ModelRequest]:
+    """One model request per choice (n)."""
     _refuse_unsupported(request)
     if request.tools:
         raise bad_request("tools are not supported", param="tools")
@@ -187,8 +222,9 @@ def chat_request(request: ChatCompletionRequest, session: Session | None) -> Mod
     names = {"logprobs": "top_logprobs"}
     if request.max_completion_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
-    return ModelRequest(prompt_input="messages", prompt=json.dumps(messages), sampling=sampling,
-                        stream=request.stream, logprobs=bool(request.logprobs), session=session, field_names=names)
+    prompt = ModelRequest(prompt_input="messages", prompt=json.dumps(messages), sampling=sampling,
+                          stream=request.stream, logprobs=bool(request.logprobs), session=session, field_names=names)
+    return _choices([prompt], request.n)
 
 
 # -- responses -----------------------------------------------------------------------------------
@@ -264,36 +300,42 @@ class Totals:
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
 
-    @property
-    def usage(self) -> Usage:
-        return usage(self.prompt_tokens, self.completion_tokens)
+
+def call_usage(choices: list[Totals], requests: list[ModelRequest]) -> Usage:
+    """Every choice's completion tokens; each prompt's tokens once, however many choices it has (as vLLM counts)."""
+    prompt_tokens = {request.prompt_index: totals.prompt_tokens for totals, request in zip(choices, requests)}
+    return usage(sum(prompt_tokens.values()), sum(totals.completion_tokens for totals in choices))
 
 
-def completion_response(request_id: str, created: int, model: str, totals: Totals, logprobs: bool) -> Completion:
-    return Completion(id=request_id, created=created, model=model, usage=totals.usage, choices=[CompletionChoice(
-        text="".join(totals.text), finish_reason=totals.finish_reason,
-        logprobs=completion_logprobs(totals.logprobs or [], 0) if logprobs else None)])
+def completion_response(request_id: str, created: int, model: str, choices: list[Totals], call: Usage,
+                        logprobs: bool) -> Completion:
+    return Completion(id=request_id, created=created, model=model, usage=call, choices=[CompletionChoice(
+        index=index, text="".join(totals.text), finish_reason=totals.finish_reason,
+        logprobs=completion_logprobs(totals.logprobs or [], 0) if logprobs else None)
+        for index, totals in enumerate(choices)])
 
 
-def chat_response(request_id: str, created: int, model: str, totals: Totals, logprobs: bool) -> ChatCompletion:
-    return ChatCompletion(id=request_id, created=created, model=model, usage=totals.usage, choices=[ChatChoice(
-        message=AssistantMessage(content="".join(totals.text)), finish_reason=totals.finish_reason,
-        logprobs=chat_logprobs(totals.logprobs or []) if logprobs else None)])
+def chat_response(request_id: str, created: int, model: str, choices: list[Totals], call: Usage,
+                  logprobs: bool) -> ChatCompletion:
+    return ChatCompletion(id=request_id, created=created, model=model, usage=call, choices=[ChatChoice(
+        index=index, message=AssistantMessage(content="".join(totals.text)), finish_reason=totals.finish_reason,
+        logprobs=chat_logprobs(totals.logprobs or []) if logprobs else None) for index, totals in enumerate(choices)])
 
 
-def completion_chunk(request_id: str, created: int, model: str, delta: ModelDelta, text_offset: int,
+def completion_chunk(request_id: str, created: int, model: str, index: int, delta: ModelDelta, text_offset: int,
                      logprobs: bool) -> Completion:
     return Completion(id=request_id, created=created, model=model, choices=[CompletionChoice(
-        text=delta.text, finish_reason=finish_reason(delta.finish_reason),
+        index=index, text=delta.text, finish_reason=finish_reason(delta.finish_reason),
         logprobs=completion_logprobs(delta.logprobs or [], text_offset) if logprobs else None)])
 
 
-def chat_chunk(request_id: str, created: int, model: str, delta: ModelDelta | None, logprobs: bool) -> ChatCompletionChunk:
+def chat_chunk(request_id: str, created: int, model: str, index: int, delta: ModelDelta | None,
+               logprobs: bool) -> ChatCompletionChunk:
     """``delta`` None: the opening chunk that carries the assistant role."""
     if delta is None:
-        choice = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))
+        choice = ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))
     else:
-        choice = ChatChunkChoice(delta=ChatDelta(content=delta.text) if delta.text else ChatDelta(),
+        choice = ChatChunkChoice(index=index, delta=ChatDelta(content=delta.text) if delta.text else ChatDelta(),
                                  finish_reason=finish_reason(delta.finish_reason),
                                  logprobs=chat_logprobs(delta.logprobs or []) if logprobs else None)
     return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice])

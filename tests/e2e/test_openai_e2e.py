@@ -126,10 +126,10 @@ def test_logprobs_in_both_layouts(client):
 @pytest.mark.parametrize("kwargs, param", [
     ({"temperature": -1.0}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
-    ({"n": 2}, "n"),
-    ({"max_tokens": 100000}, "max_tokens"),
+    ({"n": 65}, "n"),
+    ({"n": 2, "max_tokens": 100000}, "max_tokens"),
     ({"extra_body": {"top_k": "many"}}, "top_k"),
-], ids=["temperature", "top_p", "n", "max_tokens", "top_k-type"])
+], ids=["temperature", "top_p", "n", "max_tokens-of-choices", "top_k-type"])
 def test_bad_field_is_a_400_naming_it(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(model=MODEL, messages=QUESTION, **kwargs)
@@ -152,6 +152,65 @@ def test_prompts_triton_cannot_carry_are_a_400(served, prompt):
     finally:
         connection.close()
     assert status == 400 and body["error"]["param"] == "prompt", body
+
+
+def test_n_choices_each_sample_as_one_request_with_its_seed(client):
+    """Choice j of a seeded call samples as a call with seed + j (vLLM's rule); usage counts the prompt once."""
+    sampling = dict(temperature=1.0, max_tokens=8, extra_body={"top_k": 50, "ignore_eos": True})
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, n=3, seed=77, **sampling)
+    singles = [client.chat.completions.create(model=MODEL, messages=QUESTION, seed=77 + j, **sampling)
+               for j in range(3)]
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.message.content for c in reply.choices] == [s.choices[0].message.content for s in singles]
+    assert len({c.message.content for c in reply.choices}) > 1  # three seeds, not one sample thrice
+    assert reply.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert reply.usage.completion_tokens == 3 * 8
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, n=3, seed=77, stream=True,
+                                                 stream_options={"include_usage": True}, **sampling))
+    assert len({c.id for c in chunks}) == 1
+    for j, single in enumerate(singles):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == j]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(c.delta.content or "" for c in mine) == single.choices[0].message.content
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage == reply.usage
+
+
+def test_a_batch_of_prompts_gets_a_choice_each_prompt_by_prompt(client):
+    """OpenAI's layout: choice index = prompt * n + j; greedy, each choice is its prompt's own answer."""
+    prompts = [STORY, "The capital of France is", "1, 2, 3,"]
+    singles = [client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=6) for p in prompts]
+    batch = client.completions.create(model=MODEL, prompt=prompts, n=2, temperature=0, max_tokens=6, logprobs=1)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [s.choices[0].text for s in singles for _ in range(2)]
+    assert all(c.logprobs.text_offset[0] == 0 for c in batch.choices)
+    assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert batch.usage.completion_tokens == sum(2 * s.usage.completion_tokens for s in singles)
+    streamed = list(client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=6,
+                                              stream=True))
+    texts = ["".join(c.choices[0].text for c in streamed if c.choices[0].index == i) for i in range(3)]
+    assert texts == [s.choices[0].text for s in singles]
+
+
+def test_a_refused_choice_ends_the_call_and_its_siblings(served, client):
+    """One prompt of a batch the model refuses (past max_model_len): a 400 naming it, and no sibling is left
+    generating or holding blocks."""
+    def used_and_aborted() -> tuple[float, float]:
+        now = metrics(served.metrics_url)
+        return (metric(now, "deepinfer_kv_blocks_used"),
+                metric(now, "deepinfer_requests_total", finish_reason="abort"))
+
+    aborted_before = used_and_aborted()[1]
+    too_long = list(range(10, 10 + 5000))
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=MODEL, prompt=[[1, 2, 3], too_long], max_tokens=300,
+                                  extra_body={"ignore_eos": True})
+    assert raised.value.status_code == 400 and "prompt" in raised.value.body["message"]
+    deadline = time.monotonic() + 20
+    while used_and_aborted() != (0, aborted_before + 1) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert used_and_aborted() == (0, aborted_before + 1)  # the sibling was aborted, its blocks freed
 
 
 def test_unknown_model_is_a_404(client):
