@@ -7,6 +7,7 @@ Vocabulary-dependent checks (stop_token_ids < vocab size) belong to the engine, 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 from dataclasses import dataclass, field
@@ -14,6 +15,14 @@ from typing import Any
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's default
 SEED_LIMIT = 2**31
+# max_tokens None: as many as max_model_len leaves (the scheduler ends the request there, as "length").
+UNTIL_CONTEXT_ENDS = 2**31 - 1
+
+
+class MaxTokens(enum.Enum):
+    """max_tokens left out (not null, which asks for the rest of the context): DEFAULT_MAX_TOKENS."""
+
+    OMITTED = "omitted"
 
 
 def _is_int(value: Any) -> bool:
@@ -50,9 +59,10 @@ def _require(condition: bool, message: str) -> None:
 
 @dataclass
 class SamplingParams:
-    # None (unset) becomes DEFAULT_MAX_TOKENS, cut short where max_model_len ends the request; a value the client
-    # set must fit: the engine refuses prompt + max_tokens > max_model_len (``max_tokens_set`` tells them apart).
-    max_tokens: int | None = None
+    # vLLM's meanings: left out, DEFAULT_MAX_TOKENS; None (JSON null), as many as fit; both cut short where
+    # max_model_len ends the request. A number the client set must fit: the engine refuses prompt + max_tokens >
+    # max_model_len (``max_tokens_set`` tells them apart). After construction max_tokens is always an int.
+    max_tokens: int | None | MaxTokens = MaxTokens.OMITTED
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 = off
@@ -72,8 +82,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Not a dataclass field: from_dict must not accept it, and equal requests stay equal.
-        self.max_tokens_set = self.max_tokens is not None
-        self.max_tokens = _as_int("max_tokens", self.max_tokens if self.max_tokens_set else DEFAULT_MAX_TOKENS)
+        self.max_tokens_omitted = self.max_tokens is MaxTokens.OMITTED
+        self.max_tokens_set = not self.max_tokens_omitted and self.max_tokens is not None
+        if not self.max_tokens_set:
+            self.max_tokens = DEFAULT_MAX_TOKENS if self.max_tokens_omitted else UNTIL_CONTEXT_ENDS
+        self.max_tokens = _as_int("max_tokens", self.max_tokens)
         _require(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
 
         self.temperature = _as_float("temperature", self.temperature)
@@ -174,10 +187,12 @@ class SamplingParams:
         return cls.from_dict(values)
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as from_dict takes them; an unset max_tokens stays unset (None)."""
+        """The fields as from_dict takes them; a max_tokens left out stays out, a null stays null."""
         values = {name: (list(v) if isinstance(v, list) else v)
                   for name, v in ((f, getattr(self, f)) for f in self.field_names())}
-        if not self.max_tokens_set:
+        if self.max_tokens_omitted:
+            del values["max_tokens"]
+        elif not self.max_tokens_set:
             values["max_tokens"] = None
         return values
 

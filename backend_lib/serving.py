@@ -332,8 +332,8 @@ def decode_request(inputs: Mapping[str, np.ndarray], parameters_json: str = "{}"
         from_json = _parse_json("sampling_parameters", text) if text.strip() else {}
         if not isinstance(from_json, dict):
             raise ValueError(f"sampling_parameters must be a JSON object, got {type(from_json).__name__}")
-        # vLLM clients send null for "use the default".
-        sampling.update({k: v for k, v in from_json.items() if v is not None})
+        # vLLM clients send null for "use the default"; max_tokens' null is vLLM's "as many as fit" (SamplingParams).
+        sampling.update({k: v for k, v in from_json.items() if v is not None or k == "max_tokens"})
     params = SamplingParams.from_dict({name: _coerce(name, value) for name, value in sampling.items()})
 
     bools = {name: _bool_input(name, inputs[name]) for name in BOOL_INPUTS if name in inputs}

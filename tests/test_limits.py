@@ -121,10 +121,14 @@ def test_engine_refuses_max_tokens_beyond_the_context_before_any_work(engine):
     assert not engine.has_unfinished_requests()
     engine.add_request("fits", prompt, SamplingParams(max_tokens=44, temperature=0.0, ignore_eos=True))
     engine.add_request("unset", list(range(10, 70)), SamplingParams(temperature=0.0, ignore_eos=True))
+    engine.add_request("null", prompt, SamplingParams.from_json('{"max_tokens": null, "temperature": 0, '
+                                                                '"ignore_eos": true}'))
     finals = _run(engine)
     assert finals["fits"].num_output_tokens == 44 and finals["fits"].finish_reason == "length"
-    # Unset max_tokens keeps today's default: 16 at most, cut where max_model_len ends the request.
+    # max_tokens left out keeps vLLM's default: 16 at most, cut where max_model_len ends the request.
     assert finals["unset"].num_output_tokens == 4 and finals["unset"].finish_reason == "length"
+    # null (vLLM's "as many as fit"): up to max_model_len, never refused for its size.
+    assert finals["null"].num_output_tokens == 44 and finals["null"].finish_reason == "length"
     with pytest.raises(ValueError, match="stop has 3 strings; the limit"):
         engine.add_request("stops", "hi", SamplingParams(stop=["a", "b", "c"]))
     with pytest.raises(ValueError, match="prompt has 65 tokens; max_model_len is 64"):

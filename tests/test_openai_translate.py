@@ -123,13 +123,17 @@ def test_infer_request_carries_inputs_outputs_and_session():
     infer = build_infer_request("deepinfer", "chatcmpl-1", model)
     inputs = {i.name: i for i in infer.inputs}
     assert json.loads(inputs["messages"].contents.bytes_contents[0]) == [{"role": "user", "content": "hi"}]
-    assert json.loads(inputs["sampling_parameters"].contents.bytes_contents[0]) == {"temperature": 0}
+    # No max_tokens in a chat call: the rest of the context (OpenAI's and vLLM's chat default), the model's null.
+    assert json.loads(inputs["sampling_parameters"].contents.bytes_contents[0]) == {"temperature": 0,
+                                                                                  "max_tokens": None}
     assert inputs["stream"].contents.bool_contents[0] is False
     assert {o.name for o in infer.outputs} == {"text_output", "finish_reason", "num_input_tokens", "num_output_tokens"}
     assert infer.parameters["sequence_id"].string_param == "s1" and infer.parameters["sequence_start"].bool_param
     ids = build_infer_request("deepinfer", "cmpl-1", *translate.completion_requests(
         CompletionRequest(model="m", prompt=[5, 6]), Session(9)))
     assert list(next(i for i in ids.inputs if i.name == "input_ids").contents.int_contents) == [5, 6]
+    # Completions keep OpenAI's default there (16): the model's own when max_tokens is left out.
+    assert json.loads(next(i for i in ids.inputs if i.name == "sampling_parameters").contents.bytes_contents[0]) == {}
     assert ids.parameters["sequence_id"].int64_param == 9
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from backend_lib.sampling_params import SamplingParams
+from backend_lib.sampling_params import UNTIL_CONTEXT_ENDS, SamplingParams
 
 
 def test_defaults_match_vllm():
@@ -130,16 +130,18 @@ def test_clone_validates_and_copies():
 
 
 def test_unset_max_tokens_is_the_default_and_stays_unset_through_round_trips():
-    """The engine refuses prompt + max_tokens > max_model_len only when the client set max_tokens; an unset one
-    keeps vLLM's default (16), cut short at max_model_len."""
-    unset = SamplingParams()
-    assert unset.max_tokens == 16 and not unset.max_tokens_set
-    assert SamplingParams(max_tokens=None).max_tokens == 16
+    """vLLM's meanings: max_tokens left out is 16, null is as many as fit, both cut short at max_model_len; the
+    engine refuses prompt + max_tokens > max_model_len only for a number the client set."""
+    omitted, null = SamplingParams(), SamplingParams.from_json('{"max_tokens": null}')
+    assert omitted.max_tokens == 16 and not omitted.max_tokens_set
+    assert null.max_tokens == UNTIL_CONTEXT_ENDS and not null.max_tokens_set
+    assert SamplingParams(max_tokens=None).max_tokens == UNTIL_CONTEXT_ENDS
     assert SamplingParams(max_tokens=16).max_tokens_set
-    assert unset.to_dict()["max_tokens"] is None
-    assert not SamplingParams.from_dict(unset.to_dict()).max_tokens_set
-    assert not SamplingParams.from_json(unset.to_json()).max_tokens_set
-    assert not unset.clone(temperature=0.0).max_tokens_set
+    assert "max_tokens" not in omitted.to_dict() and null.to_dict()["max_tokens"] is None
+    for params in (omitted, null):
+        for copy in (SamplingParams.from_dict(params.to_dict()), SamplingParams.from_json(params.to_json()),
+                     params.clone(temperature=0.0)):
+            assert (copy.max_tokens, copy.max_tokens_set) == (params.max_tokens, False)
     assert SamplingParams.from_dict({"max_tokens": 16}).max_tokens_set
     assert SamplingParams(max_tokens=8).clone(temperature=0.0).max_tokens == 8
     with pytest.raises(ValueError, match="unknown sampling field 'max_tokens_set'"):

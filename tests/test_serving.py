@@ -8,6 +8,7 @@ import pytest
 
 from backend_lib import serving
 from backend_lib.outputs import RequestOutput, SessionControl, TokenLogprob
+from backend_lib.sampling_params import UNTIL_CONTEXT_ENDS
 
 
 def _bytes(text: str) -> np.ndarray:
@@ -120,9 +121,10 @@ def test_sampling_from_json_and_request_parameters_json_wins():
     assert req.params.max_tokens == 5  # the JSON input wins
     assert req.params.temperature == 0.0 and req.params.top_k == 4 and req.params.ignore_eos is True
     assert req.params.stop == ["\n"]
-    # vLLM clients send null for "default"
-    assert serving.decode_request({"text_input": _bytes("x"),
-                                   "sampling_parameters": _bytes('{"seed": null}')}).params.seed is None
+    # vLLM clients send null for "default"; max_tokens' null is vLLM's "as many as max_model_len leaves"
+    nulls = serving.decode_request({"text_input": _bytes("x"),
+                                    "sampling_parameters": _bytes('{"seed": null, "max_tokens": null}')}).params
+    assert nulls.seed is None and nulls.max_tokens == UNTIL_CONTEXT_ENDS and not nulls.max_tokens_set
 
 
 @pytest.mark.parametrize("inputs, params, needle", [

@@ -215,6 +215,8 @@ def chat_requests(request: ChatCompletionRequest, session: Session | None) -> li
                           f"({request.max_completion_tokens}) differ: give one of them", param="max_completion_tokens")
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     sampling = _sampling(request, max_tokens)
+    if max_tokens is None:  # OpenAI's and vLLM's chat default: the rest of the context (the model's null)
+        sampling["max_tokens"] = None
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     if request.logprobs:

@@ -94,6 +94,17 @@ def test_completions_text_and_token_ids(client, grpc):
     assert by_ids.choices[0].text == _grpc(grpc, "input_ids", ids, temperature=0, max_tokens=8).text
 
 
+def test_without_max_tokens_chat_runs_to_the_context_end_and_completions_take_16(client):
+    """OpenAI's (and vLLM's) defaults: a chat reply is not cut at 16 tokens, a completion is."""
+    long_question = [{"role": "user", "content": "Repeat after me: " + "one two three " * 140}]
+    chat = client.chat.completions.create(model=MODEL, messages=long_question, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens > 16
+    assert chat.usage.total_tokens == int(SERVER_PARAMETERS["max_model_len"])
+    completion = client.completions.create(model=MODEL, prompt=STORY, temperature=0, extra_body={"ignore_eos": True})
+    assert completion.usage.completion_tokens == 16
+
+
 def test_stop_string_cuts_the_text(client):
     free = client.completions.create(model=MODEL, prompt=STORY, temperature=0, max_tokens=16,
                                      extra_body={"ignore_eos": True}).choices[0].text
