@@ -223,6 +223,11 @@ def create_app(settings: FrontSettings) -> FastAPI:
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=settings.served_model_name, created=front.created)])
 
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> ModelCard:
+        front.check_model(model)
+        return ModelCard(id=settings.served_model_name, created=front.created)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         front.check_model(body.model)

@@ -50,6 +50,10 @@ def _grpc(grpc: StreamClient, prompt_input: str, prompt, **sampling):
 
 def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.models.retrieve("gpt-4o")
+    assert raised.value.body["code"] == "model_not_found"
 
 
 def test_chat_greedy_equals_grpc_streaming_and_not(client, grpc):
