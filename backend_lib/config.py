@@ -197,6 +197,7 @@ class RequestLimits:
     max_stop_strings: int = 16  # each is matched against every new token's text
     max_stop_string_chars: int = 256  # per stop string
     max_stop_token_ids: int = 64
+    max_logit_bias: int = 1024  # logit_bias entries (each step scatters them into a [rows, vocab] bias)
     max_logprobs: int = 20  # top-n alternatives per token (vLLM's default max_logprobs)
 
     def __post_init__(self) -> None:

@@ -60,7 +60,8 @@ def _check_room(num_prompt_tokens: int, max_model_len: int, what: str) -> None:
 
 
 def check_params(limits: RequestLimits, params: SamplingParams, vocab_size: int) -> None:
-    """Stop strings (count, length), stop_token_ids (count), logprobs (top-n, also within the vocabulary)."""
+    """Stop strings (count, length), stop_token_ids (count), logit_bias (count, ids within the vocabulary),
+    logprobs (top-n, also within the vocabulary)."""
     if len(params.stop) > limits.max_stop_strings:
         raise ValueError(f"stop has {len(params.stop)} strings; the limit (max_stop_strings) is "
                          f"{limits.max_stop_strings}")
@@ -71,6 +72,12 @@ def check_params(limits: RequestLimits, params: SamplingParams, vocab_size: int)
     if len(params.stop_token_ids) > limits.max_stop_token_ids:
         raise ValueError(f"stop_token_ids has {len(params.stop_token_ids)} ids; the limit (max_stop_token_ids) is "
                          f"{limits.max_stop_token_ids}")
+    if len(params.logit_bias) > limits.max_logit_bias:
+        raise ValueError(f"logit_bias has {len(params.logit_bias)} entries; the limit (max_logit_bias) is "
+                         f"{limits.max_logit_bias}")
+    beyond = [token for token in params.logit_bias if token >= vocab_size]
+    if beyond:
+        raise ValueError(f"logit_bias has token id {beyond[0]}, outside the vocabulary (size {vocab_size})")
     top_n = min(limits.max_logprobs, vocab_size)
     if params.logprobs is not None and params.logprobs > top_n:
         raise ValueError(f"logprobs must be in [0, {top_n}] (max_logprobs {limits.max_logprobs}, vocabulary "

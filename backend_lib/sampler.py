@@ -2,7 +2,7 @@
 
 The host builds ``SamplingMetadata`` once per step (one tensor per field, one host->device copy each)
 and computes flags that pick the ops to run, so the device path has no syncs and no data-dependent
-shapes. Order, as in vLLM v1: raw logits -> logprobs (raw) ; penalties -> min_tokens block ->
+shapes. Order, as in vLLM v1: raw logits -> logprobs (raw) ; logit_bias -> penalties -> min_tokens block ->
 temperature -> min-p -> top-k / top-p -> greedy argmax or seeded Gumbel-max.
 
 Rows never interact: the filters are per row and the noise of a token depends only on (seed, output
@@ -45,6 +45,7 @@ class SamplingMetadata:
     prompt_mask: torch.Tensor | None  # [B, V] bool: token occurs in the prompt (repetition penalty rows only)
     output_counts: torch.Tensor | None  # [B, V] float32: occurrences in the output so far
     blocked: torch.Tensor | None  # [B, V] bool: eos / stop ids of rows still below min_tokens
+    logit_bias: torch.Tensor | None  # [B, V] float32: each row's logit_bias (zeros elsewhere); None when no row has one
     num_logprobs: list[int | None]  # host: per-row top-n request (None = no logprobs)
     # Host flags: constants for a compiled region.
     all_greedy: bool
@@ -60,9 +61,19 @@ class SamplingMetadata:
         return self.any_top_k or self.any_top_p or self.any_min_p
 
     @property
+    def processes_logits(self) -> bool:
+        """Some row's logits change before sampling (logit_bias, penalties, min_tokens): process_logits runs."""
+        return self.logit_bias is not None or self.any_penalty or self.any_min_tokens
+
+    @property
+    def raw_greedy(self) -> bool:
+        """Every row's token is the raw logits' argmax."""
+        return self.all_greedy and not self.processes_logits
+
+    @property
     def plain_greedy(self) -> bool:
         """Every row's token is the raw logits' argmax and nothing else is asked of them (no logprobs)."""
-        return self.all_greedy and not self.any_penalty and not self.any_min_tokens and self.max_num_logprobs is None
+        return self.raw_greedy and self.max_num_logprobs is None
 
     @property
     def batch_size(self) -> int:
@@ -97,6 +108,7 @@ class SamplingMetadata:
         if any_penalty:
             prompt_mask, output_counts = _penalty_tensors(rows, vocab_size, device)
         blocked = _min_tokens_mask(rows, vocab_size, device)
+        logit_bias = _logit_bias(rows, vocab_size, device)
         return cls(
             temperature=floats([p.temperature for p in params]),
             is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
@@ -111,6 +123,7 @@ class SamplingMetadata:
             prompt_mask=prompt_mask,
             output_counts=output_counts,
             blocked=blocked,
+            logit_bias=logit_bias,
             num_logprobs=logprob_counts,
             all_greedy=all(greedy),
             any_top_k=any_top_k,
@@ -134,14 +147,16 @@ class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [B, V] float32 raw model logits of the rows in ``meta``."""
         logits = logits.to(torch.float32)
-        if meta.all_greedy and not meta.any_penalty and not meta.any_min_tokens:
+        if meta.raw_greedy:
             token_ids = ops.row_argmax(logits)  # greedy fast path: no sort, no noise
         else:
             token_ids = self._sample(logits, meta)
         return self._with_logprobs(logits, token_ids, meta)
 
     def process_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Penalties and min_tokens blocking on raw logits -> [B, V] float32 (no temperature)."""
+        """logit_bias, penalties and min_tokens blocking on raw logits -> [B, V] float32 (no temperature)."""
+        if meta.logit_bias is not None:
+            logits = logits + meta.logit_bias
         if meta.any_penalty:
             logits = ops.apply_penalties(logits, meta.prompt_mask, meta.output_counts, meta.repetition_penalty,
                                          meta.presence_penalty, meta.frequency_penalty)
@@ -231,3 +246,19 @@ def _min_tokens_mask(rows: list[SamplingRow], vocab_size: int, device: torch.dev
     mask = torch.zeros(len(rows) * vocab_size, dtype=torch.bool)
     mask[torch.tensor(flat, dtype=torch.int64)] = True
     return mask.view(len(rows), vocab_size).to(device)
+
+
+def _logit_bias(rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> torch.Tensor | None:
+    """[B, V] float32: each row's logit_bias at its ids, zeros elsewhere; None when no row has one."""
+    flat: list[int] = []
+    values: list[float] = []
+    for b, row in enumerate(rows):
+        bias = row.params.logit_bias
+        _check_ids(list(bias), vocab_size, "logit_bias token id")
+        flat.extend(b * vocab_size + t for t in bias)
+        values.extend(bias.values())
+    if not flat:
+        return None
+    dense = torch.zeros(len(rows) * vocab_size, dtype=torch.float32)
+    dense[torch.tensor(flat, dtype=torch.int64)] = torch.tensor(values, dtype=torch.float32)
+    return dense.view(len(rows), vocab_size).to(device)

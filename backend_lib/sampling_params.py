@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's default
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 SEED_LIMIT = 2**31
 # max_tokens None: as many as max_model_len leaves (the scheduler ends the request there, as "length").
 UNTIL_CONTEXT_ENDS = 2**31 - 1
@@ -79,6 +80,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     speculative: bool = True  # per-request opt-out of speculative decoding
+    # token id -> added to its raw logit before penalties and sampling (OpenAI's and vLLM's logit_bias; JSON's keys
+    # are strings of the ids); logprobs stay those of the raw logits.
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Not a dataclass field: from_dict must not accept it, and equal requests stay equal.
@@ -126,10 +130,33 @@ class SamplingParams:
         _require(0 <= self.min_tokens <= self.max_tokens,
                  f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
 
+        self.logit_bias = self._check_logit_bias(self.logit_bias)
+
         if self.logprobs is not None:
             self.logprobs = _as_int("logprobs", self.logprobs)
             # The upper bound is a server setting (RequestLimits.max_logprobs): the engine checks it.
             _require(self.logprobs >= 0, f"logprobs must be >= 0 (or null), got {self.logprobs}")
+
+    @staticmethod
+    def _check_logit_bias(bias: Any) -> dict[int, float]:
+        """Ids as ints (JSON object keys are strings), values finite in [-100, 100]; the vocabulary and the
+        entry count are the engine's checks (limits.check_params)."""
+        if bias is None:
+            return {}
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be an object of token id -> bias, got {type(bias).__name__}")
+        checked = {}
+        for key, value in bias.items():
+            text = key.strip() if isinstance(key, str) else None
+            if not (_is_int(key) or (text and text.isascii() and text.isdigit())):
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+            token = int(key)
+            _require(token >= 0, f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+            bias_value = _as_float(f"logit_bias[{token}]", value)
+            _require(-LOGIT_BIAS_LIMIT <= bias_value <= LOGIT_BIAS_LIMIT, f"logit_bias[{token}] must be in "
+                     f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {bias_value:g}")
+            checked[token] = bias_value
+        return checked
 
     @staticmethod
     def _check_stop(stop: Any) -> list[str]:

@@ -81,6 +81,7 @@ _ENGINE_PARAMETERS: dict[str, tuple[str, type]] = {
     "max_stop_strings": ("max_stop_strings", int),
     "max_stop_string_chars": ("max_stop_string_chars", int),
     "max_stop_token_ids": ("max_stop_token_ids", int),
+    "max_logit_bias": ("max_logit_bias", int),
     "max_logprobs": ("max_logprobs", int),
 }
 ENGINE_PARAMETER_NAMES = tuple(_ENGINE_PARAMETERS)

@@ -44,7 +44,8 @@ def test_bad_limit_parameters_name_the_parameter(params, needle):
 # ---- checks, without an engine -----------------------------------------------------------------------
 
 LIMITS = RequestLimits(max_prompt_chars=10, max_input_ids=4, max_messages=2, max_messages_chars=40,
-                       max_stop_strings=2, max_stop_string_chars=3, max_stop_token_ids=2, max_logprobs=5)
+                       max_stop_strings=2, max_stop_string_chars=3, max_stop_token_ids=2, max_logprobs=5,
+                       max_logit_bias=2)
 
 
 @pytest.mark.parametrize("prompt, needle", [
@@ -72,6 +73,8 @@ def test_prompts_within_the_caps_pass():
     (SamplingParams(stop=["abcd"]), "stop has a string of 4 characters; the limit (max_stop_string_chars) is 3"),
     (SamplingParams(stop_token_ids=[1, 2, 3]), "stop_token_ids has 3 ids; the limit (max_stop_token_ids) is 2"),
     (SamplingParams(logprobs=6), "logprobs must be in [0, 5]"),
+    (SamplingParams(logit_bias={1: 1, 2: 1, 3: 1}), "logit_bias has 3 entries; the limit (max_logit_bias) is 2"),
+    (SamplingParams(logit_bias={1000: 1}), "logit_bias has token id 1000, outside the vocabulary (size 1000)"),
 ])
 def test_param_caps_name_the_field_and_the_limit(params, needle):
     with pytest.raises(ValueError) as info:

@@ -21,17 +21,17 @@ def test_chat_request_maps_fields_and_messages():
         {"role": "developer", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
         max_completion_tokens=7, temperature=0.5, stop="x", seed=3, logprobs=True, top_logprobs=2, top_k=5,
-        ignore_eos=True, user="someone")
+        ignore_eos=True, user="someone", logit_bias={"5": -100})
     [model] = translate.chat_requests(request, None)
     assert model.prompt_input == "messages"
     assert json.loads(model.prompt) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
     assert model.sampling == {"max_tokens": 7, "temperature": 0.5, "stop": "x", "seed": 3, "logprobs": 2,
-                              "top_k": 5, "ignore_eos": True}
+                              "top_k": 5, "ignore_eos": True, "logit_bias": {"5": -100}}
     assert model.logprobs and model.field_names == {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"}
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"n": 0}, "n"), ({"n": 65}, "n"), ({"logit_bias": {"1": 2.0}}, "logit_bias"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"n": 0}, "n"), ({"n": 65}, "n"), ({"tools": [{"type": "function"}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"max_tokens": 1, "max_completion_tokens": 2}, "max_completion_tokens"),
 ])

@@ -247,11 +247,29 @@ def test_min_tokens_blocks_eos_and_stop_ids():
     assert int(sample([ignoring], logits)[0].token_ids[0]) == 2  # eos is no stop under ignore_eos
 
 
+def test_logit_bias_moves_a_rows_argmax_and_sampling_but_not_its_logprobs():
+    logits = random_logits(3)
+    top = int(logits[0].argmax())
+    other = (top + 1) % V
+    rows = [row(temperature=0.0, logit_bias={other: 100.0}, logprobs=1),
+            row(temperature=0.0),  # no bias: its logits are untouched
+            row(temperature=1.0, seed=4, logit_bias={t: -100.0 for t in range(V) if t != 5})]
+    out, meta = sample(rows, logits)
+    assert meta.processes_logits and not meta.raw_greedy
+    assert out.token_ids.tolist() == [other, int(logits[1].argmax()), 5]
+    assert torch.equal(Sampler().process_logits(logits, meta)[1], logits[1])
+    assert torch.allclose(out.logprobs[0], torch.log_softmax(logits[0], -1)[other])  # the raw model's
+    # A biased row never takes the raw-logits fast path (the model's screened greedy head is for plain rows).
+    assert not SamplingMetadata.build([row(temperature=0.0, logit_bias={1: 0.5})], V, "cpu").plain_greedy
+
+
 def test_build_rejects_out_of_vocab_ids():
     with pytest.raises(ValueError, match="stop / eos token id must be in \\[0, 63\\]"):
         SamplingMetadata.build([row(min_tokens=2, stop_token_ids=[64])], V, "cpu")
     with pytest.raises(ValueError, match="output token id"):
         SamplingMetadata.build([row(frequency_penalty=1.0, output=[99])], V, "cpu")
+    with pytest.raises(ValueError, match="logit_bias token id must be in \\[0, 63\\]"):
+        SamplingMetadata.build([row(logit_bias={64: 1.0})], V, "cpu")
     with pytest.raises(ValueError, match="at least one row"):
         SamplingMetadata.build([], V, "cpu")
 

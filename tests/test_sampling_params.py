@@ -54,6 +54,13 @@ BAD_VALUES = [
     ("include_stop_str_in_output", 1, "boolean"),
     ("skip_special_tokens", None, "boolean"),
     ("speculative", "false", "boolean"),
+    ("logit_bias", [1, 2], "object of token id"),
+    ("logit_bias", {"a": 1.0}, "token ids"),
+    ("logit_bias", {"-3": 1.0}, "token ids"),
+    ("logit_bias", {True: 1.0}, "token ids"),
+    ("logit_bias", {"7": 100.5}, "[-100, 100]"),
+    ("logit_bias", {"7": "high"}, "number"),
+    ("logit_bias", {7: float("nan")}, "finite"),
 ]
 
 
@@ -84,6 +91,9 @@ def test_accepted_edges_and_coercions():
     assert isinstance(p.top_p, float) and isinstance(p.presence_penalty, float)
     assert p.stop == ["###"] and p.stop_token_ids == [7, 8]
     assert SamplingParams(logprobs=0).logprobs == 0
+    # OpenAI's JSON keys are the ids' strings; the values may be JSON ints.
+    assert SamplingParams(logit_bias={"50256": -100, 7: 2.5}).logit_bias == {50256: -100.0, 7: 2.5}
+    assert SamplingParams(logit_bias=None).logit_bias == {}
 
 
 def test_from_dict_rejects_unknown_field_and_lists_allowed():
@@ -97,7 +107,8 @@ def test_dict_and_json_round_trip():
     p = SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1,
                        presence_penalty=0.5, frequency_penalty=-0.5, seed=42, stop=["\n\n", "END"],
                        stop_token_ids=[2], ignore_eos=True, min_tokens=3, logprobs=5,
-                       include_stop_str_in_output=True, skip_special_tokens=False, speculative=False)
+                       include_stop_str_in_output=True, skip_special_tokens=False, speculative=False,
+                       logit_bias={3: -1.5})
     assert SamplingParams.from_dict(p.to_dict()) == p
     assert SamplingParams.from_json(p.to_json()) == p
     assert SamplingParams.from_json(json.dumps(p.to_dict()).encode()) == p

@@ -44,8 +44,8 @@ from backend_lib.sampler import Sampler, SamplerOutput, SamplingMetadata
 from kernels import sampling as ops
 from kernels.attention_metadata import AttentionMetadata, StateRows
 
-# Sampler variants that get a graph: (all_greedy, any_top_k, any_top_p). Penalties, min-p, min_tokens and
-# logprobs need [B, V] host-built side inputs and stay eager.
+# Sampler variants that get a graph: (all_greedy, any_top_k, any_top_p). logit_bias, penalties, min-p, min_tokens
+# and logprobs need [B, V] host-built side inputs and stay eager.
 GREEDY_VARIANT = (True, False, False)
 SAMPLER_VARIANTS = (GREEDY_VARIANT, (False, False, False), (False, True, False), (False, False, True),
                     (False, True, True))
@@ -265,7 +265,7 @@ def _pad_1d(x: torch.Tensor | None, rows: int, value: float | int) -> torch.Tens
 
 
 class CompiledSampler(torch.nn.Module):
-    """The Sampler's contract; batches without penalties, min-p, min_tokens or logprobs run as a graph per
+    """The Sampler's contract; batches without logit_bias, penalties, min-p, min_tokens or logprobs run as a graph per
     (batch bucket, variant in SAMPLER_VARIANTS), the rest through the eager Sampler (same ops, same tokens)."""
 
     def __init__(self, buckets: BucketSpec, backend: str, vocab_size: int, sampler: Sampler | None = None,
@@ -289,7 +289,7 @@ class CompiledSampler(torch.nn.Module):
 
     @staticmethod
     def in_graph(meta: SamplingMetadata) -> bool:
-        return not (meta.any_penalty or meta.any_min_tokens or meta.any_min_p or meta.max_num_logprobs is not None)
+        return not (meta.processes_logits or meta.any_min_p or meta.max_num_logprobs is not None)
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:  # logits [B, V]
         rows = self.buckets.batch_bucket(meta.batch_size)

@@ -1,7 +1,7 @@
 """Pydantic models of the OpenAI API subset we serve: requests, responses, stream chunks, errors.
 
 Requests ignore fields we do not know (clients and SDKs send many optional ones, e.g. ``user``, ``store``);
-fields we know but cannot honour (``tools``, ``logit_bias``, ``echo``, ...) are refused in
+fields we know but cannot honour (``tools``, ``echo``, ...) are refused in
 translate.py with a 400 naming them, never silently dropped.
 """
 from __future__ import annotations

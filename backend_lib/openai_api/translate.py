@@ -2,7 +2,7 @@
 
 The model validates every sampling field itself and names the field it refuses (SamplingParams), so fields
 pass through with their engine names; here we only refuse what the model has no notion of (tools,
-logit_bias, ...), pick the prompt input (text_input, input_ids or messages) and map the session headers. A call
+echo, ...), pick the prompt input (text_input, input_ids or messages) and map the session headers. A call
 asking for several choices (``n``, a completions batch of prompts) becomes one model request per choice, prompt
 by prompt, n each: OpenAI's choice index is the request's place in that list.
 """
@@ -25,7 +25,7 @@ SESSION_END_HEADER = "x-session-end"
 # Fields passed to the model's sampling_parameters under the same name.
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "frequency_penalty", "presence_penalty",
                 "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
-                "skip_special_tokens")
+                "skip_special_tokens", "logit_bias")
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
 # Choices (prompts x n) one call may ask for: each is an engine request, admitted like any other.
@@ -96,11 +96,6 @@ def session_from_headers(headers: Mapping[str, str]) -> Session | None:
     return Session(sequence_id, start, end)
 
 
-def _refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
-
-
 def _sampling(request: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> dict[str, Any]:
     sampling = {name: getattr(request, name) for name in _PASSTHROUGH if getattr(request, name) is not None}
     if max_tokens is not None:
@@ -162,7 +157,6 @@ def _prompts(prompt: Any) -> list[tuple[str, str | list[int]]]:
 
 def completion_requests(request: CompletionRequest, session: Session | None) -> list[ModelRequest]:
     """One model request per choice: n for each prompt."""
-    _refuse_unsupported(request)
     if request.echo:
         raise bad_request("echo is not supported", param="echo")
     if request.suffix:
@@ -195,7 +189,6 @@ def _message_text(index: int, content: Any) -> str:
 
 def chat_requests(request: ChatCompletionRequest, session: Session | None) -> list[ModelRequest]:
     """One model request per choice (n)."""
-    _refuse_unsupported(request)
     if request.tools:
         raise bad_request("tools are not supported", param="tools")
     if request.response_format and request.response_format.get("type", "text") != "text":

@@ -24,8 +24,8 @@ deterministic drafts a seeded request emits the same tokens with or without spec
 With general ``q``, the acceptance uniform comes from the same counter hash keyed by ``seed ^ _ACCEPT_KEY`` and the
 recovered draw is Gumbel-max over ``log(max(p - q, 0))`` at (seed, position): batch-invariant as well.
 
-``p`` is the sampler's distribution: ``Sampler.process_logits`` (penalties, min_tokens) then ``filtered_logits``
-(temperature, min-p, top-k / top-p), so spec decoding samples exactly what the plain sampler samples. No host sync
+``p`` is the sampler's distribution: ``Sampler.process_logits`` (logit_bias, penalties, min_tokens) then
+``filtered_logits`` (temperature, min-p, top-k / top-p), so spec decoding samples exactly what the plain sampler samples. No host sync
 here; the caller reads the output once.
 """
 from __future__ import annotations
@@ -94,7 +94,7 @@ def rejection_sample(target_logits: torch.Tensor,  # [N, V] raw target logits, o
     sampler = sampler or Sampler()
     logits = target_logits.to(torch.float32)
     drafts = layout.draft_token_ids
-    if meta.all_greedy and not meta.any_penalty and not meta.any_min_tokens:
+    if meta.raw_greedy:
         return greedy_verify(ops.row_argmax(logits), layout)
     processed = sampler.process_logits(logits, meta)
     greedy = ops.row_argmax(processed)

@@ -109,6 +109,22 @@ def test_without_max_tokens_chat_runs_to_the_context_end_and_completions_take_16
     assert completion.usage.completion_tokens == 16
 
 
+def test_logit_bias_bans_and_forces_tokens(client, grpc):
+    """Through the default greedy path (the screened head): a biased row's logits are computed and biased."""
+    greedy = grpc.generate({"text_input": STORY, "sampling_parameters": json.dumps(
+        {"max_tokens": 3, "temperature": 0, "ignore_eos": True}), "stream": True}).all_ids
+    plain = _grpc(grpc, "text_input", STORY, temperature=0, max_tokens=3, ignore_eos=True).text
+    banned = client.completions.create(model=MODEL, prompt=STORY, temperature=0, max_tokens=3,
+                                       logit_bias={str(greedy[0]): -100}, extra_body={"ignore_eos": True})
+    assert banned.choices[0].text != plain
+    forced = _grpc(grpc, "text_input", STORY, temperature=0, max_tokens=3, ignore_eos=True,
+                   logit_bias={str(greedy[1]): 100})
+    assert forced.all_ids == [greedy[1]] * 3
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, logit_bias={"7": 101})
+    assert raised.value.body["param"] == "logit_bias" and "[-100, 100]" in raised.value.body["message"]
+
+
 def test_stop_string_cuts_the_text(client):
     free = client.completions.create(model=MODEL, prompt=STORY, temperature=0, max_tokens=16,
                                      extra_body={"ignore_eos": True}).choices[0].text
