@@ -19,8 +19,8 @@ from backend_lib.executor.executor import Executor
 from backend_lib.executor.rank import DTYPES
 from backend_lib.limits import check_context, check_params, check_prompt
 from backend_lib.models.loader import resolve_model_path
-from backend_lib.outputs import (EngineStats, RequestMetrics, RequestOutput, RunnerOutput, SessionControl,
-                                 TokenLogprob)
+from backend_lib.outputs import (EngineStats, PromptLogprobs, RequestMetrics, RequestOutput, RunnerOutput,
+                                 SessionControl, TokenLogprob)
 from backend_lib.request import Request, RequestStatus
 from backend_lib.sampling_params import SamplingParams
 from backend_lib.scheduler import Scheduler
@@ -44,6 +44,7 @@ class _TextState:
     cumulative_logprob: float = 0.0
     num_emitted_tokens: int = 0
     text: list[str] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # until the first output with tokens
 
 
 @dataclass
@@ -132,6 +133,9 @@ class LLMEngine:
             return
         params = params or SamplingParams()
         self._check_unused(request_id)
+        if params.prompt_logprobs is not None:  # the history's positions are not computed again
+            raise ValueError("prompt_logprobs is not available for a session turn (sequence_id); send the whole "
+                             "prompt as a request of its own")
         self._check_limits(prompt, params)  # the new turn's prompt; the history is bounded by max_model_len
         chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
         history: list[int] = []
@@ -247,6 +251,11 @@ class LLMEngine:
         if runner_output.logprobs is not None:
             logprobs_by_id = {c.request.request_id: lp
                               for c, lp in zip(scheduler_output.chunks, runner_output.logprobs) if lp}
+        for chunk, entries in zip(scheduler_output.chunks, runner_output.prompt_logprobs or []):
+            state = self._states.get(chunk.request.request_id)
+            if entries and state is not None:
+                state.prompt_logprobs += entries
+                chunk.request.num_prompt_logprobs += len(entries)
         self.num_steps += 1
         outputs = []
         for request in updated:
@@ -305,12 +314,18 @@ class LLMEngine:
     def _output(self, state: _TextState, new_ids: list[int], text: str, new_logprobs: list[TokenLogprob],
                 finished: bool) -> RequestOutput:
         request = state.request
+        prompt_logprobs = None
+        first = (new_ids or finished) and state.num_emitted_tokens == len(new_ids)  # its first output with tokens
+        if first and request.sampling_params.prompt_logprobs is not None and \
+                len(state.prompt_logprobs) == request.num_prompt_tokens - 1:  # complete (not cut by an abort)
+            prompt_logprobs = PromptLogprobs(request.prompt_token_ids[0], state.prompt_logprobs)
         return RequestOutput(
             request_id=request.request_id, new_token_ids=list(new_ids), new_text=text, finished=finished,
             finish_reason=request.finish_reason if finished else None,
             num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens, cumulative_logprob=state.cumulative_logprob,
-            new_logprobs=new_logprobs or None, stop_reason=request.stop_reason if finished else None,
+            new_logprobs=new_logprobs or None, prompt_logprobs=prompt_logprobs,
+            stop_reason=request.stop_reason if finished else None,
             error=request.error if finished else None, metrics=state.metrics)
 
     def fail_all(self, message: str) -> list[RequestOutput]:

@@ -222,8 +222,11 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The longest chain of cached full blocks that prefixes the request's tokens, and its length
         in tokens. Never the whole sequence: at least one token stays to compute so the runner gets
-        logits (cap at num_tokens - 1, rounded down to a block)."""
-        if not self.enable_prefix_caching:
+        logits (cap at num_tokens - 1, rounded down to a block). None for a request still owed prompt logprobs:
+        they need every prompt position's hidden state."""
+        owed = request.sampling_params.prompt_logprobs is not None and \
+            request.num_prompt_logprobs < request.num_prompt_tokens - 1
+        if not self.enable_prefix_caching or owed:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._hashes(request, max_blocks)

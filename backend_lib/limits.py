@@ -61,7 +61,7 @@ def _check_room(num_prompt_tokens: int, max_model_len: int, what: str) -> None:
 
 def check_params(limits: RequestLimits, params: SamplingParams, vocab_size: int) -> None:
     """Stop strings (count, length), stop_token_ids (count), logit_bias (count, ids within the vocabulary),
-    logprobs (top-n, also within the vocabulary)."""
+    logprobs and prompt_logprobs (top-n, also within the vocabulary)."""
     if len(params.stop) > limits.max_stop_strings:
         raise ValueError(f"stop has {len(params.stop)} strings; the limit (max_stop_strings) is "
                          f"{limits.max_stop_strings}")
@@ -79,9 +79,11 @@ def check_params(limits: RequestLimits, params: SamplingParams, vocab_size: int)
     if beyond:
         raise ValueError(f"logit_bias has token id {beyond[0]}, outside the vocabulary (size {vocab_size})")
     top_n = min(limits.max_logprobs, vocab_size)
-    if params.logprobs is not None and params.logprobs > top_n:
-        raise ValueError(f"logprobs must be in [0, {top_n}] (max_logprobs {limits.max_logprobs}, vocabulary "
-                         f"{vocab_size}), got {params.logprobs}")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > top_n:
+            raise ValueError(f"{name} must be in [0, {top_n}] (max_logprobs {limits.max_logprobs}, vocabulary "
+                             f"{vocab_size}), got {value}")
 
 
 def check_context(num_prompt_tokens: int, params: SamplingParams, max_model_len: int, what: str = "") -> None:

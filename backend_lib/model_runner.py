@@ -28,6 +28,8 @@ from backend_lib.distributed.step_channel import StepChannel, StepOp
 from backend_lib.neuron.platform import detect_platform
 from backend_lib.neuron.regions import build_regions, resolve_backend
 from backend_lib.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput, TokenLogprob
+from backend_lib.prompt_logprobs import PromptRows, head_slices, prompt_rows
+from backend_lib.prompt_logprobs import compute as compute_prompt_logprobs
 from backend_lib.sampler import Sampler, SamplingMetadata, SamplingRow
 from backend_lib.spec_decode import make_mtp_proposer
 from backend_lib.spec_decode.ngram import NgramProposer
@@ -55,6 +57,7 @@ class ModelInputs:
     order: list[int]  # chunk indices in token order (decode-like chunks first)
     sampling_chunks: list[int]  # chunk indices that sample, aligned with logits_indices
     row_starts: list[int]  # per chunk index: its first row in the flattened tokens
+    prompt_rows: PromptRows | None = None  # rows that predict prompt tokens of prompt_logprobs requests
 
 
 def chunk_token_ids(chunk: ScheduledChunk) -> list[int]:
@@ -207,6 +210,7 @@ class ModelRunner:
             order=order,
             sampling_chunks=sampling_chunks,
             row_starts=row_starts,
+            prompt_rows=prompt_rows(chunks, row_starts),
         )
 
     # ---- tensor parallelism: what the driver sends, what the workers run ------------------------------
@@ -220,6 +224,8 @@ class ModelRunner:
             "prefill_seq_lens": torch.tensor(meta.prefill_seq_lens, dtype=torch.int64),
             "logits_indices": inputs.logits_indices,
             "scalars": torch.tensor([meta.num_decodes, meta.decode_query_len], dtype=torch.int64), **extra,
+            **({} if inputs.prompt_rows is None else
+               {"prompt_logits_indices": torch.tensor(inputs.prompt_rows.indices, dtype=torch.int64)}),
             **({} if meta.state is None else {"state_slots": meta.state.slots, "chunk_starts": meta.state.chunk_starts,
                                               "chunk_ends": meta.state.chunk_ends})})
 
@@ -252,6 +258,9 @@ class ModelRunner:
             self._mtp_drafts(hidden, inputs, t["mtp_next_ids"], t["mtp_first_rows"], t["mtp_tables"], verified)
         elif "mtp_next_ids" in t:
             self.mtp.first_pass(t["mtp_next_ids"], hidden, inputs.positions, inputs.meta)
+        if "prompt_logits_indices" in t:  # the driver's prompt logprobs: the same head calls, in the same order
+            for _ in head_slices(self.model, hidden, t["prompt_logits_indices"]):
+                pass
         return True
 
     def shutdown_workers(self) -> None:
@@ -267,7 +276,15 @@ class ModelRunner:
             self._publish(inputs, mtp_host)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if self.spec_method != "none" or any(c.draft_token_ids for c in chunks):
-            return self._execute_spec(chunks, inputs, hidden, mtp_host)
+            output = self._execute_spec(chunks, inputs, hidden, mtp_host)
+        else:
+            output = self._execute_plain(chunks, inputs, hidden)
+        if inputs.prompt_rows is not None:
+            output.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, inputs.prompt_rows)
+        return output
+
+    def _execute_plain(self, chunks: list[ScheduledChunk], inputs: ModelInputs,
+                       hidden: torch.Tensor) -> RunnerOutput:  # hidden [T, hidden]
         sampled: list[list[int]] = [[] for _ in chunks]
         if not inputs.sampling_chunks:
             return RunnerOutput(sampled_token_ids=sampled)

@@ -6,7 +6,7 @@ from typing import Any
 
 from backend_lib.config import EngineConfig
 from backend_lib.engine import LLMEngine, Prompt
-from backend_lib.outputs import TokenLogprob
+from backend_lib.outputs import PromptLogprobs, TokenLogprob
 from backend_lib.sampling_params import SamplingParams
 
 
@@ -20,6 +20,7 @@ class GenerationResult:
     num_cached_tokens: int
     cumulative_logprob: float
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None  # SamplingParams.prompt_logprobs
     error: str | None = None
 
 
@@ -55,6 +56,7 @@ class LLM:
                 result.text += out.new_text
                 result.token_ids += out.new_token_ids
                 result.logprobs += out.new_logprobs or []
+                result.prompt_logprobs = result.prompt_logprobs or out.prompt_logprobs
                 result.num_prompt_tokens, result.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
                 result.cumulative_logprob = out.cumulative_logprob
                 if out.finished:

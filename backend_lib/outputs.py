@@ -51,6 +51,14 @@ class TokenLogprob:
 
 
 @dataclass
+class PromptLogprobs:
+    """A prompt's logprobs (SamplingParams.prompt_logprobs): nothing predicts its first token, so that has none."""
+
+    first_token_id: int
+    entries: list[TokenLogprob]  # prompt tokens 1 .. n-1 in order, each with its top-n
+
+
+@dataclass
 class RunnerOutput:
     """Aligned with ``SchedulerOutput.chunks``: empty lists for chunks that did not sample. A chunk with drafts gets
     its accepted drafts followed by the recovered or bonus token (so ``len - 1`` drafts were accepted)."""
@@ -59,6 +67,8 @@ class RunnerOutput:
     logprobs: list[list[TokenLogprob]] | None = None
     # Proposals for each sampling chunk's next step (speculative decoding); None when the runner proposes nothing.
     draft_token_ids: list[list[int]] | None = None
+    # Per chunk, the logprobs of the prompt tokens it predicts (prompt_logprobs requests), in prompt order.
+    prompt_logprobs: list[list[TokenLogprob]] | None = None
 
 
 @dataclass
@@ -83,6 +93,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     cumulative_logprob: float = 0.0
     new_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # on a prompt_logprobs request's first output with tokens
     stop_reason: int | str | None = None  # the stop token id or stop string that ended the request
     error: str | None = None
     # Ended before it ran because the engine refused its input (e.g. a session protocol error): the client's fault.

@@ -52,6 +52,8 @@ class Request:
     # Speculative decoding: proposals for the tokens after the last one, verified by the next step (never part of
     # all_token_ids until accepted).
     draft_token_ids: list[int] = field(default_factory=list)
+    # prompt_logprobs: prompt tokens 1 .. this whose logprobs the engine holds (a recomputed prefill skips them).
+    num_prompt_logprobs: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -77,6 +77,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # number of top alternatives to return (the engine caps it); None = no logprobs
+    # vLLM's prompt_logprobs: each prompt token's logprob (after the first) with this many top alternatives; the
+    # whole prompt is computed (no prefix-cache hits). None = none.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     speculative: bool = True  # per-request opt-out of speculative decoding
@@ -136,6 +139,9 @@ class SamplingParams:
             self.logprobs = _as_int("logprobs", self.logprobs)
             # The upper bound is a server setting (RequestLimits.max_logprobs): the engine checks it.
             _require(self.logprobs >= 0, f"logprobs must be >= 0 (or null), got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _as_int("prompt_logprobs", self.prompt_logprobs)
+            _require(self.prompt_logprobs >= 0, f"prompt_logprobs must be >= 0 (or null), got {self.prompt_logprobs}")
 
     @staticmethod
     def _check_logit_bias(bias: Any) -> dict[int, float]:

@@ -7,7 +7,8 @@ engine output becomes response tensors lives here, so it is unit-tested without 
 The tensor API follows Triton's vLLM backend (text_input, stream, sampling_parameters,
 exclude_input_in_output, return_* flags; text_output, finish_reason, cumulative_logprob, logprobs,
 num_input_tokens, num_output_tokens) so its clients and ``genai-perf --backend vllm`` work unchanged.
-Ours besides: input_ids (INT32) or messages (BYTES, JSON chat) instead of text, and output_ids.
+Ours besides: input_ids (INT32) or messages (BYTES, JSON chat) instead of text, output_ids, and prompt_logprobs
+(the prompt_logprobs sampling field's answer, with the first response that carries tokens).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 import numpy as np
 
 from backend_lib.config import EngineConfig
-from backend_lib.outputs import RequestOutput, SessionControl, TokenLogprob
+from backend_lib.outputs import PromptLogprobs, RequestOutput, SessionControl, TokenLogprob
 from backend_lib.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ MAX_STREAM_INTERVAL = 1024
 
 # Sampling fields by type, for values that arrive as strings (HTTP parameters, vLLM-style clients
 # that send {"temperature": "0.1"}). Everything else goes to SamplingParams unchanged.
-_INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "min_tokens", "logprobs"})
+_INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "min_tokens", "logprobs", "prompt_logprobs"})
 _FLOAT_FIELDS = frozenset({"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                            "frequency_penalty"})
 _BOOL_FIELDS = frozenset({"ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative"})
@@ -190,6 +191,7 @@ class DecodedRequest:
     params: SamplingParams
     stream: bool = False
     prepend_text: str = ""  # the prompt text put before a non-streamed output ("" when excluded)
+    prepend_ids: list[int] = field(default_factory=list)  # an input_ids prompt to decode and put there instead
     session: SessionControl | None = None
     options: OutputOptions = field(default_factory=OutputOptions)
 
@@ -352,26 +354,39 @@ def decode_request(inputs: Mapping[str, np.ndarray], parameters_json: str = "{}"
         prompt=prompt,
         params=params,
         stream=stream,
-        # Only a text prompt has a text to repeat; ids and chat messages have none (documented choice).
+        # A text prompt is repeated as given, input_ids decoded; chat messages have no text (documented choice).
         prepend_text=prompt if (prepend and isinstance(prompt, str)) else "",
+        prepend_ids=list(prompt) if prepend and isinstance(prompt, list) and prompt and isinstance(prompt[0], int)
+        else [],
         session=_decode_session(extra, correlation_id, flags),
         options=options,
     )
+
+
+def _logprob_entry(item: TokenLogprob, decode_token: Callable[[int], str] | None) -> dict[str, dict[str, Any]]:
+    """{token_id: {logprob, rank, decoded_token}}: the token itself first, then its top-n."""
+    ranked = {token_id: (rank, lp) for rank, (token_id, lp) in enumerate(item.top, start=1)}
+    entry = {}
+    own_rank = ranked.get(item.token_id, (None, item.logprob))[0]
+    for token_id, (rank, lp) in [(item.token_id, (own_rank, item.logprob))] + list(ranked.items()):
+        entry[str(token_id)] = {"logprob": lp, "rank": rank,
+                                "decoded_token": decode_token(token_id) if decode_token else None}
+    return entry
 
 
 def _logprobs_json(logprobs: list[TokenLogprob] | None, decode_token: Callable[[int], str] | None) -> bytes:
     """vLLM's per-token layout: [{token_id: {logprob, rank, decoded_token}}, ...] (sampled token + top-n)."""
     if logprobs is None:
         return b"null"
-    entries = []
-    for item in logprobs:
-        ranked = {token_id: (rank, lp) for rank, (token_id, lp) in enumerate(item.top, start=1)}
-        entry = {}
-        sampled_rank = ranked.get(item.token_id, (None, item.logprob))[0]
-        for token_id, (rank, lp) in [(item.token_id, (sampled_rank, item.logprob))] + list(ranked.items()):
-            entry[str(token_id)] = {"logprob": lp, "rank": rank,
-                                    "decoded_token": decode_token(token_id) if decode_token else None}
-        entries.append(entry)
+    return json.dumps([_logprob_entry(item, decode_token) for item in logprobs]).encode("utf-8")
+
+
+def _prompt_logprobs_json(prompt: PromptLogprobs, decode_token: Callable[[int], str] | None) -> bytes:
+    """The logprobs layout over the prompt's tokens; the first has nothing that predicts it: its logprob and rank
+    are null (vLLM puts a bare null there; the entry keeps the token and its text, which OpenAI's echo shows)."""
+    first = {str(prompt.first_token_id): {"logprob": None, "rank": None, "decoded_token":
+                                          decode_token(prompt.first_token_id) if decode_token else None}}
+    entries = [first] + [_logprob_entry(item, decode_token) for item in prompt.entries]
     return json.dumps(entries).encode("utf-8")
 
 
@@ -385,7 +400,8 @@ def coalesce(outputs: list[RequestOutput]) -> RequestOutput:
     logprobs = [lp for o in outputs for lp in (o.new_logprobs or [])]
     return replace(outputs[-1], new_token_ids=[t for o in outputs for t in o.new_token_ids],
                    new_text="".join(o.new_text for o in outputs),
-                   new_logprobs=logprobs if any(o.new_logprobs is not None for o in outputs) else None)
+                   new_logprobs=logprobs if any(o.new_logprobs is not None for o in outputs) else None,
+                   prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), None))
 
 
 class DeltaCoalescer:
@@ -428,29 +444,36 @@ class ResponseEncoder:
     ``encode`` returns ``None`` when nothing is to be sent for this output.
     """
 
-    def __init__(self, request: DecodedRequest, decode_token: Callable[[int], str] | None = None) -> None:
+    def __init__(self, request: DecodedRequest, decode_token: Callable[[int], str] | None = None,
+                 decode_ids: Callable[[list[int]], str] | None = None) -> None:
         self._request = request
         self._decode_token = decode_token
+        self._decode_ids = decode_ids  # an input_ids prompt's text, when the output repeats the prompt
         self._text: list[str] = []
         self._ids: list[int] = []
         self._logprobs: list[TokenLogprob] | None = None
+        self._prompt_logprobs: PromptLogprobs | None = None
 
     def encode(self, output: RequestOutput) -> dict[str, np.ndarray] | None:
         if self._request.stream:
             if not (output.finished or output.new_token_ids or output.new_text):
                 return None
-            return self._tensors(output, output.new_text, output.new_token_ids, output.new_logprobs)
+            return self._tensors(output, output.new_text, output.new_token_ids, output.new_logprobs,
+                                 output.prompt_logprobs)
         self._text.append(output.new_text)
         self._ids.extend(output.new_token_ids)
         if output.new_logprobs is not None:
             self._logprobs = (self._logprobs or []) + list(output.new_logprobs)
+        self._prompt_logprobs = self._prompt_logprobs or output.prompt_logprobs
         if not output.finished:
             return None
-        text = self._request.prepend_text + "".join(self._text)
-        return self._tensors(output, text, self._ids, self._logprobs)
+        prompt_ids = self._request.prepend_ids
+        prompt_text = self._decode_ids(prompt_ids) if prompt_ids and self._decode_ids else self._request.prepend_text
+        return self._tensors(output, prompt_text + "".join(self._text), self._ids, self._logprobs,
+                             self._prompt_logprobs)
 
-    def _tensors(self, output: RequestOutput, text: str, ids: list[int],
-                 logprobs: list[TokenLogprob] | None) -> dict[str, np.ndarray]:
+    def _tensors(self, output: RequestOutput, text: str, ids: list[int], logprobs: list[TokenLogprob] | None,
+                 prompt_logprobs: PromptLogprobs | None) -> dict[str, np.ndarray]:
         options = self._request.options
         tensors = {}
         if options.sends("text_output"):
@@ -466,6 +489,9 @@ class ResponseEncoder:
             wanted = self._request.params.logprobs is not None
             tensors["logprobs"] = np.array([_logprobs_json(logprobs if wanted else None, self._decode_token)],
                                            dtype=np.object_)
+        if prompt_logprobs is not None and options.sends("prompt_logprobs"):
+            tensors["prompt_logprobs"] = np.array([_prompt_logprobs_json(prompt_logprobs, self._decode_token)],
+                                                  dtype=np.object_)
         if options.sends("num_input_tokens"):
             tensors["num_input_tokens"] = np.array([output.num_prompt_tokens], dtype=np.uint32)
         if options.sends("num_output_tokens"):

@@ -46,8 +46,30 @@ def test_completion_prompts():
     assert text.prompt_input == "text_input"
     [by_ids] = translate.completion_requests(CompletionRequest(model="m", prompt=[[1, 2, 3]], logprobs=2), None)
     assert (by_ids.prompt_input, by_ids.prompt, by_ids.sampling) == ("input_ids", [1, 2, 3], {"logprobs": 2})
-    with pytest.raises(OpenAIError, match="echo"):
-        translate.completion_requests(CompletionRequest(model="m", prompt="a", echo=True), None)
+    with pytest.raises(OpenAIError, match="echo of a token-id prompt needs stream: false") as raised:
+        translate.completion_requests(CompletionRequest(model="m", prompt=[1, 2], echo=True, stream=True), None)
+    assert raised.value.param == "echo"
+
+
+def test_echo_asks_the_model_for_the_prompt_and_its_logprobs():
+    [text] = translate.completion_requests(CompletionRequest(model="m", prompt="ab", echo=True, logprobs=2), None)
+    assert text.echo and text.sampling == {"logprobs": 2, "prompt_logprobs": 2}
+    assert text.field_names == {"prompt_logprobs": "logprobs"}
+    infer = build_infer_request("deepinfer", "cmpl-1", text)
+    flags = {i.name: i.contents.bool_contents[0] for i in infer.inputs if i.datatype == "BOOL"}
+    assert flags["exclude_input_in_output"] is False  # the model puts the prompt's text first
+    assert "prompt_logprobs" in {o.name for o in infer.outputs}
+    [streamed] = translate.completion_requests(CompletionRequest(model="m", prompt="ab", echo=True, stream=True),
+                                               None)
+    streamed_infer = build_infer_request("deepinfer", "cmpl-2", streamed)
+    assert next(i for i in streamed_infer.inputs if i.name == "exclude_input_in_output").contents.bool_contents[0]
+    assert "prompt_logprobs" not in streamed.sampling  # no logprobs asked: the front repeats the text itself
+    prompt = [{"5": {"logprob": None, "rank": None, "decoded_token": "a"}},
+              {"6": {"logprob": -1.0, "rank": 2, "decoded_token": "b"},
+               "7": {"logprob": -0.5, "rank": 1, "decoded_token": "c"}}]
+    echoed = translate.completion_logprobs(prompt, 0)
+    assert echoed.tokens == ["a", "b"] and echoed.token_logprobs == [None, -1.0]
+    assert echoed.top_logprobs == [None, {"c": -0.5, "b": -1.0}] and echoed.text_offset == [0, 1]
 
 
 def test_choices_are_n_requests_per_prompt_with_their_own_seeds():

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from backend_lib import serving
-from backend_lib.outputs import RequestOutput, SessionControl, TokenLogprob
+from backend_lib.outputs import PromptLogprobs, RequestOutput, SessionControl, TokenLogprob
 from backend_lib.sampling_params import UNTIL_CONTEXT_ENDS
 
 
@@ -234,6 +235,27 @@ def test_non_streaming_gathers_everything_and_prepends_the_prompt():
     assert logprobs[0] == {"10": {"logprob": -0.1, "rank": 1, "decoded_token": "<10>"}}
     assert logprobs[1]["11"] == {"logprob": -2.0, "rank": None, "decoded_token": "<11>"}
     assert logprobs[1]["12"]["rank"] == 1
+
+
+def test_prompt_logprobs_go_with_the_first_tokens_and_an_ids_prompt_is_decoded_before_the_output():
+    prompt = PromptLogprobs(5, [TokenLogprob(6, -1.5, top=[(7, -0.2)]), TokenLogprob(8, -0.3)])
+    inputs = {"input_ids": np.array([5, 6, 8], dtype=np.int32), "exclude_input_in_output": _bool(False)}
+    request = serving.decode_request(inputs, parameters_json=json.dumps({"prompt_logprobs": 1}))
+    encoder = serving.ResponseEncoder(request, decode_token=lambda t: f"<{t}>",
+                                      decode_ids=lambda ids: "".join(f"<{t}>" for t in ids))
+    assert encoder.encode(replace(_out("a", [9], n_out=1), prompt_logprobs=prompt)) is None
+    final = encoder.encode(_out("b", [10], finished=True, reason="length", n_out=2))
+    assert final["text_output"].tolist() == [b"<5><6><8>ab"]
+    entries = json.loads(final["prompt_logprobs"][0])
+    assert entries[0] == {"5": {"logprob": None, "rank": None, "decoded_token": "<5>"}}
+    assert entries[1] == {"6": {"logprob": -1.5, "rank": None, "decoded_token": "<6>"},
+                          "7": {"logprob": -0.2, "rank": 1, "decoded_token": "<7>"}}
+    assert list(entries[2]) == ["8"]
+    # Streamed (coalesced deltas included), the entries ride with the first tokens and only there.
+    streaming = serving.ResponseEncoder(_all_flags(stream=True, prompt_logprobs=1))
+    merged = serving.coalesce([replace(_out("a", [9], n_out=1), prompt_logprobs=prompt), _out("b", [10], n_out=2)])
+    assert "prompt_logprobs" in streaming.encode(merged)
+    assert "prompt_logprobs" not in streaming.encode(_out("c", [11], n_out=3))
 
 
 def test_coalesced_deltas_stream_as_one_response():

@@ -16,7 +16,7 @@ from backend_lib.sampling_params import SamplingParams
 from backend_lib.tiny import make_tiny
 
 PROMPTS = ["What is the capital of France?", "Once upon a time there was", "0123456789 + - * / ="]
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,10 @@ def _generate(model: str, params: SamplingParams = GREEDY, **settings):
 def _assert_same(reference, results) -> None:
     for ref, got in zip(reference, results):
         assert got.error is None and got.token_ids == ref.token_ids
-        for ref_lp, lp in zip(ref.logprobs, got.logprobs):
+        if ref.prompt_logprobs is not None:  # the driver's prompt rows: the ranks' head calls pair up
+            assert len(got.prompt_logprobs.entries) == len(ref.prompt_logprobs.entries) == ref.num_prompt_tokens - 1
+        for ref_lp, lp in zip(ref.logprobs + (ref.prompt_logprobs.entries if ref.prompt_logprobs else []),
+                              got.logprobs + (got.prompt_logprobs.entries if got.prompt_logprobs else [])):
             assert abs(ref_lp.logprob - lp.logprob) < 1e-4
             for (ref_id, ref_v), (got_id, got_v) in zip(ref_lp.top, lp.top):
                 assert abs(ref_v - got_v) < 1e-4

@@ -143,6 +143,11 @@ class _Stream:
                 for index in range(len(firsts)):
                     yield _sse(translate.chat_chunk(self.request_id, self.created, self.model, index, None, False))
             for index, delta in enumerate(firsts):
+                if self.choices[index].echo:  # completions with a text prompt (translate refuses the others)
+                    prompt = str(self.choices[index].prompt)
+                    totals[index].text.append(prompt)
+                    yield _sse(translate.echo_chunk(self.request_id, self.created, self.model, index, prompt,
+                                                    delta.prompt_logprobs, self.logprobs))
                 yield self._chunk(index, delta, totals[index])
             async for index, delta in rest:
                 yield self._chunk(index, delta, totals[index])

@@ -1,7 +1,7 @@
 """Pydantic models of the OpenAI API subset we serve: requests, responses, stream chunks, errors.
 
 Requests ignore fields we do not know (clients and SDKs send many optional ones, e.g. ``user``, ``store``);
-fields we know but cannot honour (``tools``, ``echo``, ...) are refused in
+fields we know but cannot honour (``tools``, ``suffix``, ...) are refused in
 translate.py with a 400 naming them, never silently dropped.
 """
 from __future__ import annotations
@@ -87,8 +87,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

@@ -2,7 +2,7 @@
 
 The model validates every sampling field itself and names the field it refuses (SamplingParams), so fields
 pass through with their engine names; here we only refuse what the model has no notion of (tools,
-echo, ...), pick the prompt input (text_input, input_ids or messages) and map the session headers. A call
+suffix, ...), pick the prompt input (text_input, input_ids or messages) and map the session headers. A call
 asking for several choices (``n``, a completions batch of prompts) becomes one model request per choice, prompt
 by prompt, n each: OpenAI's choice index is the request's place in that list.
 """
@@ -53,6 +53,7 @@ class ModelRequest:
     session: Session | None
     # Engine field name -> the name the client used, so an engine refusal names the client's field.
     field_names: dict[str, str] = field(default_factory=dict)
+    echo: bool = False  # completions: the prompt before the completion (its logprobs too, when asked)
     prompt_index: int = 0  # which of the call's prompts (choices of one prompt count its tokens once)
 
 
@@ -66,6 +67,8 @@ class ModelDelta:
     finish_reason: str | None
     # vLLM's layout: per token {token_id: {logprob, rank, decoded_token}}, the sampled token first.
     logprobs: list[dict[str, dict[str, Any]]] | None = None
+    # The same layout over the prompt (echo with logprobs); the first token's logprob is null.
+    prompt_logprobs: list[dict[str, dict[str, Any]]] | None = None
 
 
 def _parse_bool_header(name: str, value: str) -> bool:
@@ -157,8 +160,10 @@ def _prompts(prompt: Any) -> list[tuple[str, str | list[int]]]:
 
 def completion_requests(request: CompletionRequest, session: Session | None) -> list[ModelRequest]:
     """One model request per choice: n for each prompt."""
-    if request.echo:
-        raise bad_request("echo is not supported", param="echo")
+    if request.echo and request.stream and not isinstance(request.prompt, str) and \
+            not (isinstance(request.prompt, list) and request.prompt and isinstance(request.prompt[0], str)):
+        raise bad_request("echo of a token-id prompt needs stream: false (the prompt's text comes with the "
+                          "whole answer)", param="echo")
     if request.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     if request.best_of is not None and request.best_of != 1:
@@ -166,9 +171,12 @@ def completion_requests(request: CompletionRequest, session: Session | None) -> 
     sampling = _sampling(request, request.max_tokens)
     if request.logprobs is not None:
         sampling["logprobs"] = request.logprobs
+        if request.echo:
+            sampling["prompt_logprobs"] = request.logprobs
     prompts = [ModelRequest(prompt_input="input_ids" if isinstance(prompt, list) else "text_input", prompt=prompt,
                             sampling=sampling, stream=request.stream, logprobs=request.logprobs is not None,
-                            session=session) for _, prompt in _prompts(request.prompt)]
+                            session=session, field_names={"prompt_logprobs": "logprobs"}, echo=bool(request.echo))
+               for _, prompt in _prompts(request.prompt)]
     return _choices(prompts, request.n)
 
 
@@ -257,8 +265,8 @@ def completion_logprobs(entries: list[dict[str, dict[str, Any]]], text_offset: i
         sampled, top = _sampled_and_top(entry)
         token = _token_text(sampled)
         out.tokens.append(token)
-        out.token_logprobs.append(sampled["logprob"])
-        out.top_logprobs.append({_token_text(v): v["logprob"] for v in top})
+        out.token_logprobs.append(sampled["logprob"])  # null for a prompt's first token (echo): nothing predicts it
+        out.top_logprobs.append(None if sampled["logprob"] is None else {_token_text(v): v["logprob"] for v in top})
         out.text_offset.append(text_offset)
         text_offset += len(token)
     return out
@@ -285,6 +293,7 @@ class Totals:
     completion_tokens: int = 0
     finish_reason: str | None = None
     logprobs: list[dict[str, dict[str, Any]]] | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]]] | None = None
 
     def add(self, delta: ModelDelta) -> None:
         self.text.append(delta.text)
@@ -294,6 +303,7 @@ class Totals:
         self.finish_reason = finish_reason(delta.finish_reason) or self.finish_reason
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
+        self.prompt_logprobs = self.prompt_logprobs or delta.prompt_logprobs
 
 
 def call_usage(choices: list[Totals], requests: list[ModelRequest]) -> Usage:
@@ -304,10 +314,11 @@ def call_usage(choices: list[Totals], requests: list[ModelRequest]) -> Usage:
 
 def completion_response(request_id: str, created: int, model: str, choices: list[Totals], call: Usage,
                         logprobs: bool) -> Completion:
+    """An echoed prompt is in the text already (the model put it there) and its logprobs lead the choice's."""
     return Completion(id=request_id, created=created, model=model, usage=call, choices=[CompletionChoice(
         index=index, text="".join(totals.text), finish_reason=totals.finish_reason,
-        logprobs=completion_logprobs(totals.logprobs or [], 0) if logprobs else None)
-        for index, totals in enumerate(choices)])
+        logprobs=completion_logprobs((totals.prompt_logprobs or []) + (totals.logprobs or []), 0)
+        if logprobs else None) for index, totals in enumerate(choices)])
 
 
 def chat_response(request_id: str, created: int, model: str, choices: list[Totals], call: Usage,
@@ -322,6 +333,13 @@ def completion_chunk(request_id: str, created: int, model: str, index: int, delt
     return Completion(id=request_id, created=created, model=model, choices=[CompletionChoice(
         index=index, text=delta.text, finish_reason=finish_reason(delta.finish_reason),
         logprobs=completion_logprobs(delta.logprobs or [], text_offset) if logprobs else None)])
+
+
+def echo_chunk(request_id: str, created: int, model: str, index: int, prompt: str,
+               prompt_logprobs: list[dict[str, dict[str, Any]]] | None, logprobs: bool) -> Completion:
+    """A streamed echo's first chunk: the prompt's text (and its tokens' logprobs) before the completion's."""
+    return Completion(id=request_id, created=created, model=model, choices=[CompletionChoice(
+        index=index, text=prompt, logprobs=completion_logprobs(prompt_logprobs or [], 0) if logprobs else None)])
 
 
 def chat_chunk(request_id: str, created: int, model: str, index: int, delta: ModelDelta | None,

@@ -43,12 +43,15 @@ def build_infer_request(model: str, request_id: str, request: ModelRequest) -> s
             str(request.prompt).encode("utf-8"))
     infer.inputs.add(name="sampling_parameters", datatype="BYTES", shape=[1]).contents.bytes_contents.append(
         json.dumps(request.sampling).encode("utf-8"))
-    flags = {"stream": request.stream, "exclude_input_in_output": True, **{name: True for name in _RETURN_FLAGS}}
+    # Echo, not streamed: the model puts the prompt's text (an input_ids prompt decoded) before the completion.
+    flags = {"stream": request.stream, "exclude_input_in_output": not (request.echo and not request.stream),
+             **{name: True for name in _RETURN_FLAGS}}
     if request.logprobs:
         flags["return_logprobs"] = True
     for name, value in flags.items():
         infer.inputs.add(name=name, datatype="BOOL", shape=[1]).contents.bool_contents.append(value)
-    for name in _BASE_OUTPUTS + (("logprobs",) if request.logprobs else ()):
+    outputs = _BASE_OUTPUTS + (("logprobs",) if request.logprobs else ())
+    for name in outputs + (("prompt_logprobs",) if "prompt_logprobs" in request.sampling else ()):
         infer.outputs.add(name=name)
     infer.parameters["triton_enable_empty_final_response"].bool_param = True
     if request.session is not None:
@@ -75,9 +78,9 @@ def parse_response(result: service_pb2.ModelInferResponse) -> ModelDelta:
         elif output.name == "finish_reason":
             elements = _bytes_elements(raw)
             delta.finish_reason = elements[0].decode() if elements else None
-        elif output.name == "logprobs":
+        elif output.name in ("logprobs", "prompt_logprobs"):
             elements = _bytes_elements(raw)
-            delta.logprobs = json.loads(elements[0]) if elements else None
+            setattr(delta, output.name, json.loads(elements[0]) if elements else None)
     return delta
 
 

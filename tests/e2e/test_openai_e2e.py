@@ -125,6 +125,36 @@ def test_logit_bias_bans_and_forces_tokens(client, grpc):
     assert raised.value.body["param"] == "logit_bias" and "[-100, 100]" in raised.value.body["message"]
 
 
+def test_echo_gives_the_prompt_and_its_logprobs_as_lm_eval_reads_them(client, grpc):
+    """lm-eval's loglikelihood call (token ids, echo, logprobs, max_tokens 1): a prompt token's logprob equals
+    the one a call ending just before it reports for that token (forced there by logit_bias; logprobs are raw)."""
+    entries = _grpc(grpc, "text_input", STORY, max_tokens=1, prompt_logprobs=1).prompt_logprobs  # the Triton API
+    ids = [int(next(iter(entry))) for entry in entries]
+    assert entries[0][str(ids[0])]["logprob"] is None and all(len(e) in (1, 2) for e in entries[1:])
+    reply = client.completions.create(model=MODEL, prompt=STORY, echo=True, logprobs=2, max_tokens=1,
+                                      temperature=0)
+    choice = reply.choices[0]
+    assert choice.text.startswith(STORY) and len(choice.text) > len(STORY)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) >= 1 for t in lp.top_logprobs[1:])
+    assert "".join(lp.tokens[:len(ids)]) == STORY and lp.text_offset[1] == len(lp.tokens[0])
+    by_ids = client.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=1, max_tokens=1,
+                                       temperature=0).choices[0]
+    assert by_ids.text == choice.text  # the model decodes an input_ids prompt for the echo
+    assert by_ids.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    for k in (3, len(ids) - 1):
+        forced = client.completions.create(model=MODEL, prompt=ids[:k], max_tokens=1, logprobs=0, temperature=0,
+                                           logit_bias={str(ids[k]): 100})
+        assert forced.choices[0].logprobs.token_logprobs[0] == pytest.approx(lp.token_logprobs[k], abs=2e-3)
+    streamed = list(client.completions.create(model=MODEL, prompt=STORY, echo=True, logprobs=1, max_tokens=2,
+                                              temperature=0, stream=True))
+    assert streamed[0].choices[0].text == STORY and len(streamed[0].choices[0].logprobs.tokens) == len(ids)
+    plain = client.completions.create(model=MODEL, prompt=STORY, max_tokens=2, temperature=0).choices[0].text
+    assert "".join(c.choices[0].text for c in streamed) == STORY + plain
+
+
 def test_stop_string_cuts_the_text(client):
     free = client.completions.create(model=MODEL, prompt=STORY, temperature=0, max_tokens=16,
                                      extra_body={"ignore_eos": True}).choices[0].text

@@ -71,6 +71,7 @@ class Result:
     finish_reasons: list[str] = field(default_factory=list)
     num_output_tokens: list[int] = field(default_factory=list)
     num_input_tokens: int | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]]] | None = None  # the JSON output, when a response had it
     error: str | None = None
 
     @property
@@ -102,6 +103,9 @@ def _absorb(result: Result, response: Any) -> None:
     n_in = response.as_numpy("num_input_tokens")
     if n_in is not None:
         result.num_input_tokens = int(n_in.reshape(-1)[0])
+    prompt_logprobs = response.as_numpy("prompt_logprobs")
+    if prompt_logprobs is not None:
+        result.prompt_logprobs = json.loads(prompt_logprobs.reshape(-1)[0])
 
 
 class StreamClient:

@@ -82,6 +82,7 @@ class TritonPythonModel:
         self._model_name = args["model_name"]
         tokenizer = self._engine.tokenizer
         self._decode_token = lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+        self._decode_ids = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
         self._metrics = self._make_metrics(args)
         self._prefix = f"{args['model_name']}-{args['model_instance_name']}-"
         self._stop_file = os.environ.get("DEEPINFER_STOP_FILE", "")
@@ -122,7 +123,7 @@ class TritonPythonModel:
                 self._logger.log_error(f"[deepinfer] request {request_id} failed: {traceback.format_exc()}")
                 self._send_error(sender, f"internal error: {exc}")
                 continue
-            encoder = serving.ResponseEncoder(decoded, self._decode_token)
+            encoder = serving.ResponseEncoder(decoded, self._decode_token, self._decode_ids)
             coalescer = serving.DeltaCoalescer(self._options.stream_interval if decoded.stream else 1)
             self._incoming.put(_Active(request_id, request, sender, stream, encoder, coalescer))
             self._wake.set()
