@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP front (FastAPI): /v1/models, /v1/completions, /v1/chat/completions, /health.
 
 Every choice of a call (``n`` of each prompt) becomes one request to our Triton model over gRPC streaming
-(triton_stream.py, fan_out.py), so one engine serves both APIs and Triton's metrics and logs see every request. Streaming answers are server-sent events
-ending in ``data: [DONE]``; the first model response is awaited before the HTTP status is sent, so a refused
-request (bad field, busy server, unknown session) gets its real status, not a 200 with an error event.
+(triton_stream.py, fan_out.py), so one engine serves both APIs and Triton's metrics and logs see every request.
+Streaming answers are server-sent events ending in ``data: [DONE]``; the first model response of every choice is
+awaited before the HTTP status is sent, so a refused request (bad field, busy server, unknown session) gets its
+real status, not a 200 with an error event.
 State (the gRPC channel, the settings) lives on ``app.state.front``.
 """
 from __future__ import annotations

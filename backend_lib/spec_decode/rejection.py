@@ -25,8 +25,8 @@ With general ``q``, the acceptance uniform comes from the same counter hash keye
 recovered draw is Gumbel-max over ``log(max(p - q, 0))`` at (seed, position): batch-invariant as well.
 
 ``p`` is the sampler's distribution: ``Sampler.process_logits`` (logit_bias, penalties, min_tokens) then
-``filtered_logits`` (temperature, min-p, top-k / top-p), so spec decoding samples exactly what the plain sampler samples. No host sync
-here; the caller reads the output once.
+``filtered_logits`` (temperature, min-p, top-k / top-p), so spec decoding samples exactly what the plain sampler
+samples. No host sync here; the caller reads the output once.
 """
 from __future__ import annotations
 
