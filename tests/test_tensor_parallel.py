@@ -2,7 +2,9 @@
 ids as one rank, and log-probabilities (log-softmaxed logits) within 1e-4; bad sizes and lost ranks fail loudly."""
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -214,3 +216,17 @@ def test_lint_graphs_per_rank():
     assert {r.rank for r in results} == {0, 1}
     assert [r for r in results if r.error] == []
     assert any(r.rank == 1 and "decode" in r.region for r in results)
+
+
+def test_a_small_dev_shm_falls_back_to_gloo_saying_how_to_give_it_room(caplog):
+    """tmpfs accepts a segment larger than its room and SIGBUSes the rank that touches past it (Docker's /dev/shm
+    is 64 MB: TP 8 needs 64 MiB + headroom), so the ranks check first."""
+    from backend_lib.executor.process_group import _shm_has_room, shm_segment_bytes
+
+    free = shutil.disk_usage("/dev/shm").free
+    assert shm_segment_bytes(8) == 8 * (64 + 2 * (4 << 20))
+    assert _shm_has_room(2, rank=0) == (free > shm_segment_bytes(2) + (16 << 20))
+    too_many = free // shm_segment_bytes(1) + 1  # more than this machine's /dev/shm holds
+    with caplog.at_level(logging.WARNING, logger="deepinfer"):
+        assert not _shm_has_room(too_many, rank=0)
+    assert "--shm-size=1g" in caplog.text and f"tensor_parallel_size {too_many}" in caplog.text

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
+import shutil
 import signal
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +27,8 @@ from kernels.cpu_kernels import load_cpu_kernels
 CONFIG_KEY = "deepinfer/config"
 SHM_KEY = "deepinfer/shm_all_reduce"
 _SHM_SLOT_BYTES = 4 << 20  # per rank and buffer set; larger tensors go in pieces
+# Left free in /dev/shm beside the segment (Triton's Python backend stub keeps its regions there too).
+_SHM_HEADROOM_BYTES = 16 << 20
 
 
 def joined_key(rank: int) -> str:
@@ -67,14 +71,35 @@ def init_group(rendezvous: Rendezvous, config: EngineConfig, rank: int) -> Paral
                             timeout=datetime.timedelta(seconds=parallel.distributed_timeout_s))
     shm_handle = None
     if parallel.nnodes == 1 and config.model.device == "cpu":
-        # Every rank must take the same path: all use the segment only if all could build the kernel.
-        built = torch.tensor([int(load_cpu_kernels())], dtype=torch.int64)
-        dist.all_reduce(built, op=dist.ReduceOp.MIN)
-        if built.item():
+        # Every rank must take the same path: all use the segment only if all could build the kernel and find room.
+        usable = torch.tensor([int(load_cpu_kernels() and _shm_has_room(parallel.tensor_parallel_size, rank))], dtype=torch.int64)
+        dist.all_reduce(usable, op=dist.ReduceOp.MIN)
+        if usable.item():
             shm_handle = _attach_shm_all_reduce(rendezvous, parallel, rank)
     return ParallelContext(rank=rank, world_size=parallel.tensor_parallel_size,
                            expert_parallel=parallel.enable_expert_parallel, group=dist.group.WORLD,
                            shm_handle=shm_handle)
+
+
+def shm_segment_bytes(tensor_parallel_size: int) -> int:
+    """The all-reduce segment: a 64-byte flag line and two slot sets per rank (kernels/csrc/shm_all_reduce.cpp)."""
+    return tensor_parallel_size * (64 + 2 * _SHM_SLOT_BYTES)
+
+
+def _shm_has_room(tensor_parallel_size: int, rank: int, shm_dir: str = "/dev/shm") -> bool:
+    """Whether /dev/shm can hold the segment. tmpfs takes an oversized segment without a word and kills the
+    process touching a page past its size (SIGBUS), so a small /dev/shm (Docker's default is 64 MB) must be caught
+    here: the ranks then all-reduce over gloo, slower, and rank 0 says how to give them room."""
+    need = shm_segment_bytes(tensor_parallel_size) + _SHM_HEADROOM_BYTES
+    free = shutil.disk_usage(shm_dir).free
+    if free >= need:
+        return True
+    if rank == 0:
+        logging.getLogger("deepinfer").warning(
+            "tensor_parallel_size %d: the shared-memory all-reduce needs %d MiB of %s, only %d MiB free; all-reduce "
+            "goes over gloo (slower). In Docker, run with --shm-size=1g (or --ipc=host).",
+            tensor_parallel_size, need >> 20, shm_dir, free >> 20)
+    return False
 
 
 def _attach_shm_all_reduce(rendezvous: Rendezvous, parallel: ParallelConfig, rank: int) -> int:
