@@ -3,6 +3,7 @@
 #   docker build --build-arg TARGET=cpu    -t deepinfer:cpu .         # host mode (tests, demos)
 #   docker run --rm -p 8000-8002:8000-8002 -p 9000:9000 deepinfer:cpu  # + --device=/dev/neuron0 on Neuron
 # Ports: Triton HTTP 8000, gRPC 8001, metrics 8002, the OpenAI-compatible API 9000.
+# Tensor parallelism on one host: add --shm-size=1g (its all-reduce segment takes 8 MiB a rank of /dev/shm).
 # Engine settings: edit /models/deepinfer/config.pbtxt (parameters) or mount your own /models.
 ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:24.10-py3
 FROM ${TRITON_IMAGE}
