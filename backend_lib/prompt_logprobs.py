@@ -36,10 +36,13 @@ def prompt_rows(chunks: list[ScheduledChunk], row_starts: list[int]) -> PromptRo
     for chunk, row_start in zip(chunks, row_starts):
         request = chunk.request
         wanted = request.sampling_params.prompt_logprobs
+        if wanted is None:  # every step asks this of every chunk: the common answer first
+            rows.counts.append(0)
+            continue
         prompt = request.prompt_token_ids
         first = max(chunk.start, request.num_prompt_logprobs)
         end = min(chunk.start + chunk.num_tokens - chunk.num_draft_tokens, len(prompt) - 1)
-        count = max(0, end - first) if wanted is not None else 0
+        count = max(0, end - first)
         for position in range(first, first + count):
             rows.indices.append(row_start + position - chunk.start)
             rows.targets.append(prompt[position + 1])

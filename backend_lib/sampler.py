@@ -254,6 +254,8 @@ def _logit_bias(rows: list[SamplingRow], vocab_size: int, device: torch.device |
     values: list[float] = []
     for b, row in enumerate(rows):
         bias = row.params.logit_bias
+        if not bias:
+            continue
         _check_ids(list(bias), vocab_size, "logit_bias token id")
         flat.extend(b * vocab_size + t for t in bias)
         values.extend(bias.values())
