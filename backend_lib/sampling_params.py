@@ -35,7 +35,10 @@ def _as_float(name: str, value: Any) -> float:
     """Accept JSON ints where floats are expected (1 -> 1.0), never bools or strings."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    result = float(value)
+    try:
+        result = float(value)
+    except OverflowError:  # a JSON integer past float's range
+        raise ValueError(f"{name} must be a finite number, got an integer of {value.bit_length()} bits") from None
     if not math.isfinite(result):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     return result
@@ -154,8 +157,8 @@ class SamplingParams:
         checked = {}
         for key, value in bias.items():
             text = key.strip() if isinstance(key, str) else None
-            if not (_is_int(key) or (text and text.isascii() and text.isdigit())):
-                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+            if not (_is_int(key) or (text and text.isascii() and text.isdigit() and len(text) <= 18)):
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {str(key)[:40]!r}")
             token = int(key)
             _require(token >= 0, f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
             bias_value = _as_float(f"logit_bias[{token}]", value)

@@ -354,10 +354,12 @@ def decode_request(inputs: Mapping[str, np.ndarray], parameters_json: str = "{}"
         prompt=prompt,
         params=params,
         stream=stream,
-        # A text prompt is repeated as given, input_ids decoded; chat messages have no text (documented choice).
+        # A text prompt is repeated as given; input_ids are decoded only when the client asked by name
+        # (exclude_input_in_output=false: OpenAI's echo), so the default output of an ids prompt stays the new text
+        # alone, as it always was; chat messages have no text (documented choice).
         prepend_text=prompt if (prepend and isinstance(prompt, str)) else "",
-        prepend_ids=list(prompt) if prepend and isinstance(prompt, list) and prompt and isinstance(prompt[0], int)
-        else [],
+        prepend_ids=list(prompt) if "exclude_input_in_output" in bools and prepend and isinstance(prompt, list)
+        and prompt and isinstance(prompt[0], int) else [],
         session=_decode_session(extra, correlation_id, flags),
         options=options,
     )

@@ -61,6 +61,9 @@ BAD_VALUES = [
     ("logit_bias", {"7": 100.5}, "[-100, 100]"),
     ("logit_bias", {"7": "high"}, "number"),
     ("logit_bias", {7: float("nan")}, "finite"),
+    ("logit_bias", {"5": 10**400}, "finite"),  # a JSON integer past float's range (was an OverflowError)
+    ("logit_bias", {"9" * 5000: 1.0}, "token ids"),  # past int()'s digit limit (was a ValueError naming int)
+    ("temperature", 10**400, "finite"),
 ]
 
 

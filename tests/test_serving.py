@@ -251,6 +251,8 @@ def test_prompt_logprobs_go_with_the_first_tokens_and_an_ids_prompt_is_decoded_b
     assert entries[1] == {"6": {"logprob": -1.5, "rank": None, "decoded_token": "<6>"},
                           "7": {"logprob": -0.2, "rank": 1, "decoded_token": "<7>"}}
     assert list(entries[2]) == ["8"]
+    # Not asked by name, an ids prompt's non-streamed text is the new text alone, as before.
+    assert serving.decode_request({"input_ids": np.array([5, 6], dtype=np.int32)}).prepend_ids == []
     # Streamed (coalesced deltas included), the entries ride with the first tokens and only there.
     streaming = serving.ResponseEncoder(_all_flags(stream=True, prompt_logprobs=1))
     merged = serving.coalesce([replace(_out("a", [9], n_out=1), prompt_logprobs=prompt), _out("b", [10], n_out=2)])

@@ -71,8 +71,9 @@ def init_group(rendezvous: Rendezvous, config: EngineConfig, rank: int) -> Paral
                             timeout=datetime.timedelta(seconds=parallel.distributed_timeout_s))
     shm_handle = None
     if parallel.nnodes == 1 and config.model.device == "cpu":
-        # Every rank must take the same path: all use the segment only if all could build the kernel and find room.
-        usable = torch.tensor([int(load_cpu_kernels() and _shm_has_room(parallel.tensor_parallel_size, rank))], dtype=torch.int64)
+        # Every rank takes the same path: all use the segment only if all could build the kernel and find room.
+        usable = load_cpu_kernels() and _shm_has_room(parallel.tensor_parallel_size, rank)
+        usable = torch.tensor([int(usable)], dtype=torch.int64)
         dist.all_reduce(usable, op=dist.ReduceOp.MIN)
         if usable.item():
             shm_handle = _attach_shm_all_reduce(rendezvous, parallel, rank)
@@ -91,7 +92,10 @@ def _shm_has_room(tensor_parallel_size: int, rank: int, shm_dir: str = "/dev/shm
     process touching a page past its size (SIGBUS), so a small /dev/shm (Docker's default is 64 MB) must be caught
     here: the ranks then all-reduce over gloo, slower, and rank 0 says how to give them room."""
     need = shm_segment_bytes(tensor_parallel_size) + _SHM_HEADROOM_BYTES
-    free = shutil.disk_usage(shm_dir).free
+    try:
+        free = shutil.disk_usage(shm_dir).free
+    except OSError:  # no /dev/shm: every rank answers, so none waits on the others' all-reduce
+        free = 0
     if free >= need:
         return True
     if rank == 0:

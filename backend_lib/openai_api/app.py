@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncGenerator, AsyncIterator, Awaitable, Literal
+from typing import AsyncGenerator, AsyncIterator, Awaitable, Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,6 +35,7 @@ from backend_lib.openai_api.triton_stream import TritonStreamClient
 logger = logging.getLogger("deepinfer.openai")
 _DISCONNECT_POLL_S = 0.5
 _DONE = b"data: [DONE]\n\n"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -85,18 +86,19 @@ class OpenAIFront:
             answer = build(request_id, created, self.settings.served_model_name, totals,
                            translate.call_usage(totals, choices), logprobs)
             return Response(answer.model_dump_json(), media_type="application/json")
-        try:  # an error here raises with its status: nothing was sent yet
-            firsts = await fan_out.gather_all([anext(d) for d in deltas])
+        try:  # an error here raises with its status: nothing was sent yet (choices past max_num_seqs wait here)
+            firsts = await _until_disconnected(http_request, fan_out.gather_all([anext(d) for d in deltas]))
         except BaseException:
-            for stream in deltas:
-                await stream.aclose()
+            await _close_all(deltas)
             raise
         stream = _Stream(kind, request_id, created, self.settings.served_model_name, logprobs,
                          include_usage, choices)
-        events = stream.events(firsts, fan_out.merged(deltas))
-        # On a disconnect Starlette cancels the sending task, which may leave the generator parked at a yield;
-        # closing it afterwards (a no-op when it finished) cancels the Triton requests without waiting for GC.
-        return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose),
+        events = stream.events(firsts, deltas)
+        # On a disconnect Starlette cancels the sending task, which may leave the generator parked at a yield, or
+        # never started; closing it and the choices' streams afterwards (no-ops when they finished) cancels the
+        # Triton requests without waiting for GC.
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 background=BackgroundTask(_close_all, [events, *deltas]),
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
 
 
@@ -107,7 +109,13 @@ async def _gather(deltas: AsyncIterator[ModelDelta]) -> Totals:
     return totals
 
 
-async def _until_disconnected(http_request: Request, work: Awaitable[list[Totals]]) -> list[Totals]:
+async def _close_all(streams: list[AsyncGenerator]) -> None:
+    """Closes each (in order: a stream that drives others first, so none of them is still running)."""
+    for stream in streams:
+        await stream.aclose()
+
+
+async def _until_disconnected(http_request: Request, work: Awaitable[list[T]]) -> list[T]:
     """Runs ``work``; if the HTTP client goes away first, cancels it (which cancels the Triton requests)."""
     task = asyncio.ensure_future(work)
     try:
@@ -136,9 +144,10 @@ class _Stream:
     include_usage: bool
     choices: list[ModelRequest]
 
-    async def events(self, firsts: list[ModelDelta], rest: AsyncGenerator[tuple[int, ModelDelta], None]
+    async def events(self, firsts: list[ModelDelta], deltas: list[AsyncGenerator[ModelDelta, None]]
                      ) -> AsyncIterator[bytes]:
         totals = [Totals() for _ in firsts]
+        rest = fan_out.merged(deltas)
         try:
             if self.kind == "chat":
                 for index in range(len(firsts)):
@@ -160,8 +169,9 @@ class _Stream:
             logger.warning("request %s failed mid-stream: %s", self.request_id, exc.message)
             yield _sse(exc.body())
         finally:
-            # Also on a client disconnect (this generator is cancelled): closing cancels the Triton requests.
-            await rest.aclose()
+            # Also on a client disconnect (this generator is cancelled): closing cancels the Triton requests. The
+            # choices' streams too: ``rest`` closes them only if it ever started.
+            await _close_all([rest, *deltas])
         yield _DONE
 
     def _chunk(self, index: int, delta: ModelDelta, totals: Totals) -> bytes:

@@ -308,6 +308,29 @@ def test_disconnect_mid_stream_frees_the_blocks(served):
     assert used() == 0 and aborted() == aborted_before + 1
 
 
+def test_a_disconnect_right_after_the_status_cancels_every_choice(served):
+    """The client leaves before the choices' streams are merged (only their first chunks went out): each choice's
+    request is aborted and its blocks freed, without waiting for garbage collection."""
+    def used_and_aborted() -> tuple[float, float]:
+        now = metrics(served.metrics_url)
+        return (metric(now, "deepinfer_kv_blocks_used"),
+                metric(now, "deepinfer_requests_total", finish_reason="abort"))
+
+    aborted_before = used_and_aborted()[1]
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 400, "ignore_eos": True, "stream": True, "n": 2}
+    url = urlparse(served.openai_url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")  # the first role chunk
+    connection.sock.shutdown(2)
+    connection.close()
+    deadline = time.monotonic() + 20
+    while used_and_aborted() != (0, aborted_before + 2) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert used_and_aborted() == (0, aborted_before + 2)
+
+
 def test_session_headers_continue_a_conversation(client):
     first_turn = [{"role": "user", "content": "My name is Ada. Say hello."}]
     second_turn = [{"role": "user", "content": "What is my name?"}]
