@@ -3,7 +3,7 @@ which rows of a step's hidden states predict prompt tokens, and their logprobs u
 
 Row p of a prompt predicts token p + 1, so a chunk over prompt positions [start, end) gives the entries of tokens
 start + 1 .. end (the last prompt position predicts the first output token: that is the sampler's). Positions the
-engine already holds (a prefill recomputed after preemption) are skipped. The head runs on ``SLICE_ROWS`` rows at a
+engine already holds (a prefill recomputed after preemption) are skipped. The head runs on ``slice_rows`` rows at a
 time: a long prompt's [rows, vocab] fp32 logits would otherwise be whole at once (SmolLM2: 200 KB a row).
 Tensor-parallel worker ranks call ``head_slices`` on the same rows, so the head's collectives pair up.
 """
@@ -51,10 +51,18 @@ def prompt_rows(chunks: list[ScheduledChunk], row_starts: list[int]) -> PromptRo
     return rows if rows.indices else None
 
 
+def slice_rows(model: torch.nn.Module) -> int:
+    """SLICE_ROWS, or a compiled model's largest batch bucket when smaller: each slice then pads to a bucket and
+    takes its lm_head graph (on Neuron, a slice of another size would compile a graph of its own)."""
+    buckets = getattr(model, "buckets", None)
+    return min(SLICE_ROWS, max(buckets.batch_sizes)) if buckets is not None else SLICE_ROWS
+
+
 def head_slices(model: torch.nn.Module, hidden: torch.Tensor,  # [T, hidden]
-                indices: torch.Tensor) -> Iterator[torch.Tensor]:  # [N] int64 -> [<= SLICE_ROWS, vocab] each
-    for start in range(0, int(indices.shape[0]), SLICE_ROWS):
-        yield model.compute_logits(hidden[indices[start:start + SLICE_ROWS]])
+                indices: torch.Tensor) -> Iterator[torch.Tensor]:  # [N] int64 -> [<= slice_rows, vocab] each
+    size = slice_rows(model)
+    for start in range(0, int(indices.shape[0]), size):
+        yield model.compute_logits(hidden[indices[start:start + size]])
 
 
 def compute(model: torch.nn.Module, hidden: torch.Tensor,  # [T, hidden]
@@ -65,7 +73,7 @@ def compute(model: torch.nn.Module, hidden: torch.Tensor,  # [T, hidden]
     targets = torch.tensor(rows.targets, dtype=torch.int64, device=device)
     most = max(rows.top_n)
     entries: list[TokenLogprob] = []
-    for start, logits in zip(range(0, len(rows.indices), SLICE_ROWS), head_slices(model, hidden, indices)):
+    for start, logits in zip(range(0, len(rows.indices), slice_rows(model)), head_slices(model, hidden, indices)):
         stop = start + logits.shape[0]
         lp, top_ids, top_lp = sampling_ops.compute_logprobs(logits, targets[start:stop], most)
         ids = top_ids.tolist() if top_ids is not None else None

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from backend_lib import prompt_logprobs
 from backend_lib.config import CompileConfig, EngineConfig
 from backend_lib.engine import LLMEngine
 from backend_lib.models.layers import HostGemmPlan
@@ -227,10 +228,14 @@ def test_graph_count_is_bounded_and_a_200_request_run_does_not_recompile(tiny_ll
     llm.engine = engine
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(2, 20))] for _ in range(200)]
     params = [SamplingParams(max_tokens=rng.randrange(1, 12), ignore_eos=True,
+                             prompt_logprobs=None if i % 7 else 1,  # head slices of the largest bucket (8 rows)
                              **({} if i % 3 else {"temperature": 0.9, "top_p": 0.9, "seed": i}))
               for i in range(200)]
+    assert prompt_logprobs.slice_rows(model) == 8
     results = llm.generate(prompts, params)
     assert all(len(r.token_ids) == p.max_tokens for r, p in zip(results, params))
+    assert all(len(r.prompt_logprobs.entries) == len(prompt) - 1
+               for r, p, prompt in zip(results, params, prompts) if p.prompt_logprobs is not None)
     assert counters["stats"]["unique_graphs"] == graphs_after_warmup
     assert model.stats.compiled_steps > 20 and sampler.stats.compiled_steps > 20
     engine.scheduler.check_integrity()
