@@ -30,6 +30,9 @@ PLAUSIBLE = {
     "top_k": st.integers(-3, 10**6), "min_p": st.floats(-0.5, 1.5), "seed": st.integers(-5, 2**32),
     "logprobs": st.integers(-2, 30), "min_tokens": st.integers(-1, 40),
     "stop": st.lists(TEXT, max_size=4), "stop_token_ids": st.lists(st.integers(-5, 60000), max_size=4),
+    "prompt_logprobs": st.integers(-2, 30),
+    "logit_bias": st.dictionaries(st.one_of(st.integers(-5, 60000).map(str), TEXT), st.floats(-150, 150),
+                                  max_size=4),
 }
 SAMPLING_DICTS = st.dictionaries(
     st.one_of(st.sampled_from(FIELDS), TEXT),

@@ -190,3 +190,54 @@ def test_fuzzed_session_turns_leave_the_engine_consistent(engine, turns):
     assert stats.num_sessions == 0 and stats.num_running == 0 and stats.num_waiting == 0
     assert stats.kv_blocks_used == 0
 
+
+
+# ---- plain requests with logit_bias, prompt_logprobs, logprobs and null max_tokens, preempting each other ---------
+
+REQUESTS = st.lists(st.tuples(
+    st.lists(st.integers(0, 300), min_size=1, max_size=60),  # prompt ids
+    st.fixed_dictionaries({}, optional={
+        "max_tokens": st.one_of(st.none(), st.integers(1, 40)), "temperature": st.sampled_from([0.0, 0.8]),
+        "seed": st.integers(0, 9), "logprobs": st.integers(0, 5), "prompt_logprobs": st.integers(0, 5),
+        "logit_bias": st.dictionaries(st.integers(0, 300), st.floats(-100, 100), max_size=3),
+        "repetition_penalty": st.floats(0.5, 2)}),
+    st.integers(0, 3)), max_size=6)  # steps run after the request
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(REQUESTS)
+def test_fuzzed_requests_complete_whole_and_return_every_block(engine, requests):
+    """In a pool small enough that requests preempt each other: each admitted request ends, a prompt_logprobs one
+    carries every prompt token after the first exactly once, and no block is left."""
+    from backend_lib.errors import EngineBusyError
+
+    outputs: dict[str, list] = {}
+    admitted: dict[str, tuple[list[int], SamplingParams]] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+
+    for i, (prompt, fields, steps) in enumerate(requests):
+        params = SamplingParams(**fields)
+        try:
+            engine.add_request(f"fz{i}", prompt, params)
+            admitted[f"fz{i}"] = (prompt, params)
+        except (ValueError, EngineBusyError):
+            pass
+        for _ in range(steps):
+            step()
+    while engine.has_unfinished_requests():
+        step()
+    for request_id, (prompt, params) in admitted.items():
+        finals = [o for o in outputs[request_id] if o.finished]
+        assert len(finals) == 1 and finals[0].finish_reason in ("stop", "length"), finals
+        carried = [o.prompt_logprobs for o in outputs[request_id] if o.prompt_logprobs is not None]
+        if params.prompt_logprobs is None:
+            assert not carried
+        else:
+            assert len(carried) == 1 and [e.token_id for e in carried[0].entries] == prompt[1:]
+            assert all(len(e.top) == params.prompt_logprobs for e in carried[0].entries)
+    engine.scheduler.check_integrity()
+    assert engine.stats().kv_blocks_used == 0
