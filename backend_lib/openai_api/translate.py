@@ -13,11 +13,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from backend_lib.openai_api.errors import bad_request
-from backend_lib.sampling_params import SEED_LIMIT
 from backend_lib.openai_api.schema import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                            ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatLogprobs,
                                            CompletionChoice, Completion, CompletionLogprobs, CompletionRequest,
                                            TokenLogprob, TopLogprob, Usage)
+from backend_lib.sampling_params import SEED_LIMIT
 
 SESSION_ID_HEADER = "x-session-id"
 SESSION_START_HEADER = "x-session-start"
@@ -160,14 +160,14 @@ def _prompts(prompt: Any) -> list[tuple[str, str | list[int]]]:
 
 def completion_requests(request: CompletionRequest, session: Session | None) -> list[ModelRequest]:
     """One model request per choice: n for each prompt."""
-    if request.echo and request.stream and not isinstance(request.prompt, str) and \
-            not (isinstance(request.prompt, list) and request.prompt and isinstance(request.prompt[0], str)):
-        raise bad_request("echo of a token-id prompt needs stream: false (the prompt's text comes with the "
-                          "whole answer)", param="echo")
     if request.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     if request.best_of is not None and request.best_of != 1:
         raise bad_request(f"best_of must be 1, got {request.best_of}", param="best_of")
+    named = _prompts(request.prompt)
+    if request.echo and request.stream and any(isinstance(prompt, list) for _, prompt in named):
+        raise bad_request("echo of a token-id prompt needs stream: false (the prompt's text comes with the "
+                          "whole answer)", param="echo")
     sampling = _sampling(request, request.max_tokens)
     if request.logprobs is not None:
         sampling["logprobs"] = request.logprobs
@@ -176,7 +176,7 @@ def completion_requests(request: CompletionRequest, session: Session | None) -> 
     prompts = [ModelRequest(prompt_input="input_ids" if isinstance(prompt, list) else "text_input", prompt=prompt,
                             sampling=sampling, stream=request.stream, logprobs=request.logprobs is not None,
                             session=session, field_names={"prompt_logprobs": "logprobs"}, echo=bool(request.echo))
-               for _, prompt in _prompts(request.prompt)]
+               for _, prompt in named]
     return _choices(prompts, request.n)
 
 
