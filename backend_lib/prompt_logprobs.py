@@ -73,7 +73,8 @@ def compute(model: torch.nn.Module, hidden: torch.Tensor,  # [T, hidden]
     targets = torch.tensor(rows.targets, dtype=torch.int64, device=device)
     most = max(rows.top_n)
     entries: list[TokenLogprob] = []
-    for start, logits in zip(range(0, len(rows.indices), slice_rows(model)), head_slices(model, hidden, indices)):
+    for logits in head_slices(model, hidden, indices):
+        start = len(entries)
         stop = start + logits.shape[0]
         lp, top_ids, top_lp = sampling_ops.compute_logprobs(logits, targets[start:stop], most)
         ids = top_ids.tolist() if top_ids is not None else None
