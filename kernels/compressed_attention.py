@@ -168,16 +168,33 @@ def indexer_select(q: torch.Tensor,  # [T, Hi, Di] post-rope index queries
                    head_weights: torch.Tensor,  # [T, Hi] already scaled by Hi ** -0.5
                    visible: torch.Tensor,  # [T, E] bool
                    top_k: int) -> torch.Tensor:  # [T, E] bool: the entries each query attends
-    """Lightning indexer: ``sum_h w[t, h] * relu(q[t, h] . k[s]) / sqrt(Di)``; the ``top_k`` best visible entries."""
+    """Lightning indexer: ``sum_h w[t, h] * relu(q[t, h] . k[s]) / sqrt(Di)``; the ``top_k`` best visible entries,
+    equal scores in entry order (``top_k_in_order``)."""
     if top_k >= visible.shape[1]:  # every visible entry is picked (short contexts): no scores needed
         return visible
+    if top_k == 0:
+        return torch.zeros_like(visible)
     scores = F.relu(torch.matmul(q.float(), keys.float().transpose(1, 2))) * q.shape[-1] ** -0.5
     scores = (scores * head_weights.float()[..., None]).sum(dim=1)
     scores = scores.masked_fill(~visible, float("-inf"))
-    if top_k == 0:
-        return visible
-    picked = torch.zeros_like(visible).scatter_(1, scores.topk(top_k, dim=-1).indices, True)
-    return picked & visible
+    return top_k_in_order(scores, top_k) & visible
+
+
+def top_k_in_order(scores: torch.Tensor,  # [T, E] float, columns in entry order
+                   top_k: int) -> torch.Tensor:  # [T, E] bool
+    """The ``top_k`` largest scores per row, equal scores taken in column order (the earlier entry first).
+
+    ``torch.topk`` leaves the order of equal values unspecified, and it differs between row lengths: a prefill row
+    (every entry of the chunk, future ones -inf) and a decode row (closed entries only) picked different blocks among
+    tied scores, and the indexer's scores tie often (an entry whose every head's ReLU is 0 scores exactly 0). This
+    rule depends on the values alone, so prefill, decode, draft verification, every rank and compiled graphs agree:
+    the k-th value comes from ``topk`` (values are unique whatever the order), then ties at it fill the remaining
+    places left to right. Static shapes, no sort."""
+    kth = scores.topk(top_k, dim=-1).values[:, -1:]
+    above = scores > kth
+    tied = scores == kth
+    room = top_k - above.sum(dim=-1, keepdim=True)
+    return above | (tied & (tied.cumsum(dim=-1) <= room))
 
 
 def sink_attention(q: torch.Tensor,  # [T, H, D] post-rope queries

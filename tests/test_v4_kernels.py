@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels.compressed_attention import (
-    TokenPages, indexer_select, pool_heavily_compressed, pool_overlapping, sink_attention,
+    TokenPages, indexer_select, top_k_in_order, pool_heavily_compressed, pool_overlapping, sink_attention,
 )
 from kernels.fp4 import dequantize_fp4, quantize_fp4
 from kernels.hyper_connections import HyperConnectionSpec, hc_collapse, hc_expand, hc_head_collapse, hc_mixes
@@ -110,6 +110,31 @@ def test_indexer_picks_the_best_visible_entries():
                   for e in range(6) if visible[t, e]]
         best = sorted(range(len(scores)), key=lambda e: -scores[e])[:2]
         assert picked[t].nonzero().flatten().tolist() == sorted(best), t
+
+
+def test_top_k_in_order_takes_ties_left_to_right_whatever_the_row_length():
+    scores = torch.tensor([[0.0, 2.0, 0.0, 0.0, 1.0, 0.0],
+                           [0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+                           [3.0, -1.0, -1.0, -1.0, float("-inf"), float("-inf")]])
+    assert top_k_in_order(scores, 3).tolist() == [[True, True, False, False, True, False],
+                                                  [True, True, True, False, False, False],
+                                                  [True, True, True, False, False, False]]
+    # masked (future) columns added, as a prefill row has them and a decode row not: the same picks
+    wide = torch.cat([scores, torch.full((3, 5), float("-inf"))], dim=1)
+    assert top_k_in_order(wide, 3)[:, :6].tolist() == top_k_in_order(scores, 3).tolist()
+    # fewer finite scores than k: all finite ones, plus -inf fill that the caller masks with `visible`
+    assert top_k_in_order(scores[2:], 5)[0, :4].all()
+
+
+def test_top_k_in_order_equals_a_stable_sort_on_random_ties():
+    gen = _gen(21)
+    for _ in range(50):
+        scores = torch.randint(0, 3, (4, 17), generator=gen).float()  # few values: many ties
+        scores[torch.rand(4, 17, generator=gen) < 0.2] = float("-inf")
+        k = int(torch.randint(1, 17, (1,), generator=gen))
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+        expected = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, order, True)
+        assert torch.equal(top_k_in_order(scores, k), expected)
 
 
 def test_sink_attention_matches_transformers_eager_attention():
