@@ -207,3 +207,38 @@ def load_cpu_kernels() -> bool:
         return qkv.new_empty(qkv.shape[0], num_heads, k_cache.shape[2])
 
     return True
+
+
+# The packed-weight GEMMs (weight_format=packed; kernels/packed_gemm.py): their own extension, so that editing them
+# rebuilds only them (csrc/packed/*.h stay out of the main build's digest).
+_PACKED_SOURCES = ("packed_gemm.cpp",)
+
+
+@functools.cache
+def load_packed_kernels() -> bool:
+    """Builds (once per machine) and loads ``deepinfer::packed_linear``; False, with the reason logged, when that
+    fails (kernels/packed_gemm.py then runs its torch reference)."""
+    from torch.utils import cpp_extension
+
+    csrc = Path(__file__).parent / "csrc"
+    sources = [csrc / name for name in _PACKED_SOURCES]
+    headers = sorted((csrc / "packed").glob("*.h"))
+    capability = torch.backends.cpu.get_cpu_capability()
+    digest = hashlib.sha1(str(csrc.resolve()).encode()
+                          + b"".join(path.read_bytes() for path in [*sources, *headers])).hexdigest()[:10]
+    name = f"deepinfer_packed_kernels_{capability.lower()}_{digest}"
+    _remove_stale_build_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
+    try:
+        cpp_extension.load(name=name, sources=[str(path) for path in sources], is_python_module=False,
+                           verbose=False, extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS.get(capability, [])],
+                           extra_ldflags=["-fopenmp"])
+    except Exception as exc:
+        logger.warning("deepinfer: could not build the packed-weight GEMMs, using their torch reference: %s", exc)
+        return False
+
+    @torch.library.register_fake("deepinfer::packed_linear")
+    def _(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, fmt: str,
+          out_features: int, block: list[int], path: str = "auto", isa: str = "auto") -> torch.Tensor:
+        return x.new_empty(x.shape[0], out_features)
+
+    return True
