@@ -10,6 +10,7 @@ import torch
 from backend_lib.config import EngineConfig
 from backend_lib.engine import LLMEngine
 from backend_lib.offline import LLM
+from backend_lib.outputs import SessionControl
 from backend_lib.sampling_params import SamplingParams
 from backend_lib.tiny import make_tiny
 from tests.test_deepseek_v4 import PagedRunner
@@ -104,10 +105,10 @@ def _engine(path, **settings) -> LLMEngine:
 def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list]:
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
-    outputs: dict[str, list] = {rid: [] for rid in requests}
+    outputs: dict[str, list] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            outputs[out.request_id].append(out)
+            outputs.setdefault(out.request_id, []).append(out)
     return outputs
 
 
@@ -145,6 +146,29 @@ def release_small(tmp_path_factory):
     path = make_tiny("deepseek_v4", tmp_path_factory.mktemp("release_mtp"), seed=11, initializer_range=0.15,
                      overrides=RELEASE_SMALL, mtp_layers=1)
     return path, ReferenceV4(path)
+
+
+def test_preemption_and_session_turns_keep_the_reference_greedy_ids(release_small):
+    """A pool small enough that requests are preempted and recomputed mid-decode, then a two-turn session whose
+    second turn prefills only its new tokens on the kept state: the reference's tokens throughout."""
+    path, ref = release_small
+    engine = _engine(path, max_num_batched_tokens=32, num_blocks=14)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = {f"r{n}": _tokens(n, 60 + n) for n in (3, 90, 50, 130)}
+    outputs = _run(engine, {r: (p, params) for r, p in prompts.items()})
+    for rid, prompt in prompts.items():
+        assert [t for o in outputs[rid] for t in o.new_token_ids] == ref.greedy(prompt, 40), rid
+    assert engine.stats().num_preemptions > 0
+
+    def turn(rid: str, prompt: list[int], session: SessionControl) -> list[int]:
+        engine.add_request(rid, prompt, params, session=session)
+        return [t for o in _run(engine, {})[rid] for t in o.new_token_ids]
+
+    first, second = _tokens(70, 71), _tokens(9, 72)
+    turn1 = turn("t1", first, SessionControl("s", start=True))
+    turn2 = turn("t2", second, SessionControl("s", end=True))
+    assert turn1 == ref.greedy(first, 40)
+    assert turn2 == ref.greedy(first + turn1 + second, 40)
 
 
 @pytest.mark.parametrize("settings", [
