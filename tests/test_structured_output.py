@@ -525,7 +525,8 @@ def test_mask_kernels_match_the_reference(dtype, vocab, width):
     if width * 32 < vocab:
         assert torch.isneginf(expected[:, width * 32:]).all()
     assert not torch.isneginf(expected[0, :min(vocab, width * 32)]).any()
-    for apply in (grammar_mask.apply_bitmask_inplace, grammar_mask.apply_bitmask_torch):
+    for apply in (grammar_mask.apply_bitmask_inplace, grammar_mask.apply_bitmask_torch,
+                  grammar_mask.apply_bitmask_xgrammar):
         out = logits.clone()
         assert apply(out, bitmask) is out
         assert torch.equal(out, expected), apply.__name__
@@ -534,7 +535,8 @@ def test_mask_kernels_match_the_reference(dtype, vocab, width):
     rows = [1, 4]
     expected_rows = grammar_mask.apply_bitmask_reference(logits.clone(), bitmask, rows)
     assert torch.equal(expected_rows[[0, 2, 3, 5]], logits[[0, 2, 3, 5]])
-    for apply in (grammar_mask.apply_bitmask_inplace, grammar_mask.apply_bitmask_torch):
+    for apply in (grammar_mask.apply_bitmask_inplace, grammar_mask.apply_bitmask_torch,
+                  grammar_mask.apply_bitmask_xgrammar):
         for given in (rows, torch.tensor(rows)):
             assert torch.equal(apply(logits.clone(), bitmask, given), expected_rows), apply.__name__
         assert torch.equal(apply(logits.clone(), bitmask, []), logits)
@@ -546,7 +548,8 @@ def test_mask_kernel_bit_order():
     bitmask[0, 0] = -2**31  # token 31
     bitmask[0, 1] = 1 | 4  # tokens 32 and 34
     for apply in (grammar_mask.apply_bitmask_reference, grammar_mask.apply_bitmask_inplace,
-                  grammar_mask.apply_bitmask_torch, grammar_mask.apply_bitmask_static):
+                  grammar_mask.apply_bitmask_torch, grammar_mask.apply_bitmask_xgrammar,
+                  grammar_mask.apply_bitmask_static):
         out = apply(torch.zeros(1, 40), bitmask)
         assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [31, 32, 34], apply.__name__
 
