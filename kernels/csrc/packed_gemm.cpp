@@ -26,6 +26,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -237,7 +238,8 @@ bool is_gguf(Fmt fmt) { return fmt != Fmt::kFp8 && fmt != Fmt::kFp4; }
 // as llama.cpp computes it; |q| <= 127), sum = sum(q), s = d * sum.
 void quantize_rows(const float* x, int64_t rows, int64_t in, int8_t* q, float* d, int32_t* sum, float* s) {
   const int64_t nb = in / 32;
-  at::parallel_for(0, rows * nb, 64, [&](int64_t begin, int64_t end) {
+  // A decode step's few rows take ~microseconds: a second parallel region would cost more than it saves.
+  at::parallel_for(0, rows * nb, 2048, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / nb, b = i % nb;
       const float* xb = x + r * in + 32 * b;
@@ -329,19 +331,23 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& data, const at::
   j.y = y.data_ptr();
   j.y_bf16 = y.scalar_type() == at::kBFloat16;
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor xq, xd, xsum, xs;
-  if (int8) {
+  if (int8) {  // the quantized rows in per-thread buffers kept across calls (no allocation per call)
+    struct Activations {
+      std::vector<int8_t> q;
+      std::vector<float> d, s;
+      std::vector<int32_t> sum;
+    };
+    thread_local Activations act;
     const int64_t nb = in / 32;
-    xq = at::empty({rows, in}, x.options().dtype(at::kChar));
-    xd = at::empty({rows, nb}, x.options().dtype(at::kFloat));
-    xsum = at::empty({rows, nb}, x.options().dtype(at::kInt));
-    xs = at::empty({rows, nb}, x.options().dtype(at::kFloat));
-    quantize_rows(xf.data_ptr<float>(), rows, in, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
-                  xsum.data_ptr<int32_t>(), xs.data_ptr<float>());
-    j.xq = xq.data_ptr<int8_t>();
-    j.xd = xd.data_ptr<float>();
-    j.xsum = xsum.data_ptr<int32_t>();
-    j.xs = xs.data_ptr<float>();
+    act.q.resize(rows * in);
+    act.d.resize(rows * nb);
+    act.s.resize(rows * nb);
+    act.sum.resize(rows * nb);
+    quantize_rows(xf.data_ptr<float>(), rows, in, act.q.data(), act.d.data(), act.sum.data(), act.s.data());
+    j.xq = act.q.data();
+    j.xd = act.d.data();
+    j.xsum = act.sum.data();
+    j.xs = act.s.data();
   } else {
     j.x = xf.data_ptr<float>();
   }

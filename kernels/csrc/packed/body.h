@@ -12,6 +12,19 @@
 // row's 4 int8 activations broadcast; each 32-input block's int32 sums become fp32 once (scales applied there).
 // No include guard: included once per instruction-set namespace.
 
+// f(std::integral_constant<int, i>) for i = 0 .. N - 1, unrolled at compile time. The per-row accumulator arrays
+// below are indexed only through it: with constant indices from the start GCC keeps them in registers, where a
+// `for (r < R)` loop over an array of two-ymm structs left a store to the stack after every FMA (AVX2, R = 4).
+template <class F, size_t... I>
+PACKED_INLINE void unroll_impl(F&& f, std::index_sequence<I...>) {
+  (f(std::integral_constant<int, static_cast<int>(I)>{}), ...);
+}
+template <int N, class F>
+PACKED_INLINE void unroll(F&& f) {
+  unroll_impl(f, std::make_index_sequence<N>{});
+}
+#define PACKED_EACH(N, r) unroll<N>([&](auto r) __attribute__((always_inline))
+
 template <int Max, class F>
 PACKED_INLINE void with_rows(int r, F&& f) {  // f(std::integral_constant<int, r>) for 1 <= r <= Max
   if (r == Max) {
@@ -20,6 +33,17 @@ PACKED_INLINE void with_rows(int r, F&& f) {  // f(std::integral_constant<int, r
   }
   if constexpr (Max > 1) with_rows<Max - 1>(r, f);
 }
+
+// Into L2, this far ahead in a tile's weight stream (the hardware prefetcher stops at 4 KiB pages; gemv.cpp's
+// kPrefetchBytes, measured there).
+constexpr int64_t kPrefetchBytes = 2048;
+PACKED_INLINE void prefetch_ahead(const uint8_t* p) { __builtin_prefetch(p + kPrefetchBytes, 0, 2); }
+
+// Byte I of every row of a 64-byte group (16 rows x 4 bytes, one int32 lane a row): signed, or its low / high
+// nibble, as fp32. One vector at a time, from the group's lanes held in a register.
+template <int I> PACKED_INLINE F16 group_s8(I16 raw) { return cvt(isra<24>(isll<24 - 8 * I>(raw))); }
+template <int I> PACKED_INLINE F16 group_lo(I16 raw) { return cvt(iand(isrl<8 * I>(raw), 0xF)); }
+template <int I> PACKED_INLINE F16 group_hi(I16 raw) { return cvt(iand(isrl<8 * I + 4>(raw), 0xF)); }
 
 PACKED_INLINE const uint8_t* gguf_block(const Job& j, int64_t tile, int64_t b) {
   return j.data + (tile * j.blocks + b) * j.block_bytes;
@@ -58,7 +82,10 @@ struct Fp8Dec {
     // fp8_16 gives value / 256: the scale times 256 (exact) makes each weight value * scale, rounded once.
     const F16 s = fset1(j.fp8_scale[(tile * kTile / j.block_n) * j.scale_cols + b] * 256.f);
     const uint8_t* p = j.data + (tile * j.in + k0) * kTile;
-    for (int64_t k = k0; k < k1; ++k, p += kTile) sink(k, fmul(fp8_16(p), s));
+    for (int64_t k = k0; k < k1; ++k, p += kTile) {
+      if ((k & 3) == 0) prefetch_ahead(p);  // one 64-byte line per 4 inputs
+      sink(k, fmul(fp8_16(p), s));
+    }
   }
 };
 
@@ -71,6 +98,7 @@ struct Fp4Dec {
     const F16 s = e8m0_16(j.fp4_scale + (tile * (j.in / 32) + g) * kTile);
     const uint8_t* p = j.data + (tile * (j.in / 2) + g * 16) * kTile;
     for (int pair = 0; pair < 16; ++pair, p += kTile) {
+      if ((pair & 3) == 0) prefetch_ahead(p);
       F16 lo, hi;
       fp4_16(p, kE2M1, lo, hi);
       sink(g * 32 + 2 * pair, fmul(lo, s));
@@ -88,9 +116,9 @@ struct Q8_0Dec {  // w = d * q
     const uint8_t* p = gguf_block(j, tile, b);
     const F16 d = half16(p);
     for (int g = 0; g < 8; ++g) {
-      F16 q[4];
-      q8_group(p + 32 + 64 * g, q);
-      for (int i = 0; i < 4; ++i) sink(32 * b + 4 * g + i, fmul(q[i], d));
+      prefetch_ahead(p + 32 + 64 * g);
+      const I16 raw = iload64(p + 32 + 64 * g);
+      PACKED_EACH(4, i) { sink(32 * b + 4 * g + i, fmul(group_s8<decltype(i)::value>(raw), d)); });
     }
   }
 };
@@ -107,12 +135,12 @@ struct Q4Dec {
     const F16 m = kMin ? half16(p + 32) : fmul(d, fset1(-8.f));
     const uint8_t* qs = p + (kMin ? 64 : 32);
     for (int g = 0; g < 4; ++g) {
-      F16 lo[4], hi[4];
-      q4_group(qs + 64 * g, lo, hi);
-      for (int i = 0; i < 4; ++i) {
-        sink(32 * b + 4 * g + i, fmadd(lo[i], d, m));
-        sink(32 * b + 16 + 4 * g + i, fmadd(hi[i], d, m));
-      }
+      prefetch_ahead(qs + 64 * g);
+      const I16 raw = iload64(qs + 64 * g);
+      PACKED_EACH(4, i) {
+        sink(32 * b + 4 * g + i, fmadd(group_lo<decltype(i)::value>(raw), d, m));
+        sink(32 * b + 16 + 4 * g + i, fmadd(group_hi<decltype(i)::value>(raw), d, m));
+      });
     }
   }
 };
@@ -129,13 +157,13 @@ struct Q4KDec {  // w = (d * sc) * q - dmin * m per 32-input sub-block (one roun
     const uint8_t* qs = p + 256;
     for (int g = 0; g < 32; ++g) {
       const int pair = g / 8, c = g % 8;
-      F16 lo[4], hi[4];
-      q4_group(qs + 64 * g, lo, hi);
+      prefetch_ahead(qs + 64 * g);
+      const I16 raw = iload64(qs + 64 * g);
       const int64_t k = 256 * b + 64 * pair + 4 * c;
-      for (int i = 0; i < 4; ++i) {
-        sink(k + i, fmsub(lo[i], dsc[2 * pair], dm[2 * pair]));
-        sink(k + 32 + i, fmsub(hi[i], dsc[2 * pair + 1], dm[2 * pair + 1]));
-      }
+      PACKED_EACH(4, i) {
+        sink(k + i, fmsub(group_lo<decltype(i)::value>(raw), dsc[2 * pair], dm[2 * pair]));
+        sink(k + 32 + i, fmsub(group_hi<decltype(i)::value>(raw), dsc[2 * pair + 1], dm[2 * pair + 1]));
+      });
     }
   }
 };
@@ -144,24 +172,24 @@ template <int R, bool kStore, class Dec>
 void widen_decode_pass(const Dec& dec, int64_t tile, int64_t b0, int64_t b1, const float* x, int64_t ldx,
                        float* acc, float* scratch, int64_t kc0) {
   F16 a[R];
-  for (int r = 0; r < R; ++r) a[r] = fload(acc + r * kTile);
+  PACKED_EACH(R, r) { a[r] = fload(acc + r * kTile); });
   auto sink = [&](int64_t k, F16 w) __attribute__((always_inline)) {
     if constexpr (kStore) fstore(scratch + (k - kc0) * kTile, w);
-    for (int r = 0; r < R; ++r) a[r] = fma_bcast(w, x + r * ldx + k, a[r]);
+    PACKED_EACH(R, r) { a[r] = fma_bcast(w, x + r * ldx + k, a[r]); });
   };
   for (int64_t b = b0; b < b1; ++b) dec.block(tile, b, sink);
-  for (int r = 0; r < R; ++r) fstore(acc + r * kTile, a[r]);
+  PACKED_EACH(R, r) { fstore(acc + r * kTile, a[r]); });
 }
 
 template <int R>
 void widen_scratch_pass(const float* scratch, int64_t kc0, int64_t kc1, const float* x, int64_t ldx, float* acc) {
   F16 a[R];
-  for (int r = 0; r < R; ++r) a[r] = fload(acc + r * kTile);
+  PACKED_EACH(R, r) { a[r] = fload(acc + r * kTile); });
   for (int64_t k = kc0; k < kc1; ++k) {
     const F16 w = fload(scratch + (k - kc0) * kTile);
-    for (int r = 0; r < R; ++r) a[r] = fma_bcast(w, x + r * ldx + k, a[r]);
+    PACKED_EACH(R, r) { a[r] = fma_bcast(w, x + r * ldx + k, a[r]); });
   }
-  for (int r = 0; r < R; ++r) fstore(acc + r * kTile, a[r]);
+  PACKED_EACH(R, r) { fstore(acc + r * kTile, a[r]); });
 }
 
 template <class Dec>
@@ -183,9 +211,9 @@ void widen_tiles_with(const Job& j, const Dec& dec, int64_t t0, int64_t t1) {
           widen_decode_pass<rows.value, false>(dec, tile, cb, cb1, j.x, j.in, acc.data(), nullptr, kc0);
         }
       });
-      for (int64_t r0 = first; r0 < j.rows; r0 += kRowsWiden) {
-        const int r = static_cast<int>(std::min<int64_t>(kRowsWiden, j.rows - r0));
-        with_rows<kRowsWiden>(r, [&](auto rows) {
+      for (int64_t r0 = first; r0 < j.rows; r0 += kRowsScratch) {
+        const int r = static_cast<int>(std::min<int64_t>(kRowsScratch, j.rows - r0));
+        with_rows<kRowsScratch>(r, [&](auto rows) {
           widen_scratch_pass<rows.value>(scratch.data(), kc0, kc1, j.x + r0 * j.in, j.in, acc.data() + r0 * kTile);
         });
       }
@@ -227,44 +255,46 @@ PACKED_INLINE XRows x_rows(const Job& j, int64_t r0) {
 template <int R>
 void int8_pass_q8_0(const Job& j, int64_t tile, const XRows& x, float* acc) {
   F16 f[R];
-  for (int r = 0; r < R; ++r) f[r] = fzero();
+  PACKED_EACH(R, r) { f[r] = fzero(); });
   for (int64_t b = 0; b < j.blocks; ++b) {
     const uint8_t* p = gguf_block(j, tile, b);
     IAccS a[R];
-    for (int r = 0; r < R; ++r) a[r] = izero_s();
+    PACKED_EACH(R, r) { a[r] = izero_s(); });
     for (int g = 0; g < 8; ++g) {
+      prefetch_ahead(p + 32 + 64 * g);
       const W8 w = wprep_s(wload(p + 32 + 64 * g));
-      for (int r = 0; r < R; ++r) idot_s(a[r], w, x.at(r, 32 * b + 4 * g));
+      PACKED_EACH(R, r) { idot_s(a[r], w, x.at(r, 32 * b + 4 * g)); });
     }
     const F16 d = half16(p);
-    for (int r = 0; r < R; ++r) {
+    PACKED_EACH(R, r) {
       I16 s = ifinish_s(a[r]);
       if constexpr (kSignedBias != 0) s = isub(s, iset1(kSignedBias * x.sum[x.blk(r, b)]));
       f[r] = fmadd(cvt(s), fmul(d, fset1(x.d[x.blk(r, b)])), f[r]);
-    }
+    });
   }
-  for (int r = 0; r < R; ++r) fstore(acc + r * kTile, f[r]);
+  PACKED_EACH(R, r) { fstore(acc + r * kTile, f[r]); });
 }
 
 template <int R, bool kMin>  // Q4_0: d * (sum(q x) - 8 sum(x)); Q4_1: d * sum(q x) + m * sum(x)
 void int8_pass_q4(const Job& j, int64_t tile, const XRows& x, float* acc) {
   F16 f[R];
-  for (int r = 0; r < R; ++r) f[r] = fzero();
+  PACKED_EACH(R, r) { f[r] = fzero(); });
   const int qs_at = kMin ? 64 : 32;
   for (int64_t b = 0; b < j.blocks; ++b) {
     const uint8_t* p = gguf_block(j, tile, b);
     IAccU a[R];
-    for (int r = 0; r < R; ++r) a[r] = izero_u();
+    PACKED_EACH(R, r) { a[r] = izero_u(); });
     for (int g = 0; g < 4; ++g) {  // 8 idot_u per accumulator: within the int16 paths' bound
+      prefetch_ahead(p + qs_at + 64 * g);
       const W8 v = wload(p + qs_at + 64 * g);
       const W8 lo = wlo(v), hi = whi(v);
-      for (int r = 0; r < R; ++r) {
+      PACKED_EACH(R, r) {
         idot_u(a[r], lo, x.at(r, 32 * b + 4 * g));
         idot_u(a[r], hi, x.at(r, 32 * b + 16 + 4 * g));
-      }
+      });
     }
     const F16 d = half16(p), m = kMin ? half16(p + 32) : fzero();
-    for (int r = 0; r < R; ++r) {
+    PACKED_EACH(R, r) {
       const int64_t xb = x.blk(r, b);
       if constexpr (kMin) {
         f[r] = fmadd(cvt(ifinish_u(a[r])), fmul(d, fset1(x.d[xb])), f[r]);
@@ -273,15 +303,15 @@ void int8_pass_q4(const Job& j, int64_t tile, const XRows& x, float* acc) {
         const I16 s = isub(ifinish_u(a[r]), iset1(8 * x.sum[xb]));
         f[r] = fmadd(cvt(s), fmul(d, fset1(x.d[xb])), f[r]);
       }
-    }
+    });
   }
-  for (int r = 0; r < R; ++r) fstore(acc + r * kTile, f[r]);
+  PACKED_EACH(R, r) { fstore(acc + r * kTile, f[r]); });
 }
 
 template <int R>  // per sub-block s: (d sc_s) * d_x * sum(q x) - (dmin m_s) * d_x * sum(x)
 void int8_pass_q4_k(const Job& j, int64_t tile, const XRows& x, float* acc) {
   F16 f[R];
-  for (int r = 0; r < R; ++r) f[r] = fzero();
+  PACKED_EACH(R, r) { f[r] = fzero(); });
   for (int64_t b = 0; b < j.blocks; ++b) {
     const uint8_t* p = gguf_block(j, tile, b);
     F16 dsc[8], dm[8];
@@ -289,27 +319,28 @@ void int8_pass_q4_k(const Job& j, int64_t tile, const XRows& x, float* acc) {
     const uint8_t* qs = p + 256;
     for (int pair = 0; pair < 4; ++pair) {  // sub-blocks 2 pair (low nibbles) and 2 pair + 1 (high)
       IAccU lo[R], hi[R];
-      for (int r = 0; r < R; ++r) lo[r] = hi[r] = izero_u();
+      PACKED_EACH(R, r) { lo[r] = hi[r] = izero_u(); });
       for (int c = 0; c < 8; ++c) {
+        prefetch_ahead(qs + 64 * (8 * pair + c));
         const W8 v = wload(qs + 64 * (8 * pair + c));
         const W8 wl = wlo(v), wh = whi(v);
         const int64_t k = 256 * b + 64 * pair + 4 * c;
-        for (int r = 0; r < R; ++r) {
+        PACKED_EACH(R, r) {
           idot_u(lo[r], wl, x.at(r, k));
           idot_u(hi[r], wh, x.at(r, k + 32));
-        }
+        });
       }
       const int s = 2 * pair;
       const int64_t xb0 = 8 * b + s;
-      for (int r = 0; r < R; ++r) {
+      PACKED_EACH(R, r) {
         f[r] = fmadd(cvt(ifinish_u(lo[r])), fmul(dsc[s], fset1(x.d[x.blk(r, xb0)])), f[r]);
         f[r] = fnmadd(dm[s], fset1(x.s[x.blk(r, xb0)]), f[r]);
         f[r] = fmadd(cvt(ifinish_u(hi[r])), fmul(dsc[s + 1], fset1(x.d[x.blk(r, xb0 + 1)])), f[r]);
         f[r] = fnmadd(dm[s + 1], fset1(x.s[x.blk(r, xb0 + 1)]), f[r]);
-      }
+      });
     }
   }
-  for (int r = 0; r < R; ++r) fstore(acc + r * kTile, f[r]);
+  PACKED_EACH(R, r) { fstore(acc + r * kTile, f[r]); });
 }
 
 template <int MaxRows, class Pass>
@@ -348,3 +379,5 @@ void int8_tiles(const Job& j, int64_t t0, int64_t t1) {
       TORCH_CHECK(false, "packed_linear: no int8 path for this format");
   }
 }
+
+#undef PACKED_EACH

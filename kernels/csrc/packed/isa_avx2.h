@@ -43,6 +43,11 @@ PACKED_INLINE I16 ior(I16 x, I16 y) { return {_mm256_or_si256(x.a, y.a), _mm256_
 PACKED_INLINE I16 isub(I16 x, I16 y) { return {_mm256_sub_epi32(x.a, y.a), _mm256_sub_epi32(x.b, y.b)}; }
 template <int N> PACKED_INLINE I16 isrl(I16 v) { return {_mm256_srli_epi32(v.a, N), _mm256_srli_epi32(v.b, N)}; }
 template <int N> PACKED_INLINE I16 isll(I16 v) { return {_mm256_slli_epi32(v.a, N), _mm256_slli_epi32(v.b, N)}; }
+template <int N> PACKED_INLINE I16 isra(I16 v) { return {_mm256_srai_epi32(v.a, N), _mm256_srai_epi32(v.b, N)}; }
+PACKED_INLINE I16 iload64(const uint8_t* p) {  // a group: 4 bytes a row
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
 
 PACKED_INLINE F16 e8m0_16(const uint8_t* p) {
   const I16 e = isll<23>(iload_u8(p));
@@ -68,31 +73,6 @@ PACKED_INLINE void fp4_16(const uint8_t* p, const float* table16, F16& lo, F16& 
   const __m256i vb = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
   lo = {fp4_8(va, magnitudes), fp4_8(vb, magnitudes)};
   hi = {fp4_8(_mm256_srli_epi32(va, 4), magnitudes), fp4_8(_mm256_srli_epi32(vb, 4), magnitudes)};
-}
-
-PACKED_INLINE __m256 q8_byte(__m256i v, int i) {
-  switch (i) {
-    case 0: return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24));
-    case 1: return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24));
-    case 2: return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 8), 24));
-    default: return _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 24));
-  }
-}
-PACKED_INLINE void q8_group(const uint8_t* p, F16 q[4]) {
-  const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
-  for (int i = 0; i < 4; ++i) q[i] = {q8_byte(va, i), q8_byte(vb, i)};
-}
-PACKED_INLINE __m256 q4_nibble(__m256i v, int shift) {
-  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(0xF)));
-}
-PACKED_INLINE void q4_group(const uint8_t* p, F16 lo[4], F16 hi[4]) {
-  const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
-  for (int i = 0; i < 4; ++i) {
-    lo[i] = {q4_nibble(va, 8 * i), q4_nibble(vb, 8 * i)};
-    hi[i] = {q4_nibble(va, 8 * i + 4), q4_nibble(vb, 8 * i + 4)};
-  }
 }
 
 // ---- int8 dot products ----
@@ -160,5 +140,17 @@ PACKED_INLINE void idot_s(IAccS& acc, W8 w, const int8_t* x) {
 PACKED_INLINE I16 ifinish_s(IAccS acc) { return {acc.a, acc.b}; }
 #endif
 
-constexpr int kRowsWiden = 4;  // 8 ymm accumulators
-constexpr int kRowsInt8 = 4;
+#ifndef PACKED_AVX2_ROWS_WIDEN
+#define PACKED_AVX2_ROWS_WIDEN 4
+#endif
+#ifndef PACKED_AVX2_ROWS_SCRATCH
+#define PACKED_AVX2_ROWS_SCRATCH PACKED_AVX2_ROWS_WIDEN
+#endif
+#ifndef PACKED_AVX2_ROWS_INT8
+#define PACKED_AVX2_ROWS_INT8 4
+#endif
+// Rows per pass (overridable for experiments). Busy 2-core Zen 3, 1536 x 1536, 32 rows: widening 4 + 4 took
+// 0.55-0.6x the time of 2 + 2 (per decode pass + per pass over the decoded chunk); int8 4 took 0.7-1.0x of 2.
+constexpr int kRowsWiden = PACKED_AVX2_ROWS_WIDEN;  // 4: 8 ymm accumulators
+constexpr int kRowsScratch = PACKED_AVX2_ROWS_SCRATCH;
+constexpr int kRowsInt8 = PACKED_AVX2_ROWS_INT8;

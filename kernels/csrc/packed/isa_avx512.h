@@ -34,6 +34,8 @@ PACKED_INLINE I16 ior(I16 a, I16 b) { return {_mm512_or_si512(a.v, b.v)}; }
 PACKED_INLINE I16 isub(I16 a, I16 b) { return {_mm512_sub_epi32(a.v, b.v)}; }
 template <int N> PACKED_INLINE I16 isrl(I16 a) { return {_mm512_srli_epi32(a.v, N)}; }
 template <int N> PACKED_INLINE I16 isll(I16 a) { return {_mm512_slli_epi32(a.v, N)}; }
+template <int N> PACKED_INLINE I16 isra(I16 a) { return {_mm512_srai_epi32(a.v, N)}; }
+PACKED_INLINE I16 iload64(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }  // a group: 4 bytes a row
 
 // e8m0 exponent bytes of 16 rows -> 2^(e - 127) (e in 1..254; e = 0 reads as 0, not 2^-127).
 PACKED_INLINE F16 e8m0_16(const uint8_t* p) { return {_mm512_castsi512_ps(isll<23>(iload_u8(p)).v)}; }
@@ -55,28 +57,6 @@ PACKED_INLINE void fp4_16(const uint8_t* p, const float* table16, F16& lo, F16& 
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   lo.v = _mm512_permutexvar_ps(v, table);
   hi.v = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
-}
-
-// A 64-byte group (16 rows x 4 bytes): the 4 signed bytes of each row as fp32 (q[i]: byte i of every row).
-PACKED_INLINE void q8_group(const uint8_t* p, F16 q[4]) {
-  const __m512i v = _mm512_loadu_si512(p);
-  q[0].v = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24));
-  q[1].v = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 24));
-  q[2].v = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 8), 24));
-  q[3].v = _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 24));
-}
-
-// The same group as 8 nibbles per row: lo[i] = byte i's low nibble, hi[i] its high one (0..15, as fp32).
-PACKED_INLINE void q4_group(const uint8_t* p, F16 lo[4], F16 hi[4]) {
-  const __m512i v = _mm512_loadu_si512(p), m = _mm512_set1_epi32(0xF);
-  lo[0].v = _mm512_cvtepi32_ps(_mm512_and_si512(v, m));
-  hi[0].v = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 4), m));
-  lo[1].v = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8), m));
-  hi[1].v = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 12), m));
-  lo[2].v = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 16), m));
-  hi[2].v = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 20), m));
-  lo[3].v = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 24), m));
-  hi[3].v = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 28));
 }
 
 // ---- int8 dot products: acc lane j += sum_i w[4j + i] * x[i] over one row's 4 activation bytes ----
@@ -128,4 +108,5 @@ PACKED_INLINE I16 ifinish_s(IAccS a) { return {a.v}; }
 #endif
 
 constexpr int kRowsWiden = 8;  // activation rows per widening pass: 8 zmm accumulators
+constexpr int kRowsScratch = kRowsWiden;  // per pass over a decoded chunk
 constexpr int kRowsInt8 = 8;   // per int8 pass (Q4_K: half, two accumulators a row)

@@ -49,6 +49,8 @@ template <int N> PACKED_INLINE I16 isrl(const I16& a) {
 template <int N> PACKED_INLINE I16 isll(const I16& a) {
   I16 r; PACKED_LANES r.v[j] = static_cast<int32_t>(static_cast<uint32_t>(a.v[j]) << N); return r;
 }
+template <int N> PACKED_INLINE I16 isra(const I16& a) { I16 r; PACKED_LANES r.v[j] = a.v[j] >> N; return r; }
+PACKED_INLINE I16 iload64(const uint8_t* p) { I16 r; std::memcpy(r.v, p, 64); return r; }  // little-endian lanes
 
 PACKED_INLINE F16 e8m0_16(const uint8_t* p) {
   F16 r;
@@ -69,16 +71,6 @@ PACKED_INLINE void fp4_16(const uint8_t* p, const float* table16, F16& lo, F16& 
     hi.v[j] = table16[p[j] >> 4];
   }
 }
-PACKED_INLINE void q8_group(const uint8_t* p, F16 q[4]) {
-  for (int i = 0; i < 4; ++i) PACKED_LANES q[i].v[j] = static_cast<float>(static_cast<int8_t>(p[4 * j + i]));
-}
-PACKED_INLINE void q4_group(const uint8_t* p, F16 lo[4], F16 hi[4]) {
-  for (int i = 0; i < 4; ++i) PACKED_LANES {
-    lo[i].v[j] = static_cast<float>(p[4 * j + i] & 0xF);
-    hi[i].v[j] = static_cast<float>(p[4 * j + i] >> 4);
-  }
-}
-
 PACKED_INLINE W8 wload(const uint8_t* p) { W8 r; std::memcpy(r.v, p, 64); return r; }
 PACKED_INLINE W8 wlo(const W8& w) { W8 r; for (int i = 0; i < 64; ++i) r.v[i] = w.v[i] & 0xF; return r; }
 PACKED_INLINE W8 whi(const W8& w) { W8 r; for (int i = 0; i < 64; ++i) r.v[i] = w.v[i] >> 4; return r; }
@@ -108,4 +100,5 @@ PACKED_INLINE I16 ifinish_s(const IAccS& a) { return ifinish_u(a); }
 #undef PACKED_LANES
 
 constexpr int kRowsWiden = 4;
+constexpr int kRowsScratch = kRowsWiden;  // per pass over a decoded chunk
 constexpr int kRowsInt8 = 4;
