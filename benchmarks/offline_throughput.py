@@ -30,10 +30,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backend_lib.config import EngineConfig  # noqa: E402
+from backend_lib.core.config import EngineConfig  # noqa: E402
+from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
+from backend_lib.engine.offline import LLM  # noqa: E402
 from backend_lib.models.loader import default_model_path  # noqa: E402
-from backend_lib.offline import LLM  # noqa: E402
-from backend_lib.sampling_params import SamplingParams  # noqa: E402
 from benchmarks.machine import describe, measure_limits  # noqa: E402
 from benchmarks.peers import PeerRun, anchors_missing, run_llama_cpp, run_vllm  # noqa: E402
 
@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--stem", default="", help="result file name (default: offline or offline_compiled)")
     parser.add_argument("--compile", default="none", choices=["none", "inductor", "aot_eager"],
-                        help="run the engine with compiled regions (backend_lib/neuron/regions.py)")
+                        help="run the engine with compiled regions (backend_lib/worker/compile/regions.py)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     parser.add_argument("--rounds", type=int, default=1, help="repeat every run; each engine's fastest counts")
     parser.add_argument("--width-buckets", default="8,16",

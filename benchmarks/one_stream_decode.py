@@ -17,10 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.offline_throughput import load_workload, run_engine  # noqa: E402
-from backend_lib.config import EngineConfig  # noqa: E402
+from backend_lib.core.config import EngineConfig  # noqa: E402
+from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
+from backend_lib.engine.offline import LLM  # noqa: E402
 from backend_lib.models.loader import default_model_path  # noqa: E402
-from backend_lib.offline import LLM  # noqa: E402
-from backend_lib.sampling_params import SamplingParams  # noqa: E402
 
 
 def main() -> int:

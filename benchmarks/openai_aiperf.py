@@ -24,7 +24,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import serving  # noqa: E402  (benchmarks/serving.py: the gRPC client and the workload loader)
 
-from backend_lib.server import TritonServer, free_port  # noqa: E402
+from backend_lib.core.processes import free_port  # noqa: E402
+from backend_lib.frontend.triton.server import TritonServer  # noqa: E402
 
 
 @dataclass
@@ -41,8 +42,8 @@ class Row:
 def export_tokenizer(directory: Path) -> Path:
     """The bundled model's tokenizer as a Hugging Face directory: AIPerf loads one even when the server counts the
     tokens, and this machine cannot download any (AIPerf's "builtin" tokenizer downloads its encoding)."""
+    from backend_lib.engine.tokenizer import Tokenizer
     from backend_lib.models.loader import default_model_path
-    from backend_lib.tokenizer import Tokenizer
 
     Tokenizer.load(default_model_path()).save_pretrained(str(directory))
     return directory

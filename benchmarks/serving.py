@@ -3,7 +3,7 @@
 For each concurrency C, C client workers each send their next prompt as soon as their previous request
 finished (like perf_analyzer --concurrency-range C). Per request: time to first token (first streamed
 response), time per output token after it, end-to-end latency (p50 / p90 / p99). Per level: output tokens/s,
-next to the offline engine (backend_lib.offline.LLM, max_num_seqs = C, the server's other engine settings) on
+next to the offline engine (backend_lib.engine.offline.LLM, max_num_seqs = C, the server's other engine settings) on
 the SAME prompts, in alternating rounds (offline, Triton, offline, ...) so both see similar machine load, tok/s
 over all rounds; the ratio Triton / offline is the serving overhead (target: >= 0.85 at concurrency 16).
 The load generator runs in its own process at a lower CPU priority (--client-nice, default 10): on a machine
@@ -33,7 +33,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backend_lib.server import TritonServer, free_port  # noqa: E402
+from backend_lib.core.processes import free_port  # noqa: E402
+from backend_lib.frontend.triton.server import TritonServer  # noqa: E402
 
 MODEL = "deepinfer"
 # The server's engine settings; the offline runs use the same, with max_num_seqs = the level's concurrency.
@@ -86,13 +87,13 @@ class Level:
 
 
 def run_offline(prompts: list, new_tokens: int, concurrency: int, settings: dict[str, int]) -> Offline:
-    """Same prompts, sampling and engine settings through backend_lib.offline.LLM in this process.
+    """Same prompts, sampling and engine settings through backend_lib.engine.offline.LLM in this process.
 
     Model load and a short warm-up are not timed (the server is warmed up the same way)."""
     import gc
 
-    from backend_lib.offline import LLM
-    from backend_lib.sampling_params import SamplingParams
+    from backend_lib.core.sampling_params import SamplingParams
+    from backend_lib.engine.offline import LLM
 
     llm = LLM("", **{**settings, "max_num_seqs": concurrency})
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))
@@ -209,7 +210,7 @@ def write_results(levels: list[Level], new_tokens: int, out_dir: Path, load: tup
              f"{num_threads or 'all'} engine threads; "
              f"1-min load average {load[0]:.1f} before, {load[1]:.1f} after (other work on the machine skews "
              f"the numbers when it exceeds the core count).", "",
-             "Offline: backend_lib.offline.LLM on the same prompts with the same engine settings and max_num_seqs = "
+             "Offline: backend_lib.engine.offline.LLM on the same prompts with the same engine settings and max_num_seqs = "
              "concurrency, all prompts submitted at once (the engine keeps at most that many running), in rounds "
              "alternating with the Triton runs (tok/s over all rounds); ratio = Triton tok/s / offline tok/s. With 2 "
              "requests per stream and round, p99 is "

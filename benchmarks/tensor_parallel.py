@@ -22,8 +22,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.offline_throughput import load_workload  # noqa: E402
-from backend_lib.offline import LLM  # noqa: E402
-from backend_lib.sampling_params import SamplingParams  # noqa: E402
+from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
+from backend_lib.engine.offline import LLM  # noqa: E402
 
 COLLECTIVES = ("all_reduce", "allgather", "all_gather", "broadcast")  # gloo's, and the shared-memory all-reduce
 

@@ -8,7 +8,7 @@ Cache layout: each cache tensor is layer-major, ``[num_layers, num_slots, ...]``
 ``num_slots = (num_blocks + 1) * block_size``; the extra last block is a scratch block that padded rows
 write into. A token's slot is ``block_id * block_size + offset``; block tables hold block ids.
 
-Models with fixed per-request state (the hybrid cache, ``backend_lib/hybrid_kv.py``) also get ``state``: each
+Models with fixed per-request state (the hybrid cache, ``backend_lib/core/hybrid_kv.py``) also get ``state``: each
 token's state slot and the span of its chunk, so the model can tell which of its recent positions earlier steps
 left in the slot and which this step computes.
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from backend_lib.sampling_params import SamplingParams
+from backend_lib.core.sampling_params import SamplingParams
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                          HealthCheck.function_scoped_fixture])
@@ -48,7 +48,7 @@ def accepts_or_value_error(call):
 
 def small_engine(model_dir):
     """An engine small enough that fuzzed turns run out of context, blocks and sessions."""
-    from backend_lib.config import EngineConfig
-    from backend_lib.engine import LLMEngine
+    from backend_lib.core.config import EngineConfig
+    from backend_lib.engine.llm_engine import LLMEngine
     return LLMEngine(EngineConfig.from_flat({"model": str(model_dir), "max_model_len": 96, "num_blocks": 24,
                                              "block_size": 4, "max_sessions": 2, "max_logprobs": 5}))

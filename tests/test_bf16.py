@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backend_lib.models.loader import load_model
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.engine.offline import LLM
 from backend_lib.models.layers import Linear
-from backend_lib.offline import LLM
-from backend_lib.sampling_params import SamplingParams
-from backend_lib.tiny import make_tiny
+from backend_lib.models.loader import load_model
+from backend_lib.tools.tiny import make_tiny
 from kernels.attention import paged_attention, reference_attention, write_kv
 from kernels.cpu_kernels import load_cpu_kernels
 from kernels.onednn_gemm import PackedWeight, onednn_gemm_available, packed_linear

@@ -1,4 +1,4 @@
-"""The compiled engine's persistent compile cache (backend_lib/neuron/compile_cache.py) and the buckets it compiles.
+"""The compiled engine's persistent compile cache (backend_lib/worker/compile/compile_cache.py) and the buckets it compiles.
 
 The start-up test runs two engine starts in fresh processes on one cache directory (inductor, a tiny Llama on the
 host's packed GEMM: the graphs that used to bypass the cache) and checks the second one loads every graph from the
@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend_lib.config import CompileConfig, EngineConfig
-from backend_lib.neuron.buckets import BucketSpec
-from backend_lib.neuron.compile_cache import (INDUCTOR_ENV, NEURON_CC_FLAGS_ENV, NEURON_ENV, compile_cache_scope,
-                                              resolve_cache_dir)
-from backend_lib.neuron.platform import Platform
-from backend_lib.offline import LLM
-from backend_lib.sampling_params import SamplingParams
-from backend_lib.tiny import make_tiny
+from backend_lib.core.config import CompileConfig, EngineConfig
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.engine.offline import LLM
+from backend_lib.tools.tiny import make_tiny
+from backend_lib.worker.compile.buckets import BucketSpec
+from backend_lib.worker.compile.compile_cache import (INDUCTOR_ENV, NEURON_CC_FLAGS_ENV, NEURON_ENV,
+                                                      compile_cache_scope, resolve_cache_dir)
+from backend_lib.worker.compile.platform import Platform
 from kernels.onednn_gemm import PackedWeight, onednn_gemm_available
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,9 +35,9 @@ NEW_TOKENS = 6
 # One engine start: prints its greedy ids and what the AOTAutograd cache did during the warm-up.
 CHILD = """
 import json, sys
-from backend_lib.config import EngineConfig
-from backend_lib.offline import LLM
-from backend_lib.sampling_params import SamplingParams
+from backend_lib.core.config import EngineConfig
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.engine.offline import LLM
 llm = LLM(config=EngineConfig.from_flat(json.loads(sys.argv[1])))
 ids = llm.generate([json.loads(sys.argv[2])], SamplingParams(max_tokens=int(sys.argv[3]), temperature=0.0,
                                                               ignore_eos=True))[0].token_ids

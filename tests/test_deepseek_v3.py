@@ -9,7 +9,7 @@ import torch
 
 from backend_lib.models.deepseek_v3 import DeepseekV3ForCausalLM
 from backend_lib.models.loader import load_model
-from backend_lib.tiny import make_tiny
+from backend_lib.tools.tiny import make_tiny
 from kernels.attention_metadata import AttentionMetadata
 
 NEW_TOKENS = 32
@@ -231,7 +231,7 @@ def test_mtp_weights_load_as_optional_submodule(tmp_path):
 def test_make_tiny_loads_in_transformers_and_ours(arch, tmp_path):
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
-    from backend_lib.tiny import main
+    from backend_lib.tools.tiny import main
     assert main(["--arch", arch, "--out", str(tmp_path)]) == 0
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) == 2
@@ -253,9 +253,9 @@ def test_make_tiny_loads_in_transformers_and_ours(arch, tmp_path):
 def test_engine_greedy_concurrent_matches_transformers(tmp_path):
     """Through LLMEngine: scheduler, paged blocks, chunked prefill (budget 8) and the model runner."""
     from transformers import AutoModelForCausalLM
-    from backend_lib.config import EngineConfig
-    from backend_lib.offline import LLM
-    from backend_lib.sampling_params import SamplingParams
+    from backend_lib.core.config import EngineConfig
+    from backend_lib.core.sampling_params import SamplingParams
+    from backend_lib.engine.offline import LLM
     path = make_tiny("deepseek_v3", tmp_path, seed=4, overrides=CONFIGS["yarn_groups"])
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     llm = LLM(config=EngineConfig.from_flat({"model": str(path), "max_num_batched_tokens": 8, "max_num_seqs": 4,

@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 
-from backend_lib.config import EngineConfig
-from backend_lib.engine import LLMEngine
+from backend_lib.core.config import EngineConfig
+from backend_lib.engine.llm_engine import LLMEngine
 from backend_lib.models.loader import load_model
-from backend_lib.outputs import SessionControl
-from backend_lib.sampling_params import SamplingParams
-from backend_lib.tiny import make_tiny
+from backend_lib.core.outputs import SessionControl
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.tools.tiny import make_tiny
 from kernels.attention_metadata import StateRows
 from tests.test_deepseek_v3 import PagedRunner as _PagedRunner
 
@@ -105,7 +105,7 @@ def _hf_generate(hf, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[in
 
 def test_make_tiny_writes_the_release_layout_that_both_load(tmp_path):
     from transformers import AutoModelForCausalLM
-    from backend_lib.tiny import main
+    from backend_lib.tools.tiny import main
     assert main(["--arch", "deepseek_v4", "--out", str(tmp_path)]) == 0
     names = set(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"])
     for name in ("model.layers.1.attn.compressor.wkv.weight", "model.layers.1.attn.indexer.wq_b.weight",
@@ -257,7 +257,7 @@ def test_fp8_attention_and_fp4_experts_match_transformers_over_the_dequantized_w
 def test_prefix_caching_is_off_with_a_log_line_and_results_stay_exact(tiny, caplog):
     """The rings hold state only at the position their request reached, so a shared prefix is recomputed (never
     read from another request's blocks): the log says so and both requests give transformers' ids."""
-    from backend_lib.offline import LLM
+    from backend_lib.engine.offline import LLM
     path, _, hf = tiny
     with caplog.at_level("INFO", logger="deepinfer.engine"):
         llm = LLM(str(path), max_model_len=256, block_size=4, num_blocks=64, max_num_batched_tokens=64)
@@ -275,7 +275,7 @@ def test_memory_grows_by_compressed_entries_only_and_sessions_hold_slots(tmp_pat
     """The engine's allocator: a block of 8 positions (both tiny rates, 4 and 8, divide it) holds n_csa * (D + Di) / 4
     + n_hca * D / 8 values per position; a state slot holds the rings, whatever the context length. Slots are
     max_num_seqs + max_sessions: a session past max_sessions gets the busy error, and END frees its slot."""
-    from backend_lib.model_runner import ModelRunner
+    from backend_lib.worker.model_runner import ModelRunner
     path = make_tiny("deepseek_v4", tmp_path, seed=3)
     engine = _engine(path, num_blocks=16, block_size=8, max_sessions=2)
     a = engine.model.args
@@ -291,7 +291,7 @@ def test_memory_grows_by_compressed_entries_only_and_sessions_hold_slots(tmp_pat
     assert slots == 4 + 2  # max_num_seqs + max_sessions
     assert allocated == (16 + 1) * per_position * 8 + (slots + 1) * per_slot  # + the scratch block and slot
 
-    from backend_lib.errors import EngineBusyError
+    from backend_lib.engine.errors import EngineBusyError
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     for sid in ("s0", "s1"):  # each open session keeps a slot between turns; a third one is refused, not queued
         engine.add_request(sid, _tokens(9, 7), params, session=SessionControl(sid, start=True))
@@ -372,7 +372,7 @@ def test_compiled_decode_regions_give_the_same_greedy_ids(backend, tmp_path):
     """Decode graphs (static MoE, fullgraph) over the hybrid cache (rings and paged entries as graph inputs updated
     in place) give the eager engine's and transformers' greedy ids; inductor is what a host deployment runs."""
     from transformers import AutoModelForCausalLM
-    from backend_lib.neuron.regions import CompiledModel
+    from backend_lib.worker.compile.regions import CompiledModel
     layer_types = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
     if backend == "inductor":  # inductor's compile time grows with the graph; a CSA layer runs a sliding branch too
         layer_types = layer_types[1:]

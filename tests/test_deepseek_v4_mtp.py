@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from backend_lib.config import EngineConfig
-from backend_lib.engine import LLMEngine
+from backend_lib.core.config import EngineConfig
+from backend_lib.engine.llm_engine import LLMEngine
 from backend_lib.models.loader import load_model
-from backend_lib.sampling_params import SamplingParams
-from backend_lib.spec_decode.mtp_v4 import V4MTPProposer
-from backend_lib.tiny import make_tiny
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.worker.spec_decode.mtp_v4 import V4MTPProposer
+from backend_lib.tools.tiny import make_tiny
 from kernels.attention_metadata import AttentionMetadata, StateRows
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -234,7 +234,7 @@ def test_mtp_with_compiled_regions_is_refused_before_compiling(tiny_mtp):
 def test_mtp_drafts_across_session_turns_equal_the_oracle(tiny_mtp):
     """A session keeps its state slot, MTP ring included, between turns: the second turn prefills only its new
     tokens and its drafts equal the oracle's over the whole history; ids equal the plain engine's."""
-    from backend_lib.outputs import SessionControl
+    from backend_lib.core.outputs import SessionControl
     path, oracle = tiny_mtp
     first, second = _tokens(11, 74), _tokens(6, 75)
 

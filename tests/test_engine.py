@@ -5,12 +5,12 @@ import random
 
 import pytest
 
-from backend_lib.async_engine import AsyncEngine
-from backend_lib.config import EngineConfig
-from backend_lib.engine import LLMEngine
-from backend_lib.offline import LLM
-from backend_lib.outputs import SessionControl
-from backend_lib.sampling_params import SamplingParams
+from backend_lib.core.config import EngineConfig
+from backend_lib.core.outputs import SessionControl
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.engine.async_engine import AsyncEngine
+from backend_lib.engine.llm_engine import LLMEngine
+from backend_lib.engine.offline import LLM
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,10 @@ import threading
 
 import pytest
 
-from backend_lib.async_engine import AsyncEngine, EngineDeadError
-from backend_lib.config import EngineConfig
-from backend_lib.faults import FaultConfig
-from backend_lib.sampling_params import SamplingParams
+from backend_lib.core.config import EngineConfig
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.engine.async_engine import AsyncEngine, EngineDeadError
+from backend_lib.engine.faults import FaultConfig
 
 LONG = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

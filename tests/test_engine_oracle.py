@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from backend_lib.config import EngineConfig
-from backend_lib.offline import LLM
-from backend_lib.sampling_params import SamplingParams
+from backend_lib.core.config import EngineConfig
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.engine.offline import LLM
 from tests.conftest import hf_greedy
 
 PROMPTS = [
@@ -90,7 +90,7 @@ def test_tiny_hf_llama_matches_transformers(tiny_llama_dir):
 
 @pytest.mark.slow
 def test_cli_generate_chat_prints_paris():
-    out = subprocess.run([sys.executable, "-m", "backend_lib.cli", "generate", "--chat", "--max-tokens", "32",
+    out = subprocess.run([sys.executable, "-m", "backend_lib.frontend.cli.main", "generate", "--chat", "--max-tokens", "32",
                           "What is the capital of France?"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout

@@ -1,7 +1,7 @@
 """Fuzzed request decoding: whatever a client sends, the only outcomes are a valid request or a ValueError
 (INVALID_ARG) - never another exception (an internal error) or a hang.
 
-Covers serving.decode_request (arbitrary tensors, dtypes, shapes, JSON parameters, session controls),
+Covers codec.decode_request (arbitrary tensors, dtypes, shapes, JSON parameters, session controls),
 SamplingParams.from_dict (JSON values: NaN / inf, huge numbers, wrong types, nesting), and the engine's checks
 behind them (LLMEngine.prepare_request: tokenization, the chat template, out-of-vocabulary ids, the limits).
 Bounded (max_examples, no deadline) so the file runs in well under a minute on 2 cores.
@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backend_lib import serving
-from backend_lib.sampling_params import SamplingParams
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.frontend.triton import codec
 from tests.fuzz_values import (FUZZ, JSON_VALUES, SAMPLING_DICTS, TEXT, accepts_or_value_error,
                                small_engine)
 
@@ -79,10 +79,10 @@ def tensors(draw):
     return np.array(values).astype(dtype).reshape(shape)
 
 
-INPUT_NAMES = list(serving.INPUT_NAMES) + ["bogus"]
+INPUT_NAMES = list(codec.INPUT_NAMES) + ["bogus"]
 PARAMETERS = st.one_of(
     SAMPLING_DICTS.map(json.dumps),
-    st.dictionaries(st.sampled_from(serving.SESSION_PARAMETERS + ("max_tokens", "stop")), JSON_VALUES,
+    st.dictionaries(st.sampled_from(codec.SESSION_PARAMETERS + ("max_tokens", "stop")), JSON_VALUES,
                     max_size=3).map(json.dumps),
     JSON_VALUES.map(json.dumps), TEXT, st.sampled_from(["", "{}", "[" * 100000, "NaN"]))
 
@@ -111,7 +111,7 @@ def requests(draw):
 @given(requests())
 def test_decode_request_is_valid_or_a_value_error(request):
     inputs, parameters, correlation, flags, outputs = request
-    decoded = accepts_or_value_error(lambda: serving.decode_request(inputs, parameters, correlation, flags, outputs))
+    decoded = accepts_or_value_error(lambda: codec.decode_request(inputs, parameters, correlation, flags, outputs))
     if decoded is not None:
         assert isinstance(decoded.params, SamplingParams)
         prompt = decoded.prompt
@@ -129,7 +129,7 @@ def engine(tiny_llama_dir):
 @given(requests())
 def test_decoded_requests_are_prepared_or_refused_with_a_value_error(engine, request):
     inputs, parameters, correlation, flags, outputs = request
-    decoded = accepts_or_value_error(lambda: serving.decode_request(inputs, parameters, correlation, flags, outputs))
+    decoded = accepts_or_value_error(lambda: codec.decode_request(inputs, parameters, correlation, flags, outputs))
     if decoded is None:
         return
     prepared = accepts_or_value_error(lambda: engine.prepare_request("fuzz", decoded.prompt, decoded.params))
@@ -171,8 +171,8 @@ TURNS = st.lists(st.tuples(
 def test_fuzzed_session_turns_leave_the_engine_consistent(engine, turns):
     """Turns of up to three sessions, with or without START / END, some refused (unknown session, a turn still
     running, context, max_sessions): whatever the order, every block and session is returned at the end."""
-    from backend_lib.errors import EngineBusyError
-    from backend_lib.outputs import SessionControl
+    from backend_lib.core.outputs import SessionControl
+    from backend_lib.engine.errors import EngineBusyError
 
     for i, (sid, start, end, prompt, max_tokens, steps) in enumerate(turns):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
@@ -210,7 +210,7 @@ REQUESTS = st.lists(st.tuples(
 def test_fuzzed_requests_complete_whole_and_return_every_block(engine, requests):
     """In a pool small enough that requests preempt each other: each admitted request ends, a prompt_logprobs one
     carries every prompt token after the first exactly once, and no block is left."""
-    from backend_lib.errors import EngineBusyError
+    from backend_lib.engine.errors import EngineBusyError
 
     outputs: dict[str, list] = {}
     admitted: dict[str, tuple[list[int], SamplingParams]] = {}

@@ -3,7 +3,7 @@
 errors.from_model_error maps it) or a request the engine prepares; never an internal error (a 500).
 
 The chain is the one a call takes: the request model -> translate -> the gRPC infer request the front sends ->
-its tensors as the Python backend hands them to serving.decode_request -> LLMEngine.prepare_request.
+its tensors as the Python backend hands them to codec.decode_request -> LLMEngine.prepare_request.
 """
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from backend_lib import serving
-from backend_lib.openai_api import translate
-from backend_lib.openai_api.errors import OpenAIError, from_model_error
-from backend_lib.openai_api.schema import ChatCompletionRequest, CompletionRequest
-from backend_lib.openai_api.triton_stream import build_infer_request
+from backend_lib.frontend.openai import translate
+from backend_lib.frontend.openai.errors import OpenAIError, from_model_error
+from backend_lib.frontend.openai.schema import ChatCompletionRequest, CompletionRequest
+from backend_lib.frontend.openai.triton_stream import build_infer_request
+from backend_lib.frontend.triton import codec
 from tests.fuzz_values import FUZZ, JSON_VALUES, PLAUSIBLE, TEXT, small_engine
 
 # OpenAI's names for the sampling fields, mostly plausible values, sometimes anything.
@@ -101,10 +101,10 @@ def test_openai_calls_are_prepared_or_refused_with_a_client_error(engine, call):
 def _prepared_or_refused(engine, model_request: translate.ModelRequest, session: translate.Session | None) -> None:
     infer = build_infer_request("deepinfer", "fuzz", model_request)
     correlation = session.sequence_id if session is not None else 0
-    flags = (serving.FLAG_SEQUENCE_START * session.start + serving.FLAG_SEQUENCE_END * session.end) if session else 0
+    flags = (codec.FLAG_SEQUENCE_START * session.start + codec.FLAG_SEQUENCE_END * session.end) if session else 0
     try:
-        decoded = serving.decode_request(_backend_inputs(infer), "{}", correlation, flags,
-                                         [o.name for o in infer.outputs])
+        decoded = codec.decode_request(_backend_inputs(infer), "{}", correlation, flags,
+                                       [o.name for o in infer.outputs])
         prepared = engine.prepare_request("fuzz", decoded.prompt, decoded.params)
     except ValueError as exc:  # the model's refusal, as the front turns it into an answer
         _refused_as_a_client_error(from_model_error(str(exc), model_request.field_names))

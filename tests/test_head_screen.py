@@ -82,10 +82,10 @@ def test_the_engine_s_greedy_tokens_are_the_same_with_and_without_the_screen(smo
     """SmolLM2 fp32, a batch of 8 (the bf16 copy) and one stream (the int8 copy where the CPU has VNNI): the
     screened engine's tokens are the full head's; a row asking for logprobs takes the full logits (and gets them)
     beside screened ones. Then bf16 at 8 rows (the fused argmax)."""
+    from backend_lib.core.config import EngineConfig
+    from backend_lib.core.sampling_params import SamplingParams
+    from backend_lib.engine.offline import LLM
     from kernels.int8_head_screen import Int8HeadScreen
-    from backend_lib.config import EngineConfig
-    from backend_lib.offline import LLM
-    from backend_lib.sampling_params import SamplingParams
 
     prompts = [[{"role": "user", "content": text}] for text in (
         "Name three prime numbers.", "What is the capital of France?", "Write a haiku about rain.",

@@ -12,10 +12,10 @@ import random
 
 import pytest
 
-from backend_lib.config import CacheConfig, SchedulerConfig
-from backend_lib.hybrid_kv import HybridKVManager, StateSlotPool
-from backend_lib.outputs import RunnerOutput, SchedulerOutput
-from backend_lib.scheduler import Scheduler
+from backend_lib.core.config import CacheConfig, SchedulerConfig
+from backend_lib.core.hybrid_kv import HybridKVManager, StateSlotPool
+from backend_lib.core.outputs import RunnerOutput, SchedulerOutput
+from backend_lib.core.scheduler import Scheduler
 from tests.test_scheduler import VOCAB, expected_tokens, next_token, req, run, step
 
 

@@ -132,9 +132,9 @@ def test_the_bound_holds(dtype):
 def test_the_bf16_engine_s_greedy_tokens_are_the_same_with_and_without_the_screen(smollm2_path):
     """SmolLM2 bf16, one stream and a batch of 3 (both through the int8 screen): the full head's tokens. (fp32:
     tests/test_head_screen.py's engine test, whose one-stream run takes the int8 screen.)"""
-    from backend_lib.config import EngineConfig
-    from backend_lib.offline import LLM
-    from backend_lib.sampling_params import SamplingParams
+    from backend_lib.core.config import EngineConfig
+    from backend_lib.core.sampling_params import SamplingParams
+    from backend_lib.engine.offline import LLM
 
     prompts = [[{"role": "user", "content": text}] for text in (
         "Name three prime numbers.", "Write a haiku about rain.", "Explain recursion briefly.")]
@@ -154,8 +154,8 @@ def test_the_bf16_engine_s_greedy_tokens_are_the_same_with_and_without_the_scree
 def test_rows_a_screen_gives_up_on_take_the_whole_heads_argmax(smollm2_path, dtype):
     """A screen that returns None (here: no candidate tile allowed; in use: a value not finite, too many candidates)
     hands its rows to the fused head argmax, not to the logits and the sampler: the same tokens."""
-    from backend_lib.config import EngineConfig
-    from backend_lib.offline import LLM
+    from backend_lib.core.config import EngineConfig
+    from backend_lib.engine.offline import LLM
 
     llm = LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 16, "max_num_seqs": 2,
                                              "dtype": dtype}))

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from backend_lib.kv_cache import BlockPool, KVCacheManager, hash_block
-from backend_lib.request import Request
-from backend_lib.sampling_params import SamplingParams
+from backend_lib.core.kv_cache import BlockPool, KVCacheManager, hash_block
+from backend_lib.core.request import Request
+from backend_lib.core.sampling_params import SamplingParams
 
 BS = 4
 

@@ -1,10 +1,10 @@
-"""KV cache sizing (backend_lib/kv_sizing.py): every rule, and a cache that cannot fit fails with the numbers."""
+"""KV cache sizing (backend_lib/worker/kv_sizing.py): every rule, and a cache that cannot fit fails with the numbers."""
 from __future__ import annotations
 
 import pytest
 
-from backend_lib.config import CacheConfig
-from backend_lib.kv_sizing import MIN_AUTO_BLOCKS, host_available_bytes, plan_kv_cache
+from backend_lib.core.config import CacheConfig
+from backend_lib.worker.kv_sizing import MIN_AUTO_BLOCKS, host_available_bytes, plan_kv_cache
 
 GIB = 2**30
 MIB = 2**20
@@ -95,9 +95,9 @@ def test_fixed_state_slots_come_off_the_budget_first():
 def test_the_cache_is_sized_after_the_host_layouts_take_their_memory(smollm2_path, monkeypatch):
     """The blocked and packed weight copies and the screened heads are built before the free memory is measured, so
     the auto size never counts memory they then take."""
-    import backend_lib.executor.rank as rank
-    from backend_lib.config import EngineConfig
+    from backend_lib.core.config import EngineConfig
     from backend_lib.models.parallel import ParallelContext
+    import backend_lib.worker.executor.rank as rank
 
     seen = []
     measure = rank.kv_cache_blocks

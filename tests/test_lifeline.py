@@ -10,8 +10,9 @@ import time
 
 import pytest
 
-from backend_lib import lifeline
-from backend_lib.shutdown import ExitNow, ShutdownSignals
+from backend_lib.core.processes import pid_alive
+from backend_lib.frontend.triton import lifeline
+from backend_lib.frontend.triton.shutdown import ExitNow, ShutdownSignals
 
 
 def _wait_for(condition, timeout_s: float = 10.0) -> None:
@@ -23,17 +24,17 @@ def _wait_for(condition, timeout_s: float = 10.0) -> None:
 
 def test_child_dies_with_its_parent():
     """A middle process starts a sleeper with die_with_parent and is SIGKILLed: the sleeper dies too."""
-    code = ("import subprocess, sys, time; from backend_lib.lifeline import die_with_parent; "
+    code = ("import subprocess, sys, time; from backend_lib.core.processes import die_with_parent; "
             "p = subprocess.Popen(['sleep', '300'], preexec_fn=die_with_parent()); print(p.pid, flush=True); "
             "time.sleep(300)")
     middle = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     try:
         sleeper = int(middle.stdout.readline())
-        assert lifeline.pid_alive(sleeper)
+        assert pid_alive(sleeper)
         middle.kill()
         middle.wait(timeout=10)
-        _wait_for(lambda: not lifeline.pid_alive(sleeper))
+        _wait_for(lambda: not pid_alive(sleeper))
     finally:
         middle.kill()
         middle.wait(timeout=10)
@@ -58,7 +59,7 @@ def guarded():
     region = lifeline.SHM_DIR / f"{lifeline.shm_prefix()}guard_test"
     region.write_bytes(b"x")
     server, stub = (subprocess.Popen(["sleep", "60"]) for _ in range(2))
-    guard = subprocess.Popen([sys.executable, "-m", "backend_lib.lifeline", "--stub-pid", str(stub.pid),
+    guard = subprocess.Popen([sys.executable, "-m", "backend_lib.frontend.triton.lifeline", "--stub-pid", str(stub.pid),
                               "--server-pid", str(server.pid), "--region", region.name, "--poll-s", "0.02"],
                              stderr=subprocess.PIPE, text=True)
     yield server, stub, guard, region
@@ -103,7 +104,7 @@ def test_a_signal_while_loading_stops_the_start_but_one_after_ready_drains():
     it must still drain (requests may run already); one that lands while the model loads ends the start."""
     from types import SimpleNamespace
 
-    from backend_lib.server import TritonServer
+    from backend_lib.frontend.triton.server import TritonServer
 
     signals = ShutdownSignals()
     signals.handle(signal.SIGTERM)  # not serving yet: recorded, not raised

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from backend_lib import serving
-from backend_lib.async_engine import AsyncEngine
-from backend_lib.config import EngineConfig, RequestLimits, config_to_flat
-from backend_lib.engine import LLMEngine
-from backend_lib.errors import EngineBusyError
-from backend_lib.limits import check_context, check_params, check_prompt
-from backend_lib.outputs import SessionControl
-from backend_lib.sampling_params import SamplingParams
+from backend_lib.core.config import EngineConfig, RequestLimits, config_to_flat
+from backend_lib.core.outputs import SessionControl
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.engine.async_engine import AsyncEngine
+from backend_lib.engine.errors import EngineBusyError
+from backend_lib.engine.limits import check_context, check_params, check_prompt
+from backend_lib.engine.llm_engine import LLMEngine
+from backend_lib.frontend.triton import codec
 
 
 # ---- configuration ---------------------------------------------------------------------------------
@@ -20,7 +20,7 @@ def test_admission_defaults_derive_from_max_num_seqs_and_parameters_override_the
     config = EngineConfig.from_flat({"max_num_seqs": 4, "max_model_len": 128})
     assert (config.max_waiting_requests, config.max_sessions) == (32, 128)
     assert config.limits.max_input_ids == 0 and config.limits.max_logprobs == 20
-    config = serving.engine_config_from_parameters({
+    config = codec.engine_config_from_parameters({
         "max_num_seqs": "4", "max_waiting_requests": "5", "max_sessions": "0", "max_stop_strings": "2",
         "max_logprobs": "3", "max_input_ids": "64"})
     assert (config.max_waiting_requests, config.max_sessions) == (5, 128)
@@ -37,7 +37,7 @@ def test_admission_defaults_derive_from_max_num_seqs_and_parameters_override_the
 ])
 def test_bad_limit_parameters_name_the_parameter(params, needle):
     with pytest.raises(ValueError) as info:
-        serving.engine_config_from_parameters(params)
+        codec.engine_config_from_parameters(params)
     assert needle in str(info.value)
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend_lib.config import EngineConfig
-from backend_lib.offline import LLM
-from backend_lib.sampling_params import SamplingParams
+from backend_lib.core.config import EngineConfig
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.engine.offline import LLM
 from kernels.cpu_kernels import load_cpu_kernels
 
 pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="the C++ host kernels did not build")

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from backend_lib import serving
-from backend_lib.errors import EngineBusyError
-from backend_lib.outputs import RequestOutput
-from backend_lib.sampling_params import SamplingParams
+from backend_lib.core.outputs import RequestOutput
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.engine.errors import EngineBusyError
+from backend_lib.frontend.triton import codec
 
 MODEL_PY = Path(__file__).resolve().parents[1] / "model_repository/deepinfer/1/model.py"
 
@@ -85,7 +85,7 @@ def _model(module, error: Exception):
     model = module.TritonPythonModel()  # initialize() would build a real engine: set what execute() reads
     model._closing, model._stop_file, model._prefix, model._ids = threading.Event(), "", "m-", itertools.count()
     model._incoming, model._wake, model._engine = queue.Queue(), threading.Event(), _Engine(error)
-    model._decode = lambda request: serving.DecodedRequest(prompt="hi", params=SamplingParams())
+    model._decode = lambda request: codec.DecodedRequest(prompt="hi", params=SamplingParams())
     return model
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend_lib.config import EngineConfig
-from backend_lib.offline import LLM
-from backend_lib.sampling_params import SamplingParams
-from backend_lib.tiny import make_tiny
+from backend_lib.core.config import EngineConfig
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.engine.offline import LLM
+from backend_lib.tools.tiny import make_tiny
 from tests.conftest import hf_greedy
 from tests.test_neuron_regions import compiled_engine
 

@@ -1,4 +1,4 @@
-"""Compiled regions (backend_lib/neuron/regions.py) against the eager model, sampler and engine.
+"""Compiled regions (backend_lib/worker/compile/regions.py) against the eager model, sampler and engine.
 
 Each region is compiled with fullgraph=True, dynamic=False and checked against eager on the same inputs: greedy
 tokens identical, logits within 1e-4 in fp32; the pool outside the written slots is left untouched; the graph
@@ -12,19 +12,20 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from backend_lib import prompt_logprobs
-from backend_lib.config import CompileConfig, EngineConfig
-from backend_lib.engine import LLMEngine
+from backend_lib.core.config import CompileConfig, EngineConfig
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.engine.llm_engine import LLMEngine
+from backend_lib.engine.offline import LLM
 from backend_lib.models.layers import HostGemmPlan
 from backend_lib.models.loader import load_model
-from backend_lib.neuron.buckets import BucketSpec
-from backend_lib.neuron.platform import detect_platform
-from backend_lib.neuron.regions import CompiledModel, CompiledSampler, build_regions, compile_region, resolve_backend
-from backend_lib.offline import LLM
-from backend_lib.sampler import Sampler, SamplingMetadata, SamplingRow
-from backend_lib.sampling_params import SamplingParams
-from backend_lib.spec_decode.rejection import DraftLayout, rejection_sample
-from backend_lib.tiny import make_tiny
+from backend_lib.tools.tiny import make_tiny
+from backend_lib.worker import prompt_logprobs
+from backend_lib.worker.compile.buckets import BucketSpec
+from backend_lib.worker.compile.platform import detect_platform
+from backend_lib.worker.compile.regions import (CompiledModel, CompiledSampler, build_regions, compile_region,
+                                                resolve_backend)
+from backend_lib.worker.sampler import Sampler, SamplingMetadata, SamplingRow
+from backend_lib.worker.spec_decode.rejection import DraftLayout, rejection_sample
 from kernels.attention_metadata import AttentionMetadata
 from kernels.cpu_kernels import load_cpu_kernels
 from kernels.gemv import GemvPolicy

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from backend_lib.openai_api.fan_out import gather_all, merged
+from backend_lib.frontend.openai.fan_out import gather_all, merged
 
 
 class Refused(Exception):

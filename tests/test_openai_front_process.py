@@ -11,13 +11,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from backend_lib.server import free_port
+from backend_lib.core.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 # A parent that starts the front (its pid as --parent-pid, as `deepinfer serve` does), prints the front's pid, waits.
 PARENT = """
 import os, subprocess, sys, time
-front = subprocess.Popen([sys.executable, "-m", "backend_lib.openai_api", "--port", sys.argv[1],
+front = subprocess.Popen([sys.executable, "-m", "backend_lib.frontend.openai", "--port", sys.argv[1],
                           "--grpc-url", "localhost:1", "--parent-pid", str(os.getpid())])
 print(front.pid, flush=True)
 time.sleep(600)

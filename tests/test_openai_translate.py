@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from backend_lib.openai_api import translate
-from backend_lib.openai_api.errors import OpenAIError, from_model_error
-from backend_lib.openai_api.schema import ChatCompletionRequest, CompletionRequest
-from backend_lib.openai_api.translate import ModelDelta, Session, Totals
-from backend_lib.openai_api.triton_stream import _bytes_elements, build_infer_request, parse_response
+from backend_lib.frontend.openai import translate
+from backend_lib.frontend.openai.errors import OpenAIError, from_model_error
+from backend_lib.frontend.openai.schema import ChatCompletionRequest, CompletionRequest
+from backend_lib.frontend.openai.translate import ModelDelta, Session, Totals
+from backend_lib.frontend.openai.triton_stream import _bytes_elements, build_infer_request, parse_response
 
 
 def _chat(**fields) -> ChatCompletionRequest:

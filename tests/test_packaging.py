@@ -38,7 +38,7 @@ def test_every_kernel_source_is_built():
 def test_the_docker_image_runs_a_valid_deepinfer_serve_command():
     """The image cannot be built here (no Docker engine): at least its command must parse as `deepinfer serve`
     flags that exist, with the OpenAI front on the port it exposes."""
-    from backend_lib.server import command_line
+    from backend_lib.frontend.triton.server import command_line
 
     dockerfile = (ROOT / "Dockerfile").read_text()
     command = json.loads(re.search(r"^CMD (\[.*?\])$", dockerfile.replace("\\\n", ""), re.M | re.S).group(1))
@@ -47,3 +47,16 @@ def test_the_docker_image_runs_a_valid_deepinfer_serve_command():
     assert str(args.tritonserver) == "/opt/tritonserver" and str(args.model_repository) == "/models"
     exposed = re.search(r"^EXPOSE (.*)$", dockerfile, re.M).group(1).split()
     assert str(args.openai_port) in exposed and {"8000", "8001", "8002"} <= set(exposed)
+
+
+def test_the_entry_point_and_the_image_name_modules_that_exist():
+    """`deepinfer` (pyproject's console script) and the Dockerfile's import check name modules by path: a moved
+    module must move with them."""
+    import importlib
+    import importlib.util
+
+    entry = re.search(r'^deepinfer = "([\w.]+):(\w+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert callable(getattr(importlib.import_module(entry.group(1)), entry.group(2)))
+    check = re.search(r'python3 -c "import ([\w., ]+);', (ROOT / "Dockerfile").read_text()).group(1)
+    modules = [name.strip() for name in check.split(",") if name.strip() != "numpy"]
+    assert modules and all(importlib.util.find_spec(name) is not None for name in modules), modules

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend_lib.config import EngineConfig
-from backend_lib.engine import LLMEngine
-from backend_lib.outputs import SessionControl
-from backend_lib.sampling_params import SamplingParams
+from backend_lib.core.config import EngineConfig
+from backend_lib.core.outputs import SessionControl
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.engine.llm_engine import LLMEngine
 
 PROMPT = list(range(100, 140))  # 40 tokens: three chunks at max_num_batched_tokens 16
 

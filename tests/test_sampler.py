@@ -10,8 +10,8 @@ import torch
 from scipy.stats import chisquare
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from backend_lib.sampler import Sampler, SamplingMetadata, SamplingRow
-from backend_lib.sampling_params import SamplingParams
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.worker.sampler import Sampler, SamplingMetadata, SamplingRow
 from kernels import sampling as ops
 from kernels.cpu_kernels import load_cpu_kernels
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from backend_lib.sampling_params import UNTIL_CONTEXT_ENDS, SamplingParams
+from backend_lib.core.sampling_params import UNTIL_CONTEXT_ENDS, SamplingParams
 
 
 def test_defaults_match_vllm():

@@ -12,11 +12,11 @@ from dataclasses import fields
 
 import pytest
 
-from backend_lib.config import CacheConfig, SchedulerConfig
-from backend_lib.outputs import EngineStats, RunnerOutput, SchedulerOutput
-from backend_lib.request import Request, RequestStatus
-from backend_lib.sampling_params import SamplingParams
-from backend_lib.scheduler import Scheduler
+from backend_lib.core.config import CacheConfig, SchedulerConfig
+from backend_lib.core.outputs import EngineStats, RunnerOutput, SchedulerOutput
+from backend_lib.core.request import Request, RequestStatus
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.core.scheduler import Scheduler
 
 VOCAB = 64
 EOS = 0

@@ -7,9 +7,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from backend_lib import serving
-from backend_lib.outputs import PromptLogprobs, RequestOutput, SessionControl, TokenLogprob
-from backend_lib.sampling_params import UNTIL_CONTEXT_ENDS
+from backend_lib.core.outputs import PromptLogprobs, RequestOutput, SessionControl, TokenLogprob
+from backend_lib.core.sampling_params import UNTIL_CONTEXT_ENDS
+from backend_lib.frontend.triton import codec
 
 
 def _bytes(text: str) -> np.ndarray:
@@ -30,7 +30,7 @@ def _out(text: str, ids: list[int], finished: bool = False, reason: str | None =
 # ---- engine configuration from config.pbtxt parameters -------------------------------------------
 
 def test_engine_config_typed_conversion_and_defaults():
-    config = serving.engine_config_from_parameters({
+    config = codec.engine_config_from_parameters({
         "model": "", "dtype": "float32", "max_num_seqs": "8", "max_model_len": "256", "block_size": "16",
         "num_blocks": "64", "max_num_batched_tokens": "128", "session_idle_timeout_s": "2.5",
         "spec_method": "ngram", "num_speculative_tokens": "3", "enable_prefix_caching": "false"})
@@ -40,11 +40,11 @@ def test_engine_config_typed_conversion_and_defaults():
     assert config.session_idle_timeout_s == 2.5
     assert config.spec.method == "ngram" and config.spec.num_speculative_tokens == 3
     # "" means "use the default", also for numbers
-    assert serving.engine_config_from_parameters({"num_blocks": ""}).cache.num_blocks == 0
+    assert codec.engine_config_from_parameters({"num_blocks": ""}).cache.num_blocks == 0
 
 
 def test_engine_config_spec_ngram_and_compile_parameters():
-    config = serving.engine_config_from_parameters({
+    config = codec.engine_config_from_parameters({
         "spec_method": "ngram", "num_speculative_tokens": "2", "ngram_min": "2", "ngram_max": "5",
         "compile_backend": "aot_eager", "batch_buckets": "1,2,4", "width_buckets": "8, 16",
         "prefill_buckets": ""})
@@ -52,7 +52,7 @@ def test_engine_config_spec_ngram_and_compile_parameters():
     assert config.compile.compile_backend == "aot_eager"
     assert config.compile.batch_buckets == (1, 2, 4) and config.compile.width_buckets == (8, 16)
     assert config.compile.prefill_buckets == ()
-    defaults = serving.engine_config_from_parameters({"ngram_min": "", "ngram_max": "", "compile_backend": ""})
+    defaults = codec.engine_config_from_parameters({"ngram_min": "", "ngram_max": "", "compile_backend": ""})
     assert (defaults.spec.ngram_min, defaults.spec.ngram_max) == (1, 4)
     assert defaults.compile.compile_backend == "none"
 
@@ -64,9 +64,9 @@ def test_shipped_config_pbtxt_parameters_are_valid():
     text = (Path(__file__).resolve().parents[1] / "model_repository/deepinfer/config.pbtxt").read_text()
     params = dict(re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}', text))
     # Every accepted parameter is listed (render_config can only set lines that exist), with a valid default.
-    assert set(params) == set(serving.ENGINE_PARAMETER_NAMES + serving.SERVING_PARAMETER_NAMES)
-    config = serving.engine_config_from_parameters(params)
-    assert serving.serving_options_from_parameters(params).stream_interval == 1
+    assert set(params) == set(codec.ENGINE_PARAMETER_NAMES + codec.SERVING_PARAMETER_NAMES)
+    config = codec.engine_config_from_parameters(params)
+    assert codec.serving_options_from_parameters(params).stream_interval == 1
     assert config.spec.ngram_min == 1 and config.spec.ngram_max == 4 and config.compile.compile_backend == "none"
     assert "decoupled: true" in text and "max_batch_size: 0" in text
 
@@ -87,44 +87,44 @@ def test_shipped_config_pbtxt_parameters_are_valid():
 ])
 def test_engine_config_bad_values_name_the_parameter(params, needle):
     with pytest.raises(ValueError) as info:
-        serving.engine_config_from_parameters(params)
+        codec.engine_config_from_parameters(params)
     assert needle in str(info.value)
 
 
 @pytest.mark.parametrize("text", ["0", "-2", "four", "1.5", "2000"])
 def test_bad_stream_interval_names_the_parameter(text):
     with pytest.raises(ValueError, match=r"stream_interval must be an integer in \[1, 1024\]"):
-        serving.serving_options_from_parameters({"stream_interval": text})
+        codec.serving_options_from_parameters({"stream_interval": text})
 
 
 # ---- request decoding ----------------------------------------------------------------------------
 
 def test_text_request_defaults_follow_the_vllm_backend():
-    req = serving.decode_request({"text_input": _bytes("Hello")})
+    req = codec.decode_request({"text_input": _bytes("Hello")})
     assert req.prompt == "Hello" and req.stream is False
     assert req.prepend_text == "Hello"  # non-streaming, exclude_input_in_output absent -> prompt prepended
     assert req.params.max_tokens == 16 and req.session is None
-    assert req.options == serving.OutputOptions()
+    assert req.options == codec.OutputOptions()
 
-    streamed = serving.decode_request({"text_input": _bytes("Hello"), "stream": _bool(True)})
+    streamed = codec.decode_request({"text_input": _bytes("Hello"), "stream": _bool(True)})
     assert streamed.stream and streamed.prepend_text == ""
-    excluded = serving.decode_request({"text_input": _bytes("Hello"), "exclude_input_in_output": _bool(True)})
+    excluded = codec.decode_request({"text_input": _bytes("Hello"), "exclude_input_in_output": _bool(True)})
     assert excluded.prepend_text == ""
     with pytest.raises(ValueError, match="exclude_input_in_output=false is not allowed when streaming"):
-        serving.decode_request({"text_input": _bytes("x"), "stream": _bool(True),
-                                "exclude_input_in_output": _bool(False)})
+        codec.decode_request({"text_input": _bytes("x"), "stream": _bool(True),
+                              "exclude_input_in_output": _bool(False)})
 
 
 def test_sampling_from_json_and_request_parameters_json_wins():
-    req = serving.decode_request(
+    req = codec.decode_request(
         {"text_input": _bytes("x"), "sampling_parameters": _bytes('{"max_tokens": 5, "temperature": "0"}')},
         parameters_json=json.dumps({"max_tokens": 9, "top_k": "4", "ignore_eos": "true", "stop": "\n"}))
     assert req.params.max_tokens == 5  # the JSON input wins
     assert req.params.temperature == 0.0 and req.params.top_k == 4 and req.params.ignore_eos is True
     assert req.params.stop == ["\n"]
     # vLLM clients send null for "default"; max_tokens' null is vLLM's "as many as max_model_len leaves"
-    nulls = serving.decode_request({"text_input": _bytes("x"),
-                                    "sampling_parameters": _bytes('{"seed": null, "max_tokens": null}')}).params
+    nulls = codec.decode_request({"text_input": _bytes("x"),
+                                  "sampling_parameters": _bytes('{"seed": null, "max_tokens": null}')}).params
     assert nulls.seed is None and nulls.max_tokens == UNTIL_CONTEXT_ENDS and not nulls.max_tokens_set
 
 
@@ -140,15 +140,15 @@ def test_sampling_from_json_and_request_parameters_json_wins():
 ])
 def test_bad_sampling_input_names_the_problem(inputs, params, needle):
     with pytest.raises(ValueError) as info:
-        serving.decode_request({"text_input": _bytes("hi"), **inputs}, parameters_json=params)
+        codec.decode_request({"text_input": _bytes("hi"), **inputs}, parameters_json=params)
     assert needle in str(info.value)
 
 
 def test_prompt_sources():
-    ids = serving.decode_request({"input_ids": np.array([1, 2, 3], dtype=np.int32)})
+    ids = codec.decode_request({"input_ids": np.array([1, 2, 3], dtype=np.int32)})
     assert ids.prompt == [1, 2, 3] and ids.prepend_text == ""  # ids have no text to repeat
     chat = [{"role": "user", "content": "Hi"}]
-    msg = serving.decode_request({"messages": _bytes(json.dumps(chat))})
+    msg = codec.decode_request({"messages": _bytes(json.dumps(chat))})
     assert msg.prompt == chat and msg.prepend_text == ""
 
 
@@ -169,46 +169,46 @@ def test_prompt_sources():
 ])
 def test_bad_prompts_name_the_problem(inputs, needle):
     with pytest.raises(ValueError) as info:
-        serving.decode_request(inputs)
+        codec.decode_request(inputs)
     assert needle in str(info.value)
 
 
 def test_sessions_from_grpc_flags_and_http_parameters():
     text = {"text_input": _bytes("turn")}
-    assert serving.decode_request(text, correlation_id=0, flags=0).session is None
-    first = serving.decode_request(text, correlation_id=42, flags=serving.FLAG_SEQUENCE_START)
+    assert codec.decode_request(text, correlation_id=0, flags=0).session is None
+    first = codec.decode_request(text, correlation_id=42, flags=codec.FLAG_SEQUENCE_START)
     assert first.session == SessionControl("42", start=True, end=False)
-    middle = serving.decode_request(text, correlation_id="chat-1", flags=0)
+    middle = codec.decode_request(text, correlation_id="chat-1", flags=0)
     assert middle.session == SessionControl("chat-1", start=False, end=False)
-    last = serving.decode_request(text, correlation_id=42, flags=serving.FLAG_SEQUENCE_END)
+    last = codec.decode_request(text, correlation_id=42, flags=codec.FLAG_SEQUENCE_END)
     assert last.session == SessionControl("42", start=False, end=True)
-    http = serving.decode_request(text, parameters_json=json.dumps(
+    http = codec.decode_request(text, parameters_json=json.dumps(
         {"sequence_id": 7, "sequence_start": True, "sequence_end": "false", "max_tokens": 3}))
     assert http.session == SessionControl("7", start=True, end=False) and http.params.max_tokens == 3
     with pytest.raises(ValueError, match="need a non-zero sequence_id"):
-        serving.decode_request(text, parameters_json='{"sequence_start": true}')
+        codec.decode_request(text, parameters_json='{"sequence_start": true}')
     with pytest.raises(ValueError, match="sequence_id must be an integer or a string"):
-        serving.decode_request(text, parameters_json='{"sequence_id": 1.5}')
+        codec.decode_request(text, parameters_json='{"sequence_id": 1.5}')
 
 
 def test_return_flags():
-    req = serving.decode_request({"text_input": _bytes("x"), "return_finish_reason": _bool(True),
-                                  "return_num_output_tokens": _bool(True), "return_logprobs": _bool(False)})
-    assert req.options == serving.OutputOptions(finish_reason=True, num_output_tokens=True)
+    req = codec.decode_request({"text_input": _bytes("x"), "return_finish_reason": _bool(True),
+                                "return_num_output_tokens": _bool(True), "return_logprobs": _bool(False)})
+    assert req.options == codec.OutputOptions(finish_reason=True, num_output_tokens=True)
 
 
 # ---- response encoding ---------------------------------------------------------------------------
 
-def _all_flags(stream: bool, **extra) -> serving.DecodedRequest:
+def _all_flags(stream: bool, **extra) -> codec.DecodedRequest:
     inputs = {"text_input": _bytes("Q: "), "stream": _bool(stream)}
-    for name in serving.BOOL_INPUTS:
+    for name in codec.BOOL_INPUTS:
         if name.startswith("return_"):
             inputs[name] = _bool(True)
-    return serving.decode_request(inputs, parameters_json=json.dumps(extra))
+    return codec.decode_request(inputs, parameters_json=json.dumps(extra))
 
 
 def test_streaming_sends_deltas_and_skips_empty_ones():
-    encoder = serving.ResponseEncoder(_all_flags(stream=True))
+    encoder = codec.ResponseEncoder(_all_flags(stream=True))
     first = encoder.encode(_out("Par", [10], n_out=1, cum=-0.5))
     assert first["text_output"].tolist() == [b"Par"] and first["output_ids"].tolist() == [10]
     assert first["finish_reason"].tolist() == [b"None"]
@@ -223,7 +223,7 @@ def test_streaming_sends_deltas_and_skips_empty_ones():
 
 
 def test_non_streaming_gathers_everything_and_prepends_the_prompt():
-    encoder = serving.ResponseEncoder(_all_flags(stream=False, logprobs=1), decode_token=lambda t: f"<{t}>")
+    encoder = codec.ResponseEncoder(_all_flags(stream=False, logprobs=1), decode_token=lambda t: f"<{t}>")
     lp1 = TokenLogprob(10, -0.1, top=[(10, -0.1)])
     lp2 = TokenLogprob(11, -2.0, top=[(12, -0.5)])
     assert encoder.encode(_out("Par", [10], n_out=1, logprobs=[lp1])) is None
@@ -240,9 +240,9 @@ def test_non_streaming_gathers_everything_and_prepends_the_prompt():
 def test_prompt_logprobs_go_with_the_first_tokens_and_an_ids_prompt_is_decoded_before_the_output():
     prompt = PromptLogprobs(5, [TokenLogprob(6, -1.5, top=[(7, -0.2)]), TokenLogprob(8, -0.3)])
     inputs = {"input_ids": np.array([5, 6, 8], dtype=np.int32), "exclude_input_in_output": _bool(False)}
-    request = serving.decode_request(inputs, parameters_json=json.dumps({"prompt_logprobs": 1}))
-    encoder = serving.ResponseEncoder(request, decode_token=lambda t: f"<{t}>",
-                                      decode_ids=lambda ids: "".join(f"<{t}>" for t in ids))
+    request = codec.decode_request(inputs, parameters_json=json.dumps({"prompt_logprobs": 1}))
+    encoder = codec.ResponseEncoder(request, decode_token=lambda t: f"<{t}>",
+                                    decode_ids=lambda ids: "".join(f"<{t}>" for t in ids))
     assert encoder.encode(replace(_out("a", [9], n_out=1), prompt_logprobs=prompt)) is None
     final = encoder.encode(_out("b", [10], finished=True, reason="length", n_out=2))
     assert final["text_output"].tolist() == [b"<5><6><8>ab"]
@@ -252,10 +252,10 @@ def test_prompt_logprobs_go_with_the_first_tokens_and_an_ids_prompt_is_decoded_b
                           "7": {"logprob": -0.2, "rank": 1, "decoded_token": "<7>"}}
     assert list(entries[2]) == ["8"]
     # Not asked by name, an ids prompt's non-streamed text is the new text alone, as before.
-    assert serving.decode_request({"input_ids": np.array([5, 6], dtype=np.int32)}).prepend_ids == []
+    assert codec.decode_request({"input_ids": np.array([5, 6], dtype=np.int32)}).prepend_ids == []
     # Streamed (coalesced deltas included), the entries ride with the first tokens and only there.
-    streaming = serving.ResponseEncoder(_all_flags(stream=True, prompt_logprobs=1))
-    merged = serving.coalesce([replace(_out("a", [9], n_out=1), prompt_logprobs=prompt), _out("b", [10], n_out=2)])
+    streaming = codec.ResponseEncoder(_all_flags(stream=True, prompt_logprobs=1))
+    merged = codec.coalesce([replace(_out("a", [9], n_out=1), prompt_logprobs=prompt), _out("b", [10], n_out=2)])
     assert "prompt_logprobs" in streaming.encode(merged)
     assert "prompt_logprobs" not in streaming.encode(_out("c", [11], n_out=3))
 
@@ -264,17 +264,17 @@ def test_coalesced_deltas_stream_as_one_response():
     lp = [TokenLogprob(10, -0.1), TokenLogprob(11, -0.2), TokenLogprob(12, -0.3)]
     parts = [_out("Pa", [10], n_out=1, logprobs=lp[:1]), _out("", [11], n_out=2, logprobs=lp[1:2]),
              _out("ris", [12], finished=True, reason="stop", n_out=3, logprobs=lp[2:], cum=-0.6)]
-    merged = serving.coalesce(parts)
+    merged = codec.coalesce(parts)
     assert merged.new_text == "Paris" and merged.new_token_ids == [10, 11, 12] and merged.new_logprobs == lp
     assert merged.finished and merged.finish_reason == "stop" and merged.cumulative_logprob == -0.6
-    assert serving.coalesce(parts[:1]) is parts[0]
-    assert serving.coalesce([_out("a", [1]), _out("b", [2])]).new_logprobs is None
-    tensors = serving.ResponseEncoder(_all_flags(stream=True)).encode(merged)
+    assert codec.coalesce(parts[:1]) is parts[0]
+    assert codec.coalesce([_out("a", [1]), _out("b", [2])]).new_logprobs is None
+    tensors = codec.ResponseEncoder(_all_flags(stream=True)).encode(merged)
     assert tensors["text_output"].tolist() == [b"Paris"] and tensors["num_output_tokens"].tolist() == [3]
 
 
 def test_stream_interval_holds_deltas_but_never_the_first_token_or_the_end():
-    coalescer = serving.DeltaCoalescer(interval=3)
+    coalescer = codec.DeltaCoalescer(interval=3)
     assert coalescer.push([]) is None
     assert coalescer.push([_out("", [])]).new_text == ""  # no token yet: nothing held back
     assert coalescer.push([_out("A", [1])]).new_token_ids == [1]  # the first token goes at once
@@ -287,17 +287,17 @@ def test_stream_interval_holds_deltas_but_never_the_first_token_or_the_end():
     assert coalescer.push([_out("f", [6])]) is None
     final = coalescer.push([_out(".", [7], finished=True, reason="stop")])
     assert final.finished and final.new_text == "f." and final.new_token_ids == [6, 7]
-    every_token = serving.DeltaCoalescer()
+    every_token = codec.DeltaCoalescer()
     assert [every_token.push([_out(t, [i])]).new_text for i, t in enumerate("xyz")] == ["x", "y", "z"]
-    late = serving.DeltaCoalescer(interval=1)  # the response thread found the whole request waiting
+    late = codec.DeltaCoalescer(interval=1)  # the response thread found the whole request waiting
     assert late.push([_out("A", [1]), _out("b", [2]), _out(".", [3], finished=True)]).new_text == "A"
     rest = late.push([])
     assert rest.finished and rest.new_text == "b." and late.push([]) is None
 
 
 def test_minimal_response_has_only_text_and_ids():
-    encoder = serving.ResponseEncoder(serving.decode_request({"text_input": _bytes("a"),
-                                                              "exclude_input_in_output": _bool(True)}))
+    encoder = codec.ResponseEncoder(codec.decode_request({"text_input": _bytes("a"),
+                                                          "exclude_input_in_output": _bool(True)}))
     final = encoder.encode(_out("b", [3], finished=True, reason="stop", n_out=1))
     assert set(final) == {"text_output", "output_ids"} and final["text_output"].tolist() == [b"b"]
 
@@ -307,17 +307,17 @@ def test_named_outputs_are_the_only_ones_built():
     return_* flag is off is still not built."""
     inputs = {"text_input": _bytes("a"), "stream": _bool(True), "return_num_output_tokens": _bool(True),
               "return_finish_reason": _bool(True)}
-    request = serving.decode_request(inputs, requested_outputs=["text_output", "num_output_tokens", "logprobs"])
-    tensors = serving.ResponseEncoder(request).encode(_out("b", [3], n_out=1))
+    request = codec.decode_request(inputs, requested_outputs=["text_output", "num_output_tokens", "logprobs"])
+    tensors = codec.ResponseEncoder(request).encode(_out("b", [3], n_out=1))
     assert set(tensors) == {"text_output", "num_output_tokens"}
-    every = serving.ResponseEncoder(serving.decode_request(inputs)).encode(_out("b", [3], n_out=1))
+    every = codec.ResponseEncoder(codec.decode_request(inputs)).encode(_out("b", [3], n_out=1))
     assert set(every) == {"text_output", "output_ids", "num_output_tokens", "finish_reason"}
 
 
 # ---- `deepinfer serve` plumbing (no server started here; tests/e2e starts real ones) ----------------
 
 def test_render_config_sets_parameters_and_rejects_unknown_names():
-    from backend_lib import triton_install
+    from backend_lib.frontend.triton import install as triton_install
 
     template = (triton_install.MODEL_SOURCE / "config.pbtxt").read_text()
     rendered = triton_install.render_config(template, {"max_num_seqs": "4", "model": "/m/x.gguf"})
@@ -333,7 +333,7 @@ def test_render_config_sets_parameters_and_rejects_unknown_names():
 def test_server_env_points_the_stub_at_this_environment(tmp_path):
     import sysconfig
 
-    from backend_lib import triton_install
+    from backend_lib.frontend.triton import install as triton_install
 
     install = triton_install.TritonInstall(root=tmp_path, libs=tmp_path / "libs")
     env = triton_install.server_env(install, base={"LD_LIBRARY_PATH": "/opt/x"})
@@ -345,7 +345,7 @@ def test_server_env_points_the_stub_at_this_environment(tmp_path):
 
 
 def test_prepared_tritonserver_has_binary_backend_and_stub(tmp_path):
-    from backend_lib import triton_install
+    from backend_lib.frontend.triton import install as triton_install
 
     install = triton_install.prepare_tritonserver(tmp_path)
     assert install.binary.is_file()
@@ -355,7 +355,7 @@ def test_prepared_tritonserver_has_binary_backend_and_stub(tmp_path):
 
 
 def test_an_installed_triton_or_a_users_repository_missing_a_part_is_refused_naming_it(tmp_path):
-    from backend_lib import triton_install
+    from backend_lib.frontend.triton import install as triton_install
 
     root = tmp_path / "triton"
     with pytest.raises(ValueError, match="no bin/tritonserver there"):
@@ -376,7 +376,7 @@ def test_an_installed_triton_or_a_users_repository_missing_a_part_is_refused_nam
 
 
 def test_serve_refuses_engine_settings_beside_a_repository_served_as_is(tmp_path):
-    from backend_lib import server
+    from backend_lib.frontend.triton import server
 
     with pytest.raises(SystemExit, match="--model-repository is served as is"):
         server.main(["--model-repository", str(tmp_path), "--param", "max_num_seqs=2"])
@@ -393,7 +393,7 @@ def test_free_ports_lie_below_the_ephemeral_range():
     be gone by the time the server binds it."""
     from pathlib import Path
 
-    from backend_lib.server import free_port
+    from backend_lib.core.processes import free_port
 
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     ports = {free_port() for _ in range(20)}

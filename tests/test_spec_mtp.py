@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend_lib.config import EngineConfig
-from backend_lib.engine import LLMEngine
-from backend_lib.sampling_params import SamplingParams
-from backend_lib.tiny import make_tiny
+from backend_lib.core.config import EngineConfig
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.engine.llm_engine import LLMEngine
+from backend_lib.tools.tiny import make_tiny
 
 TINY61 = dict(num_hidden_layers=61, first_k_dense_replace=0, hidden_size=32, intermediate_size=64,
               moe_intermediate_size=16, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,

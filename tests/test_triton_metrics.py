@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from backend_lib.outputs import EngineStats
-from backend_lib.triton_metrics import TritonMetrics
+from backend_lib.core.outputs import EngineStats
+from backend_lib.frontend.triton.metrics import TritonMetrics
 
 LABELS = {"model": "deepinfer", "version": "1"}
 

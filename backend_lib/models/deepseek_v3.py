@@ -26,7 +26,7 @@ from kernels.moe import RouterConfig
 from kernels.quant import DEFAULT_BLOCK
 
 if TYPE_CHECKING:
-    from backend_lib.models.loader import LoadOptions
+    from backend_lib.models.load_options import LoadOptions
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """DeepSeek-V4 causal LM (transformers 5.24 ``DeepseekV4ForCausalLM``) over the hybrid KV cache.
 
-The model declares its cache with ``hybrid_cache_shapes`` (``backend_lib/hybrid_kv.py`` owns the bookkeeping):
+The model declares its cache with ``hybrid_cache_shapes`` (``backend_lib/core/hybrid_kv.py`` owns the bookkeeping):
 
 * paged, per block of ``block_size`` positions, ``ceil(block_size / rate)`` rows per compressed-entry tensor (the
   windows that close in the block): ``csa_entries [n_csa, rows, D]``, ``index_entries [n_csa, rows, Di]``,
@@ -42,7 +42,7 @@ from kernels.hyper_connections import HyperConnectionSpec, hc_head_collapse
 from kernels.quant import DEFAULT_BLOCK
 
 if TYPE_CHECKING:
-    from backend_lib.models.loader import LoadOptions
+    from backend_lib.models.load_options import LoadOptions
 
 _LEGACY_RATE_TYPES = {0: SLIDING, 4: CSA, 128: HCA}
 

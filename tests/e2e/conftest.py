@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from triton_helpers import new_server
 
-from backend_lib.server import TritonServer
+from backend_lib.frontend.triton.server import TritonServer
 
 # Small enough to load fast, large enough for 16 concurrent streams of the tests' requests.
 SERVER_PARAMETERS = {

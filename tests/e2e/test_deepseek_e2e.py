@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from triton_helpers import StreamClient, http_generate, new_server
 
-from backend_lib.offline import LLM
-from backend_lib.sampling_params import SamplingParams
-from backend_lib.server import TritonServer
-from backend_lib.tiny import make_tiny
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.engine.offline import LLM
+from backend_lib.frontend.triton.server import TritonServer
+from backend_lib.tools.tiny import make_tiny
 
 pytestmark = pytest.mark.e2e
 

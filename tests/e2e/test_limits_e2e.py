@@ -13,7 +13,7 @@ import pytest
 from conftest import SERVER_PARAMETERS
 from triton_helpers import http_generate, metric, metrics, new_server, server_ready, wait_for
 
-from backend_lib.server import TritonServer
+from backend_lib.frontend.triton.server import TritonServer
 
 pytestmark = pytest.mark.e2e
 

@@ -18,9 +18,8 @@ from triton_helpers import (Result, StreamClient, _absorb, child_processes, http
                             wait_for)
 
 import backend_lib
-from backend_lib.lifeline import pid_alive
-from backend_lib.server import free_port
-from backend_lib.triton_install import prepare_tritonserver, write_model_repository
+from backend_lib.core.processes import free_port, pid_alive
+from backend_lib.frontend.triton.install import prepare_tritonserver, write_model_repository
 
 pytestmark = pytest.mark.e2e
 
@@ -37,7 +36,7 @@ class Serve:
     def __init__(self, workdir: Path, *args: str, params: dict[str, str] = PARAMS) -> None:
         self.http_port, self.grpc_port = free_port(), free_port()
         env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT))
-        command = [sys.executable, "-m", "backend_lib.cli", "serve", "--http-port", str(self.http_port),
+        command = [sys.executable, "-m", "backend_lib.frontend.cli.main", "serve", "--http-port", str(self.http_port),
                    "--grpc-port", str(self.grpc_port), "--metrics-port", str(free_port()),
                    "--workdir", str(workdir), *[a for k, v in params.items() for a in ("--param", f"{k}={v}")], *args]
         self.output = open(workdir / "serve.out", "wb")
@@ -48,7 +47,7 @@ class Serve:
         [(self.triton_pid, _)] = [c for c in child_processes(self.process.pid) if c[1][0].endswith("tritonserver")]
         [(self.stub_pid, stub_argv)] = [c for c in child_processes(self.triton_pid) if "stub" in c[1][0]]
         self.region = SHM / stub_argv[2]
-        [(self.guard_pid, _)] = [c for c in child_processes(self.stub_pid) if "backend_lib.lifeline" in c[1]]
+        [(self.guard_pid, _)] = [c for c in child_processes(self.stub_pid) if "backend_lib.frontend.triton.lifeline" in c[1]]
         assert self.region.name.startswith("deepinfer_") and self.region.exists()
 
     @property

@@ -23,7 +23,7 @@ import pytest
 from triton_helpers import (StreamClient, _absorb, child_processes, metric, metrics, new_server, server_ready,
                             wait_for)
 
-from backend_lib.lifeline import pid_alive
+from backend_lib.core.processes import pid_alive
 
 pytestmark = pytest.mark.e2e
 

@@ -10,9 +10,9 @@ import time
 import pytest
 from triton_helpers import StreamClient, metric, metrics, new_server
 
-from backend_lib.offline import LLM
-from backend_lib.sampling_params import SamplingParams
-from backend_lib.server import TritonServer
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.engine.offline import LLM
+from backend_lib.frontend.triton.server import TritonServer
 
 pytestmark = pytest.mark.e2e
 

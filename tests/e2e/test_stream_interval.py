@@ -8,7 +8,7 @@ import pytest
 from conftest import SERVER_PARAMETERS
 from triton_helpers import StreamClient, new_server
 
-from backend_lib.server import TritonServer
+from backend_lib.frontend.triton.server import TritonServer
 
 pytestmark = pytest.mark.e2e
 

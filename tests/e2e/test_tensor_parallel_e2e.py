@@ -12,9 +12,9 @@ import time
 import pytest
 from triton_helpers import StreamClient, http_generate, metric, metrics, new_server, server_ready
 
-from backend_lib.offline import LLM
-from backend_lib.sampling_params import SamplingParams
-from backend_lib.tiny import make_tiny
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.engine.offline import LLM
+from backend_lib.tools.tiny import make_tiny
 
 pytestmark = pytest.mark.e2e
 
@@ -40,7 +40,7 @@ def _worker_pids(session: int | None = None) -> set[int]:
     """Live worker ranks, or only those in one tritonserver's session (its pid: it starts its own, and ranks keep
     it even when orphaned): the suite runs on two pytest workers, so another test's ranks may be alive."""
     session_filter = ["-s", str(session)] if session is not None else []
-    out = subprocess.run(["pgrep", *session_filter, "-f", "backend_lib.executor.worker"], capture_output=True,
+    out = subprocess.run(["pgrep", *session_filter, "-f", "backend_lib.worker.executor.worker"], capture_output=True,
                          text=True).stdout
     return {int(p) for p in out.split()}
 

@@ -26,8 +26,8 @@ FAMILIES = ["deepinfer_prompt_tokens_total", "deepinfer_generation_tokens_total"
 
 @pytest.fixture(scope="module")
 def tokenizer():
+    from backend_lib.engine.tokenizer import Tokenizer
     from backend_lib.models.loader import default_model_path
-    from backend_lib.tokenizer import Tokenizer
     return Tokenizer.load(default_model_path())
 
 
@@ -246,7 +246,7 @@ def test_deepinfer_chat_keeps_the_conversation(triton):
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-m", "backend_lib.cli", "chat", "--url", triton.grpc_url,
+    run = subprocess.run([sys.executable, "-m", "backend_lib.frontend.cli.main", "chat", "--url", triton.grpc_url,
                           "--temperature", "0", "--max-tokens", "40"],
                          input="What is the capital of France?\nAnd of Italy?\n", capture_output=True, text=True,
                          timeout=300)

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from backend_lib.server import TritonServer, free_port
+from backend_lib.core.processes import free_port
+from backend_lib.frontend.triton.server import TritonServer
 
 MODEL = "deepinfer"
 _DTYPES = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "FP32": np.float32}

@@ -1,7 +1,7 @@
 """Triton Python-backend model: lifecycle and translation only.
 
-Lifecycle: initialize builds the engine through ``serving.build_engine``; execute decodes each request
-with ``serving.decode_request`` and hands it to the engine (returning None: decoupled); one response
+Lifecycle: initialize builds the engine through ``codec.build_engine``; execute decodes each request
+with ``codec.decode_request`` and hands it to the engine (returning None: decoupled); one response
 thread drains every request's stream, sends the deltas, polls cancellation (-> engine.abort) and ends
 every request, errors included, with TRITONSERVER_RESPONSE_COMPLETE_FINAL; finalize shuts the engine
 down (each stream then ends) and joins the thread, so unload never hangs.
@@ -45,9 +45,9 @@ def _use_site_dirs() -> None:
 _use_site_dirs()
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
-from backend_lib import lifeline, serving  # noqa: E402  (after the path set-up above)
-from backend_lib.errors import EngineBusyError  # noqa: E402
-from backend_lib.triton_metrics import TritonMetrics  # noqa: E402
+from backend_lib.engine.errors import EngineBusyError  # noqa: E402
+from backend_lib.frontend.triton import codec, lifeline  # noqa: E402  (after the path set-up above)
+from backend_lib.frontend.triton.metrics import TritonMetrics  # noqa: E402
 
 # Poll periods of the response thread (outputs and new requests wake it at once): each is_cancelled() is a round
 # trip to the Triton process, so it is polled rarely.
@@ -61,9 +61,9 @@ class _Active:
     request_id: str
     request: Any  # pb_utils.InferenceRequest, kept for is_cancelled()
     sender: Any  # its response sender
-    stream: Any  # backend_lib.async_engine.RequestStream
-    encoder: serving.ResponseEncoder
-    coalescer: serving.DeltaCoalescer
+    stream: Any  # backend_lib.engine.async_engine.RequestStream
+    encoder: codec.ResponseEncoder
+    coalescer: codec.DeltaCoalescer
     cancel_checked: float = 0.0
     cancelled: bool = False
     done: bool = field(default=False)
@@ -76,9 +76,9 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise ValueError("deepinfer needs model_transaction_policy { decoupled: true } in config.pbtxt")
         parameters = {name: value["string_value"] for name, value in config.get("parameters", {}).items()}
-        self._options = serving.serving_options_from_parameters(parameters)
+        self._options = codec.serving_options_from_parameters(parameters)
         self._guard = lifeline.StubGuard(lifeline.stub_shm_region())  # before the (long) engine build
-        self._engine = serving.build_engine(parameters)
+        self._engine = codec.build_engine(parameters)
         self._model_name = args["model_name"]
         tokenizer = self._engine.tokenizer
         self._decode_token = lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
@@ -123,21 +123,21 @@ class TritonPythonModel:
                 self._logger.log_error(f"[deepinfer] request {request_id} failed: {traceback.format_exc()}")
                 self._send_error(sender, f"internal error: {exc}")
                 continue
-            encoder = serving.ResponseEncoder(decoded, self._decode_token, self._decode_ids)
-            coalescer = serving.DeltaCoalescer(self._options.stream_interval if decoded.stream else 1)
+            encoder = codec.ResponseEncoder(decoded, self._decode_token, self._decode_ids)
+            coalescer = codec.DeltaCoalescer(self._options.stream_interval if decoded.stream else 1)
             self._incoming.put(_Active(request_id, request, sender, stream, encoder, coalescer))
             self._wake.set()
         return None
 
     @staticmethod
-    def _decode(request: Any) -> serving.DecodedRequest:
+    def _decode(request: Any) -> codec.DecodedRequest:
         inputs = {}
-        for name in serving.INPUT_NAMES:
+        for name in codec.INPUT_NAMES:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             if tensor is not None:
                 inputs[name] = tensor.as_numpy()
-        return serving.decode_request(inputs, request.parameters(), request.correlation_id(), request.flags(),
-                                      request.requested_output_names())
+        return codec.decode_request(inputs, request.parameters(), request.correlation_id(), request.flags(),
+                                    request.requested_output_names())
 
     def _send_error(self, sender: Any, message: str, code: Any = None) -> None:
         error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)

@@ -1,0 +1,269 @@
+"""Validated configuration dataclasses shared by every layer of the engine.
+
+Each field is checked in ``__post_init__`` so a bad value fails at construction with a message that
+names the field and the allowed range (the Triton model turns these into load errors).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_SPEC_METHODS = ("none", "ngram", "mtp")
+_HOST_GEMMS = ("auto", "gemv", "onednn", "mkl")
+_COMPILE_BACKENDS = ("none", "auto", "inductor", "aot_eager", "neuron")
+# Admission defaults per running slot: a burst of 8 batches' worth waits (the last one about 8 batch lifetimes),
+# more is refused at once; sessions hold history (and KV until evicted), so more of them may stay open.
+WAITING_PER_SEQ = 8
+SESSIONS_PER_SEQ = 32
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass
+class ModelConfig:
+    """Which checkpoint to load and how."""
+
+    model: str = ""  # GGUF file or Hugging Face directory; "" = the bundled SmolLM2-135M-Instruct GGUF
+    dtype: str = "float32"
+    max_model_len: int = 2048  # prompt + output tokens of one request (or session) at most
+    device: str = "cpu"
+    # Host GEMMs on weights packed at load: "auto" keeps two layouts, the blocked few-row kernel (kernels/gemv.py,
+    # near memory bandwidth at decode row counts; fp32 and bf16) for <= GemvPolicy.max_rows rows and oneDNN's
+    # packed GEMM (fp32; F.linear for other dtypes) above; "gemv" the blocked kernel alone at every row count (one
+    # layout less); "onednn" oneDNN alone (about 2x MKL's sgemm at decode batch sizes); "mkl" torch's default
+    # F.linear (the kernel transformers uses).
+    host_gemm: str = "auto"
+    # Host fp32 decode attention: "cpp" is the C++ kernel in kernels/csrc (built on first use; each KV row read
+    # once), "torch" the block gather + SDPA (eager) / fused torch form (compiled) that Neuron runs.
+    host_attention: str = "cpp"
+    # Greedy steps on the host take the head's argmax from a cheap copy of the head plus the exact kernel on the few
+    # columns the copy's error bound leaves: up to 4 rows (bf16) or 6 (fp32) an int8 copy (kernels/int8_head_screen.py,
+    # 28 MB for SmolLM2), more rows of an fp32 head a bf16 copy (kernels/head_screen.py, 56 MB). The same tokens,
+    # the head's time at one row 0.3-0.6x. Off: every logit is computed.
+    greedy_head_screen: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _require(self.host_gemm in _HOST_GEMMS, f"host_gemm must be one of {_HOST_GEMMS}, got {self.host_gemm!r}")
+        _require(self.host_attention in ("cpp", "torch"),
+                 f"host_attention must be 'cpp' or 'torch', got {self.host_attention!r}")
+        _require(self.max_model_len >= 16, f"max_model_len must be >= 16, got {self.max_model_len}")
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache geometry."""
+
+    block_size: int = 16
+    num_blocks: int = 0  # 0 = derive from kv_cache_memory_gb, or from the free memory (backend_lib/worker/kv_sizing.py)
+    kv_cache_memory_gb: float = 0.0  # 0 = auto: kv_cache_memory_fraction of the memory free after loading weights
+    kv_cache_memory_fraction: float = 0.5  # like vLLM's gpu_memory_utilization, of what is free, not of the total
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+                 f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        _require(self.num_blocks >= 0, f"num_blocks must be >= 0 (0 = auto), got {self.num_blocks}")
+        _require(self.kv_cache_memory_gb >= 0,
+                 f"kv_cache_memory_gb must be >= 0 (0 = auto), got {self.kv_cache_memory_gb}")
+        _require(0 < self.kv_cache_memory_fraction <= 0.95,
+                 f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 32  # running requests at once
+    max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _require(1 <= self.max_num_seqs <= 1024, f"max_num_seqs must be in [1, 1024], got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens >= 1,
+                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass
+class SpecConfig:
+    """Speculative decoding (drafts verified by the rejection sampler)."""
+
+    method: str = "none"
+    num_speculative_tokens: int = 0
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        _require(self.method in _SPEC_METHODS, f"spec method must be one of {_SPEC_METHODS}, got {self.method!r}")
+        _require(0 <= self.num_speculative_tokens <= 16,
+                 f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
+        _require(self.method == "none" or self.num_speculative_tokens >= 1,
+                 f"spec method {self.method!r} needs num_speculative_tokens in [1, 16], got {self.num_speculative_tokens}")
+        _require(1 <= self.ngram_min <= self.ngram_max,
+                 f"ngram range must satisfy 1 <= ngram_min <= ngram_max, got [{self.ngram_min}, {self.ngram_max}]")
+
+
+def _int_tuple(name: str, value: Any) -> tuple[int, ...]:
+    """Bucket lists arrive as tuples/lists (Python) or comma-separated strings (Triton parameters, CLI flags)."""
+    if isinstance(value, str):
+        value = [v for v in value.replace(" ", "").split(",") if v]
+    elif isinstance(value, int):
+        value = [value]
+    try:
+        out = tuple(int(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a list of ints (or 'a,b,c'), got {value!r}") from None
+    _require(all(v >= 1 for v in out) and list(out) == sorted(set(out)),
+             f"{name} must be strictly increasing ints >= 1, got {out}")
+    return out
+
+
+@dataclass
+class CompileConfig:
+    """Compiled regions (backend_lib/worker/compile): static-shape graphs per bucket; "none" keeps the engine eager."""
+
+    compile_backend: str = "none"  # "auto" = neuron on Trainium, inductor on the host
+    batch_buckets: tuple[int, ...] = ()  # () = powers of two up to max_num_seqs
+    width_buckets: tuple[int, ...] = ()  # block-table widths; () = powers of two from 8 up to max_model_len's blocks
+    prefill_buckets: tuple[int, ...] = ()  # single-chunk prefill lengths; () = prefill stays eager
+    compile_progress: bool = True  # progress bar while the graphs compile at engine start
+    # Persistent compile caches (inductor's FX-graph / AOTAutograd caches, neuronx-cc's NEFF cache) live here, so
+    # a second start loads the graphs instead of compiling them; "" = TORCHINDUCTOR_CACHE_DIR /
+    # NEURON_COMPILE_CACHE_URL when the environment sets them, else ~/.cache/deepinfer/compile (XDG_CACHE_HOME).
+    compile_cache_dir: str = ""
+    # Sampler graphs compiled at start: "greedy" (the argmax graph per batch bucket; a batch that samples compiles
+    # its variant the first time one comes, from the cache when it is warm) or "all" (every variant up front).
+    compile_sampler_variants: str = "greedy"
+    # "model": one graph per bucket over all layers; "layer": one graph per bucket and layer kind, shared by every
+    # layer of that kind (much less to trace and compile; what the Neuron port prescribes).
+    compile_scope: str = "model"
+
+    def __post_init__(self) -> None:
+        _require(self.compile_backend in _COMPILE_BACKENDS,
+                 f"compile_backend must be one of {_COMPILE_BACKENDS}, got {self.compile_backend!r}")
+        _require(self.compile_sampler_variants in ("greedy", "all"),
+                 f"compile_sampler_variants must be 'greedy' or 'all', got {self.compile_sampler_variants!r}")
+        _require(self.compile_scope in ("model", "layer"),
+                 f"compile_scope must be 'model' or 'layer', got {self.compile_scope!r}")
+        _require(isinstance(self.compile_cache_dir, str) and "\0" not in self.compile_cache_dir,
+                 f"compile_cache_dir must be a directory path (or \"\" for the default), got "
+                 f"{self.compile_cache_dir!r}")
+        self.batch_buckets = _int_tuple("batch_buckets", self.batch_buckets)
+        self.width_buckets = _int_tuple("width_buckets", self.width_buckets)
+        self.prefill_buckets = _int_tuple("prefill_buckets", self.prefill_buckets)
+
+
+@dataclass
+class ParallelConfig:
+    """Tensor / expert parallelism over torch.distributed (names as vLLM uses them)."""
+
+    tensor_parallel_size: int = 1  # ranks; rank 0 is the driver (where the engine lives), the rest worker processes
+    enable_expert_parallel: bool = False  # MoE experts partitioned across the ranks instead of each one sharded
+    nnodes: int = 1  # machines; ranks on nodes 1.. are started there by `deepinfer worker`
+    master_addr: str = "127.0.0.1"  # where the driver's rendezvous store listens (node 0's address)
+    master_port: int = 0  # 0 = a free port (one machine only)
+    distributed_timeout_s: float = 60.0  # a collective (or a worker joining) slower than this is a rank failure
+
+    def __post_init__(self) -> None:
+        _require(1 <= self.tensor_parallel_size <= 1024,
+                 f"tensor_parallel_size must be in [1, 1024], got {self.tensor_parallel_size}")
+        _require(1 <= self.nnodes <= self.tensor_parallel_size and self.tensor_parallel_size % self.nnodes == 0,
+                 f"nnodes must divide tensor_parallel_size={self.tensor_parallel_size}, got {self.nnodes}")
+        _require(self.nnodes == 1 or self.master_port > 0,
+                 f"nnodes={self.nnodes} needs an explicit master_port (the workers on other nodes dial it)")
+        _require(0 <= self.master_port <= 65535, f"master_port must be in [0, 65535], got {self.master_port}")
+        _require(self.distributed_timeout_s > 0,
+                 f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+
+@dataclass
+class RequestLimits:
+    """Caps on what one request can make the server hold; beyond one, the request is refused with a ValueError
+    (INVALID_ARG) naming the field and the limit. Each bounds memory or per-token work that grows with the
+    request, not the model: the context itself is bounded by max_model_len."""
+
+    max_prompt_chars: int = 1_048_576  # text_input characters (tokenized on the caller's thread)
+    max_input_ids: int = 0  # input_ids length; 0 = what max_model_len allows (a longer prompt can never run)
+    max_messages: int = 1024  # chat messages in one request
+    max_messages_chars: int = 1_048_576  # characters of every message's keys and values together
+    max_stop_strings: int = 16  # each is matched against every new token's text
+    max_stop_string_chars: int = 256  # per stop string
+    max_stop_token_ids: int = 64
+    max_logit_bias: int = 1024  # logit_bias entries (each step scatters them into a [rows, vocab] bias)
+    max_logprobs: int = 20  # top-n alternatives per token (vLLM's default max_logprobs)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            lowest = 0 if f.name in ("max_input_ids", "max_logprobs") else 1
+            _require(isinstance(value, int) and not isinstance(value, bool) and value >= lowest,
+                     f"{f.name} must be an integer >= {lowest}, got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    session_idle_timeout_s: float = 600.0
+    seed: int = 0  # seeds the per-request seeds of unseeded sampled requests
+    num_threads: int = 0  # torch intra-op threads; 0 = all cores
+    # Admission control (AsyncEngine): requests waiting for a slot (inbox + scheduler queue) and open sessions.
+    # Beyond either, a request is refused at once (EngineBusyError -> UNAVAILABLE) instead of queueing without
+    # bound. 0 = derived from max_num_seqs (set in __post_init__, so the config holds the value in force).
+    max_waiting_requests: int = 0
+    max_sessions: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.session_idle_timeout_s > 0,
+                 f"session_idle_timeout_s must be > 0, got {self.session_idle_timeout_s}")
+        _require(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")
+        _require(self.max_waiting_requests >= 0,
+                 f"max_waiting_requests must be >= 0 (0 = {WAITING_PER_SEQ} x max_num_seqs), "
+                 f"got {self.max_waiting_requests}")
+        _require(self.max_sessions >= 0,
+                 f"max_sessions must be >= 0 (0 = {SESSIONS_PER_SEQ} x max_num_seqs), got {self.max_sessions}")
+        self.max_waiting_requests = self.max_waiting_requests or WAITING_PER_SEQ * self.scheduler.max_num_seqs
+        self.max_sessions = self.max_sessions or SESSIONS_PER_SEQ * self.scheduler.max_num_seqs
+
+    @classmethod
+    def from_flat(cls, values: dict[str, Any]) -> "EngineConfig":
+        """Build from flat ``name -> value`` pairs (Triton parameters, CLI flags); unknown names are errors."""
+        sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig,
+                    "compile": CompileConfig, "parallel": ParallelConfig, "limits": RequestLimits}
+        owner = {f.name: section for section, klass in sections.items() for f in fields(klass)}
+        top = {f.name for f in fields(cls)} - set(sections)
+        grouped: dict[str, dict[str, Any]] = {name: {} for name in sections}
+        top_values: dict[str, Any] = {}
+        for name, value in values.items():
+            if name in owner:
+                grouped[owner[name]][name] = value
+            elif name in top:
+                top_values[name] = value
+            else:
+                raise ValueError(f"unknown engine setting {name!r}")
+        return cls(**{name: sections[name](**kw) for name, kw in grouped.items()}, **top_values)
+
+
+def config_to_flat(config: EngineConfig) -> dict[str, Any]:
+    """The inverse of ``EngineConfig.from_flat`` (what the driver hands its worker ranks)."""
+    flat: dict[str, Any] = {}
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if hasattr(value, "__dataclass_fields__"):
+            flat.update({g.name: getattr(value, g.name) for g in fields(value)})
+        else:
+            flat[f.name] = value
+    return flat

@@ -1,1 +1,0 @@
-"""torch.distributed pieces below the model runner: the driver-to-worker step channel."""

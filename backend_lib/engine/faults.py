@@ -1,0 +1,64 @@
+"""Fault injection for tests: a fatal (``FatalEngineError``, from ``worker/failures.py``) or transient fault inside
+one engine step's model run.
+
+Fault injection is read once when the engine starts (``FaultConfig.from_env``), never from a module global, so a
+test sets ``DEEPINFER_FAULT_STEP=N`` for the one server it starts and every other engine runs unfaulted. The fault
+is raised inside the model run of engine step N, after the scheduler has allocated that step's blocks: the same
+place a real device error (out of memory, a lost Neuron core) would surface.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from backend_lib.worker.failures import FatalEngineError
+
+if TYPE_CHECKING:
+    from backend_lib.engine.llm_engine import LLMEngine
+
+FAULT_STEP_ENV = "DEEPINFER_FAULT_STEP"
+FAULT_KIND_ENV = "DEEPINFER_FAULT_KIND"
+_KINDS = ("fatal", "transient")
+
+
+class InjectedFault(RuntimeError):
+    """A transient fault injected by FaultConfig: only the requests of that step fail."""
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    step: int = 0  # the 1-based engine step whose model run raises; 0 = no fault
+    kind: str = "fatal"  # "fatal" (FatalEngineError) or "transient" (InjectedFault)
+
+    def __post_init__(self) -> None:
+        if self.step < 0:
+            raise ValueError(f"{FAULT_STEP_ENV} must be >= 0 (0 = off), got {self.step}")
+        if self.kind not in _KINDS:
+            raise ValueError(f"{FAULT_KIND_ENV} must be one of {_KINDS}, got {self.kind!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> "FaultConfig":
+        text = environ.get(FAULT_STEP_ENV, "").strip()
+        try:
+            step = int(text) if text else 0
+        except ValueError:
+            raise ValueError(f"{FAULT_STEP_ENV} must be an integer step, got {text!r}") from None
+        return cls(step=step, kind=environ.get(FAULT_KIND_ENV, "").strip() or "fatal")
+
+    def install(self, engine: "LLMEngine") -> None:
+        """Wrap the engine's model run so that step ``self.step`` raises (nothing to do when off)."""
+        if not self.step:
+            return
+        run = engine.runner.execute
+        runs = 0  # model runs so far; a failed step is not counted by engine.num_steps, so count here: fire once
+
+        def run_with_fault(scheduler_output):
+            nonlocal runs
+            runs += 1
+            if runs == self.step:
+                message = f"fault injected at engine step {runs} ({FAULT_STEP_ENV})"
+                raise FatalEngineError(message) if self.kind == "fatal" else InjectedFault(message)
+            return run(scheduler_output)
+
+        engine.runner.execute = run_with_fault

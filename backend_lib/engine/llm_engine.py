@@ -1,0 +1,350 @@
+"""LLMEngine (add_request / abort / step) and the per-request text state around it.
+
+A step is: schedule -> run (prepare, forward, sample) -> update the scheduler -> detokenize and check stop
+strings -> RequestOutputs. AsyncEngine (async_engine.py) runs this loop on a thread; LLM (offline.py) drives
+it synchronously.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from backend_lib.core.config import EngineConfig
+from backend_lib.core.outputs import (EngineStats, PromptLogprobs, RequestMetrics, RequestOutput, RunnerOutput,
+                                      SessionControl, TokenLogprob)
+from backend_lib.core.request import Request, RequestStatus
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.core.scheduler import Scheduler
+from backend_lib.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from backend_lib.engine.errors import EngineBusyError
+from backend_lib.engine.limits import check_context, check_params, check_prompt
+from backend_lib.engine.tokenizer import Tokenizer
+from backend_lib.models.loader import resolve_model_path
+from backend_lib.worker.executor.executor import Executor
+from backend_lib.worker.executor.rank import DTYPES
+
+log = logging.getLogger("deepinfer.engine")
+
+Prompt = str | list[int] | list[dict]
+
+
+@dataclass
+class _TextState:
+    """What the engine keeps per live request besides the scheduler's Request."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher
+    metrics: RequestMetrics
+    session: SessionControl | None = None
+    text_turn: bool = True  # a session turn whose prompt extends the session's token history
+    cumulative_logprob: float = 0.0
+    num_emitted_tokens: int = 0
+    text: list[str] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # until the first output with tokens
+
+
+@dataclass
+class PreparedRequest:
+    """A request that is not a session turn, tokenized and checked (LLMEngine.prepare_request)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)  # when it came in, not when a step took it
+
+
+@dataclass
+class _Session:
+    last_used: float
+    running_request_id: str | None = None
+    messages: list[dict] = field(default_factory=list)  # chat turns, for sessions driven by messages
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.model.device)
+        self.dtype = DTYPES[config.model.dtype]
+        self.tokenizer = Tokenizer.load(resolve_model_path(config.model.model))
+        self.executor = Executor(config)
+        self.model, self.runner = self.executor.model, self.executor.runner
+        self.vocab_size = self.model.arch.vocab_size
+        num_blocks = self.executor.num_blocks
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.model.max_model_len,
+                                   num_lookahead_slots=self.runner.num_lookahead_slots,
+                                   num_state_slots=self.executor.num_state_slots)
+        if self.executor.num_state_slots and config.cache.enable_prefix_caching:
+            log.info("prefix caching is off for this model: its hybrid KV cache keeps per-request state (sliding "
+                     "window, open compressor windows) that is valid only at the position its request reached")
+        self.num_blocks = num_blocks
+        self._seeds = random.Random(config.seed)
+        self._states: dict[str, _TextState] = {}
+        self._sessions: dict[str, _Session] = {}
+        self.num_steps = 0
+
+    # ---- requests -------------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if not prompt:
+            raise ValueError("prompt is empty")
+        if isinstance(prompt[0], dict):
+            return self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("input_ids must be a list of integers")
+        return list(prompt)
+
+    def _check_ids(self, field_name: str, ids: list[int]) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{field_name} contains token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+
+    def prepare_request(self, request_id: str, prompt: Prompt,
+                        params: SamplingParams | None = None) -> PreparedRequest:
+        """Tokenizes and checks a request that is not a session turn; raises ValueError naming the problem.
+
+        Reads nothing a step changes (tokenizer, vocabulary, limits), so another thread may call it while a step
+        runs: AsyncEngine does, so that a new request never waits for the step in flight."""
+        params = params or SamplingParams()
+        self._check_limits(prompt, params)
+        prompt_ids = self.tokenize(prompt)
+        self._check_ids("input_ids", prompt_ids)
+        check_context(len(prompt_ids), params, self.config.model.max_model_len)
+        return PreparedRequest(request_id, prompt_ids, params)
+
+    def add_prepared(self, prepared: PreparedRequest) -> None:
+        """Queue a request from ``prepare_request``; raises ValueError (nothing queued) if its id is in use."""
+        self._check_unused(prepared.request_id)
+        self._queue(prepared.request_id, prepared.prompt_ids, prepared.params, arrival_time=prepared.arrival_time)
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    session: SessionControl | None = None) -> None:
+        """Queue a request; raises ValueError (nothing queued) for bad input or a session protocol error."""
+        if session is None:
+            self.add_prepared(self.prepare_request(request_id, prompt, params))
+            return
+        params = params or SamplingParams()
+        self._check_unused(request_id)
+        if params.prompt_logprobs is not None:  # the history's positions are not computed again
+            raise ValueError("prompt_logprobs is not available for a session turn (sequence_id); send the whole "
+                             "prompt as a request of its own")
+        self._check_limits(prompt, params)  # the new turn's prompt; the history is bounded by max_model_len
+        chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+        history: list[int] = []
+        state = self._session_for_turn(session)
+        if chat:
+            prompt = state.messages + list(prompt)
+        elif not session.start:
+            history = self.scheduler.session_history(session.session_id)
+        new_ids = self.tokenize(prompt, add_special_tokens=not history)
+        self._check_ids("input_ids", new_ids)
+        prompt_ids = history + new_ids
+        check_context(len(prompt_ids), params, self.config.model.max_model_len, " (session history included)")
+        self._queue(request_id, prompt_ids, params, session=session, num_history_tokens=len(history),
+                    text_turn=not chat)
+        self._sessions[session.session_id].running_request_id = request_id
+        if chat:
+            self._sessions[session.session_id].messages = list(prompt)
+
+    def _check_unused(self, request_id: str) -> None:
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+
+    def _check_limits(self, prompt: Prompt, params: SamplingParams) -> None:
+        """What one request may make the server hold (RequestLimits), before tokenizing it."""
+        check_params(self.config.limits, params, self.vocab_size)
+        self._check_ids("stop_token_ids", list(params.stop_token_ids))
+        check_prompt(self.config.limits, prompt, self.config.model.max_model_len)
+
+    def _queue(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               session: SessionControl | None = None, num_history_tokens: int = 0, text_turn: bool = True,
+               arrival_time: float | None = None) -> None:
+        seed = params.seed if params.seed is not None else self._seeds.randrange(2**31)
+        request = Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params, seed=seed,
+                          arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+                          eos_token_ids=self.tokenizer.eos_token_ids,
+                          session_id=session.session_id if session is not None and text_turn else None,
+                          num_history_tokens=num_history_tokens)
+        self._states[request_id] = _TextState(
+            request=request,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
+            stops=StopStringMatcher(list(params.stop), params.include_stop_str_in_output),
+            metrics=RequestMetrics(arrival_time=request.arrival_time),
+            session=session, text_turn=text_turn)
+        self.scheduler.add_request(request)
+
+    def _session_for_turn(self, control: SessionControl) -> _Session:
+        sid = control.session_id
+        now = time.monotonic()
+        if control.start:
+            if sid not in self._sessions:
+                self._check_session_room()
+            if sid in self._sessions:
+                if self._sessions[sid].running_request_id is not None:
+                    raise ValueError(f"session {sid} has a turn still running; cannot START it again")
+                self._close_session(sid)
+            self.scheduler.open_session(sid)
+            self._sessions[sid] = _Session(last_used=now)
+        elif sid not in self._sessions:
+            raise ValueError(f"unknown session {sid}: the first request of a sequence must carry START")
+        state = self._sessions[sid]
+        if state.running_request_id is not None:
+            raise ValueError(f"session {sid} already has a turn running (request {state.running_request_id})")
+        state.last_used = now
+        return state
+
+    def _check_session_room(self) -> None:
+        """A new session beyond max_sessions is refused (EngineBusyError), after closing the idle ones: the step
+        loop closes them only when it idles, and a busy engine must not refuse sessions for expired ones."""
+        limit = self.config.max_sessions
+        if len(self._sessions) >= limit:
+            self.close_idle_sessions()
+        if len(self._sessions) >= limit:
+            raise EngineBusyError(f"server busy: {len(self._sessions)} sessions are open, the limit "
+                                  f"(max_sessions {limit}); end one or retry later", "max_sessions")
+
+    def _close_session(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+        if self.scheduler.has_session(session_id):
+            self.scheduler.close_session(session_id)
+
+    def close_idle_sessions(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        idle = [sid for sid, s in self._sessions.items()
+                if s.running_request_id is None and now - s.last_used > self.config.session_idle_timeout_s]
+        for sid in idle:
+            self._close_session(sid)
+        return idle
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort at any time; returns the request's final output, or None if it is unknown or already done."""
+        state = self._states.get(request_id)
+        if state is None:
+            return None
+        self.scheduler.abort_request(request_id)
+        return self._finish_output(state, [], [])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        now = time.monotonic()
+        for chunk in scheduler_output.chunks:
+            metrics = self._states[chunk.request.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        # Nothing to run (e.g. every request waits for blocks, or errors found while scheduling).
+        runner_output = (RunnerOutput(sampled_token_ids=[]) if scheduler_output.is_empty
+                         else self.executor.execute(scheduler_output))
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        logprobs_by_id = {}
+        if runner_output.logprobs is not None:
+            logprobs_by_id = {c.request.request_id: lp
+                              for c, lp in zip(scheduler_output.chunks, runner_output.logprobs) if lp}
+        for chunk, entries in zip(scheduler_output.chunks, runner_output.prompt_logprobs or []):
+            state = self._states.get(chunk.request.request_id)
+            if entries and state is not None:
+                state.prompt_logprobs += entries
+                chunk.request.num_prompt_logprobs += len(entries)
+        self.num_steps += 1
+        outputs = []
+        for request in updated:
+            state = self._states.get(request.request_id)
+            if state is not None:
+                outputs.append(self._make_output(state, logprobs_by_id.get(request.request_id, [])))
+        # Requests the scheduler ended without new tokens (e.g. can never fit in the pool).
+        for request_id, state in list(self._states.items()):
+            if state.request.is_finished:
+                outputs.append(self._finish_output(state, [], []))
+        return outputs
+
+    def _make_output(self, state: _TextState, new_logprobs: list[TokenLogprob]) -> RequestOutput:
+        request = state.request
+        new_ids = request.output_token_ids[state.num_emitted_tokens:]
+        state.num_emitted_tokens = request.num_output_tokens
+        state.cumulative_logprob += sum(lp.logprob for lp in new_logprobs)
+        if state.metrics.first_token_time is None and new_ids:
+            state.metrics.first_token_time = time.monotonic()
+        text, stop = state.stops.feed(state.detokenizer.add(new_ids))
+        if stop is not None and not request.is_finished:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
+            request.stop_reason = stop
+        if request.is_finished:
+            return self._finish_output(state, new_ids, new_logprobs, text, stopped_by_string=stop is not None)
+        state.text.append(text)
+        return self._output(state, new_ids, text, new_logprobs, finished=False)
+
+    def _finish_output(self, state: _TextState, new_ids: list[int], new_logprobs: list[TokenLogprob],
+                       text: str = "", stopped_by_string: bool = False) -> RequestOutput:
+        request = state.request
+        if not request.is_finished:  # aborted by the caller
+            request.status = RequestStatus.FINISHED_ABORTED
+        if not stopped_by_string:
+            tail, stop = state.stops.feed(state.detokenizer.flush())
+            text += tail + (state.stops.flush() if stop is None else "")
+        state.text.append(text)
+        state.metrics.finished_time = time.monotonic()
+        del self._states[request.request_id]
+        self._end_turn(state)
+        return self._output(state, new_ids, text, new_logprobs, finished=True)
+
+    def _end_turn(self, state: _TextState) -> None:
+        control = state.session
+        if control is None or control.session_id not in self._sessions:
+            return
+        session = self._sessions[control.session_id]
+        session.running_request_id = None
+        session.last_used = time.monotonic()
+        ok = state.request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+        if ok and not state.text_turn:
+            session.messages.append({"role": "assistant", "content": "".join(state.text)})
+        if control.end:
+            self._close_session(control.session_id)
+
+    def _output(self, state: _TextState, new_ids: list[int], text: str, new_logprobs: list[TokenLogprob],
+                finished: bool) -> RequestOutput:
+        request = state.request
+        prompt_logprobs = None
+        first = (new_ids or finished) and state.num_emitted_tokens == len(new_ids)  # its first output with tokens
+        if first and request.sampling_params.prompt_logprobs is not None and \
+                len(state.prompt_logprobs) == request.num_prompt_tokens - 1:  # complete (not cut by an abort)
+            prompt_logprobs = PromptLogprobs(request.prompt_token_ids[0], state.prompt_logprobs)
+        return RequestOutput(
+            request_id=request.request_id, new_token_ids=list(new_ids), new_text=text, finished=finished,
+            finish_reason=request.finish_reason if finished else None,
+            num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens, cumulative_logprob=state.cumulative_logprob,
+            new_logprobs=new_logprobs or None, prompt_logprobs=prompt_logprobs,
+            stop_reason=request.stop_reason if finished else None,
+            error=request.error if finished else None, metrics=state.metrics)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every live request with finish_reason "error" (after an exception in a step); frees their blocks."""
+        outputs = []
+        for request_id, state in list(self._states.items()):
+            self.scheduler.abort_request(request_id)
+            state.request.status = RequestStatus.FINISHED_ERROR
+            state.request.error = message
+            outputs.append(self._finish_output(state, [], []))
+        return outputs
+
+    # ---- introspection --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the worker ranks (tensor parallelism); idempotent. The engine cannot step afterwards."""
+        self.executor.close()
+
+    def stats(self) -> EngineStats:
+        counters = self.scheduler.stats_counters()
+        return EngineStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+                           kv_blocks_total=self.num_blocks, num_sessions=len(self._sessions), **counters)

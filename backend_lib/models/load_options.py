@@ -1,0 +1,28 @@
+"""``LoadOptions``: the loader's knobs a model class reads in ``from_hf_config(..., options=)``.
+
+Its own module so that the model classes and the loader both import it downward: the loader picks a class through
+the registry, and the classes never import the loader.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from backend_lib.models.parallel import ParallelContext
+
+_LOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """Loader-level knobs, handed to ``from_hf_config(..., options=)`` so a model class can read them."""
+
+    dtype: torch.dtype = torch.float32
+    progress: bool = True
+    dequantize_fp8_at_load: bool = False  # float8 checkpoints: dequantize to ``dtype`` instead of keeping fp8
+    par: ParallelContext = field(default_factory=ParallelContext)  # which shard this rank loads
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _LOAD_DTYPES:
+            raise ValueError(f"load dtype must be one of {_LOAD_DTYPES}, got {self.dtype}")

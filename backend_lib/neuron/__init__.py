@@ -1,1 +1,0 @@
-"""The Neuron execution layer: platform choice, buckets, compiled regions, graph lint, fp8 rescale."""

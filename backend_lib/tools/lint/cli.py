@@ -1,0 +1,38 @@
+"""``deepinfer lint-graphs``: every compiled region of the tiny models checked, one line a region (and a rank)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from backend_lib.tools.lint.ranks import lint_with_ranks
+from backend_lib.tools.lint.regions import lint_all_regions
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="deepinfer lint-graphs",
+                                     description="Lint every compiled region of a tiny Llama, a tiny "
+                                                 "DeepSeek-V3 and a tiny DeepSeek-V4 for what neuronx-cc rejects or "
+                                                 "runs slowly.")
+    parser.add_argument("--arch", choices=["llama", "deepseek_v3", "deepseek_v4", "all"], default="all")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="lint each rank's shard with the collectives in its graphs (gloo ranks on this host)")
+    args = parser.parse_args(argv)
+    archs = ["llama", "deepseek_v3", "deepseek_v4"] if args.arch == "all" else [args.arch]
+    if args.tensor_parallel_size > 1:
+        results = [(f"rank {r.rank}: {r.region}", r.error)
+                   for r in lint_with_ranks(archs, args.tensor_parallel_size)]
+    else:
+        results = lint_all_regions(archs)
+    failures = 0
+    for region, error in results:
+        status = "ok" if error is None else "FAIL"
+        print(f"{status:4} {region}")
+        if error is not None:
+            failures += 1
+            print(f"     {error}")
+    print(f"{failures} region(s) failed" if failures else "all regions pass")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

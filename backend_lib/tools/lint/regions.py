@@ -1,0 +1,108 @@
+"""The catalogue of compiled regions that ``deepinfer lint-graphs`` checks, built on tiny random models.
+
+Regions: decode at each batch bucket, each prefill bucket, the lm_head, every sampler variant and the draft
+verification (greedy and sampled rows), for a tiny Llama, a tiny DeepSeek-V3 (fp8 weights, static MoE) and a tiny
+DeepSeek-V4 (fp32, static MoE).
+"""
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+
+import torch
+
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.models.loader import load_model
+from backend_lib.models.parallel import ParallelContext
+from backend_lib.tools.lint.graph_lint import GraphLintError, lint_region
+from backend_lib.tools.tiny import make_tiny
+from backend_lib.worker.compile.buckets import BucketSpec
+from backend_lib.worker.compile.regions import SAMPLER_VARIANTS, CompiledModel, _sample_core, layer_views
+from backend_lib.worker.sampler import SamplingMetadata, SamplingRow
+from backend_lib.worker.spec_decode.rejection import DraftLayout, rejection_sample
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 16
+NUM_STATE_SLOTS = 4  # hybrid-cache models (DeepSeek-V4): fixed per-request state slots
+# Batch 1 (the one-row special cases) and 4 (the general case): the graphs differ only in shape past that.
+LINT_BUCKETS = BucketSpec(batch_sizes=(1, 4), block_table_widths=(4,), prefill_lengths=(8,),
+                          block_size=BLOCK_SIZE)
+
+
+def _tiny_model(arch: str, directory: str, par: ParallelContext | None = None) -> torch.nn.Module:
+    path = make_tiny(arch, directory, fp8=arch == "deepseek_v3", seed=0)
+    model = load_model(str(path), torch.float32, progress=False, par=par).eval()
+    if arch in ("deepseek_v3", "deepseek_v4"):
+        model.set_moe_impl("static")
+    return model
+
+
+def _model_regions(arch: str, model: torch.nn.Module) -> Iterator[tuple[str, object]]:
+    if hasattr(model, "hybrid_cache_shapes"):
+        paged, state = model.hybrid_cache_shapes(NUM_BLOCKS + 1, BLOCK_SIZE, NUM_STATE_SLOTS + 1)
+        caches = [torch.zeros(s) for s in paged + state]
+    else:
+        caches = [torch.zeros(s) for s in model.kv_cache_shapes((NUM_BLOCKS + 1) * BLOCK_SIZE)]
+    wrapper = CompiledModel(model, LINT_BUCKETS, "eager", scratch_block=NUM_BLOCKS)
+    keys = ([("decode", b, 1, w) for b, w in LINT_BUCKETS.decode_keys()]
+            + [("prefill", 1, n, w) for n, w in LINT_BUCKETS.prefill_keys()])
+    for kind, rows, queries, width in keys:
+        step = wrapper._dummy_step(rows, queries, width, torch.device("cpu"))
+        name = f"{arch} {kind} tokens={rows * queries} width={width}"
+        yield name, lambda step=step, name=name: lint_region(
+            wrapper._run, step.input_ids, step.positions, layer_views(caches), step.meta, region=name)
+    hidden = torch.zeros(2, model.arch.hidden_size)
+    yield f"{arch} lm_head rows=2", lambda: lint_region(model.compute_logits, hidden, region=f"{arch} lm_head")
+
+
+def _sampler_regions(vocab: int) -> Iterator[tuple[str, object]]:
+    rows = 4
+    for all_greedy, top_k, top_p in SAMPLER_VARIANTS:
+        name = f"sampler greedy={all_greedy} top_k={top_k} top_p={top_p}"
+        args = (torch.randn(rows, vocab), torch.full((rows,), 0.7), torch.full((rows,), all_greedy),
+                torch.full((rows,), 5, dtype=torch.int64) if top_k else None,
+                torch.full((rows,), 0.9) if top_p else None, torch.arange(rows), torch.arange(rows) * 3,
+                all_greedy, top_k, top_p)
+        yield name, lambda args=args, name=name: lint_region(_sample_core, *args, region=name)
+
+
+def _verification_regions(vocab: int) -> Iterator[tuple[str, object]]:
+    drafts = [[3, 4], [], [5]]
+    layout = DraftLayout.build(drafts, "cpu")
+    n = sum(len(d) + 1 for d in drafts)
+    for greedy in (True, False):
+        rows = [SamplingRow(params=SamplingParams(temperature=0.0 if greedy else 0.8, top_k=-1 if greedy else 20),
+                            seed=7, output_position=i, prompt_token_ids=[1], output_token_ids=[])
+                for i in range(n)]
+        meta = SamplingMetadata.build(rows, vocab, "cpu")
+        name = f"verification greedy={greedy}"
+
+        def verify(logits, layout=layout, meta=meta):
+            return rejection_sample(logits, layout, meta).token_ids
+
+        yield name, lambda verify=verify, name=name: lint_region(verify, torch.randn(n, vocab), region=name)
+
+
+def lint_all_regions(archs: list[str], par: ParallelContext | None = None,
+                     ) -> Iterator[tuple[str, GraphLintError | None]]:
+    """(region name, the lint error or None) for every region of every arch, then the sampler regions. With a
+    tensor-parallel ``par`` every rank lints its own shard's regions (their collectives run, so all ranks walk the
+    same regions in the same order); only the driver has sampler regions."""
+    with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
+        vocab = 0
+        for arch in archs:
+            model = _tiny_model(arch, f"{tmp}/{arch}", par)
+            vocab = model.arch.vocab_size
+            for name, run in _model_regions(arch, model):
+                yield name, _run(run)
+        if par is None or par.is_driver:
+            for name, run in [*_sampler_regions(vocab), *_verification_regions(vocab)]:
+                yield name, _run(run)
+
+
+def _run(run) -> GraphLintError | None:
+    try:
+        run()
+    except GraphLintError as error:  # reported by the caller, region by region
+        return error
+    return None

@@ -1,0 +1,95 @@
+"""The engine's handle on its ranks: builds this process's rank (the driver, rank 0), starts and joins the others,
+runs steps, turns a lost rank into one clear error, and stops every worker.
+
+With ``tensor_parallel_size == 1`` there is no group and no worker: the model runner runs in this process as
+before. Otherwise the driver hosts the rendezvous, starts the ranks of its own node, waits until every rank
+(including those ``deepinfer worker`` starts on other nodes) has joined, and builds its own shard; every step's
+inputs then go to the workers over the step channel inside ``ModelRunner.execute``.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from backend_lib.core.config import EngineConfig, config_to_flat
+from backend_lib.core.outputs import RunnerOutput, SchedulerOutput
+from backend_lib.models.parallel import ParallelContext
+from backend_lib.worker.executor.process_group import host_rendezvous, init_group, leave_group, pin_rank_threads
+from backend_lib.worker.executor.rank import RankState, build_rank
+from backend_lib.worker.executor.workers import RankFailure, WorkerPool
+from backend_lib.worker.model_runner import ModelRunner
+
+log = logging.getLogger("deepinfer.executor")
+
+
+class Executor:
+    def __init__(self, config: EngineConfig) -> None:
+        parallel = config.parallel
+        self.pool: WorkerPool | None = None
+        self.failed: str | None = None
+        self.state: RankState | None = None
+        if parallel.tensor_parallel_size == 1:
+            self.state = build_rank(config, ParallelContext())
+            return
+        rendezvous = host_rendezvous(parallel, config_to_flat(config))
+        self.pool = WorkerPool(rendezvous, range(1, parallel.ranks_per_node), parallel.tensor_parallel_size,
+                               parallel.distributed_timeout_s)
+        try:
+            pin_rank_threads(config, 0)
+            self.pool.wait_joined()
+            par = init_group(rendezvous, config, 0)
+            log.info("tensor parallel: %d ranks (%d per node, expert parallel %s), rendezvous %s:%d",
+                     parallel.tensor_parallel_size, parallel.ranks_per_node, parallel.enable_expert_parallel,
+                     rendezvous.master_addr, rendezvous.master_port)
+            self.state = build_rank(config, par)
+        except Exception as exc:
+            failure = self.pool.failure()
+            self.failed = failure or str(exc)
+            self.close()
+            # A bad configuration fails the driver as it fails every rank: its own message is the one to show.
+            if failure and not isinstance(exc, ValueError):
+                raise RankFailure(failure) from exc
+            raise
+        self._rendezvous = rendezvous  # the store lives as long as the group
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.state.model
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.state.runner
+
+    @property
+    def num_blocks(self) -> int:
+        return self.state.num_blocks
+
+    @property
+    def num_state_slots(self) -> int:
+        return self.state.num_state_slots
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        if self.failed:
+            raise RankFailure(self.failed)
+        try:
+            return self.state.runner.execute(scheduler_output)
+        except RuntimeError as exc:  # with ranks: a collective failed (a peer died, or hung past the timeout)
+            if self.pool is None:
+                raise
+            self.failed = self.pool.wait_failure(grace_s=2.0) or f"a tensor-parallel collective failed: {exc}"
+            log.error("engine cannot go on: %s", self.failed)
+            raise RankFailure(self.failed) from exc
+
+    def close(self) -> None:
+        """Stop every worker (idempotent). After a failure the survivors are killed rather than told."""
+        if self.pool is None:
+            return
+        pool, self.pool = self.pool, None
+        if not self.failed and self.state is not None:
+            try:
+                self.state.runner.shutdown_workers()
+            except RuntimeError as exc:
+                log.warning("workers did not take the shutdown message: %s", exc)
+        pool.stop(grace_s=5.0 if not self.failed else 0.0)
+        leave_group()

@@ -1,0 +1,95 @@
+"""What every rank builds, the driver and the workers alike: its shard of the model, the host kernels, its KV cache
+and a model runner. One function, so that every rank makes the same decisions (the collectives inside the model
+pair up only if every rank runs the same code)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from backend_lib.core.config import EngineConfig
+from backend_lib.models.layers import HostGemmPlan
+from backend_lib.models.loader import load_model, resolve_model_path
+from backend_lib.models.parallel import ParallelContext
+from backend_lib.worker.kv_sizing import kv_cache_num_blocks
+from backend_lib.worker.model_runner import ModelRunner, is_hybrid, max_drafts
+from backend_lib.worker.step_channel import StepChannel
+from kernels.cpu_kernels import cpu_kernels_supported, load_cpu_kernels
+from kernels.gemv import GemvPolicy, gemv_available
+from kernels.host_memory import move_buffers_to_huge_pages
+from kernels.onednn_gemm import onednn_gemm_available
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RankState:
+    model: torch.nn.Module
+    runner: ModelRunner
+    num_blocks: int
+    num_state_slots: int = 0  # fixed per-request state slots (hybrid-cache models; 0 otherwise)
+
+
+def num_state_slots(config: EngineConfig, model: torch.nn.Module) -> int:
+    """A hybrid-cache model's fixed state slots: one per running request and one per session kept between turns
+    (every rank derives the same count from the configuration)."""
+    return config.scheduler.max_num_seqs + config.max_sessions if is_hybrid(model) else 0
+
+
+def kv_cache_blocks(config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype, world_size: int = 1) -> int:
+    """Blocks of the KV pool for this rank's shard (backend_lib/worker/kv_sizing.py: ``num_blocks``, ``kv_cache_memory_gb``,
+    or a fraction of the free memory, which the ranks of one host share); a hybrid model's state slots (and the
+    scratch slot) come off the budget first."""
+    drafts, block_size = max_drafts(config.spec), config.cache.block_size
+    per_block = ModelRunner.kv_bytes_per_block(model, block_size, dtype, drafts)
+    slots = num_state_slots(config, model)
+    fixed = (slots + 1) * ModelRunner.state_bytes_per_slot(model, block_size, dtype, drafts) if slots else 0
+    return kv_cache_num_blocks(config, per_block, torch.device(config.model.device), share=world_size,
+                               fixed_bytes=fixed, fixed_what=f"{slots} state slots (max_num_seqs + max_sessions)")
+
+
+def _agree_on_blocks(num_blocks: int, par: ParallelContext) -> int:
+    """Every rank's pool must have the driver's block count (the scheduler's block ids index them all). The
+    driver's shard holds the most KV heads (shares are uneven only in the first ranks' favour), so its count fits
+    every rank's memory budget."""
+    if par.world_size == 1:
+        return num_blocks
+    count = torch.tensor([num_blocks], dtype=torch.int64)
+    dist.broadcast(count, src=0, group=par.group)
+    return int(count.item())
+
+
+def host_gemm_plan(host_gemm: str, device: torch.device, dtype: torch.dtype,
+                   greedy_head_screen: bool = True) -> HostGemmPlan:
+    """``ModelConfig.host_gemm`` -> the layouts to pack, as far as this device and dtype have the kernels."""
+    onednn = host_gemm in ("auto", "onednn") and onednn_gemm_available(device, dtype)
+    blocked = host_gemm in ("auto", "gemv") and gemv_available(device, dtype)
+    policy = GemvPolicy(max_rows=None) if host_gemm == "gemv" else GemvPolicy.for_host(dtype)
+    return HostGemmPlan(onednn=onednn, blocked=blocked, policy=policy, screen_head=greedy_head_screen)
+
+
+def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
+    device, dtype = torch.device(config.model.device), DTYPES[config.model.dtype]
+    model = load_model(resolve_model_path(config.model.model), dtype=dtype, progress=par.is_driver,
+                       par=par).to(device).eval()
+    # Before the runner: compiled regions trace the packed GEMMs (opaque custom ops) that eager steps call. Before
+    # the KV cache's sizing: the packed and blocked copies and the screened heads take memory the cache must not.
+    plan = host_gemm_plan(config.model.host_gemm, device, dtype, config.model.greedy_head_screen)
+    if hasattr(model, "pack_for_cpu") and (plan.onednn or plan.blocked):
+        model.pack_for_cpu(plan)
+        if plan.blocked:  # the layouts every decode step streams, in the model's order, on huge pages
+            move_buffers_to_huge_pages([(module, name) for module in model.modules()
+                                        for name, buffer in module.named_buffers(recurse=False)
+                                        if "blocked" in name and buffer is not None])
+    num_blocks = _agree_on_blocks(kv_cache_blocks(config, model, dtype, par.world_size), par)
+    if (config.model.host_attention == "cpp" and hasattr(model, "use_cpu_attention")
+            and cpu_kernels_supported(device, dtype) and load_cpu_kernels()):
+        model.use_cpu_attention()
+    channel = StepChannel(par) if par.world_size > 1 else None
+    slots = num_state_slots(config, model)
+    runner = ModelRunner(model, num_blocks, config.cache.block_size, model.arch.vocab_size, device, dtype,
+                         spec=config.spec, compile_config=config.compile,
+                         max_num_seqs=config.scheduler.max_num_seqs, max_model_len=config.model.max_model_len,
+                         channel=channel, num_state_slots=slots)
+    return RankState(model, runner, num_blocks, slots)

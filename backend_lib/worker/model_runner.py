@@ -1,0 +1,450 @@
+"""Host-side input preparation, the model run, and sampling: one SchedulerOutput in, one RunnerOutput out.
+
+Preparation turns the scheduler's chunks into one tensor per input (one host->device copy each); the model
+forward and the sampler consume only tensors, so the same step can later run as compiled regions with static
+shapes. The step syncs with the host once, when it reads the sampled ids.
+
+Speculative decoding (``SpecConfig.method`` ngram | mtp): a decode chunk carries its drafts. The decode group runs
+with ``decode_query_len = 1 + max drafts`` of the step; a request with fewer drafts is padded with rows that write
+into the scratch block and whose logits are never read, so padding cannot change its output (its real queries see
+exactly its own positions). ``_execute_spec`` verifies every sampling chunk's drafts with the rejection sampler
+(a chunk without drafts is plain sampling: the same seeded draw) and proposes the next drafts: n-gram on the host
+after the one sync, MTP on device before it.
+
+Tensor parallelism: the driver (rank 0) prepares the inputs and publishes them on its ``StepChannel``; every
+other rank runs ``follow`` in a loop: it receives the same tensors and runs the same forward (the collectives
+inside the model pair up rank by rank), takes part in the logits all-gather, and for MTP receives the verified
+tokens to run the same draft pass. Only the driver samples.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from backend_lib.core.config import CompileConfig, SpecConfig
+from backend_lib.core.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput, TokenLogprob
+from backend_lib.worker.compile.platform import detect_platform
+from backend_lib.worker.compile.regions import build_regions, resolve_backend
+from backend_lib.worker.prompt_logprobs import PromptRows, head_slices, prompt_rows
+from backend_lib.worker.prompt_logprobs import compute as compute_prompt_logprobs
+from backend_lib.worker.sampler import Sampler, SamplingMetadata, SamplingRow
+from backend_lib.worker.spec_decode import make_mtp_proposer
+from backend_lib.worker.spec_decode.ngram import NgramProposer
+from backend_lib.worker.spec_decode.rejection import DraftLayout, greedy_verify, num_accepted, rejection_sample
+from backend_lib.worker.step_channel import StepChannel, StepOp
+from kernels import sampling as sampling_ops
+from kernels.attention_metadata import AttentionMetadata, StateRows
+
+
+def is_hybrid(model: torch.nn.Module) -> bool:
+    """Whether the model keeps fixed per-request state next to its paged blocks (backend_lib/core/hybrid_kv.py)."""
+    return hasattr(model, "hybrid_cache_shapes")
+
+
+def max_drafts(spec: SpecConfig | None) -> int:
+    """Draft positions a verification may roll back (hybrid rings keep that many extra positions)."""
+    return spec.num_speculative_tokens if spec is not None and spec.method != "none" else 0
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S + drafts] int64: per sampling chunk, its draft rows then its last token
+    order: list[int]  # chunk indices in token order (decode-like chunks first)
+    sampling_chunks: list[int]  # chunk indices that sample, aligned with logits_indices
+    row_starts: list[int]  # per chunk index: its first row in the flattened tokens
+    prompt_rows: PromptRows | None = None  # rows that predict prompt tokens of prompt_logprobs requests
+
+
+def chunk_token_ids(chunk: ScheduledChunk) -> list[int]:
+    """The chunk's tokens (drafts last) without concatenating the whole history (decodes read one token)."""
+    request = chunk.request
+    num_prompt = request.num_prompt_tokens
+    start, end = chunk.start, chunk.start + chunk.num_tokens - chunk.num_draft_tokens
+    if start >= num_prompt:
+        tokens = request.output_token_ids[start - num_prompt:end - num_prompt]
+    elif end <= num_prompt:
+        tokens = request.prompt_token_ids[start:end]
+    else:
+        tokens = request.prompt_token_ids[start:] + request.output_token_ids[:end - num_prompt]
+    return tokens + chunk.draft_token_ids if chunk.draft_token_ids else tokens
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, vocab_size: int,
+                 device: torch.device, dtype: torch.dtype, spec: SpecConfig | None = None,
+                 compile_config: CompileConfig | None = None, max_num_seqs: int = 32,
+                 max_model_len: int | None = None, channel: StepChannel | None = None,
+                 num_state_slots: int = 0) -> None:
+        self.model = model
+        self.channel = channel
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.scratch_block = num_blocks  # one block past the pool: padded rows write here
+        self.vocab_size = vocab_size
+        self.device = device
+        num_slots = (num_blocks + 1) * block_size
+        self.num_state_slots = num_state_slots if is_hybrid(model) else 0
+        if is_hybrid(model):  # paged blocks + the scratch block, state slots + the scratch slot
+            paged, state = model.hybrid_cache_shapes(num_blocks + 1, block_size, num_state_slots + 1,
+                                                     max_drafts(spec))
+            shapes = paged + state
+        else:
+            shapes = model.kv_cache_shapes(num_slots)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        self.sampler = Sampler() if channel is None or channel.par.is_driver else None  # only the driver samples
+        spec = spec or SpecConfig()
+        k = spec.num_speculative_tokens
+        self.spec_method = spec.method if k > 0 else "none"
+        self.ngram = NgramProposer(spec.ngram_min, spec.ngram_max, k) if self.spec_method == "ngram" else None
+        self.mtp = (make_mtp_proposer(model, self.kv_caches, num_slots, k, device, dtype)
+                    if self.spec_method == "mtp" else None)
+        if getattr(self.mtp, "needs_eager_model", False) and resolve_backend(compile_config, detect_platform()):
+            raise ValueError("spec_method 'mtp' drafts for this model need the eager forward (it keeps the "
+                             "pre-hc_head streams): set compile_backend 'none' (and no DEEPINFER_COMPILE_BACKEND) "
+                             "or DEEPINFER_ENFORCE_EAGER=1")
+        # Compiled regions (backend_lib/worker/compile): same contracts, eager unless compile_config or
+        # DEEPINFER_COMPILE_BACKEND ask for graphs; DEEPINFER_ENFORCE_EAGER=1 keeps everything eager.
+        self.model, self.sampler = build_regions(model, self.sampler, self.kv_caches, num_blocks, block_size,
+                                                 vocab_size, compile_config, max_num_seqs, max_model_len)
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """Slots past a step's tokens that the proposer writes (the scheduler reserves them)."""
+        return self.mtp.num_lookahead_slots if self.mtp is not None else 0
+
+    @staticmethod
+    def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype, drafts: int = 0) -> int:
+        size = torch.empty((), dtype=dtype).element_size()
+        if is_hybrid(model):
+            paged, _ = model.hybrid_cache_shapes(1, block_size, 0, drafts)
+            return sum(math.prod(shape) for shape in paged) * size
+        per_slot = sum(math.prod(shape) for shape in model.kv_cache_shapes(1))
+        return per_slot * block_size * size
+
+    @staticmethod
+    def state_bytes_per_slot(model: torch.nn.Module, block_size: int, dtype: torch.dtype, drafts: int = 0) -> int:
+        """Bytes of one fixed state slot (0 for models without one)."""
+        if not is_hybrid(model):
+            return 0
+        _, state = model.hybrid_cache_shapes(0, block_size, 1, drafts)
+        return sum(math.prod(shape) for shape in state) * torch.empty((), dtype=dtype).element_size()
+
+    def _block_table(self, rows: list[list[int]], min_width: int = 0) -> torch.Tensor:
+        width = max(max((len(r) for r in rows), default=0), min_width)
+        padded = [r + [self.scratch_block] * (width - len(r)) for r in rows]
+        return torch.tensor(padded, dtype=torch.int32).reshape(len(rows), width).to(self.device)
+
+    def prepare(self, scheduler_output: SchedulerOutput) -> ModelInputs:
+        chunks = scheduler_output.chunks
+        decodes = [i for i, c in enumerate(chunks) if c.num_tokens - c.num_draft_tokens == 1]
+        prefills = [i for i, c in enumerate(chunks) if c.num_tokens - c.num_draft_tokens != 1]
+        order = decodes + prefills
+        decode_len = 1 + max((chunks[i].num_draft_tokens for i in decodes), default=0)
+        bs = self.block_size
+        scratch_slot = self.scratch_block * bs
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        sampling_chunks: list[int] = []
+        row_starts = [0] * len(chunks)
+        state: tuple[list[int], list[int], list[int]] = ([], [], [])  # slot, chunk start, chunk end per token
+        for rank, i in enumerate(order):
+            chunk = chunks[i]
+            blocks = chunk.block_ids
+            span = range(chunk.start, chunk.start + chunk.num_tokens)
+            row_starts[i] = len(input_ids)
+            input_ids += chunk_token_ids(chunk)
+            positions += span
+            slots += [blocks[p // bs] * bs + p % bs for p in span]
+            if self.num_state_slots:
+                if chunk.state_slot is None:
+                    raise ValueError(f"request {chunk.request.request_id!r} has no state slot: a hybrid-cache model "
+                                     f"needs a scheduler built with num_state_slots")
+                end = chunk.start + chunk.num_tokens
+                for column, value in zip(state, (chunk.state_slot, chunk.start, end)):
+                    column += [value] * chunk.num_tokens
+            if chunk.samples:
+                last = len(input_ids) - 1
+                logits_indices += range(last - chunk.num_draft_tokens, last + 1)
+                sampling_chunks.append(i)
+            pad = decode_len - chunk.num_tokens if rank < len(decodes) else 0
+            if pad:  # rows nobody reads: KV goes to the scratch block
+                input_ids += [0] * pad
+                positions += range(chunk.start + chunk.num_tokens, chunk.start + chunk.num_tokens + pad)
+                slots += [scratch_slot] * pad
+                if self.num_state_slots:
+                    for column, value in zip(state, (-1, 0, 0)):
+                        column += [value] * pad
+
+        def needed_blocks(chunk: ScheduledChunk) -> list[int]:
+            return chunk.block_ids[:-(-(chunk.start + chunk.num_tokens) // bs)]
+
+        meta = AttentionMetadata(
+            block_size=bs,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            num_decodes=len(decodes),
+            decode_query_len=decode_len,
+            decode_block_tables=self._block_table(
+                [needed_blocks(chunks[i]) for i in decodes],
+                max((-(-(chunks[i].start + decode_len) // bs) for i in decodes), default=0)),
+            decode_seq_lens=torch.tensor([chunks[i].start + decode_len for i in decodes], dtype=torch.int32,
+                                         device=self.device),
+            num_prefills=len(prefills),
+            prefill_query_lens=[chunks[i].num_tokens for i in prefills],
+            prefill_seq_lens=[chunks[i].start + chunks[i].num_tokens for i in prefills],
+            prefill_block_tables=self._block_table([needed_blocks(chunks[i]) for i in prefills]),
+            state=StateRows(*(torch.tensor(c, dtype=torch.int64, device=self.device) for c in state))
+            if self.num_state_slots else None,
+        )
+        return ModelInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            meta=meta,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
+            order=order,
+            sampling_chunks=sampling_chunks,
+            row_starts=row_starts,
+            prompt_rows=prompt_rows(chunks, row_starts),
+        )
+
+    # ---- tensor parallelism: what the driver sends, what the workers run ------------------------------
+    def _publish(self, inputs: ModelInputs, extra: dict[str, torch.Tensor]) -> None:
+        meta = inputs.meta
+        self.channel.publish(StepOp.STEP, {
+            "input_ids": inputs.input_ids, "positions": inputs.positions, "slot_mapping": meta.slot_mapping,
+            "decode_block_tables": meta.decode_block_tables, "decode_seq_lens": meta.decode_seq_lens,
+            "prefill_block_tables": meta.prefill_block_tables,
+            "prefill_query_lens": torch.tensor(meta.prefill_query_lens, dtype=torch.int64),
+            "prefill_seq_lens": torch.tensor(meta.prefill_seq_lens, dtype=torch.int64),
+            "logits_indices": inputs.logits_indices,
+            "scalars": torch.tensor([meta.num_decodes, meta.decode_query_len], dtype=torch.int64), **extra,
+            **({} if inputs.prompt_rows is None else
+               {"prompt_logits_indices": torch.tensor(inputs.prompt_rows.indices, dtype=torch.int64)}),
+            **({} if meta.state is None else {"state_slots": meta.state.slots, "chunk_starts": meta.state.chunk_starts,
+                                              "chunk_ends": meta.state.chunk_ends})})
+
+    def _received_inputs(self, t: dict[str, torch.Tensor]) -> ModelInputs:
+        num_decodes, decode_query_len = t["scalars"].tolist()
+        prefill_query_lens = t["prefill_query_lens"].tolist()
+        meta = AttentionMetadata(
+            block_size=self.block_size, slot_mapping=t["slot_mapping"], num_decodes=num_decodes,
+            decode_query_len=decode_query_len, decode_block_tables=t["decode_block_tables"],
+            decode_seq_lens=t["decode_seq_lens"], num_prefills=len(prefill_query_lens),
+            prefill_query_lens=prefill_query_lens, prefill_seq_lens=t["prefill_seq_lens"].tolist(),
+            prefill_block_tables=t["prefill_block_tables"],
+            state=StateRows(t["state_slots"], t["chunk_starts"], t["chunk_ends"]) if "state_slots" in t else None)
+        return ModelInputs(input_ids=t["input_ids"], positions=t["positions"], meta=meta,
+                           logits_indices=t["logits_indices"], order=[], sampling_chunks=[], row_starts=[])
+
+    @torch.inference_mode()
+    def follow(self) -> bool:
+        """One step on a worker rank, mirroring the driver's ``execute``; False when the driver shuts down."""
+        message = self.channel.receive()
+        if message.op == StepOp.SHUTDOWN:
+            return False
+        t = message.tensors
+        inputs = self._received_inputs(t)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if inputs.logits_indices.numel():
+            self.model.compute_logits(hidden[inputs.logits_indices])  # the driver samples from the gathered rows
+        if "mtp_first_rows" in t:
+            verified = self.channel.receive().tensors["verified"]
+            self._mtp_drafts(hidden, inputs, t["mtp_next_ids"], t["mtp_first_rows"], t["mtp_tables"], verified)
+        elif "mtp_next_ids" in t:
+            self.mtp.first_pass(t["mtp_next_ids"], hidden, inputs.positions, inputs.meta)
+        if "prompt_logits_indices" in t:  # the driver's prompt logprobs: the same head calls, in the same order
+            for _ in head_slices(self.model, hidden, t["prompt_logits_indices"]):
+                pass
+        return True
+
+    def shutdown_workers(self) -> None:
+        if self.channel is not None:
+            self.channel.publish(StepOp.SHUTDOWN)
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        chunks = scheduler_output.chunks
+        inputs = self.prepare(scheduler_output)
+        mtp_host = self._mtp_host_inputs(chunks, inputs)
+        if self.channel is not None:
+            self._publish(inputs, mtp_host)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if self.spec_method != "none" or any(c.draft_token_ids for c in chunks):
+            output = self._execute_spec(chunks, inputs, hidden, mtp_host)
+        else:
+            output = self._execute_plain(chunks, inputs, hidden)
+        if inputs.prompt_rows is not None:
+            output.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, inputs.prompt_rows)
+        return output
+
+    def _execute_plain(self, chunks: list[ScheduledChunk], inputs: ModelInputs,
+                       hidden: torch.Tensor) -> RunnerOutput:  # hidden [T, hidden]
+        sampled: list[list[int]] = [[] for _ in chunks]
+        if not inputs.sampling_chunks:
+            return RunnerOutput(sampled_token_ids=sampled)
+        rows = [SamplingRow(params=r.sampling_params, seed=r.seed, output_position=r.num_output_tokens,
+                            prompt_token_ids=r.prompt_token_ids, output_token_ids=r.output_token_ids,
+                            eos_token_ids=r.eos_token_ids)
+                for r in (chunks[i].request for i in inputs.sampling_chunks)]
+        meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
+        head_input = hidden[inputs.logits_indices]
+        greedy = self._screened_greedy(head_input, meta)
+        out = self.sampler(self.model.compute_logits(head_input), meta) if greedy is None else None
+        # The one host sync of the step.
+        token_ids = (out.token_ids if out is not None else greedy).tolist()
+        for row, i in enumerate(inputs.sampling_chunks):
+            sampled[i] = [token_ids[row]]
+        if out is None or out.logprobs is None:
+            return RunnerOutput(sampled_token_ids=sampled)
+        token_logprobs = out.logprobs.tolist()
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_logprobs = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        logprobs: list[list[TokenLogprob]] = [[] for _ in chunks]
+        for row, i in enumerate(inputs.sampling_chunks):
+            wanted = chunks[i].request.sampling_params.logprobs
+            if wanted is None:
+                continue
+            top = list(zip(top_ids[row][:wanted], top_logprobs[row][:wanted])) if top_ids and wanted else []
+            logprobs[i] = [TokenLogprob(token_ids[row], token_logprobs[row], top)]
+        return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _screened_greedy(self, head_input: torch.Tensor,  # [N, hidden]
+                         meta: SamplingMetadata) -> torch.Tensor | None:  # [N] int64
+        """Plain greedy rows' tokens without the logits, where the model screens its head
+        (kernels/int8_head_screen.py, kernels/head_screen.py); None: compute the logits."""
+        screen = getattr(self.model, "greedy_token_ids", None) if meta.plain_greedy else None
+        return screen(head_input) if screen is not None else None
+
+    # ---- speculative decoding -------------------------------------------------------------------------
+    def _verify_rows(self, chunks: list[ScheduledChunk], inputs: ModelInputs) -> list[SamplingRow]:
+        """One sampling row per verified position: row j of a chunk sees the chunk's first j drafts as output
+        (so penalties and min_tokens treat them as if they had been sampled)."""
+        rows = []
+        for i in inputs.sampling_chunks:
+            chunk, r = chunks[i], chunks[i].request
+            for j in range(chunk.num_draft_tokens + 1):
+                output = r.output_token_ids + chunk.draft_token_ids[:j] if j else r.output_token_ids
+                rows.append(SamplingRow(params=r.sampling_params, seed=r.seed, output_position=r.num_output_tokens + j,
+                                        prompt_token_ids=r.prompt_token_ids, output_token_ids=output,
+                                        eos_token_ids=r.eos_token_ids))
+        return rows
+
+    def _execute_spec(self, chunks: list[ScheduledChunk], inputs: ModelInputs, hidden: torch.Tensor,
+                      mtp_host: dict[str, torch.Tensor]) -> RunnerOutput:
+        sampled: list[list[int]] = [[] for _ in chunks]
+        proposals: list[list[int]] = [[] for _ in chunks]
+        sampling = inputs.sampling_chunks
+        if not sampling:
+            if self.mtp is not None:  # keep the MTP cache complete for the prefill tokens
+                self.mtp.first_pass(mtp_host["mtp_next_ids"], hidden, inputs.positions, inputs.meta)
+            return RunnerOutput(sampled_token_ids=sampled, draft_token_ids=proposals)
+        meta = SamplingMetadata.build(self._verify_rows(chunks, inputs), self.vocab_size, self.device)
+        layout = DraftLayout.build([chunks[i].draft_token_ids for i in sampling], self.device)
+        head_input = hidden[inputs.logits_indices]
+        greedy = self._screened_greedy(head_input, meta)
+        logits = self.model.compute_logits(head_input) if greedy is None else None
+        verified = (greedy_verify(greedy, layout) if greedy is not None
+                    else rejection_sample(logits, layout, meta, sampler=self.sampler))
+        to_read = [verified.token_ids.flatten()]
+        if self.mtp is not None:
+            if self.channel is not None:
+                self.channel.publish(StepOp.RESULT, {"verified": verified.token_ids})
+            drafts = self._mtp_drafts(hidden, inputs, mtp_host["mtp_next_ids"], mtp_host["mtp_first_rows"],
+                                      mtp_host["mtp_tables"], verified.token_ids)
+            to_read.append(drafts.flatten())
+        # The one host sync of the step: verified tokens (and MTP drafts) together.
+        flat = torch.cat(to_read).tolist()
+        width = verified.token_ids.shape[1]
+        row_offsets, offset = [], 0
+        for b, i in enumerate(sampling):
+            sampled[i] = [t for t in flat[b * width:(b + 1) * width] if t >= 0]
+            row_offsets.append(offset)
+            offset += chunks[i].num_draft_tokens + 1
+        drafts_at = len(sampling) * width
+        # n-gram drafts per request: the next step's verification rows stay within what the few-row GEMM reads
+        # the weights once for (NgramProposer.batch_limit).
+        ngram_limit = self.ngram.batch_limit(len(sampling)) if self.ngram is not None else 0
+        for b, i in enumerate(sampling):
+            request = chunks[i].request
+            if not request.sampling_params.speculative:
+                continue
+            if self.mtp is not None:
+                proposals[i] = flat[drafts_at + b * self.mtp.k:drafts_at + (b + 1) * self.mtp.k]
+            elif ngram_limit:
+                proposals[i] = self.ngram.propose(request.all_token_ids + sampled[i], ngram_limit)
+        logprobs = None
+        if meta.max_num_logprobs is not None:
+            logprobs = self._spec_logprobs(chunks, sampling, logits, verified.row_token_ids, meta, sampled,
+                                           row_offsets)
+        return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, draft_token_ids=proposals)
+
+    def _spec_logprobs(self, chunks: list[ScheduledChunk], sampling: list[int], logits: torch.Tensor,
+                       row_tokens: torch.Tensor, meta: SamplingMetadata, sampled: list[list[int]],
+                       row_offsets: list[int]) -> list[list[TokenLogprob]]:
+        """Logprobs of each emitted token under its row's raw distribution (as the plain sampler reports)."""
+        lp, top_ids, top_lp = sampling_ops.compute_logprobs(logits, row_tokens, meta.max_num_logprobs)
+        lp = lp.tolist()
+        top_ids = top_ids.tolist() if top_ids is not None else None
+        top_lp = top_lp.tolist() if top_lp is not None else None
+        out: list[list[TokenLogprob]] = [[] for _ in chunks]
+        for b, i in enumerate(sampling):
+            wanted = chunks[i].request.sampling_params.logprobs
+            if wanted is None:
+                continue
+            for j, token in enumerate(sampled[i]):
+                row = row_offsets[b] + j
+                top = list(zip(top_ids[row][:wanted], top_lp[row][:wanted])) if top_ids and wanted else []
+                out[i].append(TokenLogprob(token, lp[row], top))
+        return out
+
+    def _next_token_ids(self, chunks: list[ScheduledChunk], inputs: ModelInputs) -> list[int]:
+        """Host part of the MTP input: for every row, the token at the next position when already known
+        (prompt tokens); 0 where the verifier decides (scattered in on device) and on padding rows."""
+        next_ids = [0] * int(inputs.input_ids.shape[0])
+        for i, chunk in enumerate(chunks):
+            end = chunk.start + chunk.num_tokens - chunk.num_draft_tokens
+            known_end = end - 1 if chunk.samples else end  # a sampling chunk's last next token is being sampled
+            if known_end <= chunk.start:
+                continue
+            tokens = chunk.request.all_token_ids
+            row = inputs.row_starts[i]
+            next_ids[row:row + known_end - chunk.start] = tokens[chunk.start + 1:known_end + 1]
+        return next_ids
+
+    def _mtp_host_inputs(self, chunks: list[ScheduledChunk], inputs: ModelInputs) -> dict[str, torch.Tensor]:
+        """What the MTP passes need from the host: the known next token of every row and, when the step
+        samples, the row of each sampling chunk's last token before its drafts and the chunks' block tables."""
+        if self.mtp is None:
+            return {}
+        host = {"mtp_next_ids": torch.tensor(self._next_token_ids(chunks, inputs), dtype=torch.int64,
+                                             device=self.device)}
+        sampling = inputs.sampling_chunks
+        if sampling:
+            first_rows = [inputs.row_starts[i] + chunks[i].num_tokens - chunks[i].num_draft_tokens - 1
+                          for i in sampling]
+            host["mtp_first_rows"] = torch.tensor(first_rows, dtype=torch.int64, device=self.device)
+            host["mtp_tables"] = self._block_table([chunks[i].block_ids for i in sampling])
+        return host
+
+    def _mtp_drafts(self, hidden: torch.Tensor,  # [T, H] this step's final-norm hidden
+                    inputs: ModelInputs,
+                    next_ids: torch.Tensor,  # [T] int64 known next tokens (0 where the verifier decides)
+                    first_rows: torch.Tensor,  # [S] int64
+                    tables: torch.Tensor,  # [S, W'] int32
+                    verified: torch.Tensor,  # [S, W] rejection output
+                    ) -> torch.Tensor:  # [S, k]
+        # One spare element at the end takes the writes of padding columns (never read).
+        next_ids = torch.cat([next_ids, next_ids.new_zeros(1)])
+        spare = int(next_ids.shape[0]) - 1
+        width = verified.shape[1]
+        targets = first_rows[:, None] + torch.arange(width, dtype=torch.int64, device=self.device)[None, :]
+        targets = torch.where(verified >= 0, targets, torch.full_like(targets, spare))
+        next_ids = next_ids.index_put((targets.flatten(),), verified.flatten())[:spare]
+        select = first_rows + num_accepted(verified)
+        return self.mtp.propose(hidden, next_ids, inputs.positions, inputs.meta, select, tables)
