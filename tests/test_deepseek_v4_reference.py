@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend_lib.config import EngineConfig
-from backend_lib.engine import LLMEngine
-from backend_lib.offline import LLM
-from backend_lib.outputs import SessionControl
-from backend_lib.sampling_params import SamplingParams
-from backend_lib.tiny import make_tiny
+from backend_lib.core.config import EngineConfig
+from backend_lib.engine.llm_engine import LLMEngine
+from backend_lib.engine.offline import LLM
+from backend_lib.core.outputs import SessionControl
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.tools.tiny import make_tiny
 from tests.test_deepseek_v4 import PagedRunner
 from tests.v4_reference import ReferenceV4
 

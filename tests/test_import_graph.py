@@ -1,7 +1,8 @@
 """The import graph of backend_lib and kernels: no cycles, and imports only go down the layers.
 
 Layers, top to bottom (a module may import its own layer and any layer below it):
-    frontend -> tools -> engine -> worker -> models -> core -> kernels
+    frontend -> tools -> engine -> worker -> models -> core -> structured_output -> kernels
+(structured_output, new and not wired in yet, imports only kernels: it sits below everything that will use it.)
 Edges are read with ``ast``, not by importing: module-level and function-level imports, and string constants that
 name one of our modules exactly (``importlib.import_module`` targets, the model registry, ``python -m`` commands);
 imports under ``if TYPE_CHECKING:`` are left out (they never run). The checker itself is tested on small synthetic
@@ -18,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("backend_lib", "kernels")
 LAYERS = ("backend_lib.frontend", "backend_lib.tools", "backend_lib.engine", "backend_lib.worker",
-          "backend_lib.models", "backend_lib.core", "kernels")  # top first
+          "backend_lib.models", "backend_lib.core", "backend_lib.structured_output", "kernels")  # top first
 UNLAYERED = {"backend_lib"}  # the root package's __init__ (imports nothing)
 
 

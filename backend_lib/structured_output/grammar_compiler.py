@@ -58,7 +58,8 @@ _BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
 
 def encoded_vocabulary(tokenizer: Any) -> list[str]:
     """Every id's token as the tokenizer model spells it ("" for ids it lacks). ``tokenizer``: our
-    ``backend_lib.tokenizer.Tokenizer``, a ``tokenizers.Tokenizer``, a token -> id mapping, or the list itself."""
+    ``backend_lib.engine.tokenizer.Tokenizer``, a ``tokenizers.Tokenizer``, a token -> id mapping, or the list
+    itself."""
     if isinstance(tokenizer, Sequence) and not isinstance(tokenizer, str):
         return [str(token) for token in tokenizer]
     if isinstance(tokenizer, Mapping):
