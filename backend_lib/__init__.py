@@ -1,6 +1,7 @@
 """DeepInfer's engine and fronts, one package per layer; a module imports its own layer and those below, never above:
 
 frontend (Triton model codec and launcher, OpenAI front, CLI) -> tools (make-tiny, lint, layout) -> engine (requests
-to text) -> worker (a step on the ranks, compiled regions) -> models -> core (torch-free) -> ``kernels`` (top-level).
+to text) -> worker (a step on the ranks, compiled regions) -> models -> core (torch-free) -> structured_output
+(output constraints, not wired in yet) -> ``kernels`` (top-level).
 tests/test_import_graph.py enforces the order and the absence of import cycles.
 """
