@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from backend_lib.structured_output.constraints import StructuredOutputLimits
+
 _DTYPES = ("float32", "bfloat16", "float16")
 _SPEC_METHODS = ("none", "ngram", "mtp")
 _HOST_GEMMS = ("auto", "gemv", "onednn", "mkl")
@@ -217,6 +219,8 @@ class EngineConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # Structured output: schema size and depth, choices, the grammar compile's time limit (compile_timeout_s).
+    structured_output: StructuredOutputLimits = field(default_factory=StructuredOutputLimits)
     session_idle_timeout_s: float = 600.0
     seed: int = 0  # seeds the per-request seeds of unseeded sampled requests
     num_threads: int = 0  # torch intra-op threads; 0 = all cores
@@ -242,7 +246,8 @@ class EngineConfig:
     def from_flat(cls, values: dict[str, Any]) -> "EngineConfig":
         """Build from flat ``name -> value`` pairs (Triton parameters, CLI flags); unknown names are errors."""
         sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig,
-                    "compile": CompileConfig, "parallel": ParallelConfig, "limits": RequestLimits}
+                    "compile": CompileConfig, "parallel": ParallelConfig, "limits": RequestLimits,
+                    "structured_output": StructuredOutputLimits}
         owner = {f.name: section for section, klass in sections.items() for f in fields(klass)}
         top = {f.name for f in fields(cls)} - set(sections)
         grouped: dict[str, dict[str, Any]] = {name: {} for name in sections}

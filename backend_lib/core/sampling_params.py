@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from backend_lib.structured_output.constraints import OutputConstraint
+
 DEFAULT_MAX_TOKENS = 16  # vLLM's default
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 SEED_LIMIT = 2**31
@@ -56,6 +58,9 @@ def _as_bool(name: str, value: Any) -> bool:
     return value
 
 
+_NOT_JSON = ("structured_outputs",)  # fields to_dict / from_dict leave out
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -89,6 +94,9 @@ class SamplingParams:
     # token id -> added to its raw logit before penalties and sampling (OpenAI's and vLLM's logit_bias; JSON's keys
     # are strings of the ids); logprobs stay those of the raw logits.
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # The output's grammar (JSON schema, regex, choice, EBNF, ...), parsed by the request intake; None = free text.
+    # Not JSON: to_dict / from_dict leave it out (the intake reads it from its own request fields).
+    structured_outputs: OutputConstraint | None = None
 
     def __post_init__(self) -> None:
         # Not a dataclass field: from_dict must not accept it, and equal requests stay equal.
@@ -145,6 +153,9 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = _as_int("prompt_logprobs", self.prompt_logprobs)
             _require(self.prompt_logprobs >= 0, f"prompt_logprobs must be >= 0 (or null), got {self.prompt_logprobs}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, OutputConstraint):
+            raise ValueError("structured_outputs must be an OutputConstraint (parsed by the request intake), got "
+                             f"{type(self.structured_outputs).__name__}")
 
     @staticmethod
     def _check_logit_bias(bias: Any) -> dict[int, float]:
@@ -197,7 +208,8 @@ class SamplingParams:
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
+        """The JSON fields (structured_outputs, not JSON, is left out)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name not in _NOT_JSON)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
@@ -240,7 +252,9 @@ class SamplingParams:
         values = self.to_dict()
         allowed = self.field_names()
         for name in overrides:
-            if name not in allowed:
+            if name not in allowed and name not in _NOT_JSON:
                 raise ValueError(f"unknown sampling field {name!r} (allowed: {', '.join(allowed)})")
         values.update(overrides)
+        if "structured_outputs" not in overrides:
+            values["structured_outputs"] = self.structured_outputs
         return SamplingParams(**values)

@@ -3,17 +3,27 @@
 A step is: schedule -> run (prepare, forward, sample) -> update the scheduler -> detokenize and check stop
 strings -> RequestOutputs. AsyncEngine (async_engine.py) runs this loop on a thread; LLM (offline.py) drives
 it synchronously.
+
+Structured output: a request whose ``SamplingParams.structured_outputs`` holds a constraint submits its grammar to
+the engine's ``GrammarCompiler`` (built on first use, at the model's logits width) when it is prepared, so the
+compile runs on the compiler's threads while the request queues; the scheduler takes it from there
+(backend_lib/core/grammar.py).
 """
 from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from backend_lib.core.config import EngineConfig
+from backend_lib.core.grammar import RequestGrammar
 from backend_lib.core.outputs import (EngineStats, PromptLogprobs, RequestMetrics, RequestOutput, RunnerOutput,
                                       SessionControl, TokenLogprob)
 from backend_lib.core.request import Request, RequestStatus
@@ -24,10 +34,15 @@ from backend_lib.engine.errors import EngineBusyError
 from backend_lib.engine.limits import check_context, check_params, check_prompt
 from backend_lib.engine.tokenizer import Tokenizer
 from backend_lib.models.loader import resolve_model_path
+from backend_lib.structured_output.grammar_compiler import GrammarCompiler
+from backend_lib.structured_output.matcher import GrammarMatcher
 from backend_lib.worker.executor.executor import Executor
 from backend_lib.worker.executor.rank import DTYPES
 
 log = logging.getLogger("deepinfer.engine")
+
+# With nothing to run but requests whose grammars compile, a step waits this long for one of them (not a busy loop).
+GRAMMAR_WAIT_S = 0.01
 
 Prompt = str | list[int] | list[dict]
 
@@ -56,6 +71,7 @@ class PreparedRequest:
     prompt_ids: list[int]
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)  # when it came in, not when a step took it
+    grammar: RequestGrammar | None = None  # structured output: its grammar, compiling since preparation
 
 
 @dataclass
@@ -88,6 +104,8 @@ class LLMEngine:
         self._states: dict[str, _TextState] = {}
         self._sessions: dict[str, _Session] = {}
         self.num_steps = 0
+        self._grammar_compiler: GrammarCompiler | None = None  # built by the first constrained request
+        self._grammar_lock = threading.Lock()  # prepare_request runs on callers' threads
 
     # ---- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
@@ -119,12 +137,37 @@ class LLMEngine:
         prompt_ids = self.tokenize(prompt)
         self._check_ids("input_ids", prompt_ids)
         check_context(len(prompt_ids), params, self.config.model.max_model_len)
-        return PreparedRequest(request_id, prompt_ids, params)
+        return PreparedRequest(request_id, prompt_ids, params, grammar=self._submit_grammar(params))
 
     def add_prepared(self, prepared: PreparedRequest) -> None:
         """Queue a request from ``prepare_request``; raises ValueError (nothing queued) if its id is in use."""
-        self._check_unused(prepared.request_id)
-        self._queue(prepared.request_id, prepared.prompt_ids, prepared.params, arrival_time=prepared.arrival_time)
+        try:
+            self._check_unused(prepared.request_id)
+        except ValueError:
+            if prepared.grammar is not None:
+                prepared.grammar.release()
+            raise
+        self._queue(prepared.request_id, prepared.prompt_ids, prepared.params, arrival_time=prepared.arrival_time,
+                    grammar=prepared.grammar)
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The engine's grammar compiler: xgrammar's view of the tokenizer at the model's logits width (built once,
+        on first use: a 49k vocabulary takes a while), compiles on its own threads."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler.from_tokenizer(self.tokenizer, self.vocab_size,
+                                                                        limits=self.config.structured_output)
+            return self._grammar_compiler
+
+    def _submit_grammar(self, params: SamplingParams) -> RequestGrammar | None:
+        constraint = params.structured_outputs
+        if constraint is None:
+            return None
+        # A verification rolls back at most the drafts of one step.
+        drafts = self.config.spec.num_speculative_tokens if self.config.spec.method != "none" else 0
+        return RequestGrammar(constraint, self.grammar_compiler.submit(constraint),
+                              partial(GrammarMatcher, max_rollback_tokens=drafts))
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     session: SessionControl | None = None) -> None:
@@ -149,8 +192,9 @@ class LLMEngine:
         self._check_ids("input_ids", new_ids)
         prompt_ids = history + new_ids
         check_context(len(prompt_ids), params, self.config.model.max_model_len, " (session history included)")
+        # The constraint applies to this turn only: the next turn's params carry their own (or none).
         self._queue(request_id, prompt_ids, params, session=session, num_history_tokens=len(history),
-                    text_turn=not chat)
+                    text_turn=not chat, grammar=self._submit_grammar(params))
         self._sessions[session.session_id].running_request_id = request_id
         if chat:
             self._sessions[session.session_id].messages = list(prompt)
@@ -167,13 +211,13 @@ class LLMEngine:
 
     def _queue(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                session: SessionControl | None = None, num_history_tokens: int = 0, text_turn: bool = True,
-               arrival_time: float | None = None) -> None:
+               arrival_time: float | None = None, grammar: RequestGrammar | None = None) -> None:
         seed = params.seed if params.seed is not None else self._seeds.randrange(2**31)
         request = Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params, seed=seed,
                           arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                           eos_token_ids=self.tokenizer.eos_token_ids,
                           session_id=session.session_id if session is not None and text_turn else None,
-                          num_history_tokens=num_history_tokens)
+                          num_history_tokens=num_history_tokens, grammar=grammar)
         self._states[request_id] = _TextState(
             request=request,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
@@ -244,7 +288,11 @@ class LLMEngine:
             metrics = self._states[chunk.request.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-        # Nothing to run (e.g. every request waits for blocks, or errors found while scheduling).
+        if scheduler_output.is_empty:
+            pending = self.scheduler.pending_grammars()
+            if pending and not self.scheduler.num_running:  # only compiles to wait for: no busy loop meanwhile
+                wait_futures(pending, timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+        # Nothing to run (e.g. every request waits for blocks or its grammar, or errors found while scheduling).
         runner_output = (RunnerOutput(sampled_token_ids=[]) if scheduler_output.is_empty
                          else self.executor.execute(scheduler_output))
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -326,7 +374,7 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens, cumulative_logprob=state.cumulative_logprob,
             new_logprobs=new_logprobs or None, prompt_logprobs=prompt_logprobs,
-            stop_reason=request.stop_reason if finished else None,
+            stop_reason=request.stop_reason if finished else None, rejected=finished and request.rejected,
             error=request.error if finished else None, metrics=state.metrics)
 
     def fail_all(self, message: str) -> list[RequestOutput]:
@@ -341,8 +389,12 @@ class LLMEngine:
 
     # ---- introspection --------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the worker ranks (tensor parallelism); idempotent. The engine cannot step afterwards."""
+        """Stop the worker ranks (tensor parallelism) and the grammar compiler; idempotent. The engine cannot step
+        afterwards."""
         self.executor.close()
+        with self._grammar_lock:
+            if self._grammar_compiler is not None:
+                self._grammar_compiler.shutdown()
 
     def stats(self) -> EngineStats:
         counters = self.scheduler.stats_counters()

@@ -152,6 +152,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    def get_vocab(self, with_added_tokens: bool = True) -> dict[str, int]:
+        """Token (as the tokenizer model spells it: byte-level ``Ġa``, SentencePiece ``▁a``) -> id; the grammar
+        compiler builds its vocabulary from it."""
+        return self._backend.get_vocab(with_added_tokens=with_added_tokens)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")

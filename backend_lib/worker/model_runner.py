@@ -25,8 +25,10 @@ import torch
 
 from backend_lib.core.config import CompileConfig, SpecConfig
 from backend_lib.core.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput, TokenLogprob
+from backend_lib.core.request import Request
 from backend_lib.worker.compile.platform import detect_platform
 from backend_lib.worker.compile.regions import build_regions, resolve_backend
+from backend_lib.worker.grammar_bitmask import StepBitmask
 from backend_lib.worker.prompt_logprobs import PromptRows, head_slices, prompt_rows
 from backend_lib.worker.prompt_logprobs import compute as compute_prompt_logprobs
 from backend_lib.worker.sampler import Sampler, SamplingMetadata, SamplingRow
@@ -58,6 +60,11 @@ class ModelInputs:
     sampling_chunks: list[int]  # chunk indices that sample, aligned with logits_indices
     row_starts: list[int]  # per chunk index: its first row in the flattened tokens
     prompt_rows: PromptRows | None = None  # rows that predict prompt tokens of prompt_logprobs requests
+
+
+def _matcher(request: Request):
+    """The request's grammar matcher while it runs (structured output), else None."""
+    return request.grammar.matcher if request.grammar is not None else None
 
 
 def chunk_token_ids(chunk: ScheduledChunk) -> list[int]:
@@ -97,6 +104,7 @@ class ModelRunner:
             shapes = model.kv_cache_shapes(num_slots)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
         self.sampler = Sampler() if channel is None or channel.par.is_driver else None  # only the driver samples
+        self.bitmask = StepBitmask(vocab_size)  # structured output's masks (filled on the driver only)
         spec = spec or SpecConfig()
         k = spec.num_speculative_tokens
         self.spec_method = spec.method if k > 0 else "none"
@@ -288,11 +296,13 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in chunks]
         if not inputs.sampling_chunks:
             return RunnerOutput(sampled_token_ids=sampled)
+        requests = [chunks[i].request for i in inputs.sampling_chunks]
         rows = [SamplingRow(params=r.sampling_params, seed=r.seed, output_position=r.num_output_tokens,
                             prompt_token_ids=r.prompt_token_ids, output_token_ids=r.output_token_ids,
                             eos_token_ids=r.eos_token_ids)
-                for r in (chunks[i].request for i in inputs.sampling_chunks)]
-        meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
+                for r in requests]
+        bitmask, masked = self.bitmask.fill([(_matcher(r), ()) for r in requests])
+        meta = SamplingMetadata.build(rows, self.vocab_size, self.device, bitmask, masked)
         head_input = hidden[inputs.logits_indices]
         greedy = self._screened_greedy(head_input, meta)
         out = self.sampler(self.model.compute_logits(head_input), meta) if greedy is None else None
@@ -344,7 +354,10 @@ class ModelRunner:
             if self.mtp is not None:  # keep the MTP cache complete for the prefill tokens
                 self.mtp.first_pass(mtp_host["mtp_next_ids"], hidden, inputs.positions, inputs.meta)
             return RunnerOutput(sampled_token_ids=sampled, draft_token_ids=proposals)
-        meta = SamplingMetadata.build(self._verify_rows(chunks, inputs), self.vocab_size, self.device)
+        bitmask, masked = self.bitmask.fill([(_matcher(chunks[i].request), chunks[i].draft_token_ids)
+                                             for i in sampling])
+        meta = SamplingMetadata.build(self._verify_rows(chunks, inputs), self.vocab_size, self.device, bitmask,
+                                      masked)
         layout = DraftLayout.build([chunks[i].draft_token_ids for i in sampling], self.device)
         head_input = hidden[inputs.logits_indices]
         greedy = self._screened_greedy(head_input, meta)

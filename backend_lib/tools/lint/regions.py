@@ -17,8 +17,8 @@ from backend_lib.models.parallel import ParallelContext
 from backend_lib.tools.lint.graph_lint import GraphLintError, lint_region
 from backend_lib.tools.tiny import make_tiny
 from backend_lib.worker.compile.buckets import BucketSpec
-from backend_lib.worker.compile.regions import SAMPLER_VARIANTS, CompiledModel, _sample_core, layer_views
-from backend_lib.worker.sampler import SamplingMetadata, SamplingRow
+from backend_lib.worker.compile.regions import SAMPLER_VARIANTS, CompiledModel, layer_views, warm_up_meta
+from backend_lib.worker.sampler import SamplingMetadata, SamplingRow, masked_sample
 from backend_lib.worker.spec_decode.rejection import DraftLayout, rejection_sample
 
 BLOCK_SIZE = 4
@@ -57,13 +57,12 @@ def _model_regions(arch: str, model: torch.nn.Module) -> Iterator[tuple[str, obj
 
 def _sampler_regions(vocab: int) -> Iterator[tuple[str, object]]:
     rows = 4
-    for all_greedy, top_k, top_p in SAMPLER_VARIANTS:
-        name = f"sampler greedy={all_greedy} top_k={top_k} top_p={top_p}"
-        args = (torch.randn(rows, vocab), torch.full((rows,), 0.7), torch.full((rows,), all_greedy),
-                torch.full((rows,), 5, dtype=torch.int64) if top_k else None,
-                torch.full((rows,), 0.9) if top_p else None, torch.arange(rows), torch.arange(rows) * 3,
-                all_greedy, top_k, top_p)
-        yield name, lambda args=args, name=name: lint_region(_sample_core, *args, region=name)
+    for (all_greedy, top_k, top_p), masked in [(variant, False) for variant in SAMPLER_VARIANTS] + [
+            (SAMPLER_VARIANTS[0], True), (SAMPLER_VARIANTS[-1], True)]:
+        name = f"sampler greedy={all_greedy} top_k={top_k} top_p={top_p}" + (" masked" if masked else "")
+        meta = warm_up_meta(rows, vocab, torch.device("cpu"), all_greedy, top_k, top_p, masked)
+        yield name, lambda meta=meta, name=name: lint_region(masked_sample, torch.randn(rows, vocab), meta,
+                                                            region=name)
 
 
 def _verification_regions(vocab: int) -> Iterator[tuple[str, object]]:
