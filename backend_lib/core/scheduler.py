@@ -124,7 +124,7 @@ class Scheduler:
                 raise ValueError(f"session {request.session_id!r} is closing")
             session.turn_request_id = rid
             session.last_used = self._clock()
-        if request.grammar is not None and not request.grammar.ready:
+        if request.grammar is not None:  # until schedule() sees its compile done (and fails it if it failed)
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self._requests[rid] = request
         self.waiting.append(request)
