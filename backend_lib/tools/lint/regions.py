@@ -1,7 +1,7 @@
 """The catalogue of compiled regions that ``deepinfer lint-graphs`` checks, built on tiny random models.
 
 Regions: decode at each batch bucket, each prefill bucket, the lm_head, every sampler variant and the draft
-verification (greedy and sampled rows), for a tiny Llama, a tiny DeepSeek-V3 (fp8 weights, static MoE) and a tiny
+verification (greedy and sampled rows; with and without the structured-output grammar bitmask), for a tiny Llama, a tiny DeepSeek-V3 (fp8 weights, static MoE) and a tiny
 DeepSeek-V4 (fp32, static MoE).
 """
 from __future__ import annotations
@@ -69,12 +69,14 @@ def _verification_regions(vocab: int) -> Iterator[tuple[str, object]]:
     drafts = [[3, 4], [], [5]]
     layout = DraftLayout.build(drafts, "cpu")
     n = sum(len(d) + 1 for d in drafts)
-    for greedy in (True, False):
+    for greedy, masked in ((True, False), (False, False), (True, True), (False, True)):
         rows = [SamplingRow(params=SamplingParams(temperature=0.0 if greedy else 0.8, top_k=-1 if greedy else 20),
                             seed=7, output_position=i, prompt_token_ids=[1], output_token_ids=[])
                 for i in range(n)]
-        meta = SamplingMetadata.build(rows, vocab, "cpu")
-        name = f"verification greedy={greedy}"
+        # A structured-output verification: the grammar bitmask of every row is a graph input.
+        bitmask = torch.randint(-2**31, 2**31 - 1, (n, -(-vocab // 32)), dtype=torch.int32) if masked else None
+        meta = SamplingMetadata.build(rows, vocab, "cpu", bitmask, tuple(range(n)) if masked else ())
+        name = f"verification greedy={greedy}" + (" masked" if masked else "")
 
         def verify(logits, layout=layout, meta=meta):
             return rejection_sample(logits, layout, meta).token_ids
