@@ -66,6 +66,21 @@ class RequestGrammar:
                                "it had accepted before preemption")
         self.matcher = matcher
 
+    def advance(self, token: int) -> str | None:
+        """The running matcher takes an emitted token: None, "terminated" (the grammar ended the output: "stop")
+        or "refused" (the mask forbade the token: an engine bug)."""
+        if self.matcher is None:
+            return None
+        if not self.matcher.accept_token(token):
+            return "refused"
+        return "terminated" if self.matcher.is_terminated() else None
+
+    def cut(self, drafts: list[int]) -> list[int]:
+        """``drafts`` up to the first token the grammar refuses: verification never sees one."""
+        if self.matcher is None or not drafts:
+            return drafts
+        return drafts[:self.matcher.validate_draft(drafts)]
+
     def release(self) -> None:
         """Drop the matcher (finish, abort, preemption) and abandon a compile still in flight; idempotent."""
         if self.matcher is not None:

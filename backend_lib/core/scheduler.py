@@ -31,7 +31,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 from backend_lib.core.config import CacheConfig, SchedulerConfig
 from backend_lib.core.hybrid_kv import HybridKVManager
@@ -39,33 +38,9 @@ from backend_lib.core.kv_cache import KVCacheManager
 from backend_lib.core.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput
 from backend_lib.core.request import Request, RequestStatus
 from backend_lib.core.sessions import SessionTable
+from backend_lib.core.spec_counters import SpecCounters
 
 _KEEPS_SESSION = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
-
-
-@dataclass
-class SpecCounters:
-    """Cumulative speculative-decoding counters (the EngineStats spec_* fields)."""
-
-    num_drafts: int = 0  # request-steps that verified at least one draft
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    drafts_per_position: list[int] = field(default_factory=list)
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def record(self, num_drafts: int, num_accepted: int) -> None:
-        if num_drafts == 0:
-            return
-        grow = num_drafts - len(self.drafts_per_position)
-        if grow > 0:
-            self.drafts_per_position += [0] * grow
-            self.accepted_per_position += [0] * grow
-        self.num_drafts += 1
-        self.draft_tokens += num_drafts
-        self.accepted_tokens += num_accepted
-        for j in range(num_drafts):
-            self.drafts_per_position[j] += 1
-            self.accepted_per_position[j] += j < num_accepted
 
 
 class Scheduler:
@@ -254,19 +229,13 @@ class Scheduler:
     @staticmethod
     def _advance_grammar(request: Request, token: int) -> bool:
         """The matcher takes the emitted token; True when that ends the request (the grammar terminated: "stop")."""
-        matcher = request.grammar.matcher if request.grammar is not None else None
-        if matcher is None:
-            return False
-        if not matcher.accept_token(token):  # the mask forbade it: a bug, not the client's fault
+        outcome = request.grammar.advance(token) if request.grammar is not None else None
+        if outcome == "terminated":
+            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif outcome == "refused":  # the mask forbade it: a bug, not the client's fault
             request.status = RequestStatus.FINISHED_ERROR
-            request.error = (f"internal error: the grammar of {request.grammar.constraint.field} refused token {token}, "
-                             "which its mask allowed")
-            return True
-        if matcher.is_terminated():
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = token
-            return True
-        return False
+            request.error = f"internal error: the grammar refused token {token}, which its mask allowed"
+        return outcome is not None
 
     def _check_stop(self, request: Request, token: int) -> bool:
         params = request.sampling_params
@@ -299,10 +268,7 @@ class Scheduler:
         limit = min(room, self.max_model_len - request.num_tokens - 1,
                     request.sampling_params.max_tokens - request.num_output_tokens - 1)
         drafts = request.draft_token_ids[:max(0, limit)]
-        matcher = request.grammar.matcher if request.grammar is not None else None
-        if matcher is not None and drafts:  # verification never sees a draft token the grammar refuses
-            drafts = drafts[:matcher.validate_draft(drafts)]
-        return drafts
+        return request.grammar.cut(drafts) if request.grammar is not None else drafts
 
     def _lookahead(self, request: Request) -> int:
         return self.num_lookahead_slots if request.sampling_params.speculative else 0
