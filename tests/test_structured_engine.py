@@ -14,6 +14,7 @@ import jsonschema
 import pytest
 
 from backend_lib.core.config import EngineConfig
+from backend_lib.core.outputs import SessionControl
 from backend_lib.core.request import RequestStatus
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.llm_engine import LLMEngine
@@ -169,10 +170,13 @@ def _engine(path, **settings) -> LLMEngine:
     return LLMEngine(EngineConfig.from_flat({"model": str(path), "max_model_len": 256, "num_blocks": 64, **settings}))
 
 
-def _drain(engine: LLMEngine) -> dict[str, object]:
+def _drain(engine: LLMEngine, texts: dict[str, str] | None = None) -> dict[str, object]:
+    """Step until idle: the final output of each request (and, into ``texts``, each one's whole text)."""
     finals = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
+            if texts is not None:
+                texts[out.request_id] = texts.get(out.request_id, "") + out.new_text
             if out.finished:
                 finals[out.request_id] = out
     return finals
@@ -269,3 +273,24 @@ def test_two_ranks_give_one_ranks_tokens(tiny_llama):
         results = llm.generate(prompts, params)
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
     _check_valid(results, params, kinds)
+
+
+def test_a_constraint_applies_to_one_session_turn(tiny_llama):
+    engine = _engine(tiny_llama)
+    choice = SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=TINY_CONSTRAINTS["choice"])
+    texts: dict[str, str] = {}
+    engine.add_request("t1", [5, 6, 7], choice, session=SessionControl("s", start=True))
+    first = _drain(engine, texts)["t1"]
+    assert first.finish_reason == "stop" and texts["t1"] in CHOICES
+    free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine.add_request("t2", [8, 9], free, session=SessionControl("s"))
+    request = engine.scheduler.get_request("t2")
+    assert request.grammar is None and request.num_history_tokens > 0
+    second = _drain(engine, texts)["t2"]
+    assert second.finish_reason == "length" and second.num_output_tokens == 12  # not held to the first turn's choices
+    engine.add_request("t3", [10], choice, session=SessionControl("s", end=True))
+    third = _drain(engine, texts)["t3"]
+    assert third.finish_reason == "stop" and texts["t3"] in CHOICES
+    engine.scheduler.check_integrity()
+    assert engine.stats().kv_blocks_used == 0
+    engine.close()
