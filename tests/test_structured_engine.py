@@ -294,3 +294,11 @@ def test_a_constraint_applies_to_one_session_turn(tiny_llama):
     engine.scheduler.check_integrity()
     assert engine.stats().kv_blocks_used == 0
     engine.close()
+
+
+def test_min_tokens_does_not_fight_the_grammar(tiny_llama):
+    """min_tokens past what the grammar allows: the grammar's end wins (its stop tokens are not blocked)."""
+    with _llm(tiny_llama) as llm:
+        result = llm.generate([[5, 6]], SamplingParams(max_tokens=40, min_tokens=30, temperature=0.0,
+                                                       structured_outputs=TINY_CONSTRAINTS["choice"]))[0]
+    assert result.error is None and result.finish_reason == "stop" and result.text in CHOICES

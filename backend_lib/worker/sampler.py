@@ -140,7 +140,9 @@ class SamplingMetadata:
         prompt_mask = output_counts = None
         if any_penalty:
             prompt_mask, output_counts = _penalty_tensors(rows, vocab_size, device)
-        blocked = _min_tokens_mask(rows, vocab_size, device)
+        # A grammar decides where a constrained output ends: min_tokens does not block its stop tokens (once the
+        # grammar is complete they are all it allows).
+        blocked = _min_tokens_mask(rows, vocab_size, device, frozenset(masked_rows))
         logit_bias = _logit_bias(rows, vocab_size, device)
         return cls(
             temperature=floats([p.temperature for p in params]),
@@ -304,12 +306,14 @@ def _penalty_tensors(rows: list[SamplingRow], vocab_size: int,
     return (prompt_mask.view(batch, vocab_size).to(device), counts.view(batch, vocab_size).to(device))
 
 
-def _min_tokens_mask(rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> torch.Tensor | None:
-    """[B, V] bool: stop ids (and eos unless ignore_eos) of rows whose token is below min_tokens."""
+def _min_tokens_mask(rows: list[SamplingRow], vocab_size: int, device: torch.device | str,
+                     constrained: frozenset[int] = frozenset()) -> torch.Tensor | None:
+    """[B, V] bool: stop ids (and eos unless ignore_eos) of rows whose token is below min_tokens (not the
+    ``constrained`` rows)."""
     flat: list[int] = []
     for b, row in enumerate(rows):
         p = row.params
-        if row.output_position >= p.min_tokens:
+        if row.output_position >= p.min_tokens or b in constrained:
             continue
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(row.eos_token_ids))
         _check_ids(sorted(stops), vocab_size, "stop / eos token id")
