@@ -11,6 +11,10 @@ exactly its own positions). ``_execute_spec`` verifies every sampling chunk's dr
 (a chunk without drafts is plain sampling: the same seeded draw) and proposes the next drafts: n-gram on the host
 after the one sync, MTP on device before it.
 
+Structured output: before sampling, the driver's ``StepBitmask`` (worker/grammar_bitmask.py) takes each constrained
+request's mask from its matcher (a verification's rows: the masks after each of its drafts) into
+``SamplingMetadata.bitmask``; the sampling core applies it, and such a step skips the screened greedy heads.
+
 Tensor parallelism: the driver (rank 0) prepares the inputs and publishes them on its ``StepChannel``; every
 other rank runs ``follow`` in a loop: it receives the same tensors and runs the same forward (the collectives
 inside the model pair up rank by rank), takes part in the logits all-gather, and for MTP receives the verified
