@@ -12,6 +12,8 @@ from concurrent.futures import Future
 
 import jsonschema
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from backend_lib.core.config import EngineConfig
 from backend_lib.core.outputs import SessionControl
@@ -302,3 +304,66 @@ def test_min_tokens_does_not_fight_the_grammar(tiny_llama):
         result = llm.generate([[5, 6]], SamplingParams(max_tokens=40, min_tokens=30, temperature=0.0,
                                                        structured_outputs=TINY_CONSTRAINTS["choice"]))[0]
     assert result.error is None and result.finish_reason == "stop" and result.text in CHOICES
+
+
+# ---- fuzzing: random small constraints through the engine ------------------------------------------------------
+
+_PIECES = st.sampled_from(["[a-c]{1,3}", "(x|yz)", "[0-9]{2}", "-", "(ab)?", "[a-z]", " "])
+_REGEXES = st.lists(_PIECES, min_size=1, max_size=4).map("".join)
+_CHOICES = st.lists(st.text(alphabet="abc xyz01", min_size=1, max_size=6), min_size=1, max_size=4)
+_SCHEMAS = st.fixed_dictionaries({"type": st.just("object"), "additionalProperties": st.just(False)}).flatmap(
+    lambda base: st.dictionaries(st.sampled_from(["a", "b", "c"]), st.sampled_from([
+        {"type": "boolean"}, {"enum": ["x", "y"]}, {"type": "integer", "minimum": 0, "maximum": 9}]),
+        min_size=1, max_size=3).map(lambda props: {**base, "properties": props, "required": sorted(props)}))
+
+
+@pytest.fixture(scope="module")
+def fuzz_engine(tiny_llama):
+    engine = _engine(tiny_llama, max_num_seqs=4, method="ngram", num_speculative_tokens=2)
+    yield engine
+    engine.close()
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.one_of(_REGEXES.map(lambda r: ("regex", r)), _CHOICES.map(lambda c: ("choice", c)),
+                          _SCHEMAS.map(lambda s: ("json", s))), min_size=1, max_size=4),
+       st.integers(0, 3), st.booleans())
+def test_fuzzed_constraints_finish_validate_and_leak_nothing(fuzz_engine, constraints, abort_at, sampled):
+    engine = fuzz_engine
+    checks = {}
+    for i, (kind, value) in enumerate(constraints):
+        field = {"regex": "guided_regex", "choice": "guided_choice", "json": "guided_json"}[kind]
+        if kind == "json":
+            value = dict(value)
+            request = {"structured_outputs": {"json": value, "disable_any_whitespace": True}}
+        else:
+            request = {field: value}
+        params = SamplingParams(max_tokens=24, temperature=1.0 if sampled else 0.0, seed=i,
+                                structured_outputs=parse_constraint(request))
+        engine.add_request(f"f{i}", [5 + i, 6, 7], params)
+        checks[f"f{i}"] = (kind, value)
+    texts: dict[str, str] = {}
+    finals = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        assert steps < 500, "the engine did not finish"
+        for out in engine.step():
+            texts[out.request_id] = texts.get(out.request_id, "") + out.new_text
+            if out.finished:
+                finals[out.request_id] = out
+        if steps == abort_at + 2 and engine.scheduler.get_request("f0") is not None:
+            finals["f0"] = engine.abort("f0")
+    for rid, (kind, value) in checks.items():
+        out = finals[rid]
+        assert out.error is None, out.error
+        if out.finish_reason != "stop":
+            continue  # cut by max_tokens or aborted: a prefix
+        if kind == "regex":
+            assert re.fullmatch(value, texts[rid]), (value, texts[rid])
+        elif kind == "choice":
+            assert texts[rid] in value
+        else:
+            jsonschema.validate(json.loads(texts[rid]), value)
+    engine.scheduler.check_integrity()
+    assert engine.stats().kv_blocks_used == 0
