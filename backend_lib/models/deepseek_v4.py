@@ -34,6 +34,8 @@ from backend_lib.models.deepseek_v4_layers import (
     HASH_MOE, MOE_IMPLS, SCORING_FUNCS, TOPK_MOE, V4DecoderLayer, V4MoE, V4MoEDims,
 )
 from backend_lib.models.deepseek_v4_mtp import V4MTPLayer
+from backend_lib.models.engram_config import EngramConfig
+from backend_lib.models.engram_layer import attach_engram_layers, check_engram_table, engram_vocabulary_of
 from backend_lib.models.parallel import ParallelContext, Shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
 from kernels.compressed_attention import ChunkPages, TokenPages, entry_rows_per_block
@@ -88,11 +90,12 @@ class DeepseekV4Args:
     tie_word_embeddings: bool = False
     fp8_block_size: tuple[int, int] = DEFAULT_BLOCK
     expert_dtype: str | None = None  # quantized checkpoints: "fp8" or "fp4" routed experts; None when unquantized
+    engram: EngramConfig | None = None  # config.json's ``engram`` object (DeepSeek's Engram conditional memory)
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> "DeepseekV4Args":
         names = {f.name for f in fields(cls)} - {"layer_types", "mlp_layer_types", "compress_rates",
-                                                  "rope_head_dim", "compress_rope_scaling"}
+                                                  "rope_head_dim", "compress_rope_scaling", "engram"}
         kw: dict[str, Any] = {k: v for k, v in config.items() if k in names and v is not None}
         n = int(config.get("num_hidden_layers", cls.num_hidden_layers))
         quant = config.get("quantization_config")
@@ -128,6 +131,8 @@ class DeepseekV4Args:
         kw["compress_rope_scaling"] = compress_rope_scaling(config)
         if config.get("attention_bias") or config.get("mlp_bias"):
             raise ValueError("attention_bias / mlp_bias must be false for DeepSeek-V4")
+        if config.get("engram") is not None:
+            kw["engram"] = EngramConfig.from_dict(config["engram"])
         args = cls(**kw)
         args.validate()
         return args
@@ -158,6 +163,8 @@ class DeepseekV4Args:
             raise ValueError(f"quantization_config.expert_dtype must be 'fp8' or 'fp4', got {self.expert_dtype!r}")
         if self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.engram is not None:
+            self.engram.check_layers(self.num_hidden_layers)
 
     def rate(self, layer_type: str) -> int:
         return dict(self.compress_rates).get(layer_type, 0) if layer_type != SLIDING else 0
@@ -171,6 +178,7 @@ _LAYER = re.compile(r"^layers\.(\d+)\.")
 # what transformers' save_pretrained writes -> the release names our modules carry
 _SAVED_NAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
                 "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
+_ENGRAM_TABLE = ".engram.multi_head_embedding.embedding.weight"
 _QUANTIZED = (torch.float8_e4m3fn, torch.int8, torch.uint8)
 _KEEP_FP32 = re.compile(r"(hc_\w+|attn_sink|\.ape|ffn\.gate\.\w+|ffn\.\w+_scale|norm\.weight)$")
 
@@ -183,7 +191,7 @@ def _whole(tensor: Any) -> torch.Tensor:
 class DeepseekV4ForCausalLM(nn.Module):
     def __init__(self, args: DeepseekV4Args, dtype: torch.dtype = torch.float32,
                  par: ParallelContext = ParallelContext(), moe_impl: str = "dynamic",
-                 dequantize_fp8_at_load: bool = False) -> None:
+                 dequantize_fp8_at_load: bool = False, engram_vocab: Any = None) -> None:
         super().__init__()
         if moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
@@ -214,6 +222,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         # each layer's index inside its cache tensor (kv: every layer; csa / hca: layers of that type)
         self.cache_index = [sum(1 for t in a.layer_types[:i] if t == a.layer_types[i])
                             for i in range(a.num_hidden_layers)]
+        # token ids before each step token that the runner sends (AttentionMetadata.token_history): Engram's n-grams
+        self.token_history = attach_engram_layers(self.layers, a.engram, engram_vocab, a.hidden_size, a.hc_mult,
+                                                  dtype, par)
         self.to(dtype)
         for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
             if _KEEP_FP32.search(name) and tensor.is_floating_point():
@@ -239,7 +250,9 @@ class DeepseekV4ForCausalLM(nn.Module):
                        par: ParallelContext | None = None) -> "DeepseekV4ForCausalLM":
         dequantize = bool(getattr(options, "dequantize_fp8_at_load", False))
         par = par or getattr(options, "par", None) or ParallelContext()  # the loader's rank, unless given here
-        return cls(DeepseekV4Args.from_hf_config(config), dtype=dtype, par=par, dequantize_fp8_at_load=dequantize)
+        args = DeepseekV4Args.from_hf_config(config)
+        vocab = None if args.engram is None else engram_vocabulary_of(getattr(options, "checkpoint_dir", ""))
+        return cls(args, dtype=dtype, par=par, dequantize_fp8_at_load=dequantize, engram_vocab=vocab)
 
     def set_moe_impl(self, impl: str) -> None:
         """"dynamic" (grouped dispatch, eager) or "static" (fixed shapes, for compiled regions)."""
@@ -300,21 +313,31 @@ class DeepseekV4ForCausalLM(nn.Module):
                  (n_hca, num_state_slots, hca_rate + max_drafts, 2 * d)]
         if self.has_mtp_weights:
             state.append((1, num_state_slots, a.sliding_window + max_drafts, d))
+        if a.engram is not None:  # the ShortConv's past normed values, per Engram layer
+            state.append((len(a.engram.layer_ids), num_state_slots, a.engram.conv_lookback + max_drafts,
+                          a.hc_mult * a.hidden_size))
         return paged, state
 
     def mtp_window(self, caches: list) -> torch.Tensor:  # the drafting depth's ring [S + 1, window + drafts, D]
         return caches[7][0]
 
+    def _engram_ring(self, index: int, caches: list) -> torch.Tensor | None:  # [S + 1, lookback + drafts, hc * D]
+        engram = self.args.engram
+        if engram is None or index not in engram.layer_ids:
+            return None
+        return caches[7 + self.has_mtp_weights][engram.layer_ids.index(index)]
+
     def _layer_cache(self, index: int, caches: list) -> LayerCache:
         """``caches``: the paged tensors then the fixed ones, in ``hybrid_cache_shapes`` order."""
         csa_entries, index_entries, hca_entries, window, csa_state, index_state, hca_state = caches[:7]
         layer_type, k = self.args.layer_types[index], self.cache_index[index]
+        engram = self._engram_ring(index, caches)
         if layer_type == SLIDING:
-            return LayerCache(window[index])
+            return LayerCache(window[index], engram_ring=engram)
         if layer_type == HCA:
-            return LayerCache(window[index], state=hca_state[k], entries=hca_entries[k])
+            return LayerCache(window[index], state=hca_state[k], entries=hca_entries[k], engram_ring=engram)
         return LayerCache(window[index], state=csa_state[k], entries=csa_entries[k], index_state=index_state[k],
-                          index_entries=index_entries[k])
+                          index_entries=index_entries[k], engram_ring=engram)
 
     def _pages(self, positions: torch.Tensor, meta: AttentionMetadata) -> TokenPages:
         """Each token's block table: decode rows repeated per query, prefill rows per chunk token. Columns past a
@@ -372,9 +395,13 @@ class DeepseekV4ForCausalLM(nn.Module):
                              "allocates hybrid_cache_shapes")
         pages = self._pages(positions, meta)
         chunks = ([meta.decode_query_len] if meta.num_decodes else []) + list(meta.prefill_query_lens)
+        if self.token_history and meta.token_history is None:
+            raise ValueError("this DeepSeek-V4 checkpoint has Engram layers: it needs meta.token_history (the ids "
+                             "before each token), which the model runner sends when model.token_history > 0")
         return StepContext(pages, meta.slot_mapping, meta.state, self.main_rope.at(positions, dtype),
                            self.compress_rope.at(positions, dtype), self._groups(pages, meta),
-                           meta.decode_query_len, max(chunks, default=None))
+                           meta.decode_query_len, max(chunks, default=None),
+                           token_history=meta.token_history if self.token_history else None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
         return self.par.all_gather_last(self.head(hidden)).float()
@@ -405,6 +432,8 @@ class DeepseekV4ForCausalLM(nn.Module):
                 self._set_expert(expert, tensor, None)
                 loaded.add(name)
                 continue
+            if name.endswith(_ENGRAM_TABLE):
+                check_engram_table(name, tensor.shape[0], self.layers)
             shard = shards.get(name)
             value = shard.take(tensor) if shard is not None else _whole(tensor)
             self._set(name, raw_name, value)
