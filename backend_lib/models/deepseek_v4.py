@@ -314,7 +314,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         if self.has_mtp_weights:
             state.append((1, num_state_slots, a.sliding_window + max_drafts, d))
         if a.engram is not None:  # the ShortConv's past normed values, per Engram layer
-            state.append((len(a.engram.layer_ids), num_state_slots, a.engram.conv_lookback + max_drafts,
+            state.append((len(a.engram.layer_ids), num_state_slots, max(1, a.engram.conv_lookback + max_drafts),
                           a.hc_mult * a.hidden_size))
         return paged, state
 
@@ -395,9 +395,6 @@ class DeepseekV4ForCausalLM(nn.Module):
                              "allocates hybrid_cache_shapes")
         pages = self._pages(positions, meta)
         chunks = ([meta.decode_query_len] if meta.num_decodes else []) + list(meta.prefill_query_lens)
-        if self.token_history and meta.token_history is None:
-            raise ValueError("this DeepSeek-V4 checkpoint has Engram layers: it needs meta.token_history (the ids "
-                             "before each token), which the model runner sends when model.token_history > 0")
         return StepContext(pages, meta.slot_mapping, meta.state, self.main_rope.at(positions, dtype),
                            self.compress_rope.at(positions, dtype), self._groups(pages, meta),
                            meta.decode_query_len, max(chunks, default=None),

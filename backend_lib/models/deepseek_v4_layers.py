@@ -270,6 +270,9 @@ class V4DecoderLayer(nn.Module):
                 input_ids: torch.Tensor,  # [T] int64
                 ctx: StepContext, cache: LayerCache) -> torch.Tensor:  # [T, hc, hidden]
         if self.engram is not None:
+            if ctx.token_history is None:
+                raise ValueError("an Engram layer needs meta.token_history (the ids before each token), which the "
+                                 "model runner sends when model.token_history > 0")
             context = torch.cat([ctx.token_history, input_ids[:, None]], dim=1)
             streams = streams + self.engram(streams, context, ctx.pages.positions, ctx.rows, cache.engram_ring,
                                             ctx.longest_chunk)
