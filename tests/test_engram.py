@@ -209,3 +209,16 @@ def test_bad_engram_checkpoints_fail_the_load_naming_what_is_wrong(tmp_path, bre
         _rewrite(path, edit_tensors=breakage)
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_model(str(path), torch.float32, progress=False)
+
+
+def test_compiled_decode_regions_gather_on_the_host_and_equal_the_reference(with_mtp, tmp_path):
+    """Graphs see the gathered rows as a static-shape input (the int64 hash and the lookup stay outside)."""
+    path, ref = with_mtp
+    engine = _engine(path, num_blocks=64, max_num_batched_tokens=32, compile_backend="aot_eager",
+                     batch_buckets="2", width_buckets="16", compile_progress=False,
+                     compile_cache_dir=str(tmp_path / "cache"))
+    prompts = {f"r{n}": _tokens(n, 90 + n) for n in (6, 61)}
+    outputs = _run(engine, {r: (p, GREEDY) for r, p in prompts.items()})
+    for rid, prompt in prompts.items():
+        assert _ids(outputs[rid]) == ref.greedy(prompt, 40), rid
+    assert engine.runner.model.stats.compiled_steps > 5

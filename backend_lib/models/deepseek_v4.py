@@ -321,23 +321,35 @@ class DeepseekV4ForCausalLM(nn.Module):
     def mtp_window(self, caches: list) -> torch.Tensor:  # the drafting depth's ring [S + 1, window + drafts, D]
         return caches[7][0]
 
-    def _engram_ring(self, index: int, caches: list) -> torch.Tensor | None:  # [S + 1, lookback + drafts, hc * D]
+    def engram_gather(self, input_ids: torch.Tensor,  # [T] int64
+                      token_history: torch.Tensor | None,  # [T, H] int64 (meta.token_history)
+                      ) -> torch.Tensor:  # [L_e, T, width]
+        """Every Engram layer's hashed table rows for the step's tokens: host work (exact int64 hash, a lookup in
+        the host table, one all-reduce under tensor parallelism), outside any compiled region."""
+        if token_history is None:
+            raise ValueError("Engram layers need meta.token_history (the ids before each token), which the model "
+                             "runner sends when model.token_history > 0")
+        context = torch.cat([token_history, input_ids[:, None]], dim=1)
+        return torch.stack([self.layers[i].engram.gather(context) for i in self.args.engram.layer_ids])
+
+    def _engram(self, index: int, caches: list, meta: AttentionMetadata) -> dict[str, torch.Tensor]:
         engram = self.args.engram
         if engram is None or index not in engram.layer_ids:
-            return None
-        return caches[7 + self.has_mtp_weights][engram.layer_ids.index(index)]
+            return {}
+        k = engram.layer_ids.index(index)
+        return {"engram_ring": caches[7 + self.has_mtp_weights][k], "engram_rows": meta.engram_rows[k]}
 
-    def _layer_cache(self, index: int, caches: list) -> LayerCache:
+    def _layer_cache(self, index: int, caches: list, meta: AttentionMetadata) -> LayerCache:
         """``caches``: the paged tensors then the fixed ones, in ``hybrid_cache_shapes`` order."""
         csa_entries, index_entries, hca_entries, window, csa_state, index_state, hca_state = caches[:7]
         layer_type, k = self.args.layer_types[index], self.cache_index[index]
-        engram = self._engram_ring(index, caches)
+        engram = self._engram(index, caches, meta)
         if layer_type == SLIDING:
-            return LayerCache(window[index], engram_ring=engram)
+            return LayerCache(window[index], **engram)
         if layer_type == HCA:
-            return LayerCache(window[index], state=hca_state[k], entries=hca_entries[k], engram_ring=engram)
+            return LayerCache(window[index], state=hca_state[k], entries=hca_entries[k], **engram)
         return LayerCache(window[index], state=csa_state[k], entries=csa_entries[k], index_state=index_state[k],
-                          index_entries=index_entries[k], engram_ring=engram)
+                          index_entries=index_entries[k], **engram)
 
     def _pages(self, positions: torch.Tensor, meta: AttentionMetadata) -> TokenPages:
         """Each token's block table: decode rows repeated per query, prefill rows per chunk token. Columns past a
@@ -375,10 +387,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Final-normed hidden states [T, hidden] (with ``keep_streams``, ``last_streams`` keeps the pre-hc_head
         streams [T, hc, hidden] for the MTP drafts)."""
         h = self.embed_tokens(input_ids)
+        if self.token_history and meta.engram_rows is None:  # eager: gathered here (regions gather before the graph)
+            meta = replace(meta, engram_rows=self.engram_gather(input_ids, meta.token_history))
         ctx = self.step_context(positions, meta, h.dtype)
         streams = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.layers):
-            streams = layer(streams, input_ids, ctx, self._layer_cache(i, kv_caches))
+            streams = layer(streams, input_ids, ctx, self._layer_cache(i, kv_caches, meta))
         if self.keep_streams:
             self.last_streams = streams
         collapsed = hc_head_collapse(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.hc)
@@ -397,8 +411,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         chunks = ([meta.decode_query_len] if meta.num_decodes else []) + list(meta.prefill_query_lens)
         return StepContext(pages, meta.slot_mapping, meta.state, self.main_rope.at(positions, dtype),
                            self.compress_rope.at(positions, dtype), self._groups(pages, meta),
-                           meta.decode_query_len, max(chunks, default=None),
-                           token_history=meta.token_history if self.token_history else None)
+                           meta.decode_query_len, max(chunks, default=None))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
         return self.par.all_gather_last(self.head(hidden)).float()

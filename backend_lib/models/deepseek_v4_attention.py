@@ -97,7 +97,6 @@ class StepContext:
     groups: tuple[tuple[int, int, TokenPages | ChunkPages], ...]  # (first row, end row, pages)
     decode_query_len: int = 1  # tokens per decode row (1 + drafts)
     longest_chunk: int | None = None  # the step's longest chunk (None: unknown); bounds a token's fresh positions
-    token_history: torch.Tensor | None = None  # [T, H] int64: ids before each token, -1 before the start (Engram)
     # index arithmetic every layer of the step would redo (``shared``): ring write rows, closing tokens, entry rows
     memo: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -122,6 +121,7 @@ class LayerCache:
     index_state: torch.Tensor | None = None  # ring [S + 1, span + drafts, 4 Di]: indexer compressor projections
     index_entries: torch.Tensor | None = None  # paged [E, Di]
     engram_ring: torch.Tensor | None = None  # ring [S + 1, conv lookback + drafts, hc * D]: Engram's ShortConv input
+    engram_rows: torch.Tensor | None = None  # [T, width]: this step's gathered Engram rows
 
 
 def ring_write_index(ctx: StepContext, ring: torch.Tensor,  # [S + 1, C, W]

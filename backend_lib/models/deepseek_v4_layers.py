@@ -270,12 +270,8 @@ class V4DecoderLayer(nn.Module):
                 input_ids: torch.Tensor,  # [T] int64
                 ctx: StepContext, cache: LayerCache) -> torch.Tensor:  # [T, hc, hidden]
         if self.engram is not None:
-            if ctx.token_history is None:
-                raise ValueError("an Engram layer needs meta.token_history (the ids before each token), which the "
-                                 "model runner sends when model.token_history > 0")
-            context = torch.cat([ctx.token_history, input_ids[:, None]], dim=1)
-            streams = streams + self.engram(streams, context, ctx.pages.positions, ctx.rows, cache.engram_ring,
-                                            ctx.longest_chunk)
+            streams = streams + self.engram(streams, cache.engram_rows, ctx.pages.positions, ctx.rows,
+                                            cache.engram_ring, ctx.longest_chunk)
         x, post, comb = hc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.hc)
         streams = hc_post(self.attn(self.attn_norm(x), ctx, cache), streams, post, comb, self.hc)
         x, post, comb = hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.hc)

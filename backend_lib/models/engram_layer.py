@@ -117,12 +117,16 @@ class EngramLayer(nn.Module):
         self.norm2 = nn.ModuleList(_Norm(hidden, machine_eps) for _ in range(streams))
         self.short_conv = _ShortConv(hidden, streams, config.kernel_size, config.max_ngram_size)
 
+    def gather(self, context: torch.Tensor,  # [T, max_ngram] int64 token ids, oldest first, -1 before the start
+               ) -> torch.Tensor:  # [T, width]: the hashed rows of every head (host work: int64, a table lookup)
+        return self.multi_head_embedding.gather(self.hasher(context))
+
     def forward(self, streams: torch.Tensor,  # [T, hc, hidden]
-                context: torch.Tensor,  # [T, max_ngram] int64 token ids, oldest first, -1 before the start
+                embedded: torch.Tensor,  # [T, width] ``gather``'s rows
                 positions: torch.Tensor,  # [T] int64
                 rows: StateRows, ring: torch.Tensor,  # ring [S + 1, lookback + drafts, hc * hidden]
                 longest_chunk: int | None = None) -> torch.Tensor:  # [T, hc, hidden]: what to add to the streams
-        embedded = self.multi_head_embedding.gather(self.hasher(context)).to(streams.dtype)  # [T, width]
+        embedded = embedded.to(streams.dtype)
         scale = 1.0 / math.sqrt(self.hidden)
         gates = []
         for s in range(self.streams):
