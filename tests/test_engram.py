@@ -222,3 +222,17 @@ def test_compiled_decode_regions_gather_on_the_host_and_equal_the_reference(with
     for rid, prompt in prompts.items():
         assert _ids(outputs[rid]) == ref.greedy(prompt, 40), rid
     assert engine.runner.model.stats.compiled_steps > 5
+
+
+def test_an_fp8_table_stays_fp8_and_equals_the_reference_over_its_dequantized_rows(tmp_path):
+    spec = CONFIGS["trigram"]
+    path = make_tiny("deepseek_v4", tmp_path / "fp8", seed=22, initializer_range=0.15, overrides=spec["model"],
+                     engram_layers=spec["layers"], engram_fp8_table=True)
+    model = load_model(str(path), torch.float32, progress=False)
+    table = model.layers[1].engram.multi_head_embedding.embedding
+    assert table.weight.dtype == torch.float8_e4m3fn and table.scale.shape == (table.weight.shape[0], 1)
+    ref = EngramReferenceV4(path)
+    prompts = {f"r{n}": _tokens(n, 40 + n) for n in (4, 77)}
+    outputs = _run(_engine(path, max_num_batched_tokens=16), {r: (p, GREEDY) for r, p in prompts.items()})
+    for rid, prompt in prompts.items():
+        assert _ids(outputs[rid]) == ref.greedy(prompt, 40), rid

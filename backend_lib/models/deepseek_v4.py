@@ -35,7 +35,9 @@ from backend_lib.models.deepseek_v4_layers import (
 )
 from backend_lib.models.deepseek_v4_mtp import V4MTPLayer
 from backend_lib.models.engram_config import EngramConfig
-from backend_lib.models.engram_layer import attach_engram_layers, check_engram_table, engram_vocabulary_of
+from backend_lib.models.engram_layer import (
+    attach_engram_layers, check_engram_table, engram_vocabulary_of, set_engram_fp8_table,
+)
 from backend_lib.models.parallel import ParallelContext, Shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
 from kernels.compressed_attention import ChunkPages, TokenPages, entry_rows_per_block
@@ -470,6 +472,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         expert = _EXPERT.match(base + ".weight")
         if expert:
             self._set_expert(expert, entry["weight"], entry["scale"])
+            return
+        if (base + ".weight").endswith(_ENGRAM_TABLE):
+            set_engram_fp8_table(base + ".weight", entry["weight"], entry["scale"], self.layers, self.dtype)
             return
         target = self.get_submodule(base) if base else None
         if not isinstance(target, BlockLinear) or entry["weight"].dtype != torch.float8_e4m3fn:

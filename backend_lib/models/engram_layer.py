@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention_metadata import StateRows
+from kernels.quant import dequantize_block_fp8
 from kernels.state_ring import recent_rows, write_recent
 
 from backend_lib.models.engram_config import EngramConfig
@@ -41,6 +42,7 @@ from backend_lib.models.engram_hash import (
 )
 from backend_lib.models.parallel import ParallelContext, Shard
 
+FP8_ROW_BLOCK = (1, 128)  # an fp8 table's scale blocks: one row, 128 columns
 _CONV_NORM_EPS = 1e-5
 _GATE_FLOOR = 1e-6
 
@@ -72,16 +74,37 @@ class _ShardedTable(nn.Module):
         self.total_rows, self.par = total_rows, par
         self.embedding = nn.Module()
         self.embedding.weight = nn.Parameter(torch.zeros(rows, width), requires_grad=False)
+        self.embedding.register_buffer("scale", None)  # fp8 tables: ue8m0 factors [rows, ceil(width / 128)]
         self.shards = {"embedding.weight": Shard(0, self.start, rows)}
+
+    def set_fp8(self, weight: torch.Tensor,  # [rows, width] float8_e4m3fn: this rank's rows
+                scale: torch.Tensor,  # [rows, ceil(width / 128)] powers of two (ue8m0)
+                dtype: torch.dtype) -> None:
+        """Keep an fp8 table as stored (1 byte a value); gathered rows are dequantized."""
+        if tuple(weight.shape) != tuple(self.embedding.weight.shape) or scale.shape != (
+                weight.shape[0], -(-weight.shape[1] // FP8_ROW_BLOCK[1])):
+            raise ValueError(f"fp8 Engram table {tuple(weight.shape)} with scales {tuple(scale.shape)}: expected "
+                             f"{tuple(self.embedding.weight.shape)} with one scale per row and "
+                             f"{FP8_ROW_BLOCK[1]} columns")
+        self.embedding.weight = nn.Parameter(weight, requires_grad=False)
+        self.embedding.scale = scale.float()
+        self.dtype = dtype
+
+    def _lookup(self, rows: torch.Tensor) -> torch.Tensor:  # [T, heads] local rows -> [T, heads, width]
+        weight, scale = self.embedding.weight, self.embedding.scale
+        if scale is None:
+            return F.embedding(rows, weight)
+        flat = rows.flatten()
+        values = dequantize_block_fp8(weight[flat], scale[flat], FP8_ROW_BLOCK, self.dtype)
+        return values.view(*rows.shape, -1)
 
     def gather(self, rows: torch.Tensor,  # [T, heads] int64 global rows
                ) -> torch.Tensor:  # [T, heads * width]
-        weight = self.embedding.weight
         if self.par.world_size == 1:
-            return F.embedding(rows, weight).flatten(1)
+            return self._lookup(rows).flatten(1)
         local = rows - self.start
-        inside = (local >= 0) & (local < weight.shape[0])
-        part = F.embedding(torch.where(inside, local, torch.zeros_like(local)), weight)
+        inside = (local >= 0) & (local < self.embedding.weight.shape[0])
+        part = self._lookup(torch.where(inside, local, torch.zeros_like(local)))
         return self.par.all_reduce((part * inside[..., None].to(part.dtype)).flatten(1))
 
 
@@ -177,3 +200,11 @@ def check_engram_table(name: str, rows: int, layers: nn.ModuleList) -> None:
         sizes = layers[index].engram.hasher.primes.tolist()
         raise ValueError(f"{name}: the Engram table has {rows} rows, but engram_vocab_size's primes for layer "
                          f"{index} ({sizes}) add up to {expected}")
+
+
+def set_engram_fp8_table(name: str, weight: Any, scale: Any, layers: nn.ModuleList, dtype: torch.dtype) -> None:
+    """An fp8 e4m3 table with its ue8m0 row-block scales, this rank's rows of both."""
+    check_engram_table(name, weight.shape[0], layers)
+    table = layers[int(name.split(".")[1])].engram.multi_head_embedding
+    shard = table.shards["embedding.weight"]
+    table.set_fp8(shard.take(weight), shard.take(scale), dtype)

@@ -274,7 +274,8 @@ def _write_shards(tensors: dict[str, torch.Tensor], out_dir: Path, num_shards: i
 def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int = 0, seed: int = 0,
               scale_fmt: str = "float", num_shards: int = 2, initializer_range: float = 0.2,
               overrides: dict[str, Any] | None = None, fp4_experts: bool = False,
-              engram_layers: Sequence[int] = (), engram: dict[str, Any] | None = None) -> Path:
+              engram_layers: Sequence[int] = (), engram: dict[str, Any] | None = None,
+              engram_fp8_table: bool = False) -> Path:
     """Write a tiny random ``arch`` model to ``out_dir``; ``overrides`` replaces config fields. ``engram_layers``:
     Engram modules on those layers (``engram``: EngramConfig fields replacing the tiny defaults)."""
     if arch not in ARCHS:
@@ -306,7 +307,7 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
         if fp8 or fp4_experts:
             _quantize_v4(out, fp8, fp4_experts, num_shards)
         if engram_layers:
-            add_engram(out, list(engram_layers), gen, engram)
+            add_engram(out, list(engram_layers), gen, engram, engram_fp8_table)
         return out
     if arch == "deepseek_v3":
         kwargs["num_mtp_layers"] = mtp_layers

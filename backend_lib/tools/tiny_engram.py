@@ -12,6 +12,8 @@ from safetensors.torch import save_file
 
 from backend_lib.models.engram_config import EngramConfig
 from backend_lib.models.engram_hash import head_table_sizes
+from backend_lib.models.engram_layer import FP8_ROW_BLOCK
+from kernels.quant import quantize_block_fp8
 
 TINY_ENGRAM: dict[str, Any] = dict(engram_vocab_size=[400, 300], max_ngram_size=3, n_embed_per_ngram=32,
                                    n_head_per_ngram=4, pad_id=2, seed=0, kernel_size=4)
@@ -37,8 +39,9 @@ def _tensors(config: EngramConfig, layer_id: int, rows: int, hidden: int, stream
 
 
 def add_engram(out: Path, layer_ids: list[int], gen: torch.Generator,
-               overrides: dict[str, Any] | None = None) -> EngramConfig:
-    """Add Engram on ``layer_ids`` to the checkpoint in ``out`` (config.json + one more safetensors shard)."""
+               overrides: dict[str, Any] | None = None, fp8_table: bool = False) -> EngramConfig:
+    """Add Engram on ``layer_ids`` to the checkpoint in ``out`` (config.json + one more safetensors shard);
+    ``fp8_table``: tables in e4m3 with ue8m0 scales per row and 128 columns."""
     cfg = json.loads((out / "config.json").read_text())
     settings = {**TINY_ENGRAM, **(overrides or {}), "layer_ids": list(layer_ids)}
     config = EngramConfig.from_dict(settings)
@@ -49,6 +52,10 @@ def add_engram(out: Path, layer_ids: list[int], gen: torch.Generator,
     for layer_id in config.layer_ids:
         rows = sum(p for order in sizes[layer_id] for p in order)
         tensors.update(_tensors(config, layer_id, rows, hidden, streams, gen))
+        if fp8_table:
+            name = f"layers.{layer_id}.engram.multi_head_embedding.embedding."
+            tensors[name + "weight"], tensors[name + "scale"] = quantize_block_fp8(
+                tensors[name + "weight"], FP8_ROW_BLOCK, "ue8m0")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / _SHARD), metadata={"format": "pt"})
     index_path = out / "model.safetensors.index.json"
     if index_path.is_file():
