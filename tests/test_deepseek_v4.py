@@ -319,7 +319,8 @@ def test_static_moe_gives_the_same_logits(tiny):
 def test_yarn_compress_rope_matches_transformers():
     from transformers import DeepseekV4Config
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
-    from backend_lib.models.deepseek_v4 import DeepseekV4Args, DeepseekV4ForCausalLM
+    from backend_lib.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from backend_lib.models.deepseek_v4_args import DeepseekV4Args
     yarn = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64, "beta_fast": 32,
             "beta_slow": 1}
     kw = dict(vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -347,7 +348,7 @@ def test_mtp_without_mtp_weights_is_refused_with_a_clear_error(tmp_path):
 
 
 def test_config_errors_name_the_field():
-    from backend_lib.models.deepseek_v4 import DeepseekV4Args
+    from backend_lib.models.deepseek_v4_args import DeepseekV4Args
     base = dict(num_hidden_layers=2, layer_types=["sliding_attention"] * 2, mlp_layer_types=["moe"] * 2)
     with pytest.raises(ValueError, match="layer_types"):
         DeepseekV4Args.from_hf_config({**base, "layer_types": ["sliding_attention", "full_attention"]})

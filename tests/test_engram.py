@@ -19,7 +19,7 @@ from backend_lib.models.engram_config import EngramConfig
 from backend_lib.models.engram_hash import EngramVocabulary, NgramHasher, compressed_vocabulary, head_table_sizes
 from backend_lib.models.loader import load_model
 from backend_lib.tools.tiny import make_tiny
-from tests.engram_reference import EngramReferenceV4, ReferenceHash, reference_lookup
+from tests.engram_reference import EngramReferenceV4, reference_lookup
 from tests.v4_reference import ReferenceV4
 
 # head counts, n-gram orders, conv widths, stream counts and layer placements (first, last, consecutive)
