@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,7 +34,7 @@ from backend_lib.models.deepseek_v4_attention import (
 from backend_lib.models.deepseek_v4_layers import HASH_MOE, MOE_IMPLS, V4DecoderLayer, V4MoE, V4MoEDims
 from backend_lib.models.deepseek_v4_mtp import V4MTPLayer
 from backend_lib.models.engram_layer import (
-    attach_engram_layers, check_engram_table, engram_vocabulary_of, set_engram_fp8_table,
+    EngramPrefetch, attach_engram_layers, check_engram_table, engram_vocabulary_of, set_engram_fp8_table,
 )
 from backend_lib.models.parallel import ParallelContext, Shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
@@ -96,6 +97,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         # token ids before each step token that the runner sends (AttentionMetadata.token_history): Engram's n-grams
         self.token_history = attach_engram_layers(self.layers, a.engram, engram_vocab, a.hidden_size, a.hc_mult,
                                                   dtype, par)
+        self.engram_prefetch = EngramPrefetch(overlap=par.world_size == 1)
         self.to(dtype)
         for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
             if _KEEP_FP32.search(name) and tensor.is_floating_point():
@@ -257,12 +259,15 @@ class DeepseekV4ForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] (with ``keep_streams``, ``last_streams`` keeps the pre-hc_head
         streams [T, hc, hidden] for the MTP drafts)."""
-        h = self.embed_tokens(input_ids)
+        pending = None
         if self.token_history and meta.engram_rows is None:  # eager: gathered here (regions gather before the graph)
-            meta = replace(meta, engram_rows=self.engram_gather(input_ids, meta.token_history))
+            pending = self.engram_prefetch.start(partial(self.engram_gather, input_ids, meta.token_history))
+        h = self.embed_tokens(input_ids)
         ctx = self.step_context(positions, meta, h.dtype)
         streams = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.layers):
+            if pending is not None and layer.engram is not None:  # the first Engram layer waits for the rows
+                meta, pending = replace(meta, engram_rows=pending.result()), None
             streams = layer(streams, input_ids, ctx, self._layer_cache(i, kv_caches, meta))
         if self.keep_streams:
             self.last_streams = streams

@@ -25,6 +25,8 @@ The projections are replicated (they are small next to the table).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +164,27 @@ class EngramLayer(nn.Module):
         window = window * exists[..., None].to(window.dtype)  # the conv's zero padding before position 0
         write_recent(ring, normed, rows, positions)
         return values + self.short_conv(window).view_as(values)
+
+
+class EngramPrefetch:
+    """Runs a step's Engram gather (hash + table lookup) beside the layers before the first Engram layer.
+
+    The rows depend only on the token ids, so they can be fetched while the first layers compute. A side thread
+    does it (torch ops release the GIL); only at one rank, because a gather's all-reduce from a side thread could
+    interleave with the main thread's collectives."""
+
+    def __init__(self, overlap: bool) -> None:
+        self.overlap = overlap
+        self._pool: ThreadPoolExecutor | None = None
+
+    def start(self, gather: Callable[[], torch.Tensor]) -> "Future[torch.Tensor]":
+        if not self.overlap:
+            done: Future[torch.Tensor] = Future()
+            done.set_result(gather())
+            return done
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-gather")
+        return self._pool.submit(gather)
 
 
 def engram_vocabulary_of(checkpoint_dir: str) -> Any:  # np.ndarray [vocab] int64
