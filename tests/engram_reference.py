@@ -139,3 +139,43 @@ class EngramReferenceV4(ReferenceV4):
         for layer in self.engram_cfg["layer_ids"]:
             engram = ReferenceEngram(self.weights, layer, self.engram_cfg, self.hashing, self.args.hc)
             self.layers[layer] = _EngramBlock(self.layers[layer], engram)
+
+
+class EngramTransformersV3:
+    """DeepSeek-V3 with Engram: transformers' own V3 (the repository's V3 oracle) with the reference Engram added to
+    the hidden states entering each layer of ``engram.layer_ids`` (a forward pre-hook); every call recomputes the
+    whole sequence (no cache), so the Engram history is the sequence itself."""
+
+    def __init__(self, path: str | Path) -> None:
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        path = Path(path)
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).eval()
+        self.cfg = json.loads((path / "config.json").read_text())["engram"]
+        self.hashing = ReferenceHash(self.cfg, reference_lookup(path))
+        self.weights = {k: v.float() for k, v in load_file(str(path / "model-engram.safetensors")).items()}
+        self._ids = torch.zeros(0, dtype=torch.long)
+        for layer in self.cfg["layer_ids"]:
+            self.model.model.layers[layer].register_forward_pre_hook(self._hook(layer), with_kwargs=True)
+
+    def _hook(self, layer: int):
+        def add_engram(module, args, kwargs):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            engram = ReferenceEngram(self.weights, layer, self.cfg, self.hashing, hc=1)
+            hidden = hidden + engram(hidden[0][:, None], self._ids)[:, 0][None]
+            if "hidden_states" in kwargs:
+                return args, {**kwargs, "hidden_states": hidden}
+            return (hidden, *args[1:]), kwargs
+        return add_engram
+
+    @torch.inference_mode()
+    def logits(self, ids: list[int]) -> torch.Tensor:  # [len(ids), vocab]
+        self._ids = torch.tensor(ids)
+        return self.model(input_ids=self._ids[None], use_cache=False).logits[0].float()
+
+    def greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
+        ids = list(prompt)
+        for _ in range(new_tokens):
+            ids.append(int(self.logits(ids)[-1].argmax()))
+        return ids[len(prompt):]

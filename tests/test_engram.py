@@ -1,6 +1,6 @@
-"""Engram on DeepSeek-V4 against a port of DeepSeek's reference (``tests/engram_reference.py``) inside the V4 oracle:
-the hash bit for bit, greedy ids through chunked prefill, batching, preemption, sessions, speculation and two ranks,
-decode logprobs equal to a prefill's, and checkpoints that must not load."""
+"""Engram against a port of DeepSeek's reference (``tests/engram_reference.py``) inside the V4 oracle and inside
+transformers' DeepSeek-V3: the hash bit for bit, greedy ids through chunked prefill, batching, preemption, sessions,
+speculation and two ranks, decode logprobs equal to a prefill's, and checkpoints that must not load."""
 from __future__ import annotations
 
 import json
@@ -19,7 +19,7 @@ from backend_lib.models.engram_config import EngramConfig
 from backend_lib.models.engram_hash import EngramVocabulary, NgramHasher, compressed_vocabulary, head_table_sizes
 from backend_lib.models.loader import load_model
 from backend_lib.tools.tiny import make_tiny
-from tests.engram_reference import EngramReferenceV4, reference_lookup
+from tests.engram_reference import EngramReferenceV4, EngramTransformersV3, reference_lookup
 from tests.v4_reference import ReferenceV4
 
 # head counts, n-gram orders, conv widths, stream counts and layer placements (first, last, consecutive)
@@ -236,3 +236,42 @@ def test_an_fp8_table_stays_fp8_and_equals_the_reference_over_its_dequantized_ro
     outputs = _run(_engine(path, max_num_batched_tokens=16), {r: (p, GREEDY) for r, p in prompts.items()})
     for rid, prompt in prompts.items():
         assert _ids(outputs[rid]) == ref.greedy(prompt, 40), rid
+
+
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory):
+    path = make_tiny("deepseek_v3", tmp_path_factory.mktemp("engram_v3"), seed=23, mtp_layers=1,
+                     engram_layers=(0, 2))
+    return path, EngramTransformersV3(path)
+
+
+def test_v3_greedy_equals_transformers_with_the_reference_engram(v3):
+    """DeepSeek-V3 (one residual stream; its latent cache plus Engram's state slots): chunks of 1-7 tokens, batching,
+    a pool small enough to preempt, then a two-turn session."""
+    path, ref = v3
+    engine = _engine(path, max_num_batched_tokens=7, num_blocks=10)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = {f"r{n}": _tokens(n, 100 + n) for n in (2, 9, 45, 70)}
+    outputs = _run(engine, {r: (p, params) for r, p in prompts.items()})
+    for rid, prompt in prompts.items():
+        assert _ids(outputs[rid]) == ref.greedy(prompt, 24), rid
+    assert engine.stats().num_preemptions > 0
+    first, second = _tokens(20, 7), _tokens(5, 8)
+    engine.add_request("t1", first, params, session=SessionControl("s", start=True))
+    turn1 = _ids(_run(engine, {})["t1"])
+    engine.add_request("t2", second, params, session=SessionControl("s", end=True))
+    assert _ids(_run(engine, {})["t2"]) == ref.greedy(first + turn1 + second, 24)
+
+
+@pytest.mark.parametrize("settings", [
+    {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+    {"method": "mtp", "num_speculative_tokens": 2},
+    {"method": "ngram", "num_speculative_tokens": 3},
+])
+def test_v3_ranks_and_speculation_keep_the_greedy_ids(v3, settings):
+    path, ref = v3
+    prompts = [_tokens(n, 110 + n) for n in (6, 60)]
+    with LLM(str(path), num_blocks=64, max_num_batched_tokens=32, **settings) as llm:
+        results = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    for prompt, result in zip(prompts, results):
+        assert result.error is None and result.token_ids == ref.greedy(prompt, 24)

@@ -34,8 +34,9 @@ from backend_lib.models.deepseek_v4_attention import (
 from backend_lib.models.deepseek_v4_layers import HASH_MOE, MOE_IMPLS, V4DecoderLayer, V4MoE, V4MoEDims
 from backend_lib.models.deepseek_v4_mtp import V4MTPLayer
 from backend_lib.models.engram_layer import (
-    EngramPrefetch, attach_engram_layers, check_engram_table, engram_vocabulary_of, set_engram_fp8_table,
+    EngramPrefetch, attach_engram_layers, engram_gather, engram_ring_shape, engram_vocabulary_of,
 )
+from backend_lib.models.engram_loading import EngramLoader
 from backend_lib.models.parallel import ParallelContext, Shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
 from kernels.compressed_attention import ChunkPages, TokenPages, entry_rows_per_block
@@ -50,7 +51,6 @@ _LAYER = re.compile(r"^layers\.(\d+)\.")
 # what transformers' save_pretrained writes -> the release names our modules carry
 _SAVED_NAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
                 "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
-_ENGRAM_TABLE = ".engram.multi_head_embedding.embedding.weight"
 _QUANTIZED = (torch.float8_e4m3fn, torch.int8, torch.uint8)
 _KEEP_FP32 = re.compile(r"(hc_\w+|attn_sink|\.ape|ffn\.gate\.\w+|ffn\.\w+_scale|norm\.weight)$")
 
@@ -187,23 +187,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         if self.has_mtp_weights:
             state.append((1, num_state_slots, a.sliding_window + max_drafts, d))
         if a.engram is not None:  # the ShortConv's past normed values, per Engram layer
-            state.append((len(a.engram.layer_ids), num_state_slots, max(1, a.engram.conv_lookback + max_drafts),
-                          a.hc_mult * a.hidden_size))
+            state.append(engram_ring_shape(a.engram, num_state_slots, max_drafts, a.hc_mult * a.hidden_size))
         return paged, state
 
     def mtp_window(self, caches: list) -> torch.Tensor:  # the drafting depth's ring [S + 1, window + drafts, D]
         return caches[7][0]
 
     def engram_gather(self, input_ids: torch.Tensor,  # [T] int64
-                      token_history: torch.Tensor | None,  # [T, H] int64 (meta.token_history)
-                      ) -> torch.Tensor:  # [L_e, T, width]
-        """Every Engram layer's hashed table rows for the step's tokens: host work (exact int64 hash, a lookup in
-        the host table, one all-reduce under tensor parallelism), outside any compiled region."""
-        if token_history is None:
-            raise ValueError("Engram layers need meta.token_history (the ids before each token), which the model "
-                             "runner sends when model.token_history > 0")
-        context = torch.cat([token_history, input_ids[:, None]], dim=1)
-        return torch.stack([self.layers[i].engram.gather(context) for i in self.args.engram.layer_ids])
+                      token_history: torch.Tensor | None) -> torch.Tensor:  # [T, H] int64 -> [L_e, T, width]
+        return engram_gather(self.layers, self.args.engram, input_ids, token_history)
 
     def _engram(self, index: int, caches: list, meta: AttentionMetadata) -> dict[str, torch.Tensor]:
         engram = self.args.engram
@@ -300,9 +292,13 @@ class DeepseekV4ForCausalLM(nn.Module):
                   for key, shard in getattr(module, "shards", {}).items()}
         loaded: set[str] = set()
         pending: dict[str, dict[str, Any]] = {}  # quantized module -> {"weight", "scale"} until both arrived
+        engram = EngramLoader(self.layers, self.dtype)
         for raw_name, tensor in weights:
             name = raw_name[len("model."):] if raw_name.startswith("model.") else raw_name
             name = _SAVED_NAMES.get(name, name)
+            if engram.owns(name):
+                engram.take(name, tensor)
+                continue
             if self._is_mtp(name) and not (name.startswith("mtp.") and self.mtp):
                 continue  # V3-style nextn layers past num_hidden_layers, or depths the config does not declare
             base, _, leaf = name.rpartition(".")
@@ -318,8 +314,6 @@ class DeepseekV4ForCausalLM(nn.Module):
                 self._set_expert(expert, tensor, None)
                 loaded.add(name)
                 continue
-            if name.endswith(_ENGRAM_TABLE):
-                check_engram_table(name, tensor.shape[0], self.layers)
             shard = shards.get(name)
             value = shard.take(tensor) if shard is not None else _whole(tensor)
             self._set(name, raw_name, value)
@@ -331,7 +325,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         if "head.weight" not in loaded and self.args.tie_word_embeddings:
             self.head.weight = self.embed.weight
             loaded.add("head.weight")
-        missing = sorted(self._expected_names() - loaded)
+        engram.finish()
+        missing = sorted({n for n in self._expected_names() if ".engram." not in n} - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
@@ -346,9 +341,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         expert = _EXPERT.match(base + ".weight")
         if expert:
             self._set_expert(expert, entry["weight"], entry["scale"])
-            return
-        if (base + ".weight").endswith(_ENGRAM_TABLE):
-            set_engram_fp8_table(base + ".weight", entry["weight"], entry["scale"], self.layers, self.dtype)
             return
         target = self.get_submodule(base) if base else None
         if not isinstance(target, BlockLinear) or entry["weight"].dtype != torch.float8_e4m3fn:

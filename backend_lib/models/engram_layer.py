@@ -212,22 +212,21 @@ def attach_engram_layers(layers: nn.ModuleList, config: EngramConfig | None, loo
     return config.history
 
 
-def check_engram_table(name: str, rows: int, layers: nn.ModuleList) -> None:
-    """A checkpoint table whose row count disagrees with the primes of ``engram_vocab_size`` fails the load."""
-    index = int(name.split(".")[1])
-    if not 0 <= index < len(layers) or layers[index].engram is None:
-        raise ValueError(f"unexpected checkpoint tensor {name!r}: layer {index} is not in config.json's "
-                         f"engram.layer_ids")
-    expected = layers[index].engram.multi_head_embedding.total_rows
-    if rows != expected:
-        sizes = layers[index].engram.hasher.primes.tolist()
-        raise ValueError(f"{name}: the Engram table has {rows} rows, but engram_vocab_size's primes for layer "
-                         f"{index} ({sizes}) add up to {expected}")
+def engram_ring_shape(config: EngramConfig, num_state_slots: int, max_drafts: int,
+                      width: int) -> tuple[int, int, int, int]:
+    """The ShortConv history of every Engram layer in the hybrid cache's state slots: [L_e, S, lookback + drafts,
+    streams * hidden] (at least one entry: a one-tap conv reads only its own token)."""
+    return (len(config.layer_ids), num_state_slots, max(1, config.conv_lookback + max_drafts), width)
 
 
-def set_engram_fp8_table(name: str, weight: Any, scale: Any, layers: nn.ModuleList, dtype: torch.dtype) -> None:
-    """An fp8 e4m3 table with its ue8m0 row-block scales, this rank's rows of both."""
-    check_engram_table(name, weight.shape[0], layers)
-    table = layers[int(name.split(".")[1])].engram.multi_head_embedding
-    shard = table.shards["embedding.weight"]
-    table.set_fp8(shard.take(weight), shard.take(scale), dtype)
+def engram_gather(layers: nn.ModuleList, config: EngramConfig,
+                  input_ids: torch.Tensor,  # [T] int64
+                  token_history: torch.Tensor | None,  # [T, H] int64 (meta.token_history)
+                  ) -> torch.Tensor:  # [L_e, T, width]
+    """Every Engram layer's hashed table rows for a step's tokens: host work (exact int64 hash, a lookup in the
+    host table, one all-reduce under tensor parallelism), outside any compiled region."""
+    if token_history is None:
+        raise ValueError("Engram layers need meta.token_history (the ids before each token), which the model "
+                         "runner sends when model.token_history > 0")
+    context = torch.cat([token_history, input_ids[:, None]], dim=1)
+    return torch.stack([layers[i].engram.gather(context) for i in config.layer_ids])

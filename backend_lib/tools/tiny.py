@@ -288,8 +288,8 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
         raise ValueError(f"mtp_layers must be >= 0 and only set for the DeepSeek archs, got {mtp_layers} for {arch}")
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
-    if engram_layers and arch != "deepseek_v4":
-        raise ValueError(f"engram_layers: Engram is served on deepseek_v4 only (arch {arch!r})")
+    if engram_layers and arch == "llama":
+        raise ValueError("engram_layers: Engram is defined for the DeepSeek archs only")
     import transformers
 
     out = Path(out_dir)
@@ -334,6 +334,8 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
                                       "weight_block_size": list(DEFAULT_BLOCK), "scale_fmt": scale_fmt}
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     _write_shards(tensors, out, num_shards)
+    if engram_layers:
+        add_engram(out, list(engram_layers), gen, engram, engram_fp8_table)
     return out
 
 
@@ -347,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="deepseek_v4: e2m1 routed experts with ue8m0 scales per 32 inputs")
     parser.add_argument("--mtp-layers", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--engram-layers", default="", help="deepseek_v4: comma-separated layers with Engram")
+    parser.add_argument("--engram-layers", default="", help="DeepSeek archs: comma-separated layers with Engram")
     args = parser.parse_args(argv)
     engram_layers = [int(v) for v in args.engram_layers.split(",") if v.strip()]
     path = make_tiny(args.arch, args.out, fp8=args.fp8, mtp_layers=args.mtp_layers, seed=args.seed,
