@@ -115,8 +115,7 @@ class Scheduler:
                                  f"(request {session.turn_request_id!r})")
             if session.closing:
                 raise ValueError(f"session {request.session_id!r} is closing")
-            session.turn_request_id = rid
-            session.last_used = self._clock()
+            self.sessions.begin_turn(request.session_id, rid)
         self._requests[rid] = request
         self.waiting.append(request)
         self.num_prompt_tokens += request.num_prompt_tokens

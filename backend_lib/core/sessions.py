@@ -4,6 +4,9 @@ A session keeps its conversation's token history and, while memory allows, the K
 reference each) and, on the hybrid cache, the fixed state slot at ``num_computed_tokens``. The next turn takes them
 over (``Scheduler._admit``) and gives them back when it ends (``Scheduler._release``). Under memory pressure the least
 recently used session's KV goes first (``evict_kv``); its next turn recomputes the history.
+
+This is the server's one session table: the scheduler owns it, and the engine asks it (a turn's checks in
+``engine/intake.py``, chat history, idle closing, the session count).
 """
 from __future__ import annotations
 
@@ -27,6 +30,9 @@ class Session:
     state_slot: int | None = None  # hybrid cache: the fixed state at num_computed_tokens, kept with block_ids
     turn_request_id: str | None = None  # the turn in flight (waiting or running)
     closing: bool = False  # close_session arrived during a turn: close when it ends
+    # A session driven by chat messages: the conversation so far (the engine renders it whole each turn; the prefix
+    # cache supplies the history's KV, so such a turn's request is not tied to the session here).
+    messages: list[dict] = field(default_factory=list)
 
 
 class SessionTable:
@@ -58,6 +64,23 @@ class SessionTable:
     def remove(self, session: Session) -> None:
         self.drop_kv(session)
         del self._by_id[session.session_id]
+
+    def begin_turn(self, session_id: str, request_id: str) -> Session:
+        """Mark a turn in flight (the scheduler for turns it runs on the session's KV, the engine for chat turns)."""
+        session = self._known(session_id)
+        session.turn_request_id = request_id
+        session.last_used = self._clock()
+        return session
+
+    def end_turn(self, session_id: str, request_id: str) -> None:
+        """The turn ``begin_turn`` marked is over; a session closed during it goes now."""
+        session = self._by_id.get(session_id)
+        if session is None or session.turn_request_id != request_id:
+            return
+        session.turn_request_id = None
+        session.last_used = self._clock()
+        if session.closing:
+            self.remove(session)
 
     def busy(self, session_id: str) -> bool:
         session = self._by_id.get(session_id)
