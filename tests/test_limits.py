@@ -126,8 +126,8 @@ def test_engine_refuses_max_tokens_beyond_the_context_before_any_work(engine):
     assert not engine.has_unfinished_requests()
     engine.add_request("fits", prompt, SamplingParams(max_tokens=44, temperature=0.0, ignore_eos=True))
     engine.add_request("unset", list(range(10, 70)), SamplingParams(temperature=0.0, ignore_eos=True))
-    engine.add_request("null", prompt, SamplingParams.from_dict(json.loads('{"max_tokens": null, "temperature": 0, '
-                                                                '"ignore_eos": true}'))
+    engine.add_request("null", prompt, SamplingParams.from_dict({"max_tokens": None, "temperature": 0,
+                                                                 "ignore_eos": True}))
     finals = _run(engine)
     assert finals["fits"].num_output_tokens == 44 and finals["fits"].finish_reason == "length"
     # max_tokens left out keeps vLLM's default: 16 at most, cut where max_model_len ends the request.

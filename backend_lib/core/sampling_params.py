@@ -46,7 +46,8 @@ def _as_float(name: str, value: Any) -> float:
     try:
         result = float(value)
     except OverflowError:  # a JSON integer past float's range
-        raise RequestError(_field(name), f"{name} must be a finite number, got an integer of {value.bit_length()} bits") from None
+        raise RequestError(_field(name), f"{name} must be a finite number, got an integer of "
+                           f"{value.bit_length()} bits") from None
     if not math.isfinite(result):
         raise RequestError(_field(name), f"{name} must be a finite number, got {value!r}")
     return result
@@ -158,7 +159,8 @@ class SamplingParams:
             _require(self.logprobs >= 0, "logprobs", f"logprobs must be >= 0 (or null), got {self.logprobs}")
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = _as_int("prompt_logprobs", self.prompt_logprobs)
-            _require(self.prompt_logprobs >= 0, "prompt_logprobs", f"prompt_logprobs must be >= 0 (or null), got {self.prompt_logprobs}")
+            _require(self.prompt_logprobs >= 0, "prompt_logprobs",
+                     f"prompt_logprobs must be >= 0 (or null), got {self.prompt_logprobs}")
 
     @staticmethod
     def _check_logit_bias(bias: Any) -> dict[int, float]:
@@ -167,16 +169,19 @@ class SamplingParams:
         if bias is None:
             return {}
         if not isinstance(bias, dict):
-            raise RequestError("logit_bias", f"logit_bias must be an object of token id -> bias, got {type(bias).__name__}")
+            raise RequestError("logit_bias", f"logit_bias must be an object of token id -> bias, got "
+                               f"{type(bias).__name__}")
         checked = {}
         for key, value in bias.items():
             text = key.strip() if isinstance(key, str) else None
             if not (_is_int(key) or (text and text.isascii() and text.isdigit() and len(text) <= 18)):
-                raise RequestError("logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {str(key)[:40]!r}")
+                raise RequestError("logit_bias", f"logit_bias keys must be token ids (integers >= 0), got "
+                                   f"{str(key)[:40]!r}")
             token = int(key)
             _require(token >= 0, "logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
             bias_value = _as_float(f"logit_bias[{token}]", value)
-            _require(-LOGIT_BIAS_LIMIT <= bias_value <= LOGIT_BIAS_LIMIT, "logit_bias", f"logit_bias[{token}] must be in "
+            _require(-LOGIT_BIAS_LIMIT <= bias_value <= LOGIT_BIAS_LIMIT, "logit_bias",
+                     f"logit_bias[{token}] must be in "
                      f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {bias_value:g}")
             checked[token] = bias_value
         return checked
@@ -188,7 +193,8 @@ class SamplingParams:
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, (list, tuple)):
-            raise RequestError("stop", f"stop must be a string or a list of strings, got {type(stop).__name__} {stop!r}")
+            raise RequestError("stop", f"stop must be a string or a list of strings, got {type(stop).__name__} "
+                               f"{stop!r}")
         for item in stop:
             if not isinstance(item, str) or not item:
                 raise RequestError("stop", f"stop must contain only non-empty strings, got {item!r}")
@@ -199,7 +205,8 @@ class SamplingParams:
         if ids is None:
             return []
         if not isinstance(ids, (list, tuple)):
-            raise RequestError("stop_token_ids", f"stop_token_ids must be a list of integers >= 0, got {type(ids).__name__} {ids!r}")
+            raise RequestError("stop_token_ids", f"stop_token_ids must be a list of integers >= 0, got "
+                               f"{type(ids).__name__} {ids!r}")
         for item in ids:
             if not _is_int(item) or item < 0:
                 raise RequestError("stop_token_ids", f"stop_token_ids must contain only integers >= 0, got {item!r}")

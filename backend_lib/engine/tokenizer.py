@@ -160,7 +160,8 @@ class Tokenizer:
         try:  # tokenizers raises TypeError on a lone surrogate (e.g. a JSON "\ud800" escape in messages)
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise RequestError("text_input", f"text is not valid Unicode: lone surrogate {text[exc.start]!r} at {exc.start}") from None
+            raise RequestError("text_input", f"text is not valid Unicode: lone surrogate {text[exc.start]!r} at "
+                               f"{exc.start}") from None
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -188,12 +189,14 @@ class Tokenizer:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The chat template rendered to text (with its special tokens written out)."""
         if self.chat_template is None:
-            raise RequestError("messages", "this tokenizer has no chat_template; send a plain prompt instead of messages")
+            raise RequestError("messages", "this tokenizer has no chat_template; send a plain prompt instead of "
+                               "messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages", "messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         for index, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise RequestError("messages", f"messages[{index}] must be a dict with a string 'role', got {message!r}")
+                raise RequestError("messages", f"messages[{index}] must be a dict with a string 'role', got "
+                                   f"{message!r}")
         if self._compiled_template is None:
             self._compiled_template = _compile_chat_template(self.chat_template)
         # Templates test for missing keys, so None values (as OpenAI-style clients send) are dropped.

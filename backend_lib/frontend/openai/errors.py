@@ -12,6 +12,11 @@ from backend_lib.core.errors import ErrorKind, from_wire
 from backend_lib.frontend.openai.schema import ErrorBody, ErrorResponse
 
 
+# The engine's names of request fields every call names otherwise (a request's own renames come with it).
+_CLIENT_NAMES = {"text_input": "prompt", "input_ids": "prompt", "sequence_id": "X-Session-Id",
+                 "sequence_start": "X-Session-Start", "sequence_end": "X-Session-End"}
+
+
 @dataclass
 class OpenAIError(Exception):
     status: int
@@ -40,7 +45,7 @@ def from_model_error(message: str, known_fields: dict[str, str]) -> OpenAIError:
         return OpenAIError(503, error.message, "server_busy", code="server_busy")
     if error.kind is ErrorKind.INTERNAL:
         return OpenAIError(500, error.message, "server_error")
-    param = known_fields.get(error.field, error.field) if error.field is not None else None
+    param = None if error.field is None else known_fields.get(error.field, _CLIENT_NAMES.get(error.field, error.field))
     return OpenAIError(400, error.message, "invalid_request_error", param)
 
 

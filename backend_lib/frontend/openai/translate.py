@@ -25,11 +25,8 @@ SESSION_END_HEADER = "x-session-end"
 # Fields passed to the model's sampling_parameters under the same name.
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "frequency_penalty", "presence_penalty",
                 "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
-                "skip_special_tokens", "logit_bias", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                "guided_grammar", "guided_json_object")
-# The engine's names of request fields the client named otherwise (a refusal's param is the client's name).
-_ENGINE_NAMES = {"text_input": "prompt", "input_ids": "prompt", "sequence_id": "X-Session-Id",
-                 "sequence_start": "X-Session-Start", "sequence_end": "X-Session-End"}
+                "skip_special_tokens", "logit_bias", "structured_outputs", "guided_json", "guided_regex",
+                "guided_choice", "guided_grammar", "guided_json_object")
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
 # Choices (prompts x n) one call may ask for: each is an engine request, admitted like any other.
@@ -179,8 +176,7 @@ def completion_requests(request: CompletionRequest, session: Session | None) -> 
             sampling["prompt_logprobs"] = request.logprobs
     prompts = [ModelRequest(prompt_input="input_ids" if isinstance(prompt, list) else "text_input", prompt=prompt,
                             sampling=sampling, stream=request.stream, logprobs=request.logprobs is not None,
-                            session=session, field_names={**_ENGINE_NAMES, "prompt_logprobs": "logprobs"},
-                            echo=bool(request.echo))
+                            session=session, field_names={"prompt_logprobs": "logprobs"}, echo=bool(request.echo))
                for _, prompt in named]
     return _choices(prompts, request.n)
 
@@ -227,7 +223,7 @@ def chat_requests(request: ChatCompletionRequest, session: Session | None) -> li
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     if request.logprobs:
         sampling["logprobs"] = request.top_logprobs or 0
-    names = {**_ENGINE_NAMES, "logprobs": "top_logprobs"}
+    names = {"logprobs": "top_logprobs"}
     if request.max_completion_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
     prompt = ModelRequest(prompt_input="messages", prompt=json.dumps(messages), sampling=sampling,

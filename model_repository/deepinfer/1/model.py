@@ -1,7 +1,8 @@
 """Triton Python-backend model: lifecycle and translation only.
 
 Lifecycle: initialize builds the engine through ``parameters.build_engine``; execute decodes each request
-with ``codec.decode_request`` (which runs the engine's intake) and hands it to the engine (returning None: decoupled); one response
+with ``codec.decode_request`` (which runs the engine's intake) and hands it to the engine (returning None:
+decoupled); a refusal is a RequestError, sent with its kind's Triton code and ``to_wire``'s message. One response
 thread drains every request's stream, sends the deltas, polls cancellation (-> engine.abort) and ends
 every request, errors included, with TRITONSERVER_RESPONSE_COMPLETE_FINAL; finalize shuts the engine
 down (each stream then ends) and joins the thread, so unload never hangs.
