@@ -367,8 +367,9 @@ def test_model_errors_leave_nothing_that_holds_the_server_at_stop(tmp_path):
 
 
 # One refusal rule, every way in: the same bad value reaches the client with the same field and kind through Triton
-# gRPC (the stream's message), HTTP /generate and /v2/.../infer (Triton 2.51 answers 400 for every model error, so the
-# kind travels in the message's detail, core/errors.py), and the OpenAI front (status of the kind, param the field).
+# gRPC (the stream's message), HTTP /generate and /generate_stream (Triton 2.51 answers 400 for every model error, so
+# the kind travels in the message's detail, core/errors.py), and the OpenAI front (status of the kind, param the
+# field). /v2/.../infer does not take a decoupled model (test_http_infer_cannot_reach_a_decoupled_model).
 LONG_PROMPT = "hello " * 600  # past max_model_len (512) once tokenized
 REFUSED = [
     # (fields the Triton model gets, OpenAI completions kwargs or None where the front has no such field, engine
@@ -396,6 +397,15 @@ def _http_infer(http_url: str, prompt: str, parameters: dict) -> tuple[int, dict
         connection.close()
 
 
+def test_http_infer_cannot_reach_a_decoupled_model(served):
+    """KServe's /v2/models/<m>/infer is Triton's to refuse for a decoupled model (Triton 2.51: 501, its own message,
+    no detail of ours): HTTP clients use /generate and /generate_stream. Fails when a Triton upgrade changes this,
+    and the refusal test above then has one more way in to cover."""
+    status, answer = _http_infer(served.http_url, "hi", {"temperature": -1})
+    assert status == 501 and "decoupled" in answer.get("error", ""), (status, answer)
+    assert from_wire(answer["error"]).field is None
+
+
 @pytest.mark.parametrize("fields, openai_kwargs, field, param", REFUSED, ids=[r[2] for r in REFUSED])
 def test_a_refusal_names_the_same_field_and_kind_through_every_front(served, grpc, client, fields, openai_kwargs,
                                                                      field, param):
@@ -404,10 +414,10 @@ def test_a_refusal_names_the_same_field_and_kind_through_every_front(served, grp
     via_grpc = grpc.generate({"text_input": prompt, "sampling_parameters": json.dumps(fields)})
     status, [via_generate] = http_generate(served.http_url, {"text_input": prompt, **fields})
     assert status == 400, via_generate
-    infer_status, via_infer = _http_infer(served.http_url, prompt, fields)
-    assert infer_status == 400, via_infer
+    status, via_stream = http_generate(served.http_url, {"text_input": prompt, "stream": True, **fields}, stream=True)
+    assert status == 400 and len(via_stream) == 1, via_stream
     for path, message in (("grpc", via_grpc.error), ("generate", via_generate.get("error")),
-                          ("infer", via_infer.get("error"))):
+                          ("generate_stream", via_stream[0].get("error"))):
         assert message, path
         wire = from_wire(message)
         assert (wire.kind, wire.field) == (ErrorKind.INVALID, field), (path, message)
