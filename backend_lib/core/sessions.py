@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from backend_lib.core.errors import RequestError
 from backend_lib.core.hybrid_kv import HybridKVManager
 from backend_lib.core.kv_cache import KVCacheManager
 from backend_lib.core.request import Request
@@ -64,6 +65,23 @@ class SessionTable:
     def remove(self, session: Session) -> None:
         self.drop_kv(session)
         del self._by_id[session.session_id]
+
+    def check_turn(self, session_id: str, start: bool = False) -> None:
+        """The one rule for a turn: its session is open (or this turn STARTs it), no turn of it is in flight and
+        it is not closing. The engine's intake checks it before any work; the scheduler again when it queues the
+        turn (its own contract)."""
+        session = self._by_id.get(session_id)
+        if session is None:
+            if not start:
+                raise RequestError("sequence_id", f"unknown session {session_id}: the first request of a sequence "
+                                   "must carry START")
+            return
+        if session.turn_request_id is not None:
+            again = "; cannot START it again" if start else ""
+            raise RequestError("sequence_id", f"session {session_id} already has a turn in flight (request "
+                               f"{session.turn_request_id}){again}")
+        if session.closing:
+            raise RequestError("sequence_id", f"session {session_id} is closing")
 
     def begin_turn(self, session_id: str, request_id: str) -> Session:
         """Mark a turn in flight (the scheduler for turns it runs on the session's KV, the engine for chat turns)."""

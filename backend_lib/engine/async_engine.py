@@ -41,9 +41,9 @@ from contextlib import contextmanager
 from backend_lib.core.config import EngineConfig
 from backend_lib.core.errors import RequestError, busy
 from backend_lib.core.outputs import EngineStats, RequestOutput, SessionControl
+from backend_lib.core.request import check_unused
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.faults import FaultConfig
-from backend_lib.engine.intake import check_unused
 from backend_lib.engine.llm_engine import LLMEngine, Prompt
 from backend_lib.worker.failures import FatalEngineError
 

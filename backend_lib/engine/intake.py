@@ -10,8 +10,12 @@ front's requests arrive through Triton the same way). Each rule lives once, and 
   ``OutputConstraint`` under ``RequestLimits``' structured-output limits;
 - the prompt (``parse_text`` / ``parse_input_ids`` / ``parse_messages``) and session parameters (``parse_session``);
 - what the server allows one request (``check_prompt``, ``check_params``: ``RequestLimits``), token ids within the
-  vocabulary (``check_ids``), the context room (``check_context``), a request id not in use (``check_unused``);
+  vocabulary (``check_ids``), the context room (``check_context``);
 - a session turn against the one session table, the scheduler's (``check_turn``, ``check_session_room``).
+
+Two rules live in core because the scheduler holds them as its own contract too, and core cannot import the engine:
+a request id not in use (``core/request.py: check_unused``) and a turn's session protocol
+(``core/sessions.py: SessionTable.check_turn``); the engine calls them before any work.
 
 Limit checks run before tokenization where they can: a huge prompt must not cost a tokenizer pass on the way to
 its refusal.
@@ -19,7 +23,7 @@ its refusal.
 from __future__ import annotations
 
 import json
-from collections.abc import Container, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from backend_lib.core.config import RequestLimits
@@ -84,7 +88,7 @@ def coerce(name: str, value: Any) -> Any:
     return value
 
 
-def _constraint_error(exc: StructuredOutputError) -> RequestError:
+def from_structured_output_error(exc: StructuredOutputError) -> RequestError:
     """structured_output/ sits below core and raises its own typed refusal: the same field, as a RequestError."""
     field = exc.field.split(".", 1)[0]  # structured_outputs.json -> the request field structured_outputs
     limit = exc.limit_name if isinstance(exc, ConstraintLimitError) else None
@@ -106,7 +110,7 @@ def parse_sampling(fields: Mapping[str, Any], limits: RequestLimits) -> Sampling
                                    "constrain the output; send exactly one constraint")
             constraint = make_constraint(ConstraintKind.JSON_OBJECT, True, field_name=GUIDED_JSON_OBJECT)
     except StructuredOutputError as exc:
-        raise _constraint_error(exc) from None
+        raise from_structured_output_error(exc) from None
     if constraint is not None:
         values["structured_outputs"] = constraint
     return SamplingParams.from_dict(values, also_allowed=REQUEST_FIELDS + SESSION_PARAMETERS)
@@ -270,28 +274,16 @@ def check_context(num_prompt_tokens: int, params: SamplingParams, max_model_len:
                     "new tokens fit; lower max_tokens or shorten the prompt", "max_model_len")
 
 
-def check_unused(request_id: str, *live: Container[str]) -> None:
-    """A request id must not name a live request (in any of ``live``)."""
-    if any(request_id in ids for ids in live):
-        raise RequestError("request_id", f"request id {request_id!r} is already in use")
-
-
 # ---------------------------------------------------------------------------------------------- sessions
 
 
 def check_turn(sessions: SessionTable, control: SessionControl, params: SamplingParams) -> None:
-    """A turn's protocol against the session table: a session exists (or this turn STARTs it), no turn of it is
-    in flight, and the fields a turn cannot have."""
-    sid = control.session_id
+    """A turn against the session table (its rule, ``SessionTable.check_turn``: the session exists or this turn
+    STARTs it, no turn of it in flight), and the fields a turn cannot have."""
     if params.prompt_logprobs is not None:  # the history's positions are not computed again
         raise RequestError("prompt_logprobs", "prompt_logprobs is not available for a session turn (sequence_id); "
                            "send the whole prompt as a request of its own")
-    session = sessions.get(sid)
-    if session is None and not control.start:
-        raise RequestError("sequence_id", f"unknown session {sid}: the first request of a sequence must carry START")
-    if session is not None and session.turn_request_id is not None:
-        again = "; cannot START it again" if control.start else f" (request {session.turn_request_id})"
-        raise RequestError("sequence_id", f"session {sid} already has a turn running{again}")
+    sessions.check_turn(control.session_id, control.start)
 
 
 def check_session_room(sessions: SessionTable, max_sessions: int) -> None:

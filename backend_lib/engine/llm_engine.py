@@ -16,12 +16,12 @@ import torch
 from backend_lib.core.config import EngineConfig
 from backend_lib.core.outputs import (EngineStats, PromptLogprobs, RequestMetrics, RequestOutput, RunnerOutput,
                                       SessionControl, TokenLogprob)
-from backend_lib.core.request import Request, RequestStatus
+from backend_lib.core.request import Request, RequestStatus, check_unused
 from backend_lib.core.sampling_params import SEED_LIMIT, SamplingParams
 from backend_lib.core.scheduler import Scheduler
 from backend_lib.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from backend_lib.engine.intake import (check_context, check_ids, check_params, check_prompt, check_session_room,
-                                       check_turn, check_unused, parse_input_ids, parse_text)
+                                       check_turn, parse_input_ids, parse_text)
 from backend_lib.engine.tokenizer import Tokenizer
 from backend_lib.models.loader import resolve_model_path
 from backend_lib.worker.executor.executor import Executor
