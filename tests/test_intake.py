@@ -104,3 +104,11 @@ def test_a_refused_start_opens_nothing_and_idle_sessions_close_in_the_one_table(
     assert sorted(engine.close_idle_sessions(now=float("inf"))) == ["s", "u"]
     assert len(engine.scheduler.sessions) == 0
     engine.scheduler.check_integrity()
+
+
+def test_a_valid_constraint_is_refused_until_the_sampler_applies_it(engine):
+    """Never ignored silently: a request asking for constrained output gets an error naming its field."""
+    params = parse_sampling({"guided_choice": ["yes", "no"], "max_tokens": 2}, RequestLimits())
+    with pytest.raises(RequestError) as info:
+        engine.add_request("g", [5, 6], params)
+    assert info.value.field == "guided_choice" and not engine.has_unfinished_requests()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backend_lib.core.config import EngineConfig
+from backend_lib.core.errors import RequestError
 from backend_lib.core.outputs import (EngineStats, PromptLogprobs, RequestMetrics, RequestOutput, RunnerOutput,
                                       SessionControl, TokenLogprob)
 from backend_lib.core.request import Request, RequestStatus, check_unused
@@ -145,6 +146,11 @@ class LLMEngine:
         """What one request may make the server hold (RequestLimits), before tokenizing it."""
         check_params(self.config.limits, params, self.vocab_size)
         check_prompt(self.config.limits, prompt, self.config.model.max_model_len)
+        constraint = params.structured_outputs
+        if constraint is not None:  # parsed and checked, but the sampler does not apply it yet: refused, not ignored
+            field = constraint.field.split(".", 1)[0]
+            raise RequestError(field, f"{field}: constrained output is not served by this engine yet (the request "
+                               "was parsed and is valid; the sampler does not apply constraints)")
 
     def _queue(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                session: SessionControl | None = None, num_history_tokens: int = 0, text_turn: bool = True,
