@@ -12,7 +12,9 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
+from backend_lib.core.errors import RequestError
 from backend_lib.core.sampling_params import SEED_LIMIT
+from backend_lib.engine.intake import parse_bool
 from backend_lib.frontend.openai.errors import bad_request
 from backend_lib.frontend.openai.schema import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                                 ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatLogprobs,
@@ -73,12 +75,13 @@ class ModelDelta:
 
 
 def _parse_bool_header(name: str, value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in ("true", "1", "yes"):
-        return True
-    if lowered in ("false", "0", "no", ""):
+    """An absent or empty header is false; otherwise the intake's words for true and false."""
+    if not value.strip():
         return False
-    raise bad_request(f"header {name} must be true or false, got {value!r}", param=name)
+    try:
+        return parse_bool(name, value)
+    except RequestError:
+        raise bad_request(f"header {name} must be true or false, got {value!r}", param=name) from None
 
 
 def session_from_headers(headers: Mapping[str, str]) -> Session | None:
