@@ -8,9 +8,10 @@ from backend_lib.core.config import EngineConfig, RequestLimits
 from backend_lib.core.errors import ErrorKind, RequestError
 from backend_lib.core.outputs import SessionControl
 from backend_lib.core.sampling_params import SamplingParams
-from backend_lib.engine.intake import coerce, parse_messages, parse_sampling, parse_session
+from backend_lib.engine.intake import (coerce, from_structured_output_error, parse_messages, parse_sampling,
+                                       parse_session)
 from backend_lib.engine.llm_engine import LLMEngine
-from backend_lib.structured_output.constraints import ConstraintKind
+from backend_lib.structured_output.constraints import ConstraintKind, GrammarCompileTimeout
 
 
 # ---- values (no engine) ------------------------------------------------------------------------------------
@@ -112,3 +113,11 @@ def test_a_valid_constraint_is_refused_until_the_sampler_applies_it(engine):
     with pytest.raises(RequestError) as info:
         engine.add_request("g", [5, 6], params)
     assert info.value.field == "guided_choice" and not engine.has_unfinished_requests()
+
+
+def test_structured_output_errors_keep_their_field_and_limit():
+    """The grammar engine's refusals (compiled on the engine side) convert the same way as the parser's."""
+    timeout = GrammarCompileTimeout("structured_outputs.json", "did not compile within 10 s", 10.0)
+    error = from_structured_output_error(timeout)
+    assert (error.field, error.limit, error.kind) == ("structured_outputs", "compile_timeout_s", ErrorKind.INVALID)
+    assert str(error).startswith("structured_outputs.json did not compile")

@@ -31,8 +31,8 @@ from backend_lib.core.errors import RequestError, busy
 from backend_lib.core.outputs import SessionControl
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.core.sessions import SessionTable
-from backend_lib.structured_output.constraints import (CONSTRAINT_FIELDS, ConstraintKind, ConstraintLimitError,
-                                                      StructuredOutputError, make_constraint, parse_constraint)
+from backend_lib.structured_output.constraints import (CONSTRAINT_FIELDS, ConstraintKind, StructuredOutputError,
+                                                      make_constraint, parse_constraint)
 
 SESSION_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
 # vLLM's older flag for "any JSON object"; the other guided_* fields are the constraint parser's.
@@ -91,8 +91,7 @@ def coerce(name: str, value: Any) -> Any:
 def from_structured_output_error(exc: StructuredOutputError) -> RequestError:
     """structured_output/ sits below core and raises its own typed refusal: the same field, as a RequestError."""
     field = exc.field.split(".", 1)[0]  # structured_outputs.json -> the request field structured_outputs
-    limit = exc.limit_name if isinstance(exc, ConstraintLimitError) else None
-    return RequestError(field, str(exc), limit=limit)
+    return RequestError(field, str(exc), limit=getattr(exc, "limit_name", None))  # limits and compile timeouts
 
 
 def parse_sampling(fields: Mapping[str, Any], limits: RequestLimits) -> SamplingParams:
