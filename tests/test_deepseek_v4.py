@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from backend_lib.core.config import EngineConfig
+from backend_lib.core.errors import RequestError
 from backend_lib.engine.llm_engine import LLMEngine
 from backend_lib.models.loader import load_model
 from backend_lib.core.outputs import SessionControl
@@ -291,12 +292,12 @@ def test_memory_grows_by_compressed_entries_only_and_sessions_hold_slots(tmp_pat
     assert slots == 4 + 2  # max_num_seqs + max_sessions
     assert allocated == (16 + 1) * per_position * 8 + (slots + 1) * per_slot  # + the scratch block and slot
 
-    from backend_lib.engine.errors import EngineBusyError
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     for sid in ("s0", "s1"):  # each open session keeps a slot between turns; a third one is refused, not queued
         engine.add_request(sid, _tokens(9, 7), params, session=SessionControl(sid, start=True))
-    with pytest.raises(EngineBusyError, match="max_sessions 2"):
+    with pytest.raises(RequestError, match="max_sessions 2") as info:
         engine.add_request("s2", _tokens(9, 7), params, session=SessionControl("s2", start=True))
+    assert info.value.busy and info.value.limit == "max_sessions"
     _drive(engine)
     assert engine.scheduler.kv_cache.num_free_state_slots == slots - 2
     for sid in ("s0", "s1"):

@@ -9,9 +9,18 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Container
 from dataclasses import dataclass, field
 
+from backend_lib.core.errors import RequestError
 from backend_lib.core.sampling_params import SamplingParams
+
+
+def check_unused(request_id: str, *live: Container[str]) -> None:
+    """The one rule for request ids: none names a live request (in any of ``live``). The scheduler checks its own
+    table; the engine checks first, before a session turn opens anything, and AsyncEngine its inbox and streams."""
+    if any(request_id in ids for ids in live):
+        raise RequestError("request_id", f"request id {request_id!r} is already in use")
 
 
 class RequestStatus(enum.Enum):

@@ -30,7 +30,7 @@ from backend_lib.core.config import CacheConfig, SchedulerConfig
 from backend_lib.core.hybrid_kv import HybridKVManager
 from backend_lib.core.kv_cache import KVCacheManager
 from backend_lib.core.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput
-from backend_lib.core.request import Request, RequestStatus
+from backend_lib.core.request import Request, RequestStatus, check_unused
 from backend_lib.core.sessions import SessionTable
 
 _KEEPS_SESSION = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
@@ -97,8 +97,7 @@ class Scheduler:
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         rid = request.request_id
-        if rid in self._requests:
-            raise ValueError(f"request id {rid!r} is already in use")
+        check_unused(rid, self._requests)
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_ids:
             raise ValueError(f"request {rid!r} must be new (WAITING, no computed tokens, no blocks)")
         if not request.prompt_token_ids:
@@ -107,16 +106,8 @@ class Scheduler:
             raise ValueError(f"request {rid!r} has {request.num_tokens} tokens; max_model_len is "
                              f"{self.max_model_len}, so at most {self.max_model_len - 1} fit with one new token")
         if request.session_id is not None:
-            session = self.sessions.get(request.session_id)
-            if session is None:
-                raise ValueError(f"unknown session {request.session_id!r} (open_session first)")
-            if session.turn_request_id is not None:
-                raise ValueError(f"session {request.session_id!r} already has a turn in flight "
-                                 f"(request {session.turn_request_id!r})")
-            if session.closing:
-                raise ValueError(f"session {request.session_id!r} is closing")
-            session.turn_request_id = rid
-            session.last_used = self._clock()
+            self.sessions.check_turn(request.session_id)
+            self.sessions.begin_turn(request.session_id, rid)
         self._requests[rid] = request
         self.waiting.append(request)
         self.num_prompt_tokens += request.num_prompt_tokens
