@@ -9,10 +9,19 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Container
 from dataclasses import dataclass, field
 
+from backend_lib.core.errors import RequestError
 from backend_lib.core.grammar import RequestGrammar
 from backend_lib.core.sampling_params import SamplingParams
+
+
+def check_unused(request_id: str, *live: Container[str]) -> None:
+    """The one rule for request ids: none names a live request (in any of ``live``). The scheduler checks its own
+    table; the engine checks first, before a session turn opens anything, and AsyncEngine its inbox and streams."""
+    if any(request_id in ids for ids in live):
+        raise RequestError("request_id", f"request id {request_id!r} is already in use")
 
 
 class RequestStatus(enum.Enum):
@@ -48,7 +57,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     error: str | None = None  # why the request ended with FINISHED_ERROR
-    rejected: bool = False  # FINISHED_ERROR before it ran, for its input (e.g. a grammar that does not compile)
+    refusal: RequestError | None = None  # FINISHED_ERROR before it ran, for its input (a grammar that does not compile)
     num_preemptions: int = 0
     # The session history this turn continues (prompt_token_ids starts with it); its KV may be reused.
     num_history_tokens: int = 0

@@ -21,7 +21,7 @@ into the prefix cache.
 
 Structured output (``request.grammar``, backend_lib/core/grammar.py): a request whose grammar still compiles waits
 in WAITING_FOR_GRAMMAR and admission passes over it (the others run); one whose compile failed or timed out is failed
-before any step (``rejected``: the refusal names the request field). Admission builds the matcher (a request back
+before any step (``refusal``: a RequestError naming the request field). Admission builds the matcher (a request back
 from preemption re-accepts its output); every emitted token advances it, a terminated matcher finishes the request
 ("stop"), drafts are cut at the first token the grammar refuses, and finish / abort / preemption release it.
 """
@@ -33,10 +33,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from backend_lib.core.config import CacheConfig, SchedulerConfig
+from backend_lib.core.errors import RequestError
 from backend_lib.core.hybrid_kv import HybridKVManager
 from backend_lib.core.kv_cache import KVCacheManager
 from backend_lib.core.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput
-from backend_lib.core.request import Request, RequestStatus
+from backend_lib.core.request import Request, RequestStatus, check_unused
 from backend_lib.core.sessions import SessionTable
 from backend_lib.core.spec_counters import SpecCounters
 
@@ -79,8 +80,7 @@ class Scheduler:
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         rid = request.request_id
-        if rid in self._requests:
-            raise ValueError(f"request id {rid!r} is already in use")
+        check_unused(rid, self._requests)
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_ids:
             raise ValueError(f"request {rid!r} must be new (WAITING, no computed tokens, no blocks)")
         if not request.prompt_token_ids:
@@ -89,16 +89,8 @@ class Scheduler:
             raise ValueError(f"request {rid!r} has {request.num_tokens} tokens; max_model_len is "
                              f"{self.max_model_len}, so at most {self.max_model_len - 1} fit with one new token")
         if request.session_id is not None:
-            session = self.sessions.get(request.session_id)
-            if session is None:
-                raise ValueError(f"unknown session {request.session_id!r} (open_session first)")
-            if session.turn_request_id is not None:
-                raise ValueError(f"session {request.session_id!r} already has a turn in flight "
-                                 f"(request {session.turn_request_id!r})")
-            if session.closing:
-                raise ValueError(f"session {request.session_id!r} is closing")
-            session.turn_request_id = rid
-            session.last_used = self._clock()
+            self.sessions.check_turn(request.session_id)
+            self.sessions.begin_turn(request.session_id, rid)
         if request.grammar is not None:  # until schedule() sees its compile done (and fails it if it failed)
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self._requests[rid] = request
@@ -323,8 +315,10 @@ class Scheduler:
             if failure is None:
                 request.status = RequestStatus.WAITING
             else:
-                request.error, request.rejected = failure
-                self._fail(request, request.error)
+                message, refused = failure
+                if refused:  # the request's constraint is at fault: INVALID_ARG naming its field
+                    request.refusal = RequestError(request.grammar.constraint.field.split(".", 1)[0], message)
+                self._fail(request, message)
 
     def _admit(self, request: Request, budget: int) -> int | None:
         """Try to start the head of the queue. Returns its first chunk's size, None when it does not fit now,

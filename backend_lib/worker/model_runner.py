@@ -40,6 +40,7 @@ from backend_lib.worker.spec_decode import make_mtp_proposer
 from backend_lib.worker.spec_decode.ngram import NgramProposer
 from backend_lib.worker.spec_decode.rejection import DraftLayout, greedy_verify, num_accepted, rejection_sample
 from backend_lib.worker.step_channel import StepChannel, StepOp
+from backend_lib.worker.token_history import chunk_history, padding_history, step_history
 from kernels import sampling as sampling_ops
 from kernels.attention_metadata import AttentionMetadata, StateRows
 
@@ -92,6 +93,7 @@ class ModelRunner:
                  max_model_len: int | None = None, channel: StepChannel | None = None,
                  num_state_slots: int = 0) -> None:
         self.model = model
+        self.token_history = getattr(model, "token_history", 0)  # ids before each token the model reads (Engram)
         self.channel = channel
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -166,13 +168,17 @@ class ModelRunner:
         sampling_chunks: list[int] = []
         row_starts = [0] * len(chunks)
         state: tuple[list[int], list[int], list[int]] = ([], [], [])  # slot, chunk start, chunk end per token
+        history: list = []  # per chunk (and padding), the ids before each token: models with token_history only
         for rank, i in enumerate(order):
             chunk = chunks[i]
             blocks = chunk.block_ids
             span = range(chunk.start, chunk.start + chunk.num_tokens)
             row_starts[i] = len(input_ids)
-            input_ids += chunk_token_ids(chunk)
+            tokens = chunk_token_ids(chunk)
+            input_ids += tokens
             positions += span
+            if self.token_history:
+                history.append(chunk_history(chunk, tokens, self.token_history))
             slots += [blocks[p // bs] * bs + p % bs for p in span]
             if self.num_state_slots:
                 if chunk.state_slot is None:
@@ -188,6 +194,8 @@ class ModelRunner:
             pad = decode_len - chunk.num_tokens if rank < len(decodes) else 0
             if pad:  # rows nobody reads: KV goes to the scratch block
                 input_ids += [0] * pad
+                if self.token_history:
+                    history.append(padding_history(pad, self.token_history))
                 positions += range(chunk.start + chunk.num_tokens, chunk.start + chunk.num_tokens + pad)
                 slots += [scratch_slot] * pad
                 if self.num_state_slots:
@@ -213,6 +221,7 @@ class ModelRunner:
             prefill_block_tables=self._block_table([needed_blocks(chunks[i]) for i in prefills]),
             state=StateRows(*(torch.tensor(c, dtype=torch.int64, device=self.device) for c in state))
             if self.num_state_slots else None,
+            token_history=step_history(history, self.device) if self.token_history else None,
         )
         return ModelInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
@@ -239,7 +248,8 @@ class ModelRunner:
             **({} if inputs.prompt_rows is None else
                {"prompt_logits_indices": torch.tensor(inputs.prompt_rows.indices, dtype=torch.int64)}),
             **({} if meta.state is None else {"state_slots": meta.state.slots, "chunk_starts": meta.state.chunk_starts,
-                                              "chunk_ends": meta.state.chunk_ends})})
+                                              "chunk_ends": meta.state.chunk_ends}),
+            **({} if meta.token_history is None else {"token_history": meta.token_history})})
 
     def _received_inputs(self, t: dict[str, torch.Tensor]) -> ModelInputs:
         num_decodes, decode_query_len = t["scalars"].tolist()
@@ -250,7 +260,8 @@ class ModelRunner:
             decode_seq_lens=t["decode_seq_lens"], num_prefills=len(prefill_query_lens),
             prefill_query_lens=prefill_query_lens, prefill_seq_lens=t["prefill_seq_lens"].tolist(),
             prefill_block_tables=t["prefill_block_tables"],
-            state=StateRows(t["state_slots"], t["chunk_starts"], t["chunk_ends"]) if "state_slots" in t else None)
+            state=StateRows(t["state_slots"], t["chunk_starts"], t["chunk_ends"]) if "state_slots" in t else None,
+            token_history=t.get("token_history"))
         return ModelInputs(input_ids=t["input_ids"], positions=t["positions"], meta=meta,
                            logits_indices=t["logits_indices"], order=[], sampling_chunks=[], row_starts=[])
 

@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -135,6 +135,9 @@ class CompiledModel(torch.nn.Module):
                 positions: torch.Tensor,  # [T] int64
                 kv_caches: list[torch.Tensor],  # layer-major roots
                 meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden]
+        if getattr(self.model, "token_history", 0) and meta.engram_rows is None:
+            # host work before the graph: the int64 hash and the table lookup (the graph sees gathered rows)
+            meta = replace(meta, engram_rows=self.model.engram_gather(input_ids, meta.token_history))
         padded = self.pad(input_ids, positions, meta)
         if padded is None:
             self.stats.eager_steps += 1
@@ -216,6 +219,9 @@ class CompiledModel(torch.nn.Module):
         zeros = torch.zeros(tokens, dtype=torch.int64, device=device)
         if hasattr(self.model, "hybrid_cache_shapes"):  # no state slot: every row writes the scratch slot
             meta.state = StateRows(torch.full_like(zeros, -1), zeros.clone(), zeros.clone())
+        if getattr(self.model, "token_history", 0):
+            history = torch.full((tokens, self.model.token_history), -1, dtype=torch.int64, device=device)
+            meta.engram_rows = self.model.engram_gather(zeros, history)
         return PaddedStep(zeros, zeros.clone(), meta, tokens)
 
     @torch.inference_mode()
