@@ -32,8 +32,9 @@ def test_chat_request_maps_fields_and_messages():
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"n": 0}, "n"), ({"n": 65}, "n"), ({"tools": [{"type": "function"}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"n": 0}, "n"), ({"n": 65}, "n"), ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"max_tokens": 1, "max_completion_tokens": 2}, "max_completion_tokens"),
 ])
 def test_chat_fields_we_cannot_honour_are_refused(fields, param):
@@ -214,7 +215,7 @@ def test_totals_and_chunks():
     other.add(ModelDelta("Hi", 1, 9, "stop"))
     [request] = translate.chat_requests(_chat(), None)
     call = translate.call_usage([totals, other], [request, request])
-    answer = translate.chat_response("chatcmpl-x", 1, "deepinfer", [totals, other], call, False)
+    answer = translate.chat_response("chatcmpl-x", 1, "deepinfer", [totals, other], call, False, [request, request])
     assert [(c.index, c.message.content, c.finish_reason) for c in answer.choices] == \
         [(0, "Hello", "length"), (1, "Hi", "stop")]
     assert answer.usage.model_dump() == {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}

@@ -191,8 +191,11 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ chat
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template rendered to text (with its special tokens written out)."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The chat template rendered to text (with its special tokens written out); ``tools`` are the OpenAI
+        request's function tools, given to the template as transformers gives them (templates without tool support
+        ignore them)."""
         if self.chat_template is None:
             raise RequestError("messages", "this tokenizer has no chat_template; send a plain prompt instead of "
                                "messages")
@@ -208,8 +211,8 @@ class Tokenizer:
         cleaned = [{key: value for key, value in message.items() if value is not None} for message in messages]
         try:
             return self._compiled_template.render(
-                messages=cleaned, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
-                **self._special_tokens)  # tools / documents are defined (as None) exactly as transformers passes them
+                messages=cleaned, tools=tools or None, documents=None, add_generation_prompt=add_generation_prompt,
+                **self._special_tokens)  # tools / documents are defined (None when absent) as transformers passes them
         except (jinja2.TemplateError, TypeError) as exc:
             # The messages do not fit the template (a missing field, roles it refuses via raise_exception, a value
             # of a type it cannot format): the client's input, so a ValueError naming it, not an internal error.
@@ -220,9 +223,10 @@ class Tokenizer:
         specials = _Specials(self._special_tokens, self.bos_token_id, self.eos_token_id, self.eos_token_ids)
         return Tokenizer(self._backend, specials, chat_template)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
         # The template writes BOS itself where the model wants one, so no specials are added on encode.
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 
 
 # ---------------------------------------------------------------------- GGUF helpers

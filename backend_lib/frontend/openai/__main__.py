@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--triton-model", default="deepinfer", help="the model's name in Triton")
     parser.add_argument("--served-model-name", default="deepinfer", help="the name clients give as \"model\"")
+    parser.add_argument("--tokenizer", default=None,
+                        help="the chat template for tools requests (.gguf or HF directory); default: the Triton "
+                             "model's config parameter \"model\"")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process exits")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
@@ -33,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = create_app(FrontSettings(grpc_url=args.grpc_url, triton_model=args.triton_model,
-                                   served_model_name=args.served_model_name))
+                                   served_model_name=args.served_model_name,
+                                   tokenizer=args.tokenizer))
     # One worker: the front is I/O bound and its CPU is taken from the engine's cores.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=5)

@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from backend_lib.frontend.openai import fan_out, translate
+from backend_lib.frontend.openai import fan_out, tools, translate
 from backend_lib.frontend.openai.errors import OpenAIError
 from backend_lib.frontend.openai.schema import (ChatCompletionChunk, ChatCompletionRequest, Completion,
                                                 CompletionRequest, ModelCard, ModelList)
@@ -43,6 +43,9 @@ class FrontSettings:
     grpc_url: str  # Triton's gRPC endpoint, e.g. localhost:8001
     triton_model: str = "deepinfer"
     served_model_name: str = "deepinfer"  # the name clients give as "model"
+    # The tokenizer (chat template) of tools requests: a .gguf file or a Hugging Face directory; None = the model
+    # path of the Triton model's config (its "model" parameter), read on the first tools request.
+    tokenizer: str | None = None
 
 
 def _sse(payload: BaseModel | dict) -> bytes:
@@ -57,6 +60,24 @@ class OpenAIFront:
         self.settings = settings
         self.created = int(time.time())
         self.client: TritonStreamClient | None = None
+        self._renderer: tools.ChatRenderer | None = None
+        self._renderer_lock = asyncio.Lock()
+
+    async def renderer(self) -> tools.ChatRenderer:
+        """The served model's chat template, loaded on the first request that needs it (tools.py)."""
+        async with self._renderer_lock:
+            if self._renderer is None:
+                assert self.client is not None, "the front is not started"
+                path = self.settings.tokenizer
+                if path is None:
+                    path = await self.client.model_parameter("model")
+                try:
+                    self._renderer = await asyncio.to_thread(tools.ChatRenderer.load, path)
+                except (OSError, ValueError) as exc:
+                    raise OpenAIError(500, f"could not load the model's tokenizer for tools ({path!r}): {exc}",
+                                      "server_error") from exc
+                logger.info("chat template loaded from %r; tool-call parser %s", path, self._renderer.parser.name)
+            return self._renderer
 
     async def start(self) -> None:
         self.client = TritonStreamClient(self.settings.grpc_url, self.settings.triton_model)
@@ -82,9 +103,10 @@ class OpenAIFront:
         logprobs = choices[0].logprobs
         if not choices[0].stream:
             totals = await _until_disconnected(http_request, fan_out.gather_all([_gather(d) for d in deltas]))
-            build = translate.chat_response if kind == "chat" else translate.completion_response
-            answer = build(request_id, created, self.settings.served_model_name, totals,
-                           translate.call_usage(totals, choices), logprobs)
+            call = translate.call_usage(totals, choices)
+            model = self.settings.served_model_name
+            answer = translate.chat_response(request_id, created, model, totals, call, logprobs, choices) \
+                if kind == "chat" else translate.completion_response(request_id, created, model, totals, call, logprobs)
             return Response(answer.model_dump_json(), media_type="application/json")
         try:  # an error here raises with its status: nothing was sent yet (choices past max_num_seqs wait here)
             firsts = await _until_disconnected(http_request, fan_out.gather_all([anext(d) for d in deltas]))
@@ -147,6 +169,8 @@ class _Stream:
     async def events(self, firsts: list[ModelDelta], deltas: list[AsyncGenerator[ModelDelta, None]]
                      ) -> AsyncIterator[bytes]:
         totals = [Totals() for _ in firsts]
+        tool_streams = [None if choice.tool_mode is None else tools.ToolStream(choice.tool_mode)
+                        for choice in self.choices]
         rest = fan_out.merged(deltas)
         try:
             if self.kind == "chat":
@@ -158,9 +182,9 @@ class _Stream:
                     totals[index].text.append(prompt)
                     yield _sse(translate.echo_chunk(self.request_id, self.created, self.model, index, prompt,
                                                     delta.prompt_logprobs, self.logprobs))
-                yield self._chunk(index, delta, totals[index])
+                yield self._chunk(index, delta, totals[index], tool_streams[index])
             async for index, delta in rest:
-                yield self._chunk(index, delta, totals[index])
+                yield self._chunk(index, delta, totals[index], tool_streams[index])
             if self.include_usage:
                 chunk_type = ChatCompletionChunk if self.kind == "chat" else Completion
                 yield _sse(chunk_type(id=self.request_id, created=self.created, model=self.model, choices=[],
@@ -174,10 +198,11 @@ class _Stream:
             await _close_all([rest, *deltas])
         yield _DONE
 
-    def _chunk(self, index: int, delta: ModelDelta, totals: Totals) -> bytes:
+    def _chunk(self, index: int, delta: ModelDelta, totals: Totals, tool_stream: tools.ToolStream | None) -> bytes:
         """The chunk of one choice's delta, then counted in its totals (a logprobs offset is the text before)."""
         if self.kind == "chat":
-            chunk = translate.chat_chunk(self.request_id, self.created, self.model, index, delta, self.logprobs)
+            chunk = translate.chat_chunk(self.request_id, self.created, self.model, index, delta, self.logprobs,
+                                         tool_stream)
         else:
             offset = len("".join(totals.text)) if self.logprobs else 0
             chunk = translate.completion_chunk(self.request_id, self.created, self.model, index, delta, offset,
@@ -254,7 +279,8 @@ def create_app(settings: FrontSettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         front.check_model(body.model)
-        choices = translate.chat_requests(body, translate.session_from_headers(request.headers))
+        renderer = await front.renderer() if tools.needs_renderer(body) else None
+        choices = translate.chat_requests(body, translate.session_from_headers(request.headers), renderer)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await front.respond("chat", choices, include_usage, request)
 

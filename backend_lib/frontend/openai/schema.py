@@ -1,7 +1,7 @@
 """Pydantic models of the OpenAI API subset we serve: requests, responses, stream chunks, errors.
 
 Requests ignore fields we do not know (clients and SDKs send many optional ones, e.g. ``user``, ``store``);
-fields we know but cannot honour (``tools``, ``suffix``, ...) are refused in
+fields we know but cannot honour (``suffix``, ``best_of`` > 1, ...) are refused in
 translate.py with a 400 naming them, never silently dropped.
 """
 from __future__ import annotations
@@ -66,11 +66,38 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallIn(_Request):
+    """A call of an earlier assistant message (its tool_calls), sent back with the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: str
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None  # role "tool": the call this result answers
+
+
+class JsonSchemaFormat(_Request):
+    name: str
+    description: str | None = None
+    # The JSON schema (an object, which the engine's intake checks and compiles). "schema" would shadow BaseModel's.
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the grammar enforces the schema either way
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -78,9 +105,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # checked by structured_output/tool_choice.py: parse_tools (naming the place)
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
 
 # -- responses -----------------------------------------------------------------------------------
@@ -131,9 +158,21 @@ class Completion(BaseModel):
     system_fingerprint: str | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -156,6 +195,9 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    # OpenAI's layout: {"index", then "id", "type", "function": {"name", "arguments": ""}} for a new call, then
+    # {"index", "function": {"arguments": <fragment>}} (tool_parser_base.ToolCallDelta.to_openai).
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(BaseModel):

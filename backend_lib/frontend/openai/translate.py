@@ -1,8 +1,9 @@
 """OpenAI requests -> our Triton model's request; the model's responses -> OpenAI responses and chunks.
 
 The model validates every sampling field itself (the engine's intake) and names the field it refuses, so fields
-pass through with their engine names; here we only refuse what the model has no notion of (tools,
-suffix, ...), pick the prompt input (text_input, input_ids or messages) and map the session headers. A call
+pass through with their engine names; here we only refuse what the model has no notion of (suffix, ...), map
+response_format to the model's structured_outputs field, pick the prompt input (text_input, input_ids or messages;
+a chat with tools is rendered by tools.py and goes as input_ids) and map the session headers. A call
 asking for several choices (``n``, a completions batch of prompts) becomes one model request per choice, prompt
 by prompt, n each: OpenAI's choice index is the request's place in that list.
 """
@@ -15,7 +16,8 @@ from typing import Any, Mapping
 from backend_lib.core.errors import RequestError
 from backend_lib.core.sampling_params import SEED_LIMIT
 from backend_lib.engine.intake import parse_bool
-from backend_lib.frontend.openai.errors import bad_request
+from backend_lib.frontend.openai import tools
+from backend_lib.frontend.openai.errors import OpenAIError, bad_request
 from backend_lib.frontend.openai.schema import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                                 ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatLogprobs,
                                                 CompletionChoice, Completion, CompletionLogprobs, CompletionRequest,
@@ -29,6 +31,8 @@ _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "frequ
                 "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
                 "skip_special_tokens", "logit_bias", "structured_outputs", "guided_json", "guided_regex",
                 "guided_choice", "guided_grammar", "guided_json_object")
+_CONSTRAINT_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                      "guided_json_object")
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
 # Choices (prompts x n) one call may ask for: each is an engine request, admitted like any other.
@@ -58,6 +62,7 @@ class ModelRequest:
     field_names: dict[str, str] = field(default_factory=dict)
     echo: bool = False  # completions: the prompt before the completion (its logprobs too, when asked)
     prompt_index: int = 0  # which of the call's prompts (choices of one prompt count its tokens once)
+    tool_mode: tools.ToolMode | None = None  # chat with tools: how the answer becomes tool_calls
 
 
 @dataclass
@@ -199,21 +204,46 @@ def _message_text(index: int, content: Any) -> str:
     return "".join(texts)
 
 
-def chat_requests(request: ChatCompletionRequest, session: Session | None) -> list[ModelRequest]:
-    """One model request per choice (n)."""
-    if request.tools:
-        raise bad_request("tools are not supported", param="tools")
-    if request.response_format and request.response_format.get("type", "text") != "text":
-        raise bad_request("response_format must be text", param="response_format")
-    if not request.messages:
-        raise bad_request("messages must not be empty", param="messages")
+def _response_format(request: ChatCompletionRequest) -> tuple[dict[str, Any], dict[str, str]]:
+    """response_format -> the model's structured_outputs field (the model's intake checks and compiles the schema)
+    and the client's names of the fields its refusals name."""
+    response_format = request.response_format
+    if response_format is None or response_format.type == "text":
+        return {}, {}
+    given = [name for name in _CONSTRAINT_FIELDS if getattr(request, name) is not None]
+    if given:
+        raise bad_request(f"response_format and {given[0]} both constrain the output; send one of them",
+                          param="response_format")
+    if request.tools and request.tool_choice not in (None, "none", "auto"):
+        raise bad_request("response_format and a forced tool_choice both constrain the output; send one of them",
+                          param="response_format")
+    if response_format.type == "json_object":
+        return {"structured_outputs": {"json_object": True}}, {"structured_outputs": "response_format"}
+    if response_format.json_schema is None:
+        raise bad_request("response_format of type json_schema needs its json_schema object",
+                          param="response_format.json_schema")
+    return ({"structured_outputs": {"json": response_format.json_schema.schema_}},
+            {"structured_outputs": "response_format.json_schema.schema"})
+
+
+def _messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     messages = []
     for index, message in enumerate(request.messages):
-        if message.tool_calls:
-            raise bad_request("tool calls are not supported", param=f"messages[{index}].tool_calls")
         # "developer" is the newer name OpenAI gives the system role; chat templates know "system".
         role = "system" if message.role == "developer" else message.role
-        messages.append({"role": role, "content": _message_text(index, message.content)})
+        content = None if message.content is None and (message.tool_calls or role == "tool") else \
+            _message_text(index, message.content)
+        messages.append(tools.template_message(index, role, content, message))
+    return messages
+
+
+def chat_requests(request: ChatCompletionRequest, session: Session | None,
+                  renderer: tools.ChatRenderer | None = None) -> list[ModelRequest]:
+    """One model request per choice (n). A request with tools or tool messages is rendered here (``renderer``, the
+    served model's template: tools.py) and sent as input_ids; the others go as the model's messages input."""
+    if not request.messages:
+        raise bad_request("messages must not be empty", param="messages")
+    messages = _messages(request)
     if None not in (request.max_completion_tokens, request.max_tokens) and \
             request.max_completion_tokens != request.max_tokens:
         raise bad_request(f"max_tokens ({request.max_tokens}) and max_completion_tokens "
@@ -229,8 +259,27 @@ def chat_requests(request: ChatCompletionRequest, session: Session | None) -> li
     names = {"logprobs": "top_logprobs"}
     if request.max_completion_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
+    constraint, constraint_names = _response_format(request)
+    sampling.update(constraint)
+    names.update(constraint_names)
     prompt = ModelRequest(prompt_input="messages", prompt=json.dumps(messages), sampling=sampling,
                           stream=request.stream, logprobs=bool(request.logprobs), session=session, field_names=names)
+    if tools.needs_renderer(request):
+        if session is not None:
+            raise bad_request("tools and tool messages cannot be a session turn (X-Session-Id): send the whole "
+                              "conversation", param="tools" if request.tools else "messages")
+        if renderer is None:
+            raise OpenAIError(500, "the chat template renderer is not loaded", "server_error")
+        extra = tools.tool_request(request.tools, request.tool_choice, messages, renderer)
+        given = [name for name in _CONSTRAINT_FIELDS if name in sampling]
+        if extra.sampling.get("structured_outputs") is not None and given:
+            raise bad_request(f"tool_choice {json.dumps(request.tool_choice)} and {given[0]} both constrain the "
+                              "output; send one of them", param="tool_choice")
+        # The client's own fields win (its skip_special_tokens over auto's false; a second constraint was refused).
+        prompt = replace(prompt, prompt_input="input_ids", prompt=extra.prompt_ids, tool_mode=extra.mode,
+                         sampling={**extra.sampling, **sampling}, field_names={**names, **extra.field_names})
+    elif request.tool_choice not in (None, "none"):
+        raise bad_request("tool_choice needs tools", param="tool_choice")
     return _choices([prompt], request.n)
 
 
@@ -325,11 +374,22 @@ def completion_response(request_id: str, created: int, model: str, choices: list
         if logprobs else None) for index, totals in enumerate(choices)])
 
 
+def _chat_choice(index: int, totals: Totals, logprobs: bool, mode: tools.ToolMode | None) -> ChatChoice:
+    text, reason = "".join(totals.text), totals.finish_reason
+    message = AssistantMessage(content=text)
+    if mode is not None:
+        content, calls = tools.parse_answer(mode, text)
+        message = AssistantMessage(content=content, tool_calls=tools.calls_json(calls) if calls else None)
+        reason = tools.tool_finish_reason(reason, bool(calls))
+    return ChatChoice(index=index, message=message, finish_reason=reason,
+                      logprobs=chat_logprobs(totals.logprobs or []) if logprobs else None)
+
+
 def chat_response(request_id: str, created: int, model: str, choices: list[Totals], call: Usage,
-                  logprobs: bool) -> ChatCompletion:
-    return ChatCompletion(id=request_id, created=created, model=model, usage=call, choices=[ChatChoice(
-        index=index, message=AssistantMessage(content="".join(totals.text)), finish_reason=totals.finish_reason,
-        logprobs=chat_logprobs(totals.logprobs or []) if logprobs else None) for index, totals in enumerate(choices)])
+                  logprobs: bool, requests: list[ModelRequest]) -> ChatCompletion:
+    return ChatCompletion(id=request_id, created=created, model=model, usage=call, choices=[
+        _chat_choice(index, totals, logprobs, request.tool_mode)
+        for index, (totals, request) in enumerate(zip(choices, requests))])
 
 
 def completion_chunk(request_id: str, created: int, model: str, index: int, delta: ModelDelta, text_offset: int,
@@ -347,12 +407,19 @@ def echo_chunk(request_id: str, created: int, model: str, index: int, prompt: st
 
 
 def chat_chunk(request_id: str, created: int, model: str, index: int, delta: ModelDelta | None,
-               logprobs: bool) -> ChatCompletionChunk:
-    """``delta`` None: the opening chunk that carries the assistant role."""
+               logprobs: bool, tool_stream: tools.ToolStream | None = None) -> ChatCompletionChunk:
+    """``delta`` None: the opening chunk that carries the assistant role. With ``tool_stream`` (a tools request)
+    the text goes through its parser: content and tool-call deltas, flushed at the choice's last response."""
     if delta is None:
         choice = ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))
     else:
-        choice = ChatChunkChoice(index=index, delta=ChatDelta(content=delta.text) if delta.text else ChatDelta(),
-                                 finish_reason=finish_reason(delta.finish_reason),
+        reason = finish_reason(delta.finish_reason)
+        message = ChatDelta(content=delta.text) if delta.text else ChatDelta()
+        if tool_stream is not None:
+            parsed = tool_stream.feed(delta.text, final=reason is not None)
+            message = ChatDelta(content=parsed.content or None,
+                                tool_calls=tools.deltas_json(parsed.tool_calls) or None)
+            reason = tools.tool_finish_reason(reason, tool_stream.called)
+        choice = ChatChunkChoice(index=index, delta=message, finish_reason=reason,
                                  logprobs=chat_logprobs(delta.logprobs or []) if logprobs else None)
     return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice])

@@ -115,6 +115,15 @@ class TritonStreamClient:
             return False
         return response.ready
 
+    async def model_parameter(self, name: str) -> str:
+        """A parameter of the model's config (config.pbtxt), e.g. ``model``: the path the engine loaded."""
+        try:
+            response = await self._stub.ModelConfig(service_pb2.ModelConfigRequest(name=self.model), timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            raise unreachable(f"{exc.code().name}: {exc.details()}") from exc
+        parameter = response.config.parameters.get(name)
+        return parameter.string_value if parameter is not None else ""
+
     async def generate(self, request_id: str, request: ModelRequest) -> AsyncIterator[ModelDelta]:
         """The model's responses up to its final one. An error response raises OpenAIError; closing the
         generator early (the HTTP client left, or an exception) cancels the gRPC call, which cancels the

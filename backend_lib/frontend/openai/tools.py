@@ -1,0 +1,209 @@
+"""OpenAI ``tools`` in the front: the prompt rendered with the tools, the constraint forcing a call, the answer read
+back as ``tool_calls`` (whole or as stream deltas).
+
+Where it lives and why: the model's ``messages`` input carries ``{"role", "content"}`` pairs only, and the engine
+renders them without tools. A request that has ``tools``, an assistant message with ``tool_calls`` or a ``tool``
+message is rendered here instead, with the model's own tokenizer and chat template (``engine/tokenizer.py``, the same
+renderer the engine runs, given ``tools=``), and sent as ``input_ids``: exactly the ids the engine would build. The
+tokenizer is loaded once, on the first such request, from the model Triton serves (its config's ``model`` parameter;
+empty is the bundled default), and its template also names the parser of the model's own tool-call format
+(``structured_output/tool_calls.py: parser_for_template``). Such a request cannot be a session turn (the engine keeps
+a session's conversation as messages): the client sends the whole conversation.
+
+``tool_choice``: ``"required"`` and a named function constrain the output with the grammar of
+``structured_output/tool_choice.py`` (sent as the model's ``structured_outputs`` field): ``"required"`` writes a
+JSON array of ``{"name", "arguments"}`` objects, read by the JSON call parser; a named function writes its arguments
+object, which is that call's ``arguments`` as generated. ``"auto"`` (the default with tools) constrains nothing: the
+template's parser reads the model's own format, with special tokens kept in the text (``skip_special_tokens``
+false unless the client set it) so DeepSeek's tool tokens reach it. ``"none"``: plain text, the tools still shown
+to the template (vLLM's default).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from backend_lib.core.errors import RequestError
+from backend_lib.engine.tokenizer import Tokenizer
+from backend_lib.frontend.openai.errors import bad_request
+from backend_lib.frontend.openai.schema import ChatCompletionRequest, ChatMessage
+from backend_lib.models.loader import resolve_model_path
+from backend_lib.structured_output.constraints import StructuredOutputError
+from backend_lib.structured_output.tool_calls import HermesToolParser, parser_for_template
+from backend_lib.structured_output.tool_choice import (FunctionTool, ToolCall, new_call_id, parse_tools,
+                                                       tool_choice_constraint)
+from backend_lib.structured_output.tool_parser_base import StreamDelta, ToolCallDelta, ToolCallParser, \
+    ToolCallStreamer
+
+# The model's refusal of the constraint we sent (a limit, a schema xgrammar cannot compile) names its
+# structured_outputs field: the client wrote that schema in its tools.
+_ENGINE_FIELD = "structured_outputs"
+
+
+class ChatRenderer:
+    """The served model's tokenizer and chat template, for requests the engine cannot render (tools)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parser: type[ToolCallParser] = parser_for_template(tokenizer.chat_template)
+
+    @classmethod
+    def load(cls, model_path: str) -> "ChatRenderer":
+        """``model_path`` as the Triton model's config gives it ("" = the bundled model)."""
+        return cls(Tokenizer.load(resolve_model_path(model_path)))
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        except RequestError as exc:
+            raise bad_request(exc.message, param=exc.field or "messages") from None
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    """How one chat request's output becomes tool calls."""
+
+    kind: Literal["required", "named", "auto"]
+    parser: type[ToolCallParser]
+    name: str | None = None  # the named function
+
+
+@dataclass
+class ToolRequest:
+    """What a tools request adds to the model request."""
+
+    prompt_ids: list[int]
+    mode: ToolMode | None  # None: plain text (tool_choice "none")
+    sampling: dict[str, Any] = field(default_factory=dict)
+    field_names: dict[str, str] = field(default_factory=dict)
+
+
+def needs_renderer(request: ChatCompletionRequest) -> bool:
+    """Tools, or messages the engine's ``messages`` input cannot carry (tool calls and results)."""
+    return bool(request.tools) or any(m.tool_calls or m.role == "tool" for m in request.messages)
+
+
+def _checked_tools(tools: Any) -> list[FunctionTool]:
+    try:
+        return parse_tools(tools)
+    except StructuredOutputError as exc:
+        raise bad_request(str(exc), param=exc.field) from None
+
+
+def tool_request(tools: list[Any] | None, tool_choice: Any, messages: list[dict[str, Any]],
+                 renderer: ChatRenderer) -> ToolRequest:
+    """The prompt ids, the constraint (as sampling fields) and how to read the answer."""
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools", param="tool_choice")
+        return ToolRequest(renderer.render(messages, None), None)
+    functions = _checked_tools(tools)
+    choice = "auto" if tool_choice is None else tool_choice
+    try:
+        constraint = tool_choice_constraint(functions, choice)
+    except StructuredOutputError as exc:
+        raise bad_request(str(exc), param=exc.field) from None
+    prompt_ids = renderer.render(messages, [dict(tool) for tool in tools])
+    if choice == "none":
+        return ToolRequest(prompt_ids, None)
+    if choice == "auto":
+        return ToolRequest(prompt_ids, ToolMode("auto", renderer.parser), {"skip_special_tokens": False})
+    assert constraint is not None
+    if choice == "required":
+        return ToolRequest(prompt_ids, ToolMode("required", HermesToolParser), constraint.to_request(),
+                           {_ENGINE_FIELD: "tools"})
+    name = choice["function"]["name"]
+    index = next(i for i, tool in enumerate(functions) if tool.name == name)
+    return ToolRequest(prompt_ids, ToolMode("named", HermesToolParser, name), constraint.to_request(),
+                       {_ENGINE_FIELD: f"tools[{index}].function.parameters"})
+
+
+def template_message(index: int, role: str, content: str | None, message: ChatMessage) -> dict[str, Any]:
+    """One message as chat templates take it: tool calls in OpenAI's form (arguments a JSON string, as DeepSeek's
+    templates concatenate them), a tool result with its ``tool_call_id``; an assistant message that only calls
+    tools gets "" as content, which every template can print."""
+    out: dict[str, Any] = {"role": role, "content": content}
+    if message.tool_calls:
+        if role != "assistant":
+            raise bad_request(f"messages[{index}]: only assistant messages carry tool_calls",
+                              param=f"messages[{index}].tool_calls")
+        out["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        if content is None:
+            out["content"] = ""
+    if role == "tool":
+        if not message.tool_call_id:
+            raise bad_request(f"messages[{index}]: a tool message needs the tool_call_id it answers",
+                              param=f"messages[{index}].tool_call_id")
+        out["tool_call_id"] = message.tool_call_id
+    if message.name:
+        out["name"] = message.name
+    if out["content"] is None:
+        raise bad_request(f"messages[{index}].content must be a string or text parts, got null",
+                          param=f"messages[{index}].content")
+    return out
+
+
+# -- the answer ----------------------------------------------------------------------------------
+
+
+def tool_finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's ``tool_calls`` when the model ended its calls itself; ``length`` stays (the calls may be cut)."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def parse_answer(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a whole answer; the same reading as ``ToolStream`` (its deltas concatenate to this)."""
+    if mode.kind == "named":
+        return None, [ToolCall(str(mode.name), text)]
+    parsed = mode.parser().parse(text)
+    return parsed.content, list(parsed.calls)
+
+
+class _NamedStreamer:
+    """A named function's output is its arguments: the first delta announces the call, the rest are fragments."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self.calls: list[ToolCallDelta] = []
+
+    def feed(self, text: str) -> StreamDelta:
+        if not self.calls:
+            self.calls.append(ToolCallDelta(0, id=new_call_id(), name=self._name, arguments=text))
+            return StreamDelta(tool_calls=[self.calls[0]])
+        return StreamDelta(tool_calls=[ToolCallDelta(0, arguments=text)] if text else [])
+
+    def finish(self) -> StreamDelta:
+        return self.feed("") if not self.calls else StreamDelta()
+
+
+class ToolStream:
+    """One streamed choice's text deltas -> content and tool-call deltas."""
+
+    def __init__(self, mode: ToolMode) -> None:
+        self._streamer: _NamedStreamer | ToolCallStreamer = (
+            _NamedStreamer(str(mode.name)) if mode.kind == "named" else mode.parser().streamer())
+
+    @property
+    def called(self) -> bool:
+        return bool(self._streamer.calls)
+
+    def feed(self, text: str, final: bool) -> StreamDelta:
+        delta = self._streamer.feed(text)
+        if final:
+            tail = self._streamer.finish()
+            delta.content += tail.content
+            for entry in tail.tool_calls:  # a fragment of the call this delta already carries joins it
+                last = delta.tool_calls[-1] if delta.tool_calls else None
+                if last is not None and last.index == entry.index and entry.id is None:
+                    last.arguments = (last.arguments or "") + (entry.arguments or "")
+                else:
+                    delta.tool_calls.append(entry)
+        return delta
+
+
+def calls_json(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    return [call.to_openai() for call in calls]
+
+
+def deltas_json(deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
+    return [delta.to_openai() for delta in deltas]
