@@ -10,6 +10,7 @@ import json
 import time
 from urllib.parse import urlparse
 
+import jsonschema
 import openai
 import pytest
 from conftest import SERVER_PARAMETERS
@@ -428,3 +429,97 @@ def test_a_refusal_names_the_same_field_and_kind_through_every_front(served, grp
         error = raised.value.body
         assert raised.value.status_code == 400 and error["param"] == param, error
         assert error["type"] == "invalid_request_error" and "deepinfer-error" not in error["message"]
+
+
+# -- response_format and tools (SmolLM2's template ignores tools: required / named calls come from the grammar) ----
+
+CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                "sunny": {"type": "boolean"}},
+               "required": ["city", "sunny"], "additionalProperties": False}
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                                 "parameters": CITY_SCHEMA}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+WEATHER_QUESTION = [{"role": "user", "content": "Is it sunny in Paris? Answer in JSON."}]
+
+
+def _streamed_chat(client, **kwargs):
+    """(content, {index: {id, name, arguments}}, finish reasons) of a streamed chat, deltas concatenated."""
+    content, calls, reasons = "", {}, []
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, **kwargs):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for entry in choice.delta.tool_calls or []:
+                call = calls.setdefault(entry.index, {"id": None, "name": None, "arguments": ""})
+                if entry.id is not None:
+                    assert call["id"] is None and entry.type == "function"
+                    call["id"], call["name"] = entry.id, entry.function.name
+                call["arguments"] += (entry.function.arguments or "") if entry.function else ""
+            if choice.finish_reason:
+                reasons.append(choice.finish_reason)
+    return content, calls, reasons
+
+
+def test_response_format_json_schema_validates_streamed_or_not(client):
+    response_format = {"type": "json_schema", "json_schema": {"name": "weather", "schema": CITY_SCHEMA,
+                                                              "strict": True}}
+    kwargs = dict(messages=WEATHER_QUESTION, temperature=0, max_tokens=60, response_format=response_format)
+    reply = client.chat.completions.create(model=MODEL, **kwargs)
+    text = reply.choices[0].message.content
+    jsonschema.validate(json.loads(text), CITY_SCHEMA)
+    assert reply.choices[0].finish_reason == "stop"
+    content, calls, reasons = _streamed_chat(client, **kwargs)
+    assert content == text and not calls and reasons == ["stop"]
+    anything = client.chat.completions.create(model=MODEL, messages=WEATHER_QUESTION, temperature=0, max_tokens=8,
+                                              response_format={"type": "json_object"})
+    assert anything.choices[0].message.content.lstrip().startswith("{")  # (greedy SmolLM2 runs on past 60 tokens)
+
+
+def test_a_schema_the_grammar_refuses_is_a_400_naming_the_field(client):
+    bad = {"type": "object", "not": {"required": ["a"]}}
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": bad}})
+    assert raised.value.body["param"] == "response_format.json_schema.schema", raised.value.body
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5, tool_choice="required", tools=[
+            WEATHER_TOOL, {"type": "function", "function": {"name": "bad", "parameters": bad}}], stream=True)
+    assert raised.value.body["param"] == "tools", raised.value.body
+    assert client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2).choices  # the server goes on
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
+                         ids=["required", "named"])
+def test_forced_tool_calls_validate_against_their_parameters_streamed_or_not(client, tool_choice):
+    kwargs = dict(messages=WEATHER_QUESTION, temperature=0, max_tokens=80, tools=[WEATHER_TOOL, TIME_TOOL],
+                  tool_choice=tool_choice)
+    reply = client.chat.completions.create(model=MODEL, **kwargs)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls and not choice.message.content
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (WEATHER_TOOL, TIME_TOOL)}
+    for call in choice.message.tool_calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    if isinstance(tool_choice, dict):
+        assert [call.function.name for call in choice.message.tool_calls] == ["get_time"]
+    content, calls, reasons = _streamed_chat(client, **kwargs)
+    assert not content and reasons == ["tool_calls"]
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+
+
+def test_a_two_turn_tool_conversation(client):
+    tools = [WEATHER_TOOL]
+    first = client.chat.completions.create(model=MODEL, messages=WEATHER_QUESTION, temperature=0, max_tokens=60,
+                                           tools=tools, tool_choice={"type": "function",
+                                                                     "function": {"name": "get_weather"}})
+    [call] = first.choices[0].message.tool_calls
+    messages = WEATHER_QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "It is sunny in Paris, 24 degrees."}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=12,
+                                            tools=tools, tool_choice="none")
+    answer = second.choices[0]
+    assert answer.message.content and not answer.message.tool_calls and answer.finish_reason in ("stop", "length")
+    # The tool result went through the template: the prompt is the first turn's and more.
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + 10
