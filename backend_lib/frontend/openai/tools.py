@@ -14,8 +14,8 @@ a session's conversation as messages): the client sends the whole conversation.
 ``structured_output/tool_choice.py`` (sent as the model's ``structured_outputs`` field): ``"required"`` writes a
 JSON array of ``{"name", "arguments"}`` objects, read by the JSON call parser; a named function writes its arguments
 object, which is that call's ``arguments`` as generated. ``"auto"`` (the default with tools) constrains nothing: the
-template's parser reads the model's own format, with special tokens kept in the text (``skip_special_tokens``
-false unless the client set it) so DeepSeek's tool tokens reach it. ``"none"``: plain text, the tools still shown
+template's parser reads the model's own format; DeepSeek's tool tokens are special tokens, so for its parsers the
+text keeps them (``skip_special_tokens`` false unless the client set it) and its EOS text is cut from the end. ``"none"``: plain text, the tools still shown
 to the template (vLLM's default).
 """
 from __future__ import annotations
@@ -46,6 +46,11 @@ class ChatRenderer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.parser: type[ToolCallParser] = parser_for_template(tokenizer.chat_template)
+        # DeepSeek's tool-call markers are special tokens, which the default detokenization drops; Hermes' tags are
+        # plain text (added, not special, tokens where a vocabulary has them).
+        self.keeps_special_tokens = self.parser is not HermesToolParser
+        self.end_texts = tuple(tokenizer.decode([token], skip_special_tokens=False)
+                               for token in sorted(tokenizer.eos_token_ids))
 
     @classmethod
     def load(cls, model_path: str) -> "ChatRenderer":
@@ -66,6 +71,15 @@ class ToolMode:
     kind: Literal["required", "named", "auto"]
     parser: type[ToolCallParser]
     name: str | None = None  # the named function
+    # The model's end-of-sequence texts, cut from the end of the answer: with skip_special_tokens false the engine's
+    # text ends with the EOS token's text (vLLM leaves it out).
+    end_texts: tuple[str, ...] = ()
+
+    def without_end(self, text: str) -> str:
+        for end in self.end_texts:
+            if end and text.endswith(end):
+                return text[:-len(end)]
+        return text
 
 
 @dataclass
@@ -107,7 +121,10 @@ def tool_request(tools: list[Any] | None, tool_choice: Any, messages: list[dict[
     if choice == "none":
         return ToolRequest(prompt_ids, None)
     if choice == "auto":
-        return ToolRequest(prompt_ids, ToolMode("auto", renderer.parser), {"skip_special_tokens": False})
+        if not renderer.keeps_special_tokens:
+            return ToolRequest(prompt_ids, ToolMode("auto", renderer.parser))
+        return ToolRequest(prompt_ids, ToolMode("auto", renderer.parser, end_texts=renderer.end_texts),
+                           {"skip_special_tokens": False})
     assert constraint is not None
     if choice == "required":
         return ToolRequest(prompt_ids, ToolMode("required", HermesToolParser), constraint.to_request(),
@@ -153,6 +170,7 @@ def tool_finish_reason(reason: str | None, called: bool) -> str | None:
 
 def parse_answer(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a whole answer; the same reading as ``ToolStream`` (its deltas concatenate to this)."""
+    text = mode.without_end(text)
     if mode.kind == "named":
         return None, [ToolCall(str(mode.name), text)]
     parsed = mode.parser().parse(text)
@@ -180,6 +198,7 @@ class ToolStream:
     """One streamed choice's text deltas -> content and tool-call deltas."""
 
     def __init__(self, mode: ToolMode) -> None:
+        self._mode = mode
         self._streamer: _NamedStreamer | ToolCallStreamer = (
             _NamedStreamer(str(mode.name)) if mode.kind == "named" else mode.parser().streamer())
 
@@ -188,7 +207,8 @@ class ToolStream:
         return bool(self._streamer.calls)
 
     def feed(self, text: str, final: bool) -> StreamDelta:
-        delta = self._streamer.feed(text)
+        """``final``: the choice's last response, which carries its last token (an EOS text is cut from it)."""
+        delta = self._streamer.feed(self._mode.without_end(text) if final else text)
         if final:
             tail = self._streamer.finish()
             delta.content += tail.content
