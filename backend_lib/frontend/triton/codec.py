@@ -43,6 +43,7 @@ _ENGINE_PARAMETERS: dict[str, tuple[str, type]] = {
     "host_gemm": ("host_gemm", str),
     "host_attention": ("host_attention", str),
     "greedy_head_screen": ("greedy_head_screen", bool),
+    "weight_format": ("weight_format", str),
     "max_num_seqs": ("max_num_seqs", int),
     "max_model_len": ("max_model_len", int),
     "block_size": ("block_size", int),
