@@ -15,7 +15,8 @@ from torch import nn
 
 from backend_lib.models.layers import (HostGemmPlan, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding, copy_into,
                                        linear, silu_and_mul)
-from backend_lib.models.parallel import ParallelContext, Shard, read_shard, vocab_parallel_embedding
+from backend_lib.models.parallel import ParallelContext, Shard, read_shard, vocab_parallel_lookup
+from backend_lib.models.quantized_blocks import GGUFBlocks
 from kernels import fused_layer_ops as fused
 from kernels.attention import paged_attention, write_kv
 from kernels.attention_metadata import AttentionMetadata
@@ -23,6 +24,8 @@ from kernels.gemv import TILE, GemvPolicy, block_weight, blocked_linear_argmax, 
 from kernels.head_screen import HeadScreen
 from kernels.int8_head_screen import Int8HeadScreen
 from kernels.onednn_gemm import PackedWeight
+from kernels.packed_gemm import packed_linear_buffers
+from kernels.packed_weights import pack_gguf
 from kernels.rope import RopeScaling, rope_at, rotate
 
 if TYPE_CHECKING:
@@ -275,7 +278,8 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], final-normed
         k_caches, v_caches = kv_caches
-        hidden = vocab_parallel_embedding(input_ids, self.embed_tokens.weight, self.vocab_rows.start, self.par)
+        hidden = vocab_parallel_lookup(input_ids, self.embed_tokens.lookup, self.vocab_rows.size,
+                                       self.vocab_rows.start, self.par)
         rope = rope_at(self.rotary.cos, self.rotary.sin, positions, hidden.dtype)
         if not self.host_fused or torch.compiler.is_compiling():
             for i, layer in enumerate(self.layers):
@@ -317,7 +321,9 @@ class LlamaForCausalLM(nn.Module):
         layers = self.layers
         linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        if any(m.bias is not None for m in linears):
+        # The C++ loop calls the blocked / oneDNN / plain GEMMs on fp32 or bf16 weights; packed (quantized)
+        # projections run the module path, where each projection is one packed-GEMM call.
+        if any(m.bias is not None or m.quantized is not None for m in linears):
             return ()
         norms = [n.weight for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         blocked = [m.blocked for m in linears] if all(m.blocked is not None for m in linears) else None
@@ -328,7 +334,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [N, hidden] -> [N, vocab] float32
         """Every rank gets the full vocabulary row (all-gathered from the ranks' vocabulary shards)."""
-        if self.blocked_head is not None and self.gemv_policy.use_blocked(hidden.shape[0]):
+        head = self._head_module()
+        if head.quantized is not None:  # weight_format=packed: the packed GEMM on the head's (or embedding's) blocks
+            logits = packed_linear_buffers(hidden, head.quantized_data, head.quantized_scales, None,
+                                           head.quantized).float()
+        elif self.blocked_head is not None and self.gemv_policy.use_blocked(hidden.shape[0]):
             logits = blocked_linear_float(hidden, self.blocked_head, self._head_weight().shape[0])
         else:
             logits = linear(hidden, self._head_weight(), None, self.packed_head, None, self.gemv_policy).float()
@@ -355,12 +365,19 @@ class LlamaForCausalLM(nn.Module):
     def _head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def _head_module(self) -> Linear | VocabEmbedding:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
     def pack_for_cpu(self, plan: HostGemmPlan = HostGemmPlan()) -> None:
         """Every projection and the head on the host's packed GEMMs (see Linear.pack_for_cpu). An untied
         ``lm_head`` is packed once, as the head (compute_logits never calls the module)."""
         for module in self.modules():
             if isinstance(module, Linear) and module is not self.lm_head:
                 module.pack_for_cpu(plan)
+        self.gemv_policy = plan.policy
+        self._decode_weight_lists = None  # new layouts: the lists are rebuilt on the next decode step
+        if self._head_module().quantized is not None:  # the packed GEMM alone (compute_logits)
+            return
         self.packed_head = PackedWeight(self._head_weight()) if plan.onednn else None
         if plan.blocked:
             self.blocked_head = block_weight(self._head_weight())
@@ -446,16 +463,59 @@ class LlamaForCausalLM(nn.Module):
             keys |= {f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}.post_attention_layernorm.weight"}
         return keys
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Fill every parameter from Hugging Face-named tensors; a missing or unknown weight is an error."""
+    def _quantized_target(self, name: str) -> tuple[Linear | VocabEmbedding, int]:
+        """(module, first row inside its fused weight) of a checkpoint weight kept in GGUF blocks."""
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens, 0
+        if name == "lm_head.weight" and self.lm_head is not None:
+            return self.lm_head, 0
+        match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name)
+        parts = _LAYER_WEIGHTS.fullmatch(f"{match.group(2)}.weight") if match else None
+        if parts is None or parts.group("module").endswith("layernorm"):
+            raise ValueError(f"weight_format=packed: {name!r} is not a projection or embedding")
+        layer = self.layers[int(match.group(1))]
+        attn, mlp = layer.self_attn, layer.mlp
+        if parts.group("attn") in ("q", "k", "v"):
+            return attn.qkv_proj, attn.shard_rows(parts.group("attn")).start
+        if parts.group("mlp") in ("gate", "up"):
+            return mlp.gate_up_proj, mlp.shard_rows(parts.group("mlp")).start
+        return layer.get_submodule(parts.group("module")), 0
+
+    def _set_quantized(self, module: Linear | VocabEmbedding,
+                       parts: list[tuple[int, GGUFBlocks, torch.Tensor, str]]) -> None:
+        """A projection's (or the embedding's) GGUF parts -> one packed weight (q / k / v and gate / up rows in
+        the fused order); parts in different formats (a mixed quantization) are dequantized into ``weight``."""
+        parts = sorted(parts, key=lambda p: p[0])
+        blocks = [p[1] for p in parts]
+        if len({(b.qtype, b.in_features) for b in blocks}) == 1:
+            whole = GGUFBlocks.cat(blocks, parts[0][3])
+            module.set_quantized(pack_gguf(whole.rows.numpy(), whole.qtype, whole.in_features))
+            return
+        for _, part, view, name in parts:
+            copy_into(view, part.dequantize(), name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GGUFBlocks]]) -> None:
+        """Fill every parameter from Hugging Face-named tensors; a missing or unknown weight is an error. GGUF blocks
+        (weight_format=packed) become each projection's packed weight once all its parts arrived."""
         loaded: set[str] = set()
+        quantized: dict[nn.Module, list[tuple[int, GGUFBlocks, torch.Tensor, str]]] = {}
         for name, tensor in weights:
             target = self._target(name)
             if target is None:
                 continue
             key, view, shard = target
-            copy_into(view, read_shard(tensor, shard), name)
+            part = read_shard(tensor, shard)
+            if isinstance(part, GGUFBlocks):
+                if tuple(part.shape) != tuple(view.shape):
+                    raise ValueError(f"weight {name!r}: checkpoint shape {tuple(part.shape)} does not match the "
+                                     f"model's {tuple(view.shape)}")
+                module, row = self._quantized_target(name)
+                quantized.setdefault(module, []).append((row, part, view, name))
+            else:
+                copy_into(view, part, name)
             loaded.add(key)
         missing = sorted(self._expected_keys() - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[:5]}")
+        for module, parts in quantized.items():
+            self._set_quantized(module, parts)
