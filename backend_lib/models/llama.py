@@ -16,7 +16,7 @@ from torch import nn
 from backend_lib.models.layers import (HostGemmPlan, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding, copy_into,
                                        linear, silu_and_mul)
 from backend_lib.models.parallel import ParallelContext, Shard, read_shard, vocab_parallel_lookup
-from backend_lib.models.quantized_blocks import GGUFBlocks
+from backend_lib.models.quantized_blocks import GGUFBlocks, install_gguf_parts
 from kernels import fused_layer_ops as fused
 from kernels.attention import paged_attention, write_kv
 from kernels.attention_metadata import AttentionMetadata
@@ -25,7 +25,6 @@ from kernels.head_screen import HeadScreen
 from kernels.int8_head_screen import Int8HeadScreen
 from kernels.onednn_gemm import PackedWeight
 from kernels.packed_gemm import packed_linear_buffers
-from kernels.packed_weights import pack_gguf
 from kernels.rope import RopeScaling, rope_at, rotate
 
 if TYPE_CHECKING:
@@ -481,19 +480,6 @@ class LlamaForCausalLM(nn.Module):
             return mlp.gate_up_proj, mlp.shard_rows(parts.group("mlp")).start
         return layer.get_submodule(parts.group("module")), 0
 
-    def _set_quantized(self, module: Linear | VocabEmbedding,
-                       parts: list[tuple[int, GGUFBlocks, torch.Tensor, str]]) -> None:
-        """A projection's (or the embedding's) GGUF parts -> one packed weight (q / k / v and gate / up rows in
-        the fused order); parts in different formats (a mixed quantization) are dequantized into ``weight``."""
-        parts = sorted(parts, key=lambda p: p[0])
-        blocks = [p[1] for p in parts]
-        if len({(b.qtype, b.in_features) for b in blocks}) == 1:
-            whole = GGUFBlocks.cat(blocks, parts[0][3])
-            module.set_quantized(pack_gguf(whole.rows.numpy(), whole.qtype, whole.in_features))
-            return
-        for _, part, view, name in parts:
-            copy_into(view, part.dequantize(), name)
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GGUFBlocks]]) -> None:
         """Fill every parameter from Hugging Face-named tensors; a missing or unknown weight is an error. GGUF blocks
         (weight_format=packed) become each projection's packed weight once all its parts arrived."""
@@ -518,4 +504,4 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[:5]}")
         for module, parts in quantized.items():
-            self._set_quantized(module, parts)
+            install_gguf_parts(module, parts)

@@ -14,7 +14,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from kernels.packed_weights import GGUF_LAYOUTS, GGUF_TYPE_NAMES
+from backend_lib.models.layers import Linear, VocabEmbedding, copy_into
+from kernels.packed_weights import GGUF_LAYOUTS, GGUF_TYPE_NAMES, pack_gguf
 
 # gguf type -> the packed kernels' format name (kernels/packed_weights.py)
 PACKABLE_GGUF_TYPES = {GGMLQuantizationType[name]: fmt for fmt, name in GGUF_TYPE_NAMES.items()}
@@ -69,3 +70,20 @@ class GGUFBlocks:
             raise ValueError(f"GGUFBlocks.cat: {name} parts differ in format or width: "
                              f"{[(p.name, p.qtype, p.in_features) for p in parts]}")
         return GGUFBlocks(name, parts[0].qtype, torch.cat([p.rows for p in parts]), parts[0].in_features)
+
+
+def install_gguf_parts(module: Linear | VocabEmbedding,
+                       parts: list[tuple[int, GGUFBlocks, torch.Tensor, str]]) -> None:
+    """A projection's (or the embedding's) GGUF parts as (first row in the fused weight, blocks, the weight's rows
+    they fill, checkpoint name) -> one packed weight, rows in the fused order (q / k / v, gate / up); parts in
+    different formats (a mixed quantization, or some parts in a format the packed GEMMs lack, which arrived
+    dequantized) are dequantized into ``weight`` instead."""
+    parts = sorted(parts, key=lambda p: p[0])
+    blocks = [p[1] for p in parts]
+    rows = module.out_features if isinstance(module, Linear) else module.num_embeddings
+    if len({(b.qtype, b.in_features) for b in blocks}) == 1 and sum(b.shape[0] for b in blocks) == rows:
+        whole = GGUFBlocks.cat(blocks, parts[0][3])
+        module.set_quantized(pack_gguf(whole.rows.numpy(), whole.qtype, whole.in_features))
+        return
+    for _, part, view, name in parts:
+        copy_into(view, part.dequantize(), name)

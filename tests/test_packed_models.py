@@ -1,0 +1,150 @@
+"""``weight_format=packed`` in the models: the setting's validation, the GGUF loader's blocks, the bundled SmolLM2
+Q4_1 holding the file's bytes (documented repack) at ~0.6 bytes a projection weight, and its outputs against
+``weight_format=dequantize`` (kernels/packed_gemm.py's int8 path: within its documented bound per logit)."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from backend_lib.core.config import EngineConfig, ModelConfig
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.engine.offline import LLM
+from backend_lib.frontend.triton.codec import engine_config_from_parameters
+from backend_lib.models.gguf_file import GGUFFile
+from backend_lib.models.gguf_loader import unpermute_rows
+from backend_lib.models.layers import resident_weight_bytes
+from backend_lib.models.loader import load_model
+from backend_lib.models.quantized_blocks import GGUFBlocks
+from kernels.packed_embedding import packed_embedding
+from kernels.packed_gemm import int8_error_bound
+from kernels.packed_weights import GGUF_LAYOUTS, pack_gguf
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair(smollm2_path):
+    """(packed, dequantized) SmolLM2 models, fp32."""
+    return (load_model(smollm2_path, progress=False, weight_format="packed"),
+            load_model(smollm2_path, progress=False))
+
+
+def test_setting_is_validated_and_refused_where_it_cannot_run():
+    assert ModelConfig().weight_format == "dequantize"
+    assert ModelConfig(weight_format="packed").weight_format == "packed"
+    with pytest.raises(ValueError, match="weight_format must be one of"):
+        ModelConfig(weight_format="int4")
+    with pytest.raises(ValueError, match="weight_format=packed runs on the host only"):
+        ModelConfig(weight_format="packed", device="neuron")
+    with pytest.raises(ValueError, match="weight_format=packed takes float32 or bfloat16"):
+        ModelConfig(weight_format="packed", dtype="float16")
+    with pytest.raises(ValueError, match="weight_format=packed cannot run with compile_backend=neuron"):
+        EngineConfig.from_flat({"weight_format": "packed", "compile_backend": "neuron"})
+    assert engine_config_from_parameters({"weight_format": "packed"}).model.weight_format == "packed"
+
+
+def test_hugging_face_directory_is_refused_naming_the_setting(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    with pytest.raises(ValueError, match="weight_format=packed: .* Hugging Face directory"):
+        load_model(str(tmp_path), progress=False, weight_format="packed")
+
+
+def test_column_split_off_the_blocks_is_refused_naming_it():
+    rows = torch.zeros(4, 3 * 20, dtype=torch.uint8)  # Q4_1: 3 blocks of 32 inputs a row
+    blocks = GGUFBlocks("blk.0.ffn_down.weight", "q4_1", rows, 96)
+    assert blocks.narrow(1, 32, 64).shape == (4, 64) and blocks.narrow(1, 32, 64).rows.shape == (4, 40)
+    assert blocks.narrow(0, 1, 2).shape == (2, 96)
+    with pytest.raises(ValueError, match="weight_format=packed: the tensor-parallel split of 'blk.0.ffn_down.weight'"):
+        blocks.narrow(1, 0, 48)
+
+
+@pytest.mark.parametrize("qtype", sorted(GGUF_LAYOUTS))
+def test_packed_embedding_rows_equal_the_dequantized_rows(qtype):
+    block_k, block_bytes, _ = GGUF_LAYOUTS[qtype]
+    rng = np.random.default_rng(3)
+    rows = rng.integers(0, 256, size=(37, 2 * block_bytes), dtype=np.uint8)
+    for field in range(2):  # sane fp16 scales (d, and m / dmin): no inf / nan rows
+        rows.reshape(37, 2, block_bytes)[..., 2 * field:2 * field + 2] = (
+            rng.uniform(1e-3, 4e-3, (37, 2, 1)).astype(np.float16).view(np.uint8))
+    weight = pack_gguf(rows, qtype)
+    ids = torch.tensor([0, 36, 17, 5, 17, 31])
+    want = GGUFBlocks("t", qtype, torch.from_numpy(rows), 2 * block_k).dequantize()[ids]
+    assert torch.equal(packed_embedding(ids, weight.data, weight), want)
+
+
+def test_smollm2_holds_the_file_bytes_at_0_625_bytes_a_projection_weight(smollm2_path, smollm2_pair):
+    packed, _ = smollm2_pair
+    file = {t.name: torch.from_numpy(np.array(t.data)) for t in GGUFFile(smollm2_path).tensors}
+    layer = packed.layers[0]
+    heads, kv_heads = packed.arch.num_heads, packed.arch.num_kv_heads
+    qkv = torch.cat([unpermute_rows(file["blk.0.attn_q.weight"], heads),
+                     unpermute_rows(file["blk.0.attn_k.weight"], kv_heads), file["blk.0.attn_v.weight"]])
+    assert torch.equal(layer.self_attn.qkv_proj.quantized.file_bytes(), qkv)  # rows reordered, blocks the file's
+    gate_up = torch.cat([file["blk.0.ffn_gate.weight"], file["blk.0.ffn_up.weight"]])
+    assert torch.equal(layer.mlp.gate_up_proj.quantized.file_bytes(), gate_up)
+    assert torch.equal(layer.mlp.down_proj.quantized.file_bytes(), file["blk.0.ffn_down.weight"])
+    assert torch.equal(packed.embed_tokens.quantized.file_bytes(), file["token_embd.weight"])
+    for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert module.quantized.fmt == "q4_1" and module.quantized.bytes_per_weight == 0.625
+        assert module.weight.numel() == 0  # no fp32 copy
+    weights, resident = resident_weight_bytes(packed)
+    assert weights == resident_weight_bytes(smollm2_pair[1])[0]
+    assert resident / weights < 0.75  # projections 0.625, the Q8_0 embedding 1.0625, norms fp32
+
+
+def test_smollm2_projections_and_head_within_the_int8_bound(smollm2_pair):
+    packed, dequantized = smollm2_pair
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(0))
+    for name in ("layers.0.self_attn.qkv_proj", "layers.7.mlp.gate_up_proj", "layers.29.self_attn.o_proj"):
+        p, d = packed.get_submodule(name), dequantized.get_submodule(name)
+        err = (p(x).double() - d(x).double()).abs()
+        assert bool((err <= int8_error_bound(x, p.quantized, d.weight)).all()), name
+    x = torch.randn(5, 1536, generator=torch.Generator().manual_seed(1))
+    p, d = packed.layers[3].mlp.down_proj, dequantized.layers[3].mlp.down_proj
+    assert bool(((p(x) - d(x)).abs() <= int8_error_bound(x, p.quantized, d.weight)).all())
+    h = torch.randn(3, 576, generator=torch.Generator().manual_seed(2))
+    err = (packed.compute_logits(h).double() - dequantized.compute_logits(h).double()).abs()
+    assert bool((err <= int8_error_bound(h, packed.embed_tokens.quantized, dequantized.embed_tokens.weight)).all())
+    ids = torch.tensor([0, 1, 49151, 300])
+    assert torch.equal(packed.embed_tokens(ids), dequantized.embed_tokens(ids))
+
+
+WORKLOAD_PROMPTS = 8  # the shared workload's first 8 prompts (8 topics, every length it mixes)
+WORKLOAD_TOKENS = 24
+
+
+def _workload_prompts() -> list:
+    path = Path(__file__).resolve().parents[2] / "shared" / "bench" / "workload.py"
+    if not path.is_file():
+        pytest.skip(f"the shared workload ({path}) is not in this checkout's tree")
+    spec = importlib.util.spec_from_file_location("shared_workload", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.prompts()[:WORKLOAD_PROMPTS]
+
+
+def test_greedy_on_the_workload_prompts_diverges_only_between_near_tied_tokens():
+    """The int8 path rounds each activation row (llama.cpp's Q8 activations), so a continuation may part from
+    dequantize's where two tokens are nearly tied; there the packed token must be among dequantize's top 3,
+    within 0.5 nats of its pick. Prints the count of differing continuations (pytest -s)."""
+    prompts = _workload_prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=WORKLOAD_TOKENS, ignore_eos=True, logprobs=3)
+    results = {}
+    for fmt in ("dequantize", "packed"):
+        with LLM(weight_format=fmt, max_num_seqs=WORKLOAD_PROMPTS) as llm:
+            results[fmt] = llm.generate(prompts, params)
+    differing = []
+    for want, got in zip(results["dequantize"], results["packed"]):
+        assert len(got.token_ids) == WORKLOAD_TOKENS and got.error is None
+        if want.token_ids == got.token_ids:
+            continue
+        j = next(i for i, (a, b) in enumerate(zip(want.token_ids, got.token_ids)) if a != b)
+        top = dict(want.logprobs[j].top)
+        assert got.token_ids[j] in top, (j, got.token_ids[j], top)
+        gap = want.logprobs[j].logprob - top[got.token_ids[j]]
+        assert gap < 0.5, (j, gap)
+        differing.append((j, round(gap, 3)))
+    print(f"weight_format=packed (int8 activations): {len(differing)} of {len(prompts)} greedy continuations of "
+          f"{WORKLOAD_TOKENS} tokens differ from dequantize; (first differing index, logprob gap there): {differing}")
