@@ -75,10 +75,12 @@ def packed_linear_buffers(x: torch.Tensor,  # [rows, in] float32 or bfloat16
                           data: torch.Tensor,  # PackedWeight.data, a module buffer
                           scales: torch.Tensor,  # PackedWeight.scales, a module buffer
                           bias: torch.Tensor | None,  # [out]
-                          weight: PackedWeight) -> torch.Tensor:  # [rows, out]
+                          weight: PackedWeight,
+                          kernel: bool) -> torch.Tensor:  # [rows, out]
     """``packed_linear`` on the module's buffers (compiled regions take buffers as graph inputs; ``weight``
-    supplies the format and sizes only)."""
-    if not packed_kernels_available():
+    supplies the format and sizes only). ``kernel``: ``packed_kernels_available()`` as the caller found it at
+    load (a cached check that compiled regions cannot trace); False runs the torch reference."""
+    if not kernel:
         return packed_linear_reference(x, weight, bias)
     return torch.ops.deepinfer.packed_linear(x, data, scales, bias, weight.fmt, weight.out_features,
                                              list(weight.block), "auto", "auto")

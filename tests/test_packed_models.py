@@ -19,6 +19,9 @@ from backend_lib.models.gguf_loader import unpermute_rows
 from backend_lib.models.layers import resident_weight_bytes
 from backend_lib.models.loader import load_model
 from backend_lib.models.quantized_blocks import GGUFBlocks
+from backend_lib.tools.lint.graph_lint import lint_region
+from backend_lib.worker.compile.buckets import BucketSpec
+from backend_lib.worker.compile.regions import CompiledModel, layer_views
 from kernels.packed_embedding import packed_embedding
 from kernels.packed_gemm import int8_error_bound
 from kernels.packed_weights import GGUF_LAYOUTS, pack_gguf
@@ -148,3 +151,27 @@ def test_greedy_on_the_workload_prompts_diverges_only_between_near_tied_tokens()
         differing.append((j, round(gap, 3)))
     print(f"weight_format=packed (int8 activations): {len(differing)} of {len(prompts)} greedy continuations of "
           f"{WORKLOAD_TOKENS} tokens differ from dequantize; (first differing index, logprob gap there): {differing}")
+
+
+def test_compiled_regions_trace_the_packed_ops_and_pass_the_graph_lint(smollm2_pair):
+    """The packed GEMM and the embedding lookup are opaque registered ops: compiled, a projection, the MLP and the
+    embedding give the eager bits; a packed SmolLM2's decode and prefill regions and its head trace in one graph
+    each and pass ``deepinfer lint-graphs``' rules. A whole region matches eager to ~1e-2 only: the attention's and
+    norms' summation orders differ by ~1e-6 (as for dequantize), and an int8 activation that rounds the other way
+    moves by a whole step, layer after layer."""
+    packed, _ = smollm2_pair
+    x = torch.randn(8, 576, generator=torch.Generator().manual_seed(4))
+    for fn, arg in [(packed.layers[0].self_attn.qkv_proj, x), (packed.layers[1].mlp, x),
+                    (packed.embed_tokens, torch.tensor([0, 5, 49151, 7])), (packed.compute_logits, x[:2])]:
+        compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=False)(arg)
+        assert torch.equal(compiled, fn(arg))
+    buckets = BucketSpec(batch_sizes=(2,), block_table_widths=(4,), prefill_lengths=(8,), block_size=4)
+    wrapper = CompiledModel(packed, buckets, "eager", scratch_block=16)
+    for kind, rows, queries, width in [("decode", 2, 1, 4), ("prefill", 1, 8, 4)]:
+        step = wrapper._dummy_step(rows, queries, width, torch.device("cpu"))
+        caches = [[torch.zeros(s) for s in packed.kv_cache_shapes(17 * 4)] for _ in range(2)]  # fresh for each
+        compiled = lint_region(wrapper._run, step.input_ids, step.positions, layer_views(caches[0]), step.meta,
+                               region=f"packed smollm2 {kind}")
+        eager = wrapper._run(step.input_ids, step.positions, layer_views(caches[1]), step.meta)
+        assert float((compiled - eager).norm() / eager.norm()) < 3e-2, kind
+    lint_region(packed.compute_logits, x[:2], region="packed head")

@@ -13,7 +13,7 @@ from kernels.gemv import TILE, GemvPolicy, block_weight, blocked_linear, blocked
 from kernels.norm import rms_norm
 from kernels.onednn_gemm import PackedWeight, packed_linear
 from kernels.packed_embedding import packed_embedding
-from kernels.packed_gemm import packed_linear_buffers
+from kernels.packed_gemm import packed_kernels_available, packed_linear_buffers
 from kernels.packed_weights import PackedWeight as QuantizedWeight
 from kernels.rope import RopeScaling, apply_rope, rope_cos_sin_cache, rope_inv_freq
 
@@ -69,6 +69,7 @@ class Linear(nn.Module):
                              f"projection [{self.out_features}, {self.in_features}]")
         self.quantized = weight
         self.quantized_data, self.quantized_scales = weight.data, weight.scales
+        self.quantized_kernel = packed_kernels_available()  # built and logged (instruction sets) at load
         self.weight = _empty_param(0, self.in_features, dtype=self.weight.dtype)
 
     def pack_for_cpu(self, plan: HostGemmPlan = HostGemmPlan()) -> None:
@@ -85,7 +86,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
         if self.quantized is not None:
-            return packed_linear_buffers(x, self.quantized_data, self.quantized_scales, self.bias, self.quantized)
+            return packed_linear_buffers(x, self.quantized_data, self.quantized_scales, self.bias, self.quantized,
+                                         self.quantized_kernel)
         return linear(x, self.weight, self.bias, self.packed, self.blocked, self.gemv_policy)
 
     def forward_add(self, x: torch.Tensor,  # [T, in]
@@ -130,6 +132,7 @@ class VocabEmbedding(nn.Module):
                              f"[{self.num_embeddings}, {self.embedding_dim}]")
         self.quantized = weight
         self.quantized_data, self.quantized_scales = weight.data, weight.scales
+        self.quantized_kernel = packed_kernels_available()  # for a tied head's GEMM
         self.weight = _empty_param(0, self.embedding_dim, dtype=self.weight.dtype)
 
     def lookup(self, input_ids: torch.Tensor) -> torch.Tensor:  # input_ids [T] int64 (local rows) -> [T, hidden]

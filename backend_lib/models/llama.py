@@ -336,7 +336,7 @@ class LlamaForCausalLM(nn.Module):
         head = self._head_module()
         if head.quantized is not None:  # weight_format=packed: the packed GEMM on the head's (or embedding's) blocks
             logits = packed_linear_buffers(hidden, head.quantized_data, head.quantized_scales, None,
-                                           head.quantized).float()
+                                           head.quantized, head.quantized_kernel).float()
         elif self.blocked_head is not None and self.gemv_policy.use_blocked(hidden.shape[0]):
             logits = blocked_linear_float(hidden, self.blocked_head, self._head_weight().shape[0])
         else:
