@@ -45,7 +45,10 @@ def test_setting_is_validated_and_refused_where_it_cannot_run():
         ModelConfig(weight_format="packed", dtype="float16")
     with pytest.raises(ValueError, match="weight_format=packed cannot run with compile_backend=neuron"):
         EngineConfig.from_flat({"weight_format": "packed", "compile_backend": "neuron"})
-    assert engine_config_from_parameters({"weight_format": "packed"}).model.weight_format == "packed"
+    with pytest.raises(ValueError, match="packed_gemm_path must be"):
+        ModelConfig(weight_format="packed", packed_gemm_path="fp16")
+    model = engine_config_from_parameters({"weight_format": "packed", "packed_gemm_path": "fp32"}).model
+    assert (model.weight_format, model.packed_gemm_path) == ("packed", "fp32")
 
 
 def test_hugging_face_directory_is_refused_naming_the_setting(tmp_path):
@@ -128,18 +131,21 @@ def _workload_prompts() -> list:
     return module.prompts()[:WORKLOAD_PROMPTS]
 
 
-def test_greedy_on_the_workload_prompts_diverges_only_between_near_tied_tokens():
-    """The int8 path rounds each activation row (llama.cpp's Q8 activations), so a continuation may part from
-    dequantize's where two tokens are nearly tied; there the packed token must be among dequantize's top 3,
-    within 0.5 nats of its pick. Prints the count of differing continuations (pytest -s)."""
+def test_greedy_on_the_workload_prompts_equals_dequantize_or_parts_only_at_near_ties():
+    """packed_gemm_path=fp32 (weights widened in registers) computes dequantize's function up to summation order:
+    the same greedy ids. The default int8 path rounds each activation row (llama.cpp's Q8 activations), so a
+    continuation may part from dequantize's where two tokens are nearly tied; there the packed token must be among
+    dequantize's top 3, within 0.5 nats of its pick. Prints the count of differing continuations (pytest -s)."""
     prompts = _workload_prompts()
     params = SamplingParams(temperature=0.0, max_tokens=WORKLOAD_TOKENS, ignore_eos=True, logprobs=3)
     results = {}
-    for fmt in ("dequantize", "packed"):
-        with LLM(weight_format=fmt, max_num_seqs=WORKLOAD_PROMPTS) as llm:
-            results[fmt] = llm.generate(prompts, params)
+    for name, settings in [("dequantize", {}), ("fp32", {"weight_format": "packed", "packed_gemm_path": "fp32"}),
+                           ("int8", {"weight_format": "packed"})]:
+        with LLM(max_num_seqs=WORKLOAD_PROMPTS, **settings) as llm:
+            results[name] = llm.generate(prompts, params)
+    assert [r.token_ids for r in results["fp32"]] == [r.token_ids for r in results["dequantize"]]
     differing = []
-    for want, got in zip(results["dequantize"], results["packed"]):
+    for want, got in zip(results["dequantize"], results["int8"]):
         assert len(got.token_ids) == WORKLOAD_TOKENS and got.error is None
         if want.token_ids == got.token_ids:
             continue
@@ -175,3 +181,19 @@ def test_compiled_regions_trace_the_packed_ops_and_pass_the_graph_lint(smollm2_p
         eager = wrapper._run(step.input_ids, step.positions, layer_views(caches[1]), step.meta)
         assert float((compiled - eager).norm() / eager.norm()) < 3e-2, kind
     lint_region(packed.compute_logits, x[:2], region="packed head")
+
+
+def test_two_ranks_hold_block_aligned_shards_and_match_one():
+    """SmolLM2 on two ranks (2 + 1 KV-head groups): o_proj's columns split at input 384 and down_proj's at 768, on
+    Q4_1's 32-input blocks. On the fp32 path greedy ids match one rank's (as dequantize's do); the int8 path runs
+    too (its ids may part at a near tie: the all-reduce's summation order moves an activation across a rounding
+    edge)."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = ["What is the capital of France?", "Once upon a time there was", "0123456789 + - * / ="]
+    outputs = []
+    for size, path in ((1, "fp32"), (2, "fp32"), (2, "int8")):
+        with LLM("", weight_format="packed", packed_gemm_path=path, tensor_parallel_size=size,
+                 num_blocks=128) as llm:
+            outputs.append([r.token_ids for r in llm.generate(prompts, params)])
+    assert outputs[0] == outputs[1]
+    assert all(len(ids) == 8 for ids in outputs[2])

@@ -50,11 +50,18 @@ class ModelConfig:
     # checkpoint's blocks in memory (GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K: ~0.6 bytes a weight for Q4_1, not 4) and runs
     # the host GEMMs on those bytes (kernels/packed_gemm.py). Host (cpu) only; GGUF Llama models only so far.
     weight_format: str = "dequantize"
+    # weight_format=packed's GEMM path (kernels/packed_gemm.py): "auto" = "int8" for GGUF (each activation row
+    # rounded to int8 per 32 inputs as llama.cpp does, integer dot products: ~1.7x faster, within a documented
+    # bound of dequantize) and "fp32" for fp8 / fp4; "fp32" widens the weights in registers: dequantize's function
+    # up to summation order.
+    packed_gemm_path: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         _require(self.weight_format in WEIGHT_FORMATS,
                  f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
+        _require(self.packed_gemm_path in ("auto", "fp32", "int8"),
+                 f"packed_gemm_path must be 'auto', 'fp32' or 'int8', got {self.packed_gemm_path!r}")
         # The packed GEMMs are host C++ kernels: Neuron (and CUDA) have none.
         _require(self.weight_format == "dequantize" or self.device == "cpu",
                  f"weight_format=packed runs on the host only (device 'cpu'), not device {self.device!r}")

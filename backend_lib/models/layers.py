@@ -61,7 +61,7 @@ class Linear(nn.Module):
         self.register_buffer("quantized_data", None, persistent=False)
         self.register_buffer("quantized_scales", None, persistent=False)
 
-    def set_quantized(self, weight: QuantizedWeight) -> None:
+    def set_quantized(self, weight: QuantizedWeight, path: str = "auto") -> None:
         """Keep ``weight`` (packed at load) as this projection's only copy: ``weight`` becomes an empty [0, in]
         placeholder, and every forward runs the packed GEMM on these bytes (its epilogues as separate ops)."""
         if (weight.out_features, weight.in_features) != (self.out_features, self.in_features):
@@ -70,6 +70,7 @@ class Linear(nn.Module):
         self.quantized = weight
         self.quantized_data, self.quantized_scales = weight.data, weight.scales
         self.quantized_kernel = packed_kernels_available()  # built and logged (instruction sets) at load
+        self.quantized_path = path  # kernels/packed_gemm.py's path: auto, fp32 or int8
         self.weight = _empty_param(0, self.in_features, dtype=self.weight.dtype)
 
     def pack_for_cpu(self, plan: HostGemmPlan = HostGemmPlan()) -> None:
@@ -87,7 +88,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
         if self.quantized is not None:
             return packed_linear_buffers(x, self.quantized_data, self.quantized_scales, self.bias, self.quantized,
-                                         self.quantized_kernel)
+                                         self.quantized_kernel, self.quantized_path)
         return linear(x, self.weight, self.bias, self.packed, self.blocked, self.gemv_policy)
 
     def forward_add(self, x: torch.Tensor,  # [T, in]
@@ -126,13 +127,14 @@ class VocabEmbedding(nn.Module):
         self.register_buffer("quantized_data", None, persistent=False)
         self.register_buffer("quantized_scales", None, persistent=False)  # a tied head's GEMM takes them
 
-    def set_quantized(self, weight: QuantizedWeight) -> None:
+    def set_quantized(self, weight: QuantizedWeight, path: str = "auto") -> None:
         if (weight.out_features, weight.in_features) != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"packed embedding [{weight.out_features}, {weight.in_features}] does not match "
                              f"[{self.num_embeddings}, {self.embedding_dim}]")
         self.quantized = weight
         self.quantized_data, self.quantized_scales = weight.data, weight.scales
         self.quantized_kernel = packed_kernels_available()  # for a tied head's GEMM
+        self.quantized_path = path
         self.weight = _empty_param(0, self.embedding_dim, dtype=self.weight.dtype)
 
     def lookup(self, input_ids: torch.Tensor) -> torch.Tensor:  # input_ids [T] int64 (local rows) -> [T, hidden]

@@ -336,7 +336,7 @@ class LlamaForCausalLM(nn.Module):
         head = self._head_module()
         if head.quantized is not None:  # weight_format=packed: the packed GEMM on the head's (or embedding's) blocks
             logits = packed_linear_buffers(hidden, head.quantized_data, head.quantized_scales, None,
-                                           head.quantized, head.quantized_kernel).float()
+                                           head.quantized, head.quantized_kernel, head.quantized_path).float()
         elif self.blocked_head is not None and self.gemv_policy.use_blocked(hidden.shape[0]):
             logits = blocked_linear_float(hidden, self.blocked_head, self._head_weight().shape[0])
         else:
@@ -504,4 +504,4 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[:5]}")
         for module, parts in quantized.items():
-            install_gguf_parts(module, parts)
+            install_gguf_parts(module, parts, self.options.packed_gemm_path if self.options else "auto")

@@ -24,6 +24,7 @@ class LoadOptions:
     par: ParallelContext = field(default_factory=ParallelContext)  # which shard this rank loads
     # "packed": quantized checkpoint tensors stay in their blocks (ModelConfig.weight_format)
     weight_format: str = "dequantize"
+    packed_gemm_path: str = "auto"  # ModelConfig.packed_gemm_path: auto, fp32 or int8
 
     def __post_init__(self) -> None:
         if self.dtype not in _LOAD_DTYPES:

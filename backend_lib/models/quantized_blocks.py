@@ -73,7 +73,7 @@ class GGUFBlocks:
 
 
 def install_gguf_parts(module: Linear | VocabEmbedding,
-                       parts: list[tuple[int, GGUFBlocks, torch.Tensor, str]]) -> None:
+                       parts: list[tuple[int, GGUFBlocks, torch.Tensor, str]], path: str = "auto") -> None:
     """A projection's (or the embedding's) GGUF parts as (first row in the fused weight, blocks, the weight's rows
     they fill, checkpoint name) -> one packed weight, rows in the fused order (q / k / v, gate / up); parts in
     different formats (a mixed quantization, or some parts in a format the packed GEMMs lack, which arrived
@@ -83,7 +83,7 @@ def install_gguf_parts(module: Linear | VocabEmbedding,
     rows = module.out_features if isinstance(module, Linear) else module.num_embeddings
     if len({(b.qtype, b.in_features) for b in blocks}) == 1 and sum(b.shape[0] for b in blocks) == rows:
         whole = GGUFBlocks.cat(blocks, parts[0][3])
-        module.set_quantized(pack_gguf(whole.rows.numpy(), whole.qtype, whole.in_features))
+        module.set_quantized(pack_gguf(whole.rows.numpy(), whole.qtype, whole.in_features), path)
         return
     for _, part, view, name in parts:
         copy_into(view, part.dequantize(), name)

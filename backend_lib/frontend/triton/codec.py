@@ -44,6 +44,7 @@ _ENGINE_PARAMETERS: dict[str, tuple[str, type]] = {
     "host_attention": ("host_attention", str),
     "greedy_head_screen": ("greedy_head_screen", bool),
     "weight_format": ("weight_format", str),
+    "packed_gemm_path": ("packed_gemm_path", str),
     "max_num_seqs": ("max_num_seqs", int),
     "max_model_len": ("max_model_len", int),
     "block_size": ("block_size", int),

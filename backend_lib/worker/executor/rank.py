@@ -72,7 +72,8 @@ def host_gemm_plan(host_gemm: str, device: torch.device, dtype: torch.dtype,
 def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
     device, dtype = torch.device(config.model.device), DTYPES[config.model.dtype]
     model = load_model(resolve_model_path(config.model.model), dtype=dtype, progress=par.is_driver,
-                       par=par, weight_format=config.model.weight_format).to(device).eval()
+                       par=par, weight_format=config.model.weight_format,
+                       packed_gemm_path=config.model.packed_gemm_path).to(device).eval()
     # Before the runner: compiled regions trace the packed GEMMs (opaque custom ops) that eager steps call. Before
     # the KV cache's sizing: the packed and blocked copies and the screened heads take memory the cache must not.
     plan = host_gemm_plan(config.model.host_gemm, device, dtype, config.model.greedy_head_screen)
