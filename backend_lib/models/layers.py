@@ -2,7 +2,7 @@
 ``load_weights``; every forward is plain torch that a compiled region can trace."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +73,11 @@ class Linear(nn.Module):
         self.quantized_path = path  # kernels/packed_gemm.py's path: auto, fp32 or int8
         self.weight = _empty_param(0, self.in_features, dtype=self.weight.dtype)
 
+    def rebind_quantized(self) -> None:
+        """After ``quantized_data`` moved (kernels/host_memory.py), the container holds the moved bytes, so the old
+        copy is freed."""
+        self.quantized = replace(self.quantized, data=self.quantized_data)
+
     def pack_for_cpu(self, plan: HostGemmPlan = HostGemmPlan()) -> None:
         """Host GEMMs on pre-packed weights, eagerly and in compiled regions: the blocked few-row kernel streams
         the weights near memory bandwidth at decode row counts; oneDNN's packed GEMM is about 2x MKL's sgemm at
@@ -136,6 +141,9 @@ class VocabEmbedding(nn.Module):
         self.quantized_kernel = packed_kernels_available()  # for a tied head's GEMM
         self.quantized_path = path
         self.weight = _empty_param(0, self.embedding_dim, dtype=self.weight.dtype)
+
+    def rebind_quantized(self) -> None:  # as Linear.rebind_quantized
+        self.quantized = replace(self.quantized, data=self.quantized_data)
 
     def lookup(self, input_ids: torch.Tensor) -> torch.Tensor:  # input_ids [T] int64 (local rows) -> [T, hidden]
         if self.quantized is not None:

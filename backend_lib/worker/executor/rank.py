@@ -83,6 +83,12 @@ def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
             move_buffers_to_huge_pages([(module, name) for module in model.modules()
                                         for name, buffer in module.named_buffers(recurse=False)
                                         if "blocked" in name and buffer is not None])
+    quantized = [(module, "quantized_data") for module in model.modules()
+                 if getattr(module, "quantized", None) is not None]
+    if quantized:  # weight_format=packed: the packed bytes every decode step streams, in model order, likewise
+        move_buffers_to_huge_pages(quantized)
+        for module, _ in quantized:
+            module.rebind_quantized()
     num_blocks = _agree_on_blocks(kv_cache_blocks(config, model, dtype, par.world_size), par)
     if (config.model.host_attention == "cpp" and hasattr(model, "use_cpu_attention")
             and cpu_kernels_supported(device, dtype) and load_cpu_kernels()):
