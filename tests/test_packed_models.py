@@ -20,6 +20,7 @@ from backend_lib.models.layers import resident_weight_bytes
 from backend_lib.models.loader import load_model
 from backend_lib.models.quantized_blocks import GGUFBlocks
 from backend_lib.tools.lint.graph_lint import lint_region
+from backend_lib.tools.tiny import make_tiny
 from backend_lib.worker.compile.buckets import BucketSpec
 from backend_lib.worker.compile.regions import CompiledModel, layer_views
 from kernels.packed_embedding import packed_embedding
@@ -197,3 +198,35 @@ def test_two_ranks_hold_block_aligned_shards_and_match_one():
             outputs.append([r.token_ids for r in llm.generate(prompts, params)])
     assert outputs[0] == outputs[1]
     assert all(len(ids) == 8 for ids in outputs[2])
+
+
+@pytest.fixture(scope="module")
+def tiny_v3_fp8(tmp_path_factory):
+    return make_tiny("deepseek_v3", tmp_path_factory.mktemp("v3fp8") / "m", fp8=True, mtp_layers=1)
+
+
+def test_deepseek_v3_fp8_projections_packed_give_dequantizes_greedy_ids(tiny_v3_fp8):
+    """Every fp8 projection (attention, dense and shared-expert MLPs, MTP) in packed tiles, the fp32-widening path:
+    block_fp8_linear's function up to summation order, the same greedy ids; fp8 bytes resident, no fp8 copy."""
+    packed = load_model(str(tiny_v3_fp8), progress=False, weight_format="packed")
+    fp8 = {name: m for name, m in packed.named_modules() if getattr(m, "quantized", None) is not None}
+    assert fp8 and all(m.quantized.fmt == "fp8_e4m3" and m.weight.numel() == 0 for m in fp8.values())
+    assert any(name.startswith("mtp.") for name in fp8) and any("shared_experts" in name for name in fp8)
+    dequantized = load_model(str(tiny_v3_fp8), progress=False)
+    for name, p in fp8.items():
+        d = dequantized.get_submodule(name)
+        x = torch.randn(3, p.in_features, generator=torch.Generator().manual_seed(5))
+        torch.testing.assert_close(p(x), d(x), rtol=1e-5, atol=1e-5)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ids = []
+    for fmt in ("dequantize", "packed"):
+        with LLM(str(tiny_v3_fp8), weight_format=fmt, num_blocks=64) as llm:
+            ids.append([r.token_ids for r in llm.generate(["Hello there", "0123456789", "abc abc"], params)])
+    assert ids[0] == ids[1]
+
+
+def test_deepseek_v3_fp8_split_off_the_128_blocks_is_refused_naming_it(tiny_v3_fp8):
+    """The tiny model's 128-wide hidden size splits at 64 on two ranks: inside one 128x128 block."""
+    with pytest.raises(Exception, match="weight_format=packed: the tensor-parallel split"):
+        with LLM(str(tiny_v3_fp8), weight_format="packed", tensor_parallel_size=2, num_blocks=64):
+            pass

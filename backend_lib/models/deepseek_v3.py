@@ -116,14 +116,17 @@ _EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)
 
 
 class DeepseekV3ForCausalLM(nn.Module):
+    accepts_packed_weights = True  # weight_format=packed: the fp8 projections (loader.py)
+
     def __init__(self, args: DeepseekV3Args, dtype: torch.dtype = torch.float32,
                  dequantize_fp8_at_load: bool = False, moe_impl: str = "dynamic",
-                 par: ParallelContext | None = None) -> None:
+                 par: ParallelContext | None = None, packed: bool = False) -> None:
         super().__init__()
         if moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
         self.args, self.dtype, self.dequantize_fp8_at_load = args, dtype, dequantize_fp8_at_load
         self.par = par = par or ParallelContext()
+        self.packed = packed  # weight_format=packed: fp8 projections stay in packed tiles (BlockLinear.set_weight)
         self.rope = build_rope(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling,
                                args.max_position_embeddings, args.rope_interleave)
         # Vocabulary-parallel embedding and head: each rank keeps 1/N of the rows.
@@ -159,7 +162,7 @@ class DeepseekV3ForCausalLM(nn.Module):
                        options: "LoadOptions | None" = None) -> "DeepseekV3ForCausalLM":
         dequantize = bool(getattr(options, "dequantize_fp8_at_load", False))
         return cls(DeepseekV3Args.from_hf_config(config), dtype=dtype, dequantize_fp8_at_load=dequantize,
-                   par=getattr(options, "par", None))
+                   par=getattr(options, "par", None), packed=bool(getattr(options, "packed", False)))
 
     def set_moe_impl(self, impl: str) -> None:
         """"dynamic" (grouped dispatch, eager) or "static" (fixed shapes, for compiled regions)."""
@@ -272,7 +275,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             experts.set_expert(int(expert.group(2)), expert.group(3), weight, scale, self.dtype,
                                self.dequantize_fp8_at_load)
         else:
-            self.get_submodule(owner).set_weight(weight, scale, self.dtype, self.dequantize_fp8_at_load)
+            self.get_submodule(owner).set_weight(weight, scale, self.dtype, self.dequantize_fp8_at_load, self.packed)
 
     def _check_complete(self) -> None:
         missing = [name for name, m in self.named_modules() if isinstance(m, BlockLinear)

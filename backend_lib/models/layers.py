@@ -178,17 +178,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # x [T, 2 * I] = [gate | up]
 
 
 def resident_weight_bytes(model: nn.Module) -> tuple[int, int]:
-    """(weights, resident bytes) of a model's parameters, quantized projections and embeddings at their packed
-    size (the load log's bytes per weight; the host GEMMs' extra layouts are not counted)."""
+    """(weights, resident bytes) of a model's parameters and persistent buffers (DeepSeek's weights are buffers;
+    a ``*scale*`` buffer adds bytes, no weights), quantized projections and embeddings at their packed size (the
+    load log's bytes per weight; the host GEMMs' extra layouts, non-persistent buffers, are not counted)."""
     weights = resident = 0
     for module in model.modules():
         quantized = getattr(module, "quantized", None)
         if isinstance(quantized, QuantizedWeight):
             weights += quantized.out_features * quantized.in_features
             resident += quantized.nbytes
-        for param in module.parameters(recurse=False):
-            weights += param.numel()
-            resident += param.numel() * param.element_size()
+        tensors = [(name, t) for name, t in module.named_parameters(recurse=False)]
+        tensors += [(name, t) for name, t in module.named_buffers(recurse=False)
+                    if t is not None and name not in module._non_persistent_buffers_set]
+        for name, t in tensors:
+            weights += 0 if "scale" in name else t.numel()
+            resident += t.numel() * t.element_size()
     return weights, resident
 
 

@@ -126,10 +126,6 @@ def iter_safetensors(files: list[str], progress: bool) -> Iterator[tuple[str, La
 
 
 def _load_hf_directory(directory: str, options: LoadOptions) -> nn.Module:
-    if options.packed:
-        raise ValueError(f"weight_format=packed: {directory} is a Hugging Face directory; packed weights are "
-                         "wired for GGUF checkpoints (Q8_0 / Q4_0 / Q4_1 / Q4_K) only so far (DeepSeek fp8 / fp4 "
-                         "not yet): use weight_format=dequantize")
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"{directory}: not a Hugging Face model directory (no config.json)")
@@ -138,8 +134,15 @@ def _load_hf_directory(directory: str, options: LoadOptions) -> nn.Module:
     architectures = config.get("architectures") or []
     if not architectures:
         raise ValueError(f"{config_path}: 'architectures' is missing or empty")
-    model = get_model_class(architectures[0]).from_hf_config(config, options.dtype, options=options)
+    cls = get_model_class(architectures[0])
+    if options.packed and not getattr(cls, "accepts_packed_weights", False):
+        raise ValueError(f"weight_format=packed: {directory} is a {architectures[0]} Hugging Face directory; packed "
+                         "weights are wired for GGUF checkpoints (Q8_0 / Q4_0 / Q4_1 / Q4_K) and DeepSeek-V3 fp8 "
+                         "projections only so far: use weight_format=dequantize")
+    model = cls.from_hf_config(config, options.dtype, options=options)
     model.load_weights(iter_safetensors(safetensors_files(directory), options.progress))
+    if options.packed:
+        _log_resident_bytes(model)
     return model
 
 
@@ -150,10 +153,14 @@ def _load_gguf(path: str, options: LoadOptions) -> nn.Module:
               disable=not options.progress) as tensors:
         model.load_weights(tensors)
     if options.packed:
-        params, resident = resident_weight_bytes(model)
-        logger.info("deepinfer: weight_format=packed: %d weights in %.1f MB resident, %.3f bytes per weight (%s)",
-                    params, resident / 1e6, resident / max(params, 1), describe_weight_formats(model))
+        _log_resident_bytes(model)
     return model
+
+
+def _log_resident_bytes(model: nn.Module) -> None:
+    params, resident = resident_weight_bytes(model)
+    logger.info("deepinfer: weight_format=packed: %d weights in %.1f MB resident, %.3f bytes per weight (%s)",
+                params, resident / 1e6, resident / max(params, 1), describe_weight_formats(model))
 
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, progress: bool = True, *,
