@@ -230,3 +230,23 @@ def test_deepseek_v3_fp8_split_off_the_128_blocks_is_refused_naming_it(tiny_v3_f
     with pytest.raises(Exception, match="weight_format=packed: the tensor-parallel split"):
         with LLM(str(tiny_v3_fp8), weight_format="packed", tensor_parallel_size=2, num_blocks=64):
             pass
+
+
+def test_deepseek_v4_fp8_projections_packed_give_dequantizes_greedy_ids(tmp_path):
+    """V4 with fp8 projections and fp4 routed experts: the fp8 projections (but wo_a, read whole by its grouped
+    product) in packed tiles on the fp32-widening path, the same greedy ids as dequantize. (The fp4 experts keep
+    their existing form: not packed-GEMM yet.)"""
+    path = make_tiny("deepseek_v4", tmp_path / "v4", fp8=True, fp4_experts=True, mtp_layers=1)
+    packed = load_model(str(path), progress=False, weight_format="packed")
+    fp8 = {name: m for name, m in packed.named_modules() if getattr(m, "quantized", None) is not None}
+    assert fp8 and not any(name.endswith("wo_a") for name in fp8)
+    dequantized = load_model(str(path), progress=False)
+    for name, p in fp8.items():
+        x = torch.randn(3, p.in_features, generator=torch.Generator().manual_seed(6))
+        torch.testing.assert_close(p(x), dequantized.get_submodule(name)(x), rtol=1e-5, atol=1e-5)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ids = []
+    for fmt in ("dequantize", "packed"):
+        with LLM(str(path), weight_format=fmt, num_blocks=64) as llm:
+            ids.append([r.token_ids for r in llm.generate(["Hello there", "0123456789", "abc abc"], params)])
+    assert ids[0] == ids[1]

@@ -275,7 +275,9 @@ class DeepseekV3ForCausalLM(nn.Module):
             experts.set_expert(int(expert.group(2)), expert.group(3), weight, scale, self.dtype,
                                self.dequantize_fp8_at_load)
         else:
-            self.get_submodule(owner).set_weight(weight, scale, self.dtype, self.dequantize_fp8_at_load, self.packed)
+            # kv_b_proj is read whole (dense_weight) by MLA's absorbed decode at every step: it keeps the fp8 form
+            packed = self.packed and not owner.endswith("kv_b_proj")
+            self.get_submodule(owner).set_weight(weight, scale, self.dtype, self.dequantize_fp8_at_load, packed)
 
     def _check_complete(self) -> None:
         missing = [name for name, m in self.named_modules() if isinstance(m, BlockLinear)

@@ -181,14 +181,16 @@ def _whole(tensor: Any) -> torch.Tensor:
 
 
 class DeepseekV4ForCausalLM(nn.Module):
+    accepts_packed_weights = True  # weight_format=packed: the fp8 projections (loader.py)
+
     def __init__(self, args: DeepseekV4Args, dtype: torch.dtype = torch.float32,
                  par: ParallelContext = ParallelContext(), moe_impl: str = "dynamic",
-                 dequantize_fp8_at_load: bool = False) -> None:
+                 dequantize_fp8_at_load: bool = False, packed: bool = False) -> None:
         super().__init__()
         if moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
         self.args, self.dtype, self.par = args, dtype, par
-        self.dequantize_fp8_at_load = dequantize_fp8_at_load
+        self.dequantize_fp8_at_load, self.packed = dequantize_fp8_at_load, packed
         a = args
         main = build_rope(a.rope_head_dim, a.rope_theta, None, a.max_position_embeddings, True)
         compress = build_rope(a.rope_head_dim, a.compress_rope_theta, a.compress_rope_scaling,
@@ -239,7 +241,8 @@ class DeepseekV4ForCausalLM(nn.Module):
                        par: ParallelContext | None = None) -> "DeepseekV4ForCausalLM":
         dequantize = bool(getattr(options, "dequantize_fp8_at_load", False))
         par = par or getattr(options, "par", None) or ParallelContext()  # the loader's rank, unless given here
-        return cls(DeepseekV4Args.from_hf_config(config), dtype=dtype, par=par, dequantize_fp8_at_load=dequantize)
+        return cls(DeepseekV4Args.from_hf_config(config), dtype=dtype, par=par, dequantize_fp8_at_load=dequantize,
+                   packed=bool(getattr(options, "packed", False)))
 
     def set_moe_impl(self, impl: str) -> None:
         """"dynamic" (grouped dispatch, eager) or "static" (fixed shapes, for compiled regions)."""
@@ -444,7 +447,10 @@ class DeepseekV4ForCausalLM(nn.Module):
                                  f"scale blocks; choose a tensor_parallel_size that keeps shards block-aligned")
             weight = shard.take(weight)
             scale = Shard(shard.dim, shard.start // block, -(-shard.size // block)).take(scale)
-        target.set_weight(_whole(weight), _whole(scale).float(), self.dtype, self.dequantize_fp8_at_load)
+        # weight_format=packed: the fp8 projections in packed tiles, but wo_a, read whole (dense_weight) by its
+        # block-diagonal grouped product at every step; the fp4 routed experts keep their own packed form
+        packed = self.packed and not base.endswith("wo_a")
+        target.set_weight(_whole(weight), _whole(scale).float(), self.dtype, self.dequantize_fp8_at_load, packed)
 
     def _is_mtp(self, name: str) -> bool:
         layer = _LAYER.match(name)
