@@ -48,7 +48,8 @@ class ModelConfig:
     greedy_head_screen: bool = True
     # Quantized checkpoints: "dequantize" widens the weights to ``dtype`` at load; "packed" keeps them in the
     # checkpoint's blocks in memory (GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K: ~0.6 bytes a weight for Q4_1, not 4) and runs
-    # the host GEMMs on those bytes (kernels/packed_gemm.py). Host (cpu) only; GGUF Llama models only so far.
+    # the host GEMMs on those bytes (kernels/packed_gemm.py), and DeepSeek-V3 / V4 fp8 projections likewise. Host
+    # (cpu) only.
     weight_format: str = "dequantize"
     # weight_format=packed's GEMM path (kernels/packed_gemm.py): "auto" = "int8" for GGUF (each activation row
     # rounded to int8 per 32 inputs as llama.cpp does, integer dot products: ~1.7x faster, within a documented

@@ -137,7 +137,7 @@ def _load_hf_directory(directory: str, options: LoadOptions) -> nn.Module:
     cls = get_model_class(architectures[0])
     if options.packed and not getattr(cls, "accepts_packed_weights", False):
         raise ValueError(f"weight_format=packed: {directory} is a {architectures[0]} Hugging Face directory; packed "
-                         "weights are wired for GGUF checkpoints (Q8_0 / Q4_0 / Q4_1 / Q4_K) and DeepSeek-V3 fp8 "
+                         "weights are wired for GGUF checkpoints (Q8_0 / Q4_0 / Q4_1 / Q4_K) and DeepSeek-V3 / V4 fp8 "
                          "projections only so far: use weight_format=dequantize")
     model = cls.from_hf_config(config, options.dtype, options=options)
     model.load_weights(iter_safetensors(safetensors_files(directory), options.progress))
