@@ -234,13 +234,19 @@ def test_deepseek_v3_fp8_split_off_the_128_blocks_is_refused_naming_it(tiny_v3_f
 
 def test_deepseek_v4_fp8_projections_packed_give_dequantizes_greedy_ids(tmp_path):
     """V4 with fp8 projections and fp4 routed experts: the fp8 projections (but wo_a, read whole by its grouped
-    product) in packed tiles on the fp32-widening path, the same greedy ids as dequantize. (The fp4 experts keep
-    their existing form: not packed-GEMM yet.)"""
+    product) and every fp4 expert in packed tiles on the fp32-widening path, the same greedy ids as dequantize."""
     path = make_tiny("deepseek_v4", tmp_path / "v4", fp8=True, fp4_experts=True, mtp_layers=1)
     packed = load_model(str(path), progress=False, weight_format="packed")
     fp8 = {name: m for name, m in packed.named_modules() if getattr(m, "quantized", None) is not None}
     assert fp8 and not any(name.endswith("wo_a") for name in fp8)
+    moe = packed.layers[0].ffn
+    assert moe.gate_up.numel() == 0 and moe.gate_up_tiles is not None and moe.packed_shapes
     dequantized = load_model(str(path), progress=False)
+    x = torch.randn(5, moe.d.hidden, generator=torch.Generator().manual_seed(7))
+    for e in range(moe.num_local_experts):  # each fp4 expert: its tiles' GEMM against the int8 stack's dequantized
+        want = torch.nn.functional.linear(x, dequantized.layers[0].ffn._dense("gate_up", x.dtype, e))
+        torch.testing.assert_close(moe._expert_linear(x, "gate_up", e), want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(moe._dense("down", x.dtype, e), dequantized.layers[0].ffn._dense("down", x.dtype, e))
     for name, p in fp8.items():
         x = torch.randn(3, p.in_features, generator=torch.Generator().manual_seed(6))
         torch.testing.assert_close(p(x), dequantized.get_submodule(name)(x), rtol=1e-5, atol=1e-5)
@@ -248,5 +254,16 @@ def test_deepseek_v4_fp8_projections_packed_give_dequantizes_greedy_ids(tmp_path
     ids = []
     for fmt in ("dequantize", "packed"):
         with LLM(str(path), weight_format=fmt, num_blocks=64) as llm:
+            ids.append([r.token_ids for r in llm.generate(["Hello there", "0123456789", "abc abc"], params)])
+    assert ids[0] == ids[1]
+
+
+def test_deepseek_v4_fp4_experts_packed_with_expert_parallelism_match_one_rank(tmp_path):
+    """Two ranks with expert parallelism: each packs its own whole fp4 experts; greedy ids equal one rank's."""
+    path = make_tiny("deepseek_v4", tmp_path / "v4", fp4_experts=True)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    ids = []
+    for settings in ({}, {"tensor_parallel_size": 2, "enable_expert_parallel": True}):
+        with LLM(str(path), weight_format="packed", num_blocks=64, **settings) as llm:
             ids.append([r.token_ids for r in llm.generate(["Hello there", "0123456789", "abc abc"], params)])
     assert ids[0] == ids[1]

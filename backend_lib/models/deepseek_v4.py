@@ -422,6 +422,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         missing = sorted(self._expected_names() - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        if self.packed:  # the fp4 routed experts into the packed GEMM's tiles, once every expert is in
+            for module in self.modules():
+                if isinstance(module, V4MoE):
+                    module.pack_experts()
 
     def _set_expert(self, expert: re.Match, weight: Any, scale: Any) -> None:
         moe = getattr(self, expert.group(1))[int(expert.group(2))].ffn

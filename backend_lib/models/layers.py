@@ -187,6 +187,9 @@ def resident_weight_bytes(model: nn.Module) -> tuple[int, int]:
         if isinstance(quantized, QuantizedWeight):
             weights += quantized.out_features * quantized.in_features
             resident += quantized.nbytes
+        if hasattr(module, "packed_experts_bytes"):  # DeepSeek-V4's fp4 routed experts (V4MoE.pack_experts)
+            more_weights, more_bytes = module.packed_experts_bytes()
+            weights, resident = weights + more_weights, resident + more_bytes
         tensors = [(name, t) for name, t in module.named_parameters(recurse=False)]
         tensors += [(name, t) for name, t in module.named_buffers(recurse=False)
                     if t is not None and name not in module._non_persistent_buffers_set]
