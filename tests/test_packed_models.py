@@ -267,3 +267,27 @@ def test_deepseek_v4_fp4_experts_packed_with_expert_parallelism_match_one_rank(t
         with LLM(str(path), weight_format="packed", num_blocks=64, **settings) as llm:
             ids.append([r.token_ids for r in llm.generate(["Hello there", "0123456789", "abc abc"], params)])
     assert ids[0] == ids[1]
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4"])
+def test_deepseek_packed_regions_trace_and_pass_the_graph_lint(arch, tmp_path):
+    """Tiny V3 fp8 / V4 fp8 + fp4, packed, static MoE (what compiled regions run): decode and prefill regions
+    trace whole, pass the lint, and compute what the eager static path computes (fp32 widening everywhere)."""
+    path = make_tiny(arch, tmp_path / arch, fp8=True, fp4_experts=arch == "deepseek_v4")
+    model = load_model(str(path), progress=False, weight_format="packed")
+    model.set_moe_impl("static")
+    buckets = BucketSpec(batch_sizes=(2,), block_table_widths=(4,), prefill_lengths=(8,), block_size=4)
+    wrapper = CompiledModel(model, buckets, "eager", scratch_block=16)
+    for kind, rows, queries, width in [("decode", 2, 1, 4), ("prefill", 1, 8, 4)]:
+        step = wrapper._dummy_step(rows, queries, width, torch.device("cpu"))
+        caches = []
+        for _ in range(2):
+            if hasattr(model, "hybrid_cache_shapes"):
+                paged, state = model.hybrid_cache_shapes(17, 4, 5)
+                caches.append([torch.zeros(s) for s in paged + state])
+            else:
+                caches.append([torch.zeros(s) for s in model.kv_cache_shapes(17 * 4)])
+        compiled = lint_region(wrapper._run, step.input_ids, step.positions, layer_views(caches[0]), step.meta,
+                               region=f"packed {arch} {kind}")
+        eager = wrapper._run(step.input_ids, step.positions, layer_views(caches[1]), step.meta)
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
