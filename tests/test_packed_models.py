@@ -291,3 +291,26 @@ def test_deepseek_packed_regions_trace_and_pass_the_graph_lint(arch, tmp_path):
                                region=f"packed {arch} {kind}")
         eager = wrapper._run(step.input_ids, step.positions, layer_views(caches[1]), step.meta)
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_one_op_decode_loop_on_packed_weights_equals_the_module_path():
+    """Eager host decode steps of a packed SmolLM2 run ``deepinfer::llama_decode_layers`` with its packed-GEMM path
+    (kernels/csrc/llama_decode.cpp): the module path's ids and logprobs to the bit, on both GEMM paths."""
+    prompts = ["The cat sat on the mat. The cat", "Count: one two three", "Hello"]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    for path in ("auto", "fp32"):
+        with LLM("", weight_format="packed", packed_gemm_path=path, num_blocks=64) as llm:
+            model = llm.engine.model
+            collect, results, served = type(model)._host_decode_weights, [], []
+            for use_op in (False, True):
+                def weights(num_tokens, meta, use_op=use_op):
+                    found = collect(model, num_tokens, meta) if use_op else None
+                    served.append(found is not None)
+                    return found
+                model._host_decode_weights = weights
+                try:
+                    outs = llm.generate(prompts, params)
+                finally:
+                    del model._host_decode_weights
+                results.append(([o.token_ids for o in outs], [o.logprobs for o in outs]))
+        assert any(served) and results[0] == results[1], path

@@ -298,7 +298,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _host_decode_weights(self, num_tokens: int,
                              meta: AttentionMetadata) -> tuple[list[torch.Tensor], list[torch.Tensor], int] | None:
-        """(norms, projections, GEMM path) for ``deepinfer::llama_decode_layers`` (kernels/csrc/llama_decode.cpp:
+        """(norms, projections, GEMM path[, packed format, packed path]) for ``deepinfer::llama_decode_layers`` (kernels/csrc/llama_decode.cpp:
         the eager host path's ops from one C++ loop, same results) when this step is in its scope: decode tokens
         only, one rank, no biases, every projection on the GEMM that ``linear`` picks at this row count (the
         blocked kernel needs SiLU's width a multiple of its tile). Else None: the module path."""
@@ -308,28 +308,39 @@ class LlamaForCausalLM(nn.Module):
             self._decode_weight_lists = self._collect_decode_weights()
         if not self._decode_weight_lists:
             return None
-        norms, blocked, packed, plain = self._decode_weight_lists
+        norms, blocked, packed, plain, quantized = self._decode_weight_lists
+        if quantized is not None:  # weight_format=packed: (tiles, format, path)
+            return (norms, *quantized[:1], 3, *quantized[1:])
         if blocked is not None and self.gemv_policy.use_blocked(num_tokens):  # as linear() picks
             return (norms, blocked, 0) if blocked else None
         return (norms, packed, 1) if packed else (norms, plain, 2)
 
     def _collect_decode_weights(self) -> tuple:
-        """(norms, blocked, oneDNN-packed, plain) weight lists, a list None where the projections lack that layout
-        (blocked: [] where SiLU's width does not fit the kernel's tiles); () when the C++ loop cannot serve this
-        model (biases)."""
+        """(norms, blocked, oneDNN-packed, plain, quantized) weight lists, a list None where the projections lack
+        that layout (blocked: [] where SiLU's width does not fit the kernel's tiles; quantized: (packed tiles,
+        format, path) under weight_format=packed); () when the C++ loop cannot serve this model (biases, mixed
+        packed formats)."""
         layers = self.layers
         linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        # The C++ loop calls the blocked / oneDNN / plain GEMMs on fp32 or bf16 weights; packed (quantized)
-        # projections run the module path, where each projection is one packed-GEMM call.
-        if any(m.bias is not None or m.quantized is not None for m in linears):
+        if any(m.bias is not None for m in linears):
             return ()
         norms = [n.weight for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         blocked = [m.blocked for m in linears] if all(m.blocked is not None for m in linears) else None
         if blocked and any(layer.mlp.intermediate_size % TILE for layer in layers):
             blocked = []
         packed = [m.packed.packed for m in linears] if all(m.packed is not None for m in linears) else None
-        return norms, blocked, packed, [m.weight for m in linears]
+        quantized = None
+        if any(m.quantized is not None for m in linears):
+            # weight_format=packed: the C++ loop calls the packed GEMM when every projection is in one GGUF format
+            # on the built kernel (else the module path: a projection dequantized at load, the torch reference)
+            kinds = {(m.quantized.fmt, m.quantized_path, m.quantized_kernel) if m.quantized is not None else None
+                     for m in linears}
+            kind = next(iter(kinds))
+            if len(kinds) != 1 or kind is None or not kind[2] or not kind[0].startswith("q"):
+                return ()
+            quantized = ([m.quantized_data for m in linears], kind[0], kind[1])
+        return norms, blocked, packed, [m.weight for m in linears], quantized
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [N, hidden] -> [N, vocab] float32
         """Every rank gets the full vocabulary row (all-gathered from the ranks' vocabulary shards)."""
