@@ -12,6 +12,9 @@ _DTYPES = ("float32", "bfloat16", "float16")
 _SPEC_METHODS = ("none", "ngram", "mtp")
 _HOST_GEMMS = ("auto", "gemv", "onednn", "mkl")
 _COMPILE_BACKENDS = ("none", "auto", "inductor", "aot_eager", "neuron")
+# KV cache element types: "auto" = the model dtype; "fp8_e4m3" = e4m3 codes with per-layer scales (kernels/kv_fp8.py).
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+_KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 # Admission defaults per running slot: a burst of 8 batches' worth waits (the last one about 8 batch lifetimes),
 # more is refused at once; sessions hold history (and KV until evicted), so more of them may stay open.
 WAITING_PER_SEQ = 8
@@ -63,8 +66,14 @@ class CacheConfig:
     kv_cache_memory_gb: float = 0.0  # 0 = auto: kv_cache_memory_fraction of the memory free after loading weights
     kv_cache_memory_fraction: float = 0.5  # like vLLM's gpu_memory_utilization, of what is free, not of the total
     enable_prefix_caching: bool = True
+    # "auto": K/V in the model dtype; "fp8_e4m3" (alias "fp8"): one byte per value with per-layer scales, so the
+    # same memory holds 2x the tokens of bf16 (4x fp32). Models and paths that cannot store it refuse it at load.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        self.kv_cache_dtype = _KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (or the alias 'fp8'), got {self.kv_cache_dtype!r}")
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
                  f"block_size must be a power of two in [1, 128], got {self.block_size}")
         _require(self.num_blocks >= 0, f"num_blocks must be >= 0 (0 = auto), got {self.num_blocks}")
@@ -237,6 +246,11 @@ class EngineConfig:
                  f"max_sessions must be >= 0 (0 = {SESSIONS_PER_SEQ} x max_num_seqs), got {self.max_sessions}")
         self.max_waiting_requests = self.max_waiting_requests or WAITING_PER_SEQ * self.scheduler.max_num_seqs
         self.max_sessions = self.max_sessions or SESSIONS_PER_SEQ * self.scheduler.max_num_seqs
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """The KV cache's element type as the load log and /metrics name it (the model dtype for "auto")."""
+        return self.model.dtype if self.cache.kv_cache_dtype == "auto" else self.cache.kv_cache_dtype
 
     @classmethod
     def from_flat(cls, values: dict[str, Any]) -> "EngineConfig":

@@ -79,7 +79,7 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype, spec: SpecConfig | None = None,
                  compile_config: CompileConfig | None = None, max_num_seqs: int = 32,
                  max_model_len: int | None = None, channel: StepChannel | None = None,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.channel = channel
         self.block_size = block_size
@@ -95,7 +95,8 @@ class ModelRunner:
             shapes = paged + state
         else:
             shapes = model.kv_cache_shapes(num_slots)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        # kv_dtype: the cache's element type (default the model's; uint8 e4m3 codes for kv_cache_dtype=fp8_e4m3).
+        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype or dtype, device=device) for shape in shapes]
         self.sampler = Sampler() if channel is None or channel.par.is_driver else None  # only the driver samples
         spec = spec or SpecConfig()
         k = spec.num_speculative_tokens

@@ -50,6 +50,7 @@ _ENGINE_PARAMETERS: dict[str, tuple[str, type]] = {
     "kv_cache_memory_gb": ("kv_cache_memory_gb", float),
     "kv_cache_memory_fraction": ("kv_cache_memory_fraction", float),
     "enable_prefix_caching": ("enable_prefix_caching", bool),
+    "kv_cache_dtype": ("kv_cache_dtype", str),
     "max_num_batched_tokens": ("max_num_batched_tokens", int),
     "enable_chunked_prefill": ("enable_chunked_prefill", bool),
     "session_idle_timeout_s": ("session_idle_timeout_s", float),
