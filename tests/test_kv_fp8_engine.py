@@ -10,8 +10,11 @@ them off), so the outputs are equal to the bit, not within a tolerance.
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 import backend_lib.models.llama as llama_module
 from backend_lib.core.config import EngineConfig
@@ -19,6 +22,7 @@ from backend_lib.core.outputs import SessionControl
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.llm_engine import LLMEngine
 from backend_lib.engine.offline import LLM
+from backend_lib.frontend.triton.codec import engine_config_from_parameters
 from backend_lib.tools.tiny import make_tiny
 from kernels.attention import write_kv
 from kernels.kv_fp8 import dequantize_kv, quantize_kv
@@ -109,7 +113,8 @@ def test_fp8_sessions_keep_their_codes_between_turns(tiny_llama_dir, reference_w
                                            (" finally", (False, True))]):
             engine.add_request(f"t{i}", text, GREEDY, SessionControl("s", start=flags[0], end=flags[1]))
             while engine.has_unfinished_requests():
-                turns += [(o.request_id, o.new_token_ids, [lp.logprob for lp in o.new_logprobs or []]) for o in engine.step()]
+                turns += [(o.request_id, o.new_token_ids, [lp.logprob for lp in o.new_logprobs or []])
+                          for o in engine.step()]
         outputs.append(turns)
     assert outputs[0] == outputs[1] and len(outputs[0]) > 3
 
@@ -164,3 +169,43 @@ def test_models_without_fp8_kv_refuse_it_naming_the_setting(tmp_path):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig.from_flat({"kv_cache_dtype": "int8"})
     assert EngineConfig.from_flat({"kv_cache_dtype": "fp8"}).cache.kv_cache_dtype == "fp8_e4m3"
+    config = engine_config_from_parameters({"kv_cache_dtype": "fp8", "dtype": "bfloat16"})  # config.pbtxt's way
+    assert config.cache.kv_cache_dtype == "fp8_e4m3" and config.kv_dtype_name == "fp8_e4m3"
+    assert engine_config_from_parameters({"kv_cache_dtype": ""}).kv_dtype_name == "float32"  # auto: the model's
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        engine_config_from_parameters({"kv_cache_dtype": "e5m2"})
+
+
+@pytest.mark.parametrize("attention", ["cpp", "torch"])
+def test_fp8_compiled_regions_equal_eager(tiny_llama_dir, attention):
+    """Decode graphs (aot_eager) store and read the codes as the eager steps do: the C++ fp8 op inside the graph,
+    or the fused gather + dequantize form."""
+    settings = {"host_attention": attention, "max_num_seqs": 4}
+    eager = _run(_engine(tiny_llama_dir, False, **settings), PROMPTS, GREEDY)
+    graphs = _run(_engine(tiny_llama_dir, False, compile_backend="aot_eager", batch_buckets="1,2,4",
+                          width_buckets="8,16", compile_progress=False, **settings), PROMPTS, GREEDY)
+    for a, b in zip(eager, graphs):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
+def test_checkpoint_kv_scales_are_used_and_logged(tiny_llama_dir, tmp_path, caplog):
+    """llm-compressor's per-tensor scales (self_attn.k_scale / v_scale) set the layer's KVQuant; without them 1.0."""
+    directory = tmp_path / "scaled"
+    shutil.copytree(tiny_llama_dir, directory)
+    weights = load_file(directory / "model.safetensors")
+    weights["model.layers.1.self_attn.k_scale"] = torch.tensor(0.5)
+    weights["model.layers.1.self_attn.v_scale"] = torch.tensor([0.25])
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level("INFO"):
+        engine = _engine(directory, False)
+    quants = [layer.self_attn.kv_quant for layer in engine.model.layers]
+    assert [(q.k_scale, q.v_scale, q.fp8_max) for q in quants] == [(1.0, 1.0, 448.0), (0.5, 0.25, 448.0)]
+    assert "k_scale / v_scale from the checkpoint (1 of 2 layers; 1.0 elsewhere)" in caplog.text
+    assert "KV cache of fp8_e4m3:" in caplog.text
+    assert _run(engine, PROMPTS[:1], GREEDY)[0].error is None
+    with caplog.at_level("INFO"):
+        _engine(tiny_llama_dir, False)
+    assert "k_scale = v_scale = 1.0 (the checkpoint has none)" in caplog.text
+    plain = _engine(directory, True)  # auto: the scales are read and ignored
+    assert all(layer.self_attn.kv_quant is None for layer in plain.model.layers)

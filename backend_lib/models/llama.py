@@ -478,11 +478,12 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             scale = _KV_SCALE.fullmatch(name)
             if scale is not None:  # optional: used only with kv_cache_dtype=fp8_e4m3
-                index = int(scale.group("index"))
-                if index >= len(self.layers) or tensor.numel() != 1:
-                    raise ValueError(f"unexpected KV scale {name!r} (shape {tuple(tensor.shape)})")
+                index, value = int(scale.group("index")), read_shard(tensor, None)
+                if index >= len(self.layers) or value.numel() != 1 or not float(value.float()) > 0:
+                    raise ValueError(f"unexpected KV scale {name!r} (shape {tuple(value.shape)}; a positive "
+                                     f"per-tensor scale of one of the {len(self.layers)} layers expected)")
                 which = scale.group("a") or scale.group("b")
-                self.layers[index].self_attn.checkpoint_kv_scales[which] = float(tensor.float().reshape(()))
+                self.layers[index].self_attn.checkpoint_kv_scales[which] = float(value.float().reshape(()))
                 continue
             target = self._target(name)
             if target is None:

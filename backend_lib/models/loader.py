@@ -104,7 +104,8 @@ class LazyTensor:
         return self._slice[index]
 
     def load(self) -> torch.Tensor:
-        return self._slice[:]
+        # A 0-dim entry (a per-tensor scale such as llm-compressor's k_scale) takes no slice: an empty index reads it.
+        return self._slice[()] if not self._slice.get_shape() else self._slice[:]
 
     def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.load().to(*args, **kwargs)
