@@ -42,28 +42,59 @@ class KVQuant:
             raise ValueError(f"fp8_max must be in (0, {FP8_E4M3_MAX}], got {self.fp8_max}")
 
 
-def e4m3_codes(x: torch.Tensor,  # [...] float
-               fp8_max: float = FP8_E4M3_MAX) -> torch.Tensor:  # [...] int32 in [0, 255]
-    """Round to nearest even e4m3 after clamping to +-fp8_max; the code as int32 (sign << 7 | exponent << 3 |
-    mantissa). In a binade [2^k, 2^(k+1)) the e4m3 values are multiples of 2^(k-3) (2^-9 below 2^-6), so the
-    rounding is ``round(|x| / quantum)``, exact in fp32, and code = 8 * (log2(quantum) + 9) + that multiple: the
-    multiple runs 8..16 in a normal binade (16 is the next binade's first code) and 0..16 in the subnormal one."""
-    x = x.to(torch.float32).clamp(-fp8_max, fp8_max)
+def float_codes(x: torch.Tensor,  # [...] float, within the format's range
+                mantissa_bits: int, min_exponent: int) -> torch.Tensor:  # [...] int32
+    """Round to nearest even in a small binary float format with ``mantissa_bits`` and smallest normal
+    2^min_exponent (e4m3: 3, -6; bf16: 7, -126); the code as int32 (sign << (exponent + mantissa bits) | exponent
+    field << mantissa_bits | mantissa). In a binade [2^k, 2^(k+1)) the values are multiples of
+    2^(k - mantissa_bits) (2^(min_exponent - mantissa_bits) below the normals), so the rounding is
+    ``round(|x| / quantum)``, exact in fp32, and code = 2^mantissa_bits * (log2(quantum) - log2(smallest quantum))
+    + that multiple: the multiple runs 2^m..2^(m+1) in a normal binade (the top one is the next binade's first
+    code) and 0..2^(m+1) in the subnormal one. Plain float and int32 ops: no dtype bitcasts (the Neuron rule)."""
+    x = x.to(torch.float32)
     magnitude = x.abs()
     _, exponent = torch.frexp(magnitude)  # magnitude = m * 2^exponent, m in [0.5, 1)
-    quantum_exp = torch.where(magnitude < _MIN_NORMAL, torch.full_like(exponent, _SUBNORMAL_EXP), exponent - 4)
-    multiple = torch.round(torch.ldexp(magnitude, -quantum_exp)).to(torch.int32)
-    code = 8 * (quantum_exp.to(torch.int32) - _SUBNORMAL_EXP) + multiple
-    return code + 128 * torch.signbit(x).to(torch.int32)
+    smallest = min_exponent - mantissa_bits
+    quantum_exp = torch.where(magnitude < 2.0 ** min_exponent, torch.full_like(exponent, smallest),
+                              exponent - 1 - mantissa_bits)
+    half = -quantum_exp // 2  # two steps: 2^133 (bf16's subnormal quantum) overflows fp32 in one
+    multiple = torch.round(torch.ldexp(torch.ldexp(magnitude, half), -quantum_exp - half)).to(torch.int32)
+    code = (1 << mantissa_bits) * (quantum_exp.to(torch.int32) - smallest) + multiple
+    sign_bit = 1 << (mantissa_bits + (8 if mantissa_bits == 7 else 4))
+    return code + sign_bit * torch.signbit(x).to(torch.int32)
+
+
+def float_values(codes: torch.Tensor,  # [...] integer codes of float_codes' format
+                 mantissa_bits: int, min_exponent: int) -> torch.Tensor:  # [...] float32
+    """(mantissa + 2^m if normal) * 2^(max(exponent field, 1) + min_exponent - 1 - m), signed."""
+    c = codes.to(torch.int32)
+    exponent_bits = 8 if mantissa_bits == 7 else 4
+    field = (c >> mantissa_bits) & ((1 << exponent_bits) - 1)
+    normal = (field > 0).to(torch.int32)
+    integer = (c & ((1 << mantissa_bits) - 1)) + (normal << mantissa_bits)
+    power = (field.clamp_min(1) + (min_exponent - 1 - mantissa_bits)).to(torch.float32)
+    magnitude = integer.to(torch.float32) * torch.exp2(power)
+    return torch.where((c >> (mantissa_bits + exponent_bits)) & 1 != 0, -magnitude, magnitude)
+
+
+def e4m3_codes(x: torch.Tensor,  # [...] float
+               fp8_max: float = FP8_E4M3_MAX) -> torch.Tensor:  # [...] int32 in [0, 255]
+    """e4m3 codes (sign << 7 | exponent << 3 | mantissa) of x clamped to +-fp8_max, rounded to nearest even."""
+    return float_codes(x.to(torch.float32).clamp(-fp8_max, fp8_max), 3, -6)
 
 
 def e4m3_values(codes: torch.Tensor) -> torch.Tensor:  # [...] any integer dtype -> [...] float32
     """The value of each e4m3 code: (mantissa + 8 if normal) * 2^(max(exponent, 1) - 10), signed."""
-    c = codes.to(torch.int32)
-    exponent = (c >> 3) & 15
-    normal = (exponent > 0).to(torch.int32)
-    magnitude = ((c & 7) + 8 * normal).to(torch.float32) * torch.exp2((exponent.clamp_min(1) - 10).to(torch.float32))
-    return torch.where((c & 128) != 0, -magnitude, magnitude)
+    return float_values(codes, 3, -6)
+
+
+def bf16_codes(x: torch.Tensor) -> torch.Tensor:  # [...] float -> [...] int32 in [0, 65535]
+    """bf16 bits of x (round to nearest even; finite values within bf16's range), without a bitcast."""
+    return float_codes(x, 7, -126)
+
+
+def bf16_values(codes: torch.Tensor) -> torch.Tensor:  # [...] int32 bf16 bits -> [...] float32
+    return float_values(codes, 7, -126)
 
 
 def quantize_kv(x: torch.Tensor,  # [...] float

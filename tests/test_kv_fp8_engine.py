@@ -162,8 +162,8 @@ def test_fp8_pool_holds_twice_bf16_and_four_times_fp32_in_the_same_memory(tiny_l
 
 
 def test_models_without_fp8_kv_refuse_it_naming_the_setting(tmp_path):
-    path = make_tiny("deepseek_v3", tmp_path / "v3")
-    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_e4m3' is not supported for DeepseekV3ForCausalLM"):
+    path = make_tiny("deepseek_v4", tmp_path / "v4")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_e4m3' is not supported for DeepseekV4ForCausalLM"):
         LLMEngine(EngineConfig.from_flat({"model": str(path), "max_model_len": 128, "num_blocks": 32,
                                           "kv_cache_dtype": "fp8"}))
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):

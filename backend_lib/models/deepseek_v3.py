@@ -22,6 +22,7 @@ from backend_lib.models.deepseek_layers import (
 )
 from backend_lib.models.parallel import ParallelContext, Shard, read_shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
+from kernels.mla_fp8 import MLARecord
 from kernels.moe import RouterConfig
 from kernels.quant import DEFAULT_BLOCK
 
@@ -123,6 +124,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         if moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
         self.args, self.dtype, self.dequantize_fp8_at_load = args, dtype, dequantize_fp8_at_load
+        self.record: MLARecord | None = None  # fp8 latent records (use_fp8_kv), else None: R + P values a row
         self.par = par = par or ParallelContext()
         self.rope = build_rope(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling,
                                args.max_position_embeddings, args.rope_interleave)
@@ -171,7 +173,23 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     # ---- the model-runner contract -------------------------------------------------------------------
     def kv_cache_shapes(self, num_slots: int) -> list[tuple[int, ...]]:
-        return [(self.args.num_hidden_layers, num_slots, self.args.latent_dim)]
+        """[L, slots, R + P] values, or [L, slots, record bytes] uint8 with an fp8 cache (use_fp8_kv)."""
+        return [(self.args.num_hidden_layers, num_slots, self.latent_width)]
+
+    @property
+    def latent_width(self) -> int:
+        """A cache row's width: R + P values, or the fp8 record's bytes (kernels/mla_fp8.py)."""
+        return self.record.num_bytes if self.record is not None else self.args.latent_dim
+
+    def use_fp8_kv(self, fp8_max: float) -> str:
+        """The latent cache as fp8 records (MTP layers too): e4m3 latent with a power-of-two scale per 128 values
+        and bf16 RoPE. Returns how the scales are chosen, for the load log."""
+        self.record = MLARecord(self.args.kv_lora_rank, self.args.qk_rope_head_dim, fp8_max)
+        for module in self.modules():
+            if isinstance(module, MLAttention):
+                module.record = self.record
+        return (f"MLA records of {self.record.num_bytes} B a token and layer (e4m3 latent, a power-of-two scale "
+                f"per 128 values from each token's amax, bf16 RoPE)")
 
     def forward(self, input_ids: torch.Tensor,  # [T] int64
                 positions: torch.Tensor,  # [T] int64

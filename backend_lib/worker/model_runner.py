@@ -102,7 +102,7 @@ class ModelRunner:
         k = spec.num_speculative_tokens
         self.spec_method = spec.method if k > 0 else "none"
         self.ngram = NgramProposer(spec.ngram_min, spec.ngram_max, k) if self.spec_method == "ngram" else None
-        self.mtp = (make_mtp_proposer(model, self.kv_caches, num_slots, k, device, dtype)
+        self.mtp = (make_mtp_proposer(model, self.kv_caches, num_slots, k, device, kv_dtype or dtype)
                     if self.spec_method == "mtp" else None)
         if getattr(self.mtp, "needs_eager_model", False) and resolve_backend(compile_config, detect_platform()):
             raise ValueError("spec_method 'mtp' drafts for this model need the eager forward (it keeps the "
