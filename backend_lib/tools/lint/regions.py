@@ -1,9 +1,9 @@
 """The catalogue of compiled regions that ``deepinfer lint-graphs`` checks, built on tiny random models.
 
 Regions: decode at each batch bucket, each prefill bucket, the lm_head, every sampler variant and the draft
-verification (greedy and sampled rows), for a tiny Llama (``llama_fp8``: the same with an fp8 KV cache, e4m3 codes
-stored and read at Neuron's bound of 224), a tiny DeepSeek-V3 (fp8 weights, static MoE) and a tiny DeepSeek-V4
-(fp32, static MoE).
+verification (greedy and sampled rows), for a tiny Llama, a tiny DeepSeek-V3 (fp8 weights, static MoE) and a tiny
+DeepSeek-V4 (fp32, static MoE); ``llama_fp8`` and ``deepseek_v3_fp8`` are the first two with an fp8 KV cache (e4m3
+K/V codes, MLA latent records) stored and read at Neuron's bound of 224.
 """
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ LINT_BUCKETS = BucketSpec(batch_sizes=(1, 4), block_table_widths=(4,), prefill_l
 
 
 def _tiny_model(arch: str, directory: str, par: ParallelContext | None = None) -> torch.nn.Module:
-    fp8_kv = arch == "llama_fp8"
-    path = make_tiny("llama" if fp8_kv else arch, directory, fp8=arch == "deepseek_v3", seed=0)
+    fp8_kv = arch.endswith("_fp8")
+    arch = arch.removesuffix("_fp8")
+    path = make_tiny(arch, directory, fp8=arch == "deepseek_v3", seed=0)
     model = load_model(str(path), torch.float32, progress=False, par=par).eval()
     if fp8_kv:
         model.use_fp8_kv(KV_FP8_MAX_NEURON)
@@ -47,7 +48,8 @@ def _model_regions(arch: str, model: torch.nn.Module) -> Iterator[tuple[str, obj
         paged, state = model.hybrid_cache_shapes(NUM_BLOCKS + 1, BLOCK_SIZE, NUM_STATE_SLOTS + 1)
         caches = [torch.zeros(s) for s in paged + state]
     else:
-        kv_dtype = torch.uint8 if getattr(model, "kv_fp8", False) else torch.float32  # e4m3 codes
+        fp8 = getattr(model, "kv_fp8", False) or getattr(model, "record", None) is not None
+        kv_dtype = torch.uint8 if fp8 else torch.float32  # e4m3 codes / latent records
         caches = [torch.zeros(s, dtype=kv_dtype) for s in model.kv_cache_shapes((NUM_BLOCKS + 1) * BLOCK_SIZE)]
     wrapper = CompiledModel(model, LINT_BUCKETS, "eager", scratch_block=NUM_BLOCKS)
     keys = ([("decode", b, 1, w) for b, w in LINT_BUCKETS.decode_keys()]
