@@ -97,6 +97,60 @@ def bf16_values(codes: torch.Tensor) -> torch.Tensor:  # [...] int32 bf16 bits -
     return float_values(codes, 7, -126)
 
 
+MIN_SCALE_EXP = -14  # the smallest group scale (an all-zero group), 2^-14
+
+
+def pow2_scale_exponents(x: torch.Tensor,  # [T, N] float
+                         group: int, fp8_max: float) -> torch.Tensor:  # [T, ceil(N / group)] int32
+    """log2 of each group's scale: ceil(log2(amax / fp8_max)), at least MIN_SCALE_EXP. From frexp, not a rounded
+    log2, so it is exact: a power-of-two scale makes value / scale exact and its bytes computable from the exponent
+    alone (fp32: (e + 127) << 23; ue8m0: e + 127)."""
+    t, n = x.shape
+    groups = -(-n // group)
+    padded = torch.nn.functional.pad(x.to(torch.float32), (0, groups * group - n))
+    ratio = padded.view(t, groups, group).abs().amax(-1) / fp8_max
+    mantissa, exponent = torch.frexp(ratio)  # ratio = m * 2^e, m in [0.5, 1): ceil(log2) = e, or e - 1 at m = 0.5
+    ceil_log2 = torch.where(mantissa == 0.5, exponent - 1, exponent)
+    ceil_log2 = torch.where(ratio > 0, ceil_log2, torch.full_like(ceil_log2, MIN_SCALE_EXP))  # frexp(0) = (0, 0)
+    return ceil_log2.clamp_min(MIN_SCALE_EXP).to(torch.int32)
+
+
+def grouped_codes(x: torch.Tensor,  # [T, N] float
+                  exps: torch.Tensor,  # [T, G] int32 pow2_scale_exponents
+                  group: int, fp8_max: float) -> torch.Tensor:  # [T, N] int32 e4m3 codes of x / 2^exp
+    per_value = torch.repeat_interleave(exps, group, dim=1)[:, :x.shape[1]]
+    return e4m3_codes(torch.ldexp(x.to(torch.float32), -per_value), fp8_max)  # the division is exact
+
+
+def grouped_values(codes: torch.Tensor,  # [..., N] e4m3 codes
+                   exps: torch.Tensor,  # [..., G] int32
+                   group: int) -> torch.Tensor:  # [..., N] float32
+    scales = torch.repeat_interleave(torch.exp2(exps.to(torch.float32)), group, dim=-1)[..., :codes.shape[-1]]
+    return e4m3_values(codes) * scales
+
+
+def fp32_pow2_bytes(exps: torch.Tensor) -> torch.Tensor:  # [T, G] int32 -> [T, 4 * G] int32 bytes (little-endian)
+    """The fp32 bytes of 2^exp: the biased exponent << 23, so 0, 0, its low bit << 7, the rest >> 1."""
+    biased = exps + 127
+    zeros = torch.zeros_like(biased)
+    return torch.stack([zeros, zeros, (biased & 1) << 7, biased >> 1], dim=-1).flatten(-2)
+
+
+def fp32_pow2_exponents(raw: torch.Tensor) -> torch.Tensor:  # [..., 4 * G] int32 bytes -> [..., G] int32
+    quads = raw.unflatten(-1, (-1, 4))
+    return ((quads[..., 3] << 1) | (quads[..., 2] >> 7)) - 127
+
+
+def bf16_bytes(x: torch.Tensor) -> torch.Tensor:  # [T, P] float -> [T, 2 * P] int32 bytes (little-endian)
+    bits = bf16_codes(x)
+    return torch.stack([bits & 0xFF, bits >> 8], dim=-1).flatten(-2)
+
+
+def bf16_from_bytes(raw: torch.Tensor) -> torch.Tensor:  # [..., 2 * P] int32 bytes -> [..., P] float32
+    pairs = raw.unflatten(-1, (-1, 2))
+    return bf16_values(pairs[..., 0] | (pairs[..., 1] << 8))
+
+
 def quantize_kv(x: torch.Tensor,  # [...] float
                 scale: float, fp8_max: float = FP8_E4M3_MAX) -> torch.Tensor:  # [...] uint8 codes
     """Codes of ``x / scale``, narrowed to uint8 here, once, for the store."""

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kv_fp8 import FP8_E4M3_MAX, bf16_codes, bf16_values, e4m3_codes, e4m3_values
+from kernels.kv_fp8 import (FP8_E4M3_MAX, bf16_bytes, bf16_from_bytes, fp32_pow2_bytes, fp32_pow2_exponents,
+                            grouped_codes, grouped_values, pow2_scale_exponents)
 
 GROUP = 128  # latent values per scale
-_MIN_SCALE_EXP = -14
 
 
 @dataclass(frozen=True)
@@ -42,31 +42,12 @@ class MLARecord:
         return self.rank + 4 * self.groups + 2 * self.rope_dim
 
 
-def scale_exponents(latent: torch.Tensor,  # [T, R] float
-                    record: MLARecord) -> torch.Tensor:  # [T, G] int32
-    """log2 of each group's scale: ceil(log2(amax / fp8_max)), from frexp (exact: no rounded log2)."""
-    t = latent.shape[0]
-    padded = torch.nn.functional.pad(latent.to(torch.float32), (0, record.groups * GROUP - record.rank))
-    ratio = padded.view(t, record.groups, GROUP).abs().amax(-1) / record.fp8_max
-    mantissa, exponent = torch.frexp(ratio)  # ratio = m * 2^e, m in [0.5, 1): ceil(log2) = e, or e - 1 at m = 0.5
-    ceil_log2 = torch.where(mantissa == 0.5, exponent - 1, exponent)
-    ceil_log2 = torch.where(ratio > 0, ceil_log2, torch.full_like(ceil_log2, _MIN_SCALE_EXP))  # frexp(0) = (0, 0)
-    return ceil_log2.clamp_min(_MIN_SCALE_EXP).to(torch.int32)
-
-
 def encode_records(latent: torch.Tensor,  # [T, R] normalized latent
                    k_rope: torch.Tensor,  # [T, P] post-rope key
                    record: MLARecord) -> torch.Tensor:  # [T, num_bytes] uint8
-    t = latent.shape[0]
-    exps = scale_exponents(latent, record)  # [T, G]
-    per_value = torch.repeat_interleave(exps, GROUP, dim=1)[:, :record.rank]
-    codes = e4m3_codes(torch.ldexp(latent.to(torch.float32), -per_value), record.fp8_max)  # exact division
-    biased = exps + 127  # fp32 bits of 2^e: biased exponent << 23, so bytes 0, 0, low bit << 7, the rest >> 1
-    zeros = torch.zeros_like(biased)
-    scale_bytes = torch.stack([zeros, zeros, (biased & 1) << 7, biased >> 1], dim=-1).view(t, 4 * record.groups)
-    rope = bf16_codes(k_rope)
-    rope_bytes = torch.stack([rope & 0xFF, rope >> 8], dim=-1).view(t, 2 * record.rope_dim)
-    return torch.cat([codes, scale_bytes, rope_bytes], dim=-1).to(torch.uint8)  # narrowed once
+    exps = pow2_scale_exponents(latent, GROUP, record.fp8_max)  # [T, G]
+    codes = grouped_codes(latent, exps, GROUP, record.fp8_max)
+    return torch.cat([codes, fp32_pow2_bytes(exps), bf16_bytes(k_rope)], dim=-1).to(torch.uint8)  # narrowed once
 
 
 def decode_records(records: torch.Tensor,  # [..., num_bytes] uint8
@@ -74,10 +55,5 @@ def decode_records(records: torch.Tensor,  # [..., num_bytes] uint8
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [..., R + P] latent | k_rope
     r, g = record.rank, record.groups
     raw = records.to(torch.int32)
-    scale_bytes = raw[..., r:r + 4 * g].unflatten(-1, (g, 4))
-    exps = ((scale_bytes[..., 3] << 1) | (scale_bytes[..., 2] >> 7)) - 127  # [..., G]
-    scales = torch.repeat_interleave(torch.exp2(exps.to(torch.float32)), GROUP, dim=-1)[..., :r]
-    latent = e4m3_values(raw[..., :r]) * scales
-    rope_bytes = raw[..., r + 4 * g:].unflatten(-1, (record.rope_dim, 2))
-    rope = bf16_values(rope_bytes[..., 0] | (rope_bytes[..., 1] << 8))
-    return torch.cat([latent, rope], dim=-1).to(dtype)
+    latent = grouped_values(raw[..., :r], fp32_pow2_exponents(raw[..., r:r + 4 * g]), GROUP)
+    return torch.cat([latent, bf16_from_bytes(raw[..., r + 4 * g:])], dim=-1).to(dtype)
