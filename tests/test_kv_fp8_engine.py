@@ -23,7 +23,7 @@ from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.llm_engine import LLMEngine
 from backend_lib.engine.offline import LLM
 from backend_lib.frontend.triton.codec import engine_config_from_parameters
-from backend_lib.tools.tiny import make_tiny
+from backend_lib.worker.kv_dtype import kv_storage_dtype
 from kernels.attention import write_kv
 from kernels.kv_fp8 import dequantize_kv, quantize_kv
 
@@ -161,11 +161,11 @@ def test_fp8_pool_holds_twice_bf16_and_four_times_fp32_in_the_same_memory(tiny_l
         == 4 * blocks["float32", "auto"]
 
 
-def test_models_without_fp8_kv_refuse_it_naming_the_setting(tmp_path):
-    path = make_tiny("deepseek_v4", tmp_path / "v4")
-    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_e4m3' is not supported for DeepseekV4ForCausalLM"):
-        LLMEngine(EngineConfig.from_flat({"model": str(path), "max_model_len": 128, "num_blocks": 32,
-                                          "kv_cache_dtype": "fp8"}))
+def test_models_without_fp8_kv_refuse_it_naming_the_setting():
+    config = EngineConfig.from_flat({"kv_cache_dtype": "fp8"})
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_e4m3' is not supported for Linear yet"):
+        kv_storage_dtype(config, torch.nn.Linear(2, 2), torch.float32)  # a model class without use_fp8_kv
+    assert kv_storage_dtype(EngineConfig(), torch.nn.Linear(2, 2), torch.bfloat16) == torch.bfloat16  # auto
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig.from_flat({"kv_cache_dtype": "int8"})
     assert EngineConfig.from_flat({"kv_cache_dtype": "fp8"}).cache.kv_cache_dtype == "fp8_e4m3"

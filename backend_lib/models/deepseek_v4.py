@@ -27,7 +27,7 @@ from torch import nn
 
 from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm, build_rope
 from backend_lib.models.deepseek_v4_attention import (
-    CSA, HCA, LAYER_TYPES, SLIDING, LayerCache, StepContext, V4Attention, V4AttentionDims, V4Rope,
+    CSA, HCA, LAYER_TYPES, SLIDING, Compressor, LayerCache, StepContext, V4Attention, V4AttentionDims, V4Rope,
     compress_rope_scaling,
 )
 from backend_lib.models.deepseek_v4_layers import (
@@ -40,6 +40,7 @@ from kernels.compressed_attention import ChunkPages, TokenPages, entry_rows_per_
 from kernels.cpu_kernels import load_cpu_kernels
 from kernels.hyper_connections import HyperConnectionSpec, hc_head_collapse
 from kernels.quant import DEFAULT_BLOCK
+from kernels.v4_fp8 import EntryRecord, IndexKeyRecord
 
 if TYPE_CHECKING:
     from backend_lib.models.load_options import LoadOptions
@@ -189,6 +190,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
         self.args, self.dtype, self.par = args, dtype, par
         self.dequantize_fp8_at_load = dequantize_fp8_at_load
+        self.records: tuple[EntryRecord, IndexKeyRecord] | None = None  # fp8 paged entries (use_fp8_kv)
         a = args
         main = build_rope(a.rope_head_dim, a.rope_theta, None, a.max_position_embeddings, True)
         compress = build_rope(a.rope_head_dim, a.compress_rope_theta, a.compress_rope_scaling,
@@ -293,7 +295,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         csa_rate, hca_rate = max(a.rate(CSA), 1), max(a.rate(HCA), 1)
         csa_rows = num_blocks * entry_rows_per_block(block_size, csa_rate)
         hca_rows = num_blocks * entry_rows_per_block(block_size, hca_rate)
-        paged = [(n_csa, csa_rows, d), (n_csa, csa_rows, di), (n_hca, hca_rows, d)]
+        ed, id_ = (d, di) if self.records is None else (r.num_bytes for r in self.records)  # fp8: record bytes
+        paged = [(n_csa, csa_rows, ed), (n_csa, csa_rows, id_), (n_hca, hca_rows, ed)]
         state = [(a.num_hidden_layers, num_state_slots, a.sliding_window + max_drafts, d),
                  (n_csa, num_state_slots, 2 * csa_rate + max_drafts, 4 * d),
                  (n_csa, num_state_slots, 2 * csa_rate + max_drafts, 4 * di),
@@ -301,6 +304,17 @@ class DeepseekV4ForCausalLM(nn.Module):
         if self.has_mtp_weights:
             state.append((1, num_state_slots, a.sliding_window + max_drafts, d))
         return paged, state
+
+    def use_fp8_kv(self, fp8_max: float) -> str:
+        """Compressed entries and indexer keys as fp8 records (kernels/v4_fp8.py); the rings keep the model dtype
+        (the runner allocates the paged tensors in uint8, the state in the model dtype)."""
+        a = self.args
+        self.records = (EntryRecord(a.head_dim, a.rope_head_dim, fp8_max), IndexKeyRecord(a.index_head_dim, fp8_max))
+        for name, module in self.named_modules():
+            if isinstance(module, Compressor):
+                module.record = self.records[1 if ".indexer." in f".{name}." else 0]
+        return (f"compressed entries {self.records[0].num_bytes} B, indexer keys {self.records[1].num_bytes} B "
+                f"(power-of-two scales from each entry's amax); sliding-window rings in {self.dtype}")
 
     def mtp_window(self, caches: list) -> torch.Tensor:  # the drafting depth's ring [S + 1, window + drafts, D]
         return caches[7][0]

@@ -89,14 +89,15 @@ class ModelRunner:
         self.device = device
         num_slots = (num_blocks + 1) * block_size
         self.num_state_slots = num_state_slots if is_hybrid(model) else 0
+        # kv_dtype: the paged cache's element type (default the model's; uint8 for kv_cache_dtype=fp8_e4m3); a
+        # hybrid model's fixed state (rings) keeps the model dtype.
         if is_hybrid(model):  # paged blocks + the scratch block, state slots + the scratch slot
             paged, state = model.hybrid_cache_shapes(num_blocks + 1, block_size, num_state_slots + 1,
                                                      max_drafts(spec))
-            shapes = paged + state
+            shapes = [(shape, kv_dtype or dtype) for shape in paged] + [(shape, dtype) for shape in state]
         else:
-            shapes = model.kv_cache_shapes(num_slots)
-        # kv_dtype: the cache's element type (default the model's; uint8 e4m3 codes for kv_cache_dtype=fp8_e4m3).
-        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype or dtype, device=device) for shape in shapes]
+            shapes = [(shape, kv_dtype or dtype) for shape in model.kv_cache_shapes(num_slots)]
+        self.kv_caches = [torch.zeros(shape, dtype=kind, device=device) for shape, kind in shapes]
         self.sampler = Sampler() if channel is None or channel.par.is_driver else None  # only the driver samples
         spec = spec or SpecConfig()
         k = spec.num_speculative_tokens

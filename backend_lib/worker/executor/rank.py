@@ -38,12 +38,14 @@ def num_state_slots(config: EngineConfig, model: torch.nn.Module) -> int:
     return config.scheduler.max_num_seqs + config.max_sessions if is_hybrid(model) else 0
 
 
-def kv_cache_blocks(config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype, world_size: int = 1) -> int:
+def kv_cache_blocks(config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype, world_size: int = 1,
+                    kv_dtype: torch.dtype | None = None) -> int:
     """Blocks of the KV pool for this rank's shard (backend_lib/worker/kv_sizing.py: ``num_blocks``, ``kv_cache_memory_gb``,
     or a fraction of the free memory, which the ranks of one host share); a hybrid model's state slots (and the
-    scratch slot) come off the budget first. ``dtype``: the cache's element type (uint8 for fp8 codes)."""
+    scratch slot) come off the budget first. ``kv_dtype``: the paged cache's element type (uint8 for fp8 records;
+    default ``dtype``); the state slots keep the model ``dtype``."""
     drafts, block_size = max_drafts(config.spec), config.cache.block_size
-    per_block = ModelRunner.kv_bytes_per_block(model, block_size, dtype, drafts)
+    per_block = ModelRunner.kv_bytes_per_block(model, block_size, kv_dtype or dtype, drafts)
     slots = num_state_slots(config, model)
     fixed = (slots + 1) * ModelRunner.state_bytes_per_slot(model, block_size, dtype, drafts) if slots else 0
     return kv_cache_num_blocks(config, per_block, torch.device(config.model.device), share=world_size,
@@ -85,7 +87,7 @@ def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
                                         for name, buffer in module.named_buffers(recurse=False)
                                         if "blocked" in name and buffer is not None])
     kv_dtype = kv_storage_dtype(config, model, dtype)  # refuses fp8 where the model cannot store it
-    num_blocks = _agree_on_blocks(kv_cache_blocks(config, model, kv_dtype, par.world_size), par)
+    num_blocks = _agree_on_blocks(kv_cache_blocks(config, model, dtype, par.world_size, kv_dtype), par)
     if (config.model.host_attention == "cpp" and hasattr(model, "use_cpu_attention")
             and cpu_kernels_supported(device, dtype) and load_cpu_kernels()):
         model.use_cpu_attention()
