@@ -2,8 +2,8 @@
 
 Regions: decode at each batch bucket, each prefill bucket, the lm_head, every sampler variant and the draft
 verification (greedy and sampled rows), for a tiny Llama, a tiny DeepSeek-V3 (fp8 weights, static MoE) and a tiny
-DeepSeek-V4 (fp32, static MoE); ``llama_fp8`` and ``deepseek_v3_fp8`` are the first two with an fp8 KV cache (e4m3
-K/V codes, MLA latent records) stored and read at Neuron's bound of 224.
+DeepSeek-V4 (fp32, static MoE); ``llama_fp8``, ``deepseek_v3_fp8`` and ``deepseek_v4_fp8`` are the same with an fp8
+KV cache (e4m3 K/V codes, MLA latent records, V4 entry and indexer-key records) stored and read at Neuron's 224.
 """
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def _tiny_model(arch: str, directory: str, par: ParallelContext | None = None) -
 def _model_regions(arch: str, model: torch.nn.Module) -> Iterator[tuple[str, object]]:
     if hasattr(model, "hybrid_cache_shapes"):
         paged, state = model.hybrid_cache_shapes(NUM_BLOCKS + 1, BLOCK_SIZE, NUM_STATE_SLOTS + 1)
-        caches = [torch.zeros(s) for s in paged + state]
+        paged_dtype = torch.uint8 if getattr(model, "records", None) is not None else torch.float32  # fp8 records
+        caches = [torch.zeros(s, dtype=paged_dtype) for s in paged] + [torch.zeros(s) for s in state]
     else:
         fp8 = getattr(model, "kv_fp8", False) or getattr(model, "record", None) is not None
         kv_dtype = torch.uint8 if fp8 else torch.float32  # e4m3 codes / latent records
