@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from backend_lib.structured_output.constraints import StructuredOutputLimits
+
 _DTYPES = ("float32", "bfloat16", "float16")
 _SPEC_METHODS = ("none", "ngram", "mtp")
 _HOST_GEMMS = ("auto", "gemv", "onednn", "mkl")
@@ -195,7 +197,7 @@ class ParallelConfig:
 
 @dataclass
 class RequestLimits:
-    """Caps on what one request can make the server hold; beyond one, the request is refused with a ValueError
+    """Caps on what one request can make the server hold; beyond one, the request is refused with a RequestError
     (INVALID_ARG) naming the field and the limit. Each bounds memory or per-token work that grows with the
     request, not the model: the context itself is bounded by max_model_len."""
 
@@ -208,13 +210,27 @@ class RequestLimits:
     max_stop_token_ids: int = 64
     max_logit_bias: int = 1024  # logit_bias entries (each step scatters them into a [rows, vocab] bias)
     max_logprobs: int = 20  # top-n alternatives per token (vLLM's default max_logprobs)
+    # Structured output (structured_outputs / guided_*; StructuredOutputLimits says what each bounds): characters of
+    # a schema, regex or grammar (or of all choices), a schema's JSON nesting, strings in a choice list, and the
+    # seconds a grammar may take to compile.
+    max_schema_chars: int = StructuredOutputLimits.max_schema_chars
+    max_schema_depth: int = StructuredOutputLimits.max_schema_depth
+    max_choices: int = StructuredOutputLimits.max_choices
+    compile_timeout_s: float = StructuredOutputLimits.compile_timeout_s
 
     def __post_init__(self) -> None:
         for f in fields(self):
+            if f.name == "compile_timeout_s":
+                continue  # StructuredOutputLimits checks it (a number > 0)
             value = getattr(self, f.name)
             lowest = 0 if f.name in ("max_input_ids", "max_logprobs") else 1
             _require(isinstance(value, int) and not isinstance(value, bool) and value >= lowest,
                      f"{f.name} must be an integer >= {lowest}, got {value!r}")
+        self.structured_output_limits()
+
+    def structured_output_limits(self) -> StructuredOutputLimits:
+        return StructuredOutputLimits(max_schema_chars=self.max_schema_chars, max_schema_depth=self.max_schema_depth,
+                                      max_choices=self.max_choices, compile_timeout_s=self.compile_timeout_s)
 
 
 @dataclass
@@ -230,7 +246,7 @@ class EngineConfig:
     seed: int = 0  # seeds the per-request seeds of unseeded sampled requests
     num_threads: int = 0  # torch intra-op threads; 0 = all cores
     # Admission control (AsyncEngine): requests waiting for a slot (inbox + scheduler queue) and open sessions.
-    # Beyond either, a request is refused at once (EngineBusyError -> UNAVAILABLE) instead of queueing without
+    # Beyond either, a request is refused at once (a busy RequestError -> UNAVAILABLE) instead of queueing without
     # bound. 0 = derived from max_num_seqs (set in __post_init__, so the config holds the value in force).
     max_waiting_requests: int = 0
     max_sessions: int = 0

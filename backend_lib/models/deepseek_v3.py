@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +21,11 @@ from backend_lib.models.deepseek_layers import (
     MOE_IMPLS, BlockLinear, DecoderLayer, DenseMLP, MLADims, MLAttention, MoE, MTPLayer, RMSNorm,
     RoutedExperts, WeightSlot, build_rope, rope_cos_sin,
 )
+from backend_lib.models.engram_config import EngramConfig
+from backend_lib.models.engram_layer import (
+    EngramPrefetch, attach_engram_layers, engram_gather, engram_ring_shape, engram_vocabulary_of,
+)
+from backend_lib.models.engram_loading import EngramLoader
 from backend_lib.models.parallel import ParallelContext, Shard, read_shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
 from kernels.mla_fp8 import MLARecord
@@ -64,11 +70,14 @@ class DeepseekV3Args:
     num_nextn_predict_layers: int = 0
     fp8_block_size: tuple[int, int] = DEFAULT_BLOCK
     fp8_scale_fmt: str | None = None  # "float" / "ue8m0" for fp8 checkpoints, None otherwise
+    engram: EngramConfig | None = None  # config.json's ``engram`` object (DeepSeek's Engram conditional memory)
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> "DeepseekV3Args":
-        names = {f.name for f in fields(cls)}
+        names = {f.name for f in fields(cls)} - {"engram"}
         kw = {k: v for k, v in config.items() if k in names and v is not None}
+        if config.get("engram") is not None:
+            kw["engram"] = EngramConfig.from_dict(config["engram"])
         if "q_lora_rank" in config:  # None is meaningful: a plain q_proj
             kw["q_lora_rank"] = config["q_lora_rank"]
         # rope: new format ``rope_parameters`` (transformers 5) or old ``rope_theta`` + ``rope_scaling``
@@ -101,6 +110,8 @@ class DeepseekV3Args:
             raise ValueError(f"quantization_config.scale_fmt must be 'float' or 'ue8m0', got {self.fp8_scale_fmt!r}")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if self.engram is not None:
+            self.engram.check_layers(self.num_hidden_layers)
 
     @property
     def latent_dim(self) -> int:
@@ -119,7 +130,7 @@ _EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)
 class DeepseekV3ForCausalLM(nn.Module):
     def __init__(self, args: DeepseekV3Args, dtype: torch.dtype = torch.float32,
                  dequantize_fp8_at_load: bool = False, moe_impl: str = "dynamic",
-                 par: ParallelContext | None = None) -> None:
+                 par: ParallelContext | None = None, engram_vocab: Any = None) -> None:
         super().__init__()
         if moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
@@ -137,6 +148,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.lm_head = BlockLinear(args.hidden_size, args.vocab_size, shard=self.vocab_rows)
         n = args.num_hidden_layers
         self.mtp = nn.ModuleList(self._layer(n + j, moe_impl, mtp=True) for j in range(args.num_nextn_predict_layers))
+        # Engram: ids before each token from the runner, and the ShortConv history in state slots (a hybrid cache)
+        self.token_history = attach_engram_layers(self.layers, args.engram, engram_vocab, args.hidden_size, 1,
+                                                  dtype, par)
+        self.engram_prefetch = EngramPrefetch(overlap=par.world_size == 1)
+        if self.token_history:
+            self.hybrid_cache_shapes = self._engram_cache_shapes
         self.to(dtype)
         for module in self.modules():  # routing stays fp32 in every dtype
             if isinstance(module, MoE):
@@ -160,8 +177,10 @@ class DeepseekV3ForCausalLM(nn.Module):
     def from_hf_config(cls, config: dict, dtype: torch.dtype,
                        options: "LoadOptions | None" = None) -> "DeepseekV3ForCausalLM":
         dequantize = bool(getattr(options, "dequantize_fp8_at_load", False))
-        return cls(DeepseekV3Args.from_hf_config(config), dtype=dtype, dequantize_fp8_at_load=dequantize,
-                   par=getattr(options, "par", None))
+        args = DeepseekV3Args.from_hf_config(config)
+        vocab = None if args.engram is None else engram_vocabulary_of(getattr(options, "checkpoint_dir", ""))
+        return cls(args, dtype=dtype, dequantize_fp8_at_load=dequantize, par=getattr(options, "par", None),
+                   engram_vocab=vocab)
 
     def set_moe_impl(self, impl: str) -> None:
         """"dynamic" (grouped dispatch, eager) or "static" (fixed shapes, for compiled regions)."""
@@ -191,15 +210,40 @@ class DeepseekV3ForCausalLM(nn.Module):
         return (f"MLA records of {self.record.num_bytes} B a token and layer (e4m3 latent, a power-of-two scale "
                 f"per 128 values from each token's amax, bf16 RoPE)")
 
+    def _engram_cache_shapes(self, num_blocks: int, block_size: int, num_state_slots: int,
+                             max_drafts: int = 0) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """With Engram the cache is hybrid: the latent cache's blocks, and the ShortConv history in state slots."""
+        return (self.kv_cache_shapes(num_blocks * block_size),
+                [engram_ring_shape(self.args.engram, num_state_slots, max_drafts, self.args.hidden_size)])
+
+    def engram_gather(self, input_ids: torch.Tensor,  # [T] int64
+                      token_history: torch.Tensor | None) -> torch.Tensor:  # [T, H] int64 -> [L_e, T, width]
+        return engram_gather(self.layers, self.args.engram, input_ids, token_history)
+
+    def _add_engram(self, index: int, h: torch.Tensor,  # [T, hidden]
+                    positions: torch.Tensor, rings: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        k = self.args.engram.layer_ids.index(index)
+        chunks = ([meta.decode_query_len] if meta.num_decodes else []) + list(meta.prefill_query_lens)
+        added = self.layers[index].engram(h[:, None], meta.engram_rows[k], positions, meta.state, rings[k],
+                                          max(chunks, default=None))
+        return h + added[:, 0]
+
     def forward(self, input_ids: torch.Tensor,  # [T] int64
                 positions: torch.Tensor,  # [T] int64
                 kv_caches: list[torch.Tensor],  # [[num_layers, num_slots, R + P]]
                 meta: AttentionMetadata) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] (what compute_logits and the MTP proposer consume)."""
+        pending = None
+        if self.token_history and meta.engram_rows is None:  # eager: gathered here (regions gather before the graph)
+            pending = self.engram_prefetch.start(partial(self.engram_gather, input_ids, meta.token_history))
         h = self.embed(input_ids)
         cos, sin = rope_cos_sin(self.rope, positions, h.dtype)
         cache = kv_caches[0]
         for i, layer in enumerate(self.layers):
+            if getattr(layer, "engram", None) is not None:
+                if pending is not None:
+                    meta, pending = replace(meta, engram_rows=pending.result()), None
+                h = self._add_engram(i, h, positions, kv_caches[1], meta)
             h = layer(h, cos, sin, cache[i], meta)
         return self.norm(h)
 
@@ -230,10 +274,14 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Load Hugging Face-named tensors; fp8 weights pair up with their ``weight_scale_inv``."""
         pending: dict[str, dict[str, torch.Tensor]] = {}  # linear name -> {"weight", "weight_scale_inv"}
         loaded: set[str] = set()
+        engram = EngramLoader(self.layers, self.dtype)
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # derived from the config, never loaded
             internal = self._internal_name(name)
+            if engram.owns(internal):
+                engram.take(internal, tensor)
+                continue
             owner, _, leaf = internal.rpartition(".")
             expert = _EXPERT.match(internal)
             try:
@@ -275,6 +323,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             if not self.args.tie_word_embeddings:
                 raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
             self.lm_head.weight = self.embed_tokens.weight
+        engram.finish()
         self._check_complete()
 
     def _set_linear(self, owner: str, entry: dict[str, torch.Tensor]) -> None:

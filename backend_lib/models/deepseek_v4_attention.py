@@ -121,6 +121,8 @@ class LayerCache:
     entries: torch.Tensor | None = None  # paged [E, D]: compressed entries
     index_state: torch.Tensor | None = None  # ring [S + 1, span + drafts, 4 Di]: indexer compressor projections
     index_entries: torch.Tensor | None = None  # paged [E, Di]
+    engram_ring: torch.Tensor | None = None  # ring [S + 1, conv lookback + drafts, hc * D]: Engram's ShortConv input
+    engram_rows: torch.Tensor | None = None  # [T, width]: this step's gathered Engram rows
 
 
 def ring_write_index(ctx: StepContext, ring: torch.Tensor,  # [S + 1, C, W]

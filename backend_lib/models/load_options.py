@@ -22,6 +22,7 @@ class LoadOptions:
     progress: bool = True
     dequantize_fp8_at_load: bool = False  # float8 checkpoints: dequantize to ``dtype`` instead of keeping fp8
     par: ParallelContext = field(default_factory=ParallelContext)  # which shard this rank loads
+    checkpoint_dir: str = ""  # set by the loader: files beside the weights a model may read (Engram's tokenizer)
 
     def __post_init__(self) -> None:
         if self.dtype not in _LOAD_DTYPES:

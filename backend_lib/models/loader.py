@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -131,6 +132,7 @@ def _load_hf_directory(directory: str, options: LoadOptions) -> nn.Module:
     architectures = config.get("architectures") or []
     if not architectures:
         raise ValueError(f"{config_path}: 'architectures' is missing or empty")
+    options = replace(options, checkpoint_dir=directory)
     model = get_model_class(architectures[0]).from_hf_config(config, options.dtype, options=options)
     model.load_weights(iter_safetensors(safetensors_files(directory), options.progress))
     return model

@@ -1,9 +1,10 @@
 """The catalogue of compiled regions that ``deepinfer lint-graphs`` checks, built on tiny random models.
 
 Regions: decode at each batch bucket, each prefill bucket, the lm_head, every sampler variant and the draft
-verification (greedy and sampled rows), for a tiny Llama, a tiny DeepSeek-V3 (fp8 weights, static MoE) and a tiny
-DeepSeek-V4 (fp32, static MoE); ``llama_fp8``, ``deepseek_v3_fp8`` and ``deepseek_v4_fp8`` are the same with an fp8
-KV cache (e4m3 K/V codes, MLA latent records, V4 entry and indexer-key records) stored and read at Neuron's 224.
+verification (greedy and sampled rows; with and without the structured-output grammar bitmask), for a tiny Llama, a
+tiny DeepSeek-V3 (fp8 weights, static MoE) and a tiny DeepSeek-V4 (fp32, static MoE); ``llama_fp8``,
+``deepseek_v3_fp8`` and ``deepseek_v4_fp8`` are the same with an fp8 KV cache (e4m3 K/V codes, MLA latent records,
+V4 entry and indexer-key records) stored and read at Neuron's 224.
 """
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ from backend_lib.models.parallel import ParallelContext
 from backend_lib.tools.lint.graph_lint import GraphLintError, lint_region
 from backend_lib.tools.tiny import make_tiny
 from backend_lib.worker.compile.buckets import BucketSpec
-from backend_lib.worker.compile.regions import SAMPLER_VARIANTS, CompiledModel, _sample_core, layer_views
+from backend_lib.worker.compile.regions import SAMPLER_VARIANTS, CompiledModel, layer_views, warm_up_meta
 from backend_lib.worker.kv_dtype import KV_FP8_MAX_NEURON
-from backend_lib.worker.sampler import SamplingMetadata, SamplingRow
+from backend_lib.worker.sampler import SamplingMetadata, SamplingRow, masked_sample
 from backend_lib.worker.spec_decode.rejection import DraftLayout, rejection_sample
 
 BLOCK_SIZE = 4
@@ -66,25 +67,26 @@ def _model_regions(arch: str, model: torch.nn.Module) -> Iterator[tuple[str, obj
 
 def _sampler_regions(vocab: int) -> Iterator[tuple[str, object]]:
     rows = 4
-    for all_greedy, top_k, top_p in SAMPLER_VARIANTS:
-        name = f"sampler greedy={all_greedy} top_k={top_k} top_p={top_p}"
-        args = (torch.randn(rows, vocab), torch.full((rows,), 0.7), torch.full((rows,), all_greedy),
-                torch.full((rows,), 5, dtype=torch.int64) if top_k else None,
-                torch.full((rows,), 0.9) if top_p else None, torch.arange(rows), torch.arange(rows) * 3,
-                all_greedy, top_k, top_p)
-        yield name, lambda args=args, name=name: lint_region(_sample_core, *args, region=name)
+    for (all_greedy, top_k, top_p), masked in [(variant, False) for variant in SAMPLER_VARIANTS] + [
+            (SAMPLER_VARIANTS[0], True), (SAMPLER_VARIANTS[-1], True)]:
+        name = f"sampler greedy={all_greedy} top_k={top_k} top_p={top_p}" + (" masked" if masked else "")
+        meta = warm_up_meta(rows, vocab, torch.device("cpu"), all_greedy, top_k, top_p, masked)
+        yield name, lambda meta=meta, name=name: lint_region(masked_sample, torch.randn(rows, vocab), meta,
+                                                            region=name)
 
 
 def _verification_regions(vocab: int) -> Iterator[tuple[str, object]]:
     drafts = [[3, 4], [], [5]]
     layout = DraftLayout.build(drafts, "cpu")
     n = sum(len(d) + 1 for d in drafts)
-    for greedy in (True, False):
+    for greedy, masked in ((True, False), (False, False), (True, True), (False, True)):
         rows = [SamplingRow(params=SamplingParams(temperature=0.0 if greedy else 0.8, top_k=-1 if greedy else 20),
                             seed=7, output_position=i, prompt_token_ids=[1], output_token_ids=[])
                 for i in range(n)]
-        meta = SamplingMetadata.build(rows, vocab, "cpu")
-        name = f"verification greedy={greedy}"
+        # A structured-output verification: the grammar bitmask of every row is a graph input.
+        bitmask = torch.randint(-2**31, 2**31 - 1, (n, -(-vocab // 32)), dtype=torch.int32) if masked else None
+        meta = SamplingMetadata.build(rows, vocab, "cpu", bitmask, tuple(range(n)) if masked else ())
+        name = f"verification greedy={greedy}" + (" masked" if masked else "")
 
         def verify(logits, layout=layout, meta=meta):
             return rejection_sample(logits, layout, meta).token_ids
