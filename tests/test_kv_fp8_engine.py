@@ -22,7 +22,7 @@ from backend_lib.core.outputs import SessionControl
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.llm_engine import LLMEngine
 from backend_lib.engine.offline import LLM
-from backend_lib.frontend.triton.codec import engine_config_from_parameters
+from backend_lib.frontend.triton.parameters import engine_config_from_parameters
 from backend_lib.worker.kv_dtype import kv_storage_dtype
 from kernels.attention import write_kv
 from kernels.kv_fp8 import dequantize_kv, quantize_kv
