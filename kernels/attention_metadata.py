@@ -41,6 +41,8 @@ class AttentionMetadata:
     prefill_seq_lens: list[int]  # host ints: context length including this chunk
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
     state: StateRows | None = None  # hybrid-cache models only
+    token_history: torch.Tensor | None = None  # [T, H] int64 ids before each token (-1 before the start): Engram
+    engram_rows: torch.Tensor | None = None  # [L_e, T, width]: Engram's gathered table rows, computed on the host
 
     @property
     def num_decode_tokens(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+from backend_lib.core.errors import RequestError
 from backend_lib.core.sampling_params import SamplingParams
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -39,10 +40,12 @@ SAMPLING_DICTS = st.dictionaries(
     st.one_of(JSON_VALUES, *PLAUSIBLE.values()), max_size=6)
 
 
-def accepts_or_value_error(call):
+def accepts_or_request_error(call):
+    """The call's result, or None when it refused with the typed RequestError; any other exception (a bare
+    ValueError included) fails the test: every refusal of a request must carry its field and kind."""
     try:
         return call()
-    except ValueError:
+    except RequestError:
         return None
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from backend_lib.core.config import EngineConfig
+from backend_lib.core.errors import RequestError
 from backend_lib.engine.llm_engine import LLMEngine
 from backend_lib.models.loader import load_model
 from backend_lib.core.outputs import SessionControl
@@ -291,12 +292,12 @@ def test_memory_grows_by_compressed_entries_only_and_sessions_hold_slots(tmp_pat
     assert slots == 4 + 2  # max_num_seqs + max_sessions
     assert allocated == (16 + 1) * per_position * 8 + (slots + 1) * per_slot  # + the scratch block and slot
 
-    from backend_lib.engine.errors import EngineBusyError
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     for sid in ("s0", "s1"):  # each open session keeps a slot between turns; a third one is refused, not queued
         engine.add_request(sid, _tokens(9, 7), params, session=SessionControl(sid, start=True))
-    with pytest.raises(EngineBusyError, match="max_sessions 2"):
+    with pytest.raises(RequestError, match="max_sessions 2") as info:
         engine.add_request("s2", _tokens(9, 7), params, session=SessionControl("s2", start=True))
+    assert info.value.busy and info.value.limit == "max_sessions"
     _drive(engine)
     assert engine.scheduler.kv_cache.num_free_state_slots == slots - 2
     for sid in ("s0", "s1"):
@@ -319,7 +320,8 @@ def test_static_moe_gives_the_same_logits(tiny):
 def test_yarn_compress_rope_matches_transformers():
     from transformers import DeepseekV4Config
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
-    from backend_lib.models.deepseek_v4 import DeepseekV4Args, DeepseekV4ForCausalLM
+    from backend_lib.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from backend_lib.models.deepseek_v4_args import DeepseekV4Args
     yarn = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64, "beta_fast": 32,
             "beta_slow": 1}
     kw = dict(vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -347,7 +349,7 @@ def test_mtp_without_mtp_weights_is_refused_with_a_clear_error(tmp_path):
 
 
 def test_config_errors_name_the_field():
-    from backend_lib.models.deepseek_v4 import DeepseekV4Args
+    from backend_lib.models.deepseek_v4_args import DeepseekV4Args
     base = dict(num_hidden_layers=2, layer_types=["sliding_attention"] * 2, mlp_layer_types=["moe"] * 2)
     with pytest.raises(ValueError, match="layer_types"):
         DeepseekV4Args.from_hf_config({**base, "layer_types": ["sliding_attention", "full_attention"]})

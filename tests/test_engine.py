@@ -6,6 +6,7 @@ import random
 import pytest
 
 from backend_lib.core.config import EngineConfig
+from backend_lib.core.errors import ErrorKind, RequestError
 from backend_lib.core.outputs import SessionControl
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.async_engine import AsyncEngine
@@ -125,17 +126,18 @@ def test_random_requests_aborts_and_preemption_return_every_block(tiny_llama_dir
 def test_bad_input_is_rejected_with_the_field_name(tiny_llama_dir):
     engine = _tiny_engine(tiny_llama_dir, num_blocks=32)
     cases = [
-        ("", SamplingParams(), "prompt is empty"),
-        ([], SamplingParams(), "prompt is empty"),
-        (list(range(300)), SamplingParams(), "max_model_len"),
-        (list(range(200)), SamplingParams(max_tokens=100), "max_tokens is 100"),
-        ([engine.vocab_size], SamplingParams(), "outside the vocabulary"),
-        ([-1], SamplingParams(), "outside the vocabulary"),
-        ("hi", SamplingParams(stop_token_ids=[engine.vocab_size + 5]), "stop_token_ids"),
+        ("", SamplingParams(), "prompt is empty", "prompt"),
+        ([], SamplingParams(), "input_ids is empty", "input_ids"),
+        (list(range(300)), SamplingParams(), "max_model_len", "prompt"),
+        (list(range(200)), SamplingParams(max_tokens=100), "max_tokens is 100", "max_tokens"),
+        ([engine.vocab_size], SamplingParams(), "outside the vocabulary", "input_ids"),
+        ([-1], SamplingParams(), "input_ids must be >= 0", "input_ids"),
+        ("hi", SamplingParams(stop_token_ids=[engine.vocab_size + 5]), "stop_token_ids", "stop_token_ids"),
     ]
-    for prompt, params, message in cases:
-        with pytest.raises(ValueError, match=message):
+    for prompt, params, message, field in cases:
+        with pytest.raises(RequestError, match=message) as info:
             engine.add_request("bad", prompt, params)
+        assert info.value.field == field and info.value.kind is ErrorKind.INVALID
     assert not engine.has_unfinished_requests()
     for field, value, message in [("temperature", -1, "temperature"), ("top_p", 0.0, "top_p"),
                                   ("top_p", 1.5, "top_p"), ("top_k", 0, "top_k"), ("top_k", -2, "top_k"),
@@ -194,6 +196,7 @@ def test_async_engine_takes_new_requests_without_waiting_for_the_step_in_flight(
         assert list(waiting)[-1].finish_reason == "abort"
         [rejected] = list(refused)
         assert rejected.rejected and rejected.finish_reason == "error" and "unknown session s1" in rejected.error
+        assert rejected.refusal.field == "sequence_id" and not rejected.busy
 
         with engine._lock:
             late = engine.add_request("late", [3, 5, 7], SamplingParams(max_tokens=200, ignore_eos=True))

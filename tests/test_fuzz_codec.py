@@ -1,5 +1,5 @@
-"""Fuzzed request decoding: whatever a client sends, the only outcomes are a valid request or a ValueError
-(INVALID_ARG) - never another exception (an internal error) or a hang.
+"""Fuzzed request decoding: whatever a client sends, the only outcomes are a valid request or a RequestError
+(typed: field and kind) - never another exception (an internal error) or a hang.
 
 Covers codec.decode_request (arbitrary tensors, dtypes, shapes, JSON parameters, session controls),
 SamplingParams.from_dict (JSON values: NaN / inf, huge numbers, wrong types, nesting), and the engine's checks
@@ -16,9 +16,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from backend_lib.core.config import RequestLimits
+from backend_lib.core.errors import RequestError
 from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.engine.intake import parse_json, parse_sampling
 from backend_lib.frontend.triton import codec
-from tests.fuzz_values import (FUZZ, JSON_VALUES, SAMPLING_DICTS, TEXT, accepts_or_value_error,
+from tests.fuzz_values import (FUZZ, JSON_VALUES, SAMPLING_DICTS, TEXT, accepts_or_request_error,
                                small_engine)
 
 
@@ -26,7 +29,7 @@ from tests.fuzz_values import (FUZZ, JSON_VALUES, SAMPLING_DICTS, TEXT, accepts_
 @FUZZ
 @given(SAMPLING_DICTS)
 def test_sampling_params_from_dict_is_valid_or_a_value_error(values):
-    params = accepts_or_value_error(lambda: SamplingParams.from_dict(values))
+    params = accepts_or_request_error(lambda: SamplingParams.from_dict(values))
     if params is not None:  # what it accepted is what the engine can use
         assert isinstance(params.max_tokens, int) and params.max_tokens >= 1
         assert math.isfinite(params.temperature) and 0 < params.top_p <= 1
@@ -35,10 +38,16 @@ def test_sampling_params_from_dict_is_valid_or_a_value_error(values):
 
 
 @FUZZ
-@given(st.one_of(TEXT, st.binary(max_size=60),
-                 JSON_VALUES.map(lambda v: json.dumps(v, allow_nan=True))))
-def test_sampling_params_from_json_is_valid_or_a_value_error(text):
-    accepts_or_value_error(lambda: SamplingParams.from_json(text))
+@given(st.one_of(TEXT, JSON_VALUES.map(lambda v: json.dumps(v, allow_nan=True)),
+                 SAMPLING_DICTS.map(lambda d: json.dumps(d, allow_nan=True))))
+def test_intake_of_sampling_json_is_valid_or_a_request_error(text):
+    """JSON text (the sampling_parameters input) -> the intake's SamplingParams, or a typed refusal."""
+    def intake():
+        values = parse_json("sampling_parameters", text)
+        if not isinstance(values, dict):
+            raise RequestError("sampling_parameters", "not an object")
+        return parse_sampling(values, RequestLimits())
+    accepts_or_request_error(intake)
 
 
 # ---- decode_request: arbitrary tensors --------------------------------------------------------------------
@@ -111,7 +120,7 @@ def requests(draw):
 @given(requests())
 def test_decode_request_is_valid_or_a_value_error(request):
     inputs, parameters, correlation, flags, outputs = request
-    decoded = accepts_or_value_error(lambda: codec.decode_request(inputs, parameters, correlation, flags, outputs))
+    decoded = accepts_or_request_error(lambda: codec.decode_request(inputs, parameters, correlation, flags, outputs))
     if decoded is not None:
         assert isinstance(decoded.params, SamplingParams)
         prompt = decoded.prompt
@@ -129,10 +138,10 @@ def engine(tiny_llama_dir):
 @given(requests())
 def test_decoded_requests_are_prepared_or_refused_with_a_value_error(engine, request):
     inputs, parameters, correlation, flags, outputs = request
-    decoded = accepts_or_value_error(lambda: codec.decode_request(inputs, parameters, correlation, flags, outputs))
+    decoded = accepts_or_request_error(lambda: codec.decode_request(inputs, parameters, correlation, flags, outputs))
     if decoded is None:
         return
-    prepared = accepts_or_value_error(lambda: engine.prepare_request("fuzz", decoded.prompt, decoded.params))
+    prepared = accepts_or_request_error(lambda: engine.prepare_request("fuzz", decoded.prompt, decoded.params))
     if prepared is not None:
         assert all(0 <= t < engine.vocab_size for t in prepared.prompt_ids)
         assert len(prepared.prompt_ids) < engine.config.model.max_model_len
@@ -148,10 +157,10 @@ MESSAGES = st.lists(st.dictionaries(
 @FUZZ
 @given(MESSAGES)
 def test_chat_template_path_is_valid_or_a_value_error(engine, messages):
-    ids = accepts_or_value_error(lambda: engine.tokenizer.apply_chat_template(messages))
+    ids = accepts_or_request_error(lambda: engine.tokenizer.apply_chat_template(messages))
     if ids is not None:
         assert all(isinstance(t, int) for t in ids)
-    accepts_or_value_error(lambda: engine.prepare_request("fuzz", messages, SamplingParams()))
+    accepts_or_request_error(lambda: engine.prepare_request("fuzz", messages, SamplingParams()))
 
 
 # ---- session turns: any sequence of START / END / turns leaves the engine consistent ---------------------
@@ -172,13 +181,12 @@ def test_fuzzed_session_turns_leave_the_engine_consistent(engine, turns):
     """Turns of up to three sessions, with or without START / END, some refused (unknown session, a turn still
     running, context, max_sessions): whatever the order, every block and session is returned at the end."""
     from backend_lib.core.outputs import SessionControl
-    from backend_lib.engine.errors import EngineBusyError
 
     for i, (sid, start, end, prompt, max_tokens, steps) in enumerate(turns):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         try:
             engine.add_request(f"t{i}", prompt, params, SessionControl(sid, start=start, end=end))
-        except (ValueError, EngineBusyError):
+        except RequestError:
             pass
         for _ in range(steps):
             engine.step()
@@ -210,7 +218,6 @@ REQUESTS = st.lists(st.tuples(
 def test_fuzzed_requests_complete_whole_and_return_every_block(engine, requests):
     """In a pool small enough that requests preempt each other: each admitted request ends, a prompt_logprobs one
     carries every prompt token after the first exactly once, and no block is left."""
-    from backend_lib.engine.errors import EngineBusyError
 
     outputs: dict[str, list] = {}
     admitted: dict[str, tuple[list[int], SamplingParams]] = {}
@@ -224,7 +231,7 @@ def test_fuzzed_requests_complete_whole_and_return_every_block(engine, requests)
         try:
             engine.add_request(f"fz{i}", prompt, params)
             admitted[f"fz{i}"] = (prompt, params)
-        except (ValueError, EngineBusyError):
+        except RequestError:
             pass
         for _ in range(steps):
             step()

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from backend_lib.core.errors import RequestError, to_wire
 from backend_lib.frontend.openai import translate
 from backend_lib.frontend.openai.errors import OpenAIError, from_model_error
 from backend_lib.frontend.openai.schema import ChatCompletionRequest, CompletionRequest
@@ -106,7 +107,9 @@ def _prepared_or_refused(engine, model_request: translate.ModelRequest, session:
         decoded = codec.decode_request(_backend_inputs(infer), "{}", correlation, flags,
                                        [o.name for o in infer.outputs])
         prepared = engine.prepare_request("fuzz", decoded.prompt, decoded.params)
-    except ValueError as exc:  # the model's refusal, as the front turns it into an answer
-        _refused_as_a_client_error(from_model_error(str(exc), model_request.field_names))
+    except RequestError as exc:  # the model's refusal on the wire, as the front turns it into an answer
+        error = from_model_error(to_wire(exc), model_request.field_names)
+        _refused_as_a_client_error(error)
+        assert error.param, error.message  # the client is told which of its fields
         return
     assert all(0 <= t < engine.vocab_size for t in prepared.prompt_ids)

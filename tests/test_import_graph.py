@@ -2,7 +2,7 @@
 
 Layers, top to bottom (a module may import its own layer and any layer below it):
     frontend -> tools -> engine -> worker -> models -> core -> structured_output -> kernels
-(structured_output, new and not wired in yet, imports only kernels: it sits below everything that will use it.)
+(structured_output imports only kernels: it sits below the core, whose requests carry its constraints.)
 Edges are read with ``ast``, not by importing: module-level and function-level imports, and string constants that
 name one of our modules exactly (``importlib.import_module`` targets, the model registry, ``python -m`` commands);
 imports under ``if TYPE_CHECKING:`` are left out (they never run). The checker itself is tested on small synthetic

@@ -8,10 +8,10 @@ from backend_lib.core.config import EngineConfig, RequestLimits, config_to_flat
 from backend_lib.core.outputs import SessionControl
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.async_engine import AsyncEngine
-from backend_lib.engine.errors import EngineBusyError
-from backend_lib.engine.limits import check_context, check_params, check_prompt
+from backend_lib.core.errors import ErrorKind, RequestError
+from backend_lib.engine.intake import check_context, check_params, check_prompt
 from backend_lib.engine.llm_engine import LLMEngine
-from backend_lib.frontend.triton import codec
+from backend_lib.frontend.triton import parameters
 
 
 # ---- configuration ---------------------------------------------------------------------------------
@@ -20,7 +20,7 @@ def test_admission_defaults_derive_from_max_num_seqs_and_parameters_override_the
     config = EngineConfig.from_flat({"max_num_seqs": 4, "max_model_len": 128})
     assert (config.max_waiting_requests, config.max_sessions) == (32, 128)
     assert config.limits.max_input_ids == 0 and config.limits.max_logprobs == 20
-    config = codec.engine_config_from_parameters({
+    config = parameters.engine_config_from_parameters({
         "max_num_seqs": "4", "max_waiting_requests": "5", "max_sessions": "0", "max_stop_strings": "2",
         "max_logprobs": "3", "max_input_ids": "64"})
     assert (config.max_waiting_requests, config.max_sessions) == (5, 128)
@@ -37,7 +37,7 @@ def test_admission_defaults_derive_from_max_num_seqs_and_parameters_override_the
 ])
 def test_bad_limit_parameters_name_the_parameter(params, needle):
     with pytest.raises(ValueError) as info:
-        codec.engine_config_from_parameters(params)
+        parameters.engine_config_from_parameters(params)
     assert needle in str(info.value)
 
 
@@ -56,9 +56,10 @@ LIMITS = RequestLimits(max_prompt_chars=10, max_input_ids=4, max_messages=2, max
     ([{"role": "user", "content": "a", "extra": [[["b" * 30]]]}], "max_messages_chars"),  # keys and nesting count
 ])
 def test_prompt_caps_name_the_field_and_the_limit(prompt, needle):
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(RequestError) as info:
         check_prompt(LIMITS, prompt, 64)
     assert needle in str(info.value)
+    assert info.value.field in ("text_input", "input_ids", "messages") and info.value.limit in str(info.value)
 
 
 def test_prompts_within_the_caps_pass():
@@ -77,9 +78,10 @@ def test_prompts_within_the_caps_pass():
     (SamplingParams(logit_bias={1000: 1}), "logit_bias has token id 1000, outside the vocabulary (size 1000)"),
 ])
 def test_param_caps_name_the_field_and_the_limit(params, needle):
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(RequestError) as info:
         check_params(LIMITS, params, vocab_size=1000)
     assert needle in str(info.value)
+    assert needle.startswith(info.value.field) and info.value.kind is ErrorKind.INVALID
 
 
 def test_logprobs_cap_is_also_the_vocabulary():
@@ -124,8 +126,8 @@ def test_engine_refuses_max_tokens_beyond_the_context_before_any_work(engine):
     assert not engine.has_unfinished_requests()
     engine.add_request("fits", prompt, SamplingParams(max_tokens=44, temperature=0.0, ignore_eos=True))
     engine.add_request("unset", list(range(10, 70)), SamplingParams(temperature=0.0, ignore_eos=True))
-    engine.add_request("null", prompt, SamplingParams.from_json('{"max_tokens": null, "temperature": 0, '
-                                                                '"ignore_eos": true}'))
+    engine.add_request("null", prompt, SamplingParams.from_dict({"max_tokens": None, "temperature": 0,
+                                                                 "ignore_eos": True}))
     finals = _run(engine)
     assert finals["fits"].num_output_tokens == 44 and finals["fits"].finish_reason == "length"
     # max_tokens left out keeps vLLM's default: 16 at most, cut where max_model_len ends the request.
@@ -154,10 +156,10 @@ def test_max_sessions_refuses_a_new_start_but_not_a_restart(engine):
     params = SamplingParams(max_tokens=2, temperature=0.0)
     engine.add_request("a", [5, 6], params, SessionControl("s-a", start=True))
     engine.add_request("b", [5, 6], params, SessionControl("s-b", start=True))
-    with pytest.raises(EngineBusyError, match=r"^server busy: 2 sessions are open, the limit \(max_sessions 2\)") \
+    with pytest.raises(RequestError, match=r"^server busy: 2 sessions are open, the limit \(max_sessions 2\)") \
             as info:
         engine.add_request("c", [5, 6], params, SessionControl("s-c", start=True))
-    assert info.value.limit == "max_sessions" and not isinstance(info.value, ValueError)
+    assert info.value.limit == "max_sessions" and info.value.kind is ErrorKind.BUSY
     _run(engine)
     engine.add_request("a2", [5, 6], params, SessionControl("s-a", start=True))  # a restart opens nothing new
     engine.add_request("b2", [7], params, SessionControl("s-b", end=True))
@@ -177,11 +179,13 @@ def test_async_engine_refuses_past_max_waiting_requests_and_counts_refusals(tiny
         with engine._lock:  # stands in for a long step: nothing leaves the inbox meanwhile
             streams = [engine.add_request(f"r{i}", [3 + i, 5, 7], params) for i in range(3)]
             for i in range(2):
-                with pytest.raises(EngineBusyError, match=r"^server busy: 3 requests are waiting for a slot, the "
-                                                          r"limit \(max_waiting_requests 3\)"):
+                with pytest.raises(RequestError, match=r"^server busy: 3 requests are waiting for a slot, the "
+                                                       r"limit \(max_waiting_requests 3\)") as info:
                     engine.add_request(f"x{i}", [3, 5, 7], params)
-            with pytest.raises(EngineBusyError):  # refused before tokenizing: its bad id is never looked at
+                assert info.value.kind is ErrorKind.BUSY and info.value.limit == "max_waiting_requests"
+            with pytest.raises(RequestError) as info:  # refused before tokenizing: its bad id is never looked at
                 engine.add_request("bad", [10**6], params)
+            assert info.value.busy
         assert all(list(s)[-1].finish_reason == "length" for s in streams)
         assert list(engine.add_request("s1", [3, 5], params, SessionControl("one", start=True)))[-1].finished
         refused = engine.add_request("s2", [3, 5], params, SessionControl("two", start=True))  # "one" is open

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from backend_lib.core.errors import ErrorKind, RequestError, WireError, busy, from_wire, internal, to_wire
 from backend_lib.frontend.openai import translate
 from backend_lib.frontend.openai.errors import OpenAIError, from_model_error
 from backend_lib.frontend.openai.schema import ChatCompletionRequest, CompletionRequest
@@ -129,15 +130,34 @@ def test_session_headers():
             translate.session_from_headers(headers)
 
 
-def test_model_errors_get_their_status_and_param():
-    busy = from_model_error("server busy: 300 requests are waiting for a slot", {})
-    assert (busy.status, busy.type) == (503, "server_busy")
-    bad = from_model_error("logprobs must be >= 0 (or null), got -1", {"logprobs": "top_logprobs"})
+def test_model_errors_get_their_status_and_param_from_the_wire_form_not_the_prose():
+    busy_error = from_model_error(to_wire(busy("server busy: 300 requests are waiting for a slot",
+                                                "max_waiting_requests")), {})
+    assert (busy_error.status, busy_error.type) == (503, "server_busy")
+    assert busy_error.message == "server busy: 300 requests are waiting for a slot"  # the detail is not shown
+    bad = from_model_error(to_wire(RequestError("logprobs", "logprobs must be >= 0 (or null), got -1")),
+                           {"logprobs": "top_logprobs"})
     assert (bad.status, bad.param) == (400, "top_logprobs")
-    assert from_model_error("temperature must be >= 0, got -1", {}).param == "temperature"
-    assert from_model_error("internal error: boom", {}).status == 500
-    assert from_model_error("unknown session 'x'", {}).status == 400
+    # The field comes from the detail, whatever the prose says first.
+    worded = from_model_error(to_wire(RequestError("temperature", "a negative temperature (-1) is not allowed")), {})
+    assert (worded.status, worded.param) == (400, "temperature")
+    assert from_model_error(to_wire(internal("internal error: boom")), {}).status == 500
+    session = from_model_error(to_wire(RequestError("sequence_id", "unknown session x")), {})
+    assert (session.status, session.param) == (400, "X-Session-Id")
+    # Triton's own errors carry no detail: a client error without a param (an "internal error" says so).
+    assert (from_model_error("unknown model 'x'", {}).status, from_model_error("unknown model 'x'", {}).param) == \
+        (400, None)
     assert set(bad.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_wire_form_round_trips_and_reads_plainly():
+    error = RequestError("top_k", "top_k must be -1 (off) or >= 1, got 0")
+    text = to_wire(error)
+    assert text.startswith("top_k must be -1 (off) or >= 1, got 0")  # a human reading curl output reads this first
+    assert from_wire(text) == WireError(error.message, ErrorKind.INVALID, "top_k")
+    limited = busy("server busy: 2 sessions are open", "max_sessions")
+    assert from_wire(to_wire(limited)) == WireError(limited.message, ErrorKind.BUSY, None, "max_sessions")
+    assert from_wire("boom [deepinfer-error not json]").kind is ErrorKind.INVALID  # malformed: no detail read
 
 
 def test_infer_request_carries_inputs_outputs_and_session():

@@ -5,7 +5,11 @@ import json
 
 import pytest
 
+from backend_lib.core.config import RequestLimits
+from backend_lib.core.errors import RequestError
 from backend_lib.core.sampling_params import UNTIL_CONTEXT_ENDS, SamplingParams
+from backend_lib.engine.intake import parse_json, parse_sampling
+from backend_lib.structured_output.constraints import ConstraintKind, OutputConstraint
 
 
 def test_defaults_match_vllm():
@@ -69,11 +73,12 @@ BAD_VALUES = [
 
 @pytest.mark.parametrize("name,value,fragment", BAD_VALUES)
 def test_bad_value_names_field_and_range(name, value, fragment):
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(RequestError) as info:
         SamplingParams(**{name: value})
     message = str(info.value)
     assert message.startswith(name), message
     assert fragment in message, message
+    assert info.value.field == name  # typed: the fronts read the field, not the message
 
 
 def test_temperature_message_exact():
@@ -113,24 +118,27 @@ def test_dict_and_json_round_trip():
                        include_stop_str_in_output=True, skip_special_tokens=False, speculative=False,
                        logit_bias={3: -1.5})
     assert SamplingParams.from_dict(p.to_dict()) == p
-    assert SamplingParams.from_json(p.to_json()) == p
-    assert SamplingParams.from_json(json.dumps(p.to_dict()).encode()) == p
+    assert SamplingParams.from_dict(json.loads(p.to_json())) == p
+    constrained = p.clone(structured_outputs=OutputConstraint(ConstraintKind.CHOICE, ("yes", "no")))
+    assert parse_sampling(json.loads(constrained.to_json()), RequestLimits()) == constrained
     d = p.to_dict()
     d["stop"].append("x")  # to_dict hands out copies
     assert p.stop == ["\n\n", "END"]
 
 
-def test_from_json_errors():
-    with pytest.raises(ValueError, match="sampling_parameters is not valid JSON"):
-        SamplingParams.from_json("{temperature: 0}")
-    for not_object in ("[1, 2]", "3", '"x"', "null"):
-        with pytest.raises(ValueError, match="sampling_parameters is not valid JSON"):
-            SamplingParams.from_json(not_object)
+def test_json_text_errors_name_the_field():
+    """The intake parses a request's JSON text (one parser, one recursion guard); values keep their JSON types."""
+    with pytest.raises(RequestError, match="sampling_parameters is not valid JSON") as info:
+        parse_json("sampling_parameters", "{temperature: 0}")
+    assert info.value.field == "sampling_parameters"
+    with pytest.raises(RequestError, match="nested too deeply"):
+        parse_json("messages", "[" * 100_000)
     with pytest.raises(ValueError, match="^top_p"):
-        SamplingParams.from_json('{"top_p": "0.5"}')
+        SamplingParams.from_dict(json.loads('{"top_p": "0.5"}'))
     with pytest.raises(ValueError, match="^ignore_eos"):
-        SamplingParams.from_json('{"ignore_eos": "yes"}')
-    assert SamplingParams.from_json('{"temperature": 0, "top_k": 5}').temperature == 0.0
+        SamplingParams.from_dict(json.loads('{"ignore_eos": "yes"}'))
+    with pytest.raises(RequestError, match="sampling parameters must be an object"):
+        SamplingParams.from_dict([1, 2])
 
 
 def test_clone_validates_and_copies():
@@ -139,21 +147,21 @@ def test_clone_validates_and_copies():
     assert q.is_greedy and q.seed == 1 and q.stop == ["a"] and q.stop is not p.stop
     with pytest.raises(ValueError, match="^top_p"):
         p.clone(top_p=0)
-    with pytest.raises(ValueError, match="unknown sampling field 'bogus'"):
+    with pytest.raises(TypeError, match="bogus"):  # overrides come from code: a plain TypeError
         p.clone(bogus=1)
 
 
 def test_unset_max_tokens_is_the_default_and_stays_unset_through_round_trips():
     """vLLM's meanings: max_tokens left out is 16, null is as many as fit, both cut short at max_model_len; the
     engine refuses prompt + max_tokens > max_model_len only for a number the client set."""
-    omitted, null = SamplingParams(), SamplingParams.from_json('{"max_tokens": null}')
+    omitted, null = SamplingParams(), SamplingParams.from_dict(json.loads('{"max_tokens": null}'))
     assert omitted.max_tokens == 16 and not omitted.max_tokens_set
     assert null.max_tokens == UNTIL_CONTEXT_ENDS and not null.max_tokens_set
     assert SamplingParams(max_tokens=None).max_tokens == UNTIL_CONTEXT_ENDS
     assert SamplingParams(max_tokens=16).max_tokens_set
     assert "max_tokens" not in omitted.to_dict() and null.to_dict()["max_tokens"] is None
     for params in (omitted, null):
-        for copy in (SamplingParams.from_dict(params.to_dict()), SamplingParams.from_json(params.to_json()),
+        for copy in (SamplingParams.from_dict(params.to_dict()), SamplingParams.from_dict(json.loads(params.to_json())),
                      params.clone(temperature=0.0)):
             assert (copy.max_tokens, copy.max_tokens_set) == (params.max_tokens, False)
     assert SamplingParams.from_dict({"max_tokens": 16}).max_tokens_set

@@ -13,6 +13,7 @@ from dataclasses import fields
 import pytest
 
 from backend_lib.core.config import CacheConfig, SchedulerConfig
+from backend_lib.core.errors import RequestError
 from backend_lib.core.outputs import EngineStats, RunnerOutput, SchedulerOutput
 from backend_lib.core.request import Request, RequestStatus
 from backend_lib.core.sampling_params import SamplingParams
@@ -375,16 +376,18 @@ def test_idle_timeout_closes_sessions_and_frees_blocks():
 
 def test_session_protocol_errors():
     sched = make()
-    with pytest.raises(ValueError, match="unknown session 'x'"):
+    with pytest.raises(RequestError, match="unknown session x"):
         sched.add_request(req("r", [1], session_id="x"))
     sched.open_session("x")
     with pytest.raises(ValueError, match="already open"):
         sched.open_session("x")
     sched.add_request(req("r", [1], session_id="x"))
-    with pytest.raises(ValueError, match="already has a turn in flight"):
+    with pytest.raises(RequestError, match="already has a turn in flight") as info:
         sched.add_request(req("r2", [1], session_id="x"))
-    with pytest.raises(ValueError, match="already in use"):
+    assert info.value.field == "sequence_id"
+    with pytest.raises(RequestError, match="already in use") as info:
         sched.add_request(req("r", [2]))
+    assert info.value.field == "request_id"
     with pytest.raises(ValueError, match="max_model_len is 256"):
         sched.add_request(req("long", [1] * 256))
 

@@ -7,9 +7,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from backend_lib.core.config import RequestLimits
+from backend_lib.core.errors import ErrorKind, RequestError
 from backend_lib.core.outputs import PromptLogprobs, RequestOutput, SessionControl, TokenLogprob
 from backend_lib.core.sampling_params import UNTIL_CONTEXT_ENDS
-from backend_lib.frontend.triton import codec
+from backend_lib.structured_output.constraints import ConstraintKind, OutputConstraint
+from backend_lib.frontend.triton import codec, parameters, responses
 
 
 def _bytes(text: str) -> np.ndarray:
@@ -30,7 +33,7 @@ def _out(text: str, ids: list[int], finished: bool = False, reason: str | None =
 # ---- engine configuration from config.pbtxt parameters -------------------------------------------
 
 def test_engine_config_typed_conversion_and_defaults():
-    config = codec.engine_config_from_parameters({
+    config = parameters.engine_config_from_parameters({
         "model": "", "dtype": "float32", "max_num_seqs": "8", "max_model_len": "256", "block_size": "16",
         "num_blocks": "64", "max_num_batched_tokens": "128", "session_idle_timeout_s": "2.5",
         "spec_method": "ngram", "num_speculative_tokens": "3", "enable_prefix_caching": "false"})
@@ -40,11 +43,11 @@ def test_engine_config_typed_conversion_and_defaults():
     assert config.session_idle_timeout_s == 2.5
     assert config.spec.method == "ngram" and config.spec.num_speculative_tokens == 3
     # "" means "use the default", also for numbers
-    assert codec.engine_config_from_parameters({"num_blocks": ""}).cache.num_blocks == 0
+    assert parameters.engine_config_from_parameters({"num_blocks": ""}).cache.num_blocks == 0
 
 
 def test_engine_config_spec_ngram_and_compile_parameters():
-    config = codec.engine_config_from_parameters({
+    config = parameters.engine_config_from_parameters({
         "spec_method": "ngram", "num_speculative_tokens": "2", "ngram_min": "2", "ngram_max": "5",
         "compile_backend": "aot_eager", "batch_buckets": "1,2,4", "width_buckets": "8, 16",
         "prefill_buckets": ""})
@@ -52,7 +55,7 @@ def test_engine_config_spec_ngram_and_compile_parameters():
     assert config.compile.compile_backend == "aot_eager"
     assert config.compile.batch_buckets == (1, 2, 4) and config.compile.width_buckets == (8, 16)
     assert config.compile.prefill_buckets == ()
-    defaults = codec.engine_config_from_parameters({"ngram_min": "", "ngram_max": "", "compile_backend": ""})
+    defaults = parameters.engine_config_from_parameters({"ngram_min": "", "ngram_max": "", "compile_backend": ""})
     assert (defaults.spec.ngram_min, defaults.spec.ngram_max) == (1, 4)
     assert defaults.compile.compile_backend == "none"
 
@@ -64,9 +67,9 @@ def test_shipped_config_pbtxt_parameters_are_valid():
     text = (Path(__file__).resolve().parents[1] / "model_repository/deepinfer/config.pbtxt").read_text()
     params = dict(re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}', text))
     # Every accepted parameter is listed (render_config can only set lines that exist), with a valid default.
-    assert set(params) == set(codec.ENGINE_PARAMETER_NAMES + codec.SERVING_PARAMETER_NAMES)
-    config = codec.engine_config_from_parameters(params)
-    assert codec.serving_options_from_parameters(params).stream_interval == 1
+    assert set(params) == set(parameters.ENGINE_PARAMETER_NAMES + parameters.SERVING_PARAMETER_NAMES)
+    config = parameters.engine_config_from_parameters(params)
+    assert parameters.serving_options_from_parameters(params).stream_interval == 1
     assert config.spec.ngram_min == 1 and config.spec.ngram_max == 4 and config.compile.compile_backend == "none"
     assert "decoupled: true" in text and "max_batch_size: 0" in text
 
@@ -87,14 +90,14 @@ def test_shipped_config_pbtxt_parameters_are_valid():
 ])
 def test_engine_config_bad_values_name_the_parameter(params, needle):
     with pytest.raises(ValueError) as info:
-        codec.engine_config_from_parameters(params)
+        parameters.engine_config_from_parameters(params)
     assert needle in str(info.value)
 
 
 @pytest.mark.parametrize("text", ["0", "-2", "four", "1.5", "2000"])
 def test_bad_stream_interval_names_the_parameter(text):
     with pytest.raises(ValueError, match=r"stream_interval must be an integer in \[1, 1024\]"):
-        codec.serving_options_from_parameters({"stream_interval": text})
+        parameters.serving_options_from_parameters({"stream_interval": text})
 
 
 # ---- request decoding ----------------------------------------------------------------------------
@@ -128,20 +131,48 @@ def test_sampling_from_json_and_request_parameters_json_wins():
     assert nulls.seed is None and nulls.max_tokens == UNTIL_CONTEXT_ENDS and not nulls.max_tokens_set
 
 
-@pytest.mark.parametrize("inputs, params, needle", [
-    ({"sampling_parameters": _bytes("{max_tokens: 3")}, "{}", "sampling_parameters is not valid JSON"),
-    ({"sampling_parameters": _bytes("[1]")}, "{}", "sampling_parameters must be a JSON object"),
-    ({"sampling_parameters": _bytes('{"max_tokenz": 3}')}, "{}", "unknown sampling field 'max_tokenz'"),
-    ({"sampling_parameters": _bytes('{"max_tokens": -1}')}, "{}", "max_tokens must be >= 1"),
-    ({"sampling_parameters": _bytes('{"top_p": 2}')}, "{}", "top_p must be in (0, 1]"),
-    ({"sampling_parameters": _bytes('{"max_tokens": "lots"}')}, "{}", "max_tokens must be an integer"),
-    ({}, '{"colour": "blue"}', "unknown request parameter 'colour'"),
-    ({}, '{"temperature": -1}', "temperature must be >= 0"),
+@pytest.mark.parametrize("inputs, params, needle, field", [
+    ({"sampling_parameters": _bytes("{max_tokens: 3")}, "{}", "sampling_parameters is not valid JSON",
+     "sampling_parameters"),
+    ({"sampling_parameters": _bytes("[1]")}, "{}", "sampling_parameters must be a JSON object", "sampling_parameters"),
+    ({"sampling_parameters": _bytes('{"max_tokenz": 3}')}, "{}", "unknown sampling field 'max_tokenz'", "max_tokenz"),
+    ({"sampling_parameters": _bytes('{"max_tokens": -1}')}, "{}", "max_tokens must be >= 1", "max_tokens"),
+    ({"sampling_parameters": _bytes('{"top_p": 2}')}, "{}", "top_p must be in (0, 1]", "top_p"),
+    ({"sampling_parameters": _bytes('{"max_tokens": "lots"}')}, "{}", "max_tokens must be an integer", "max_tokens"),
+    # One whitelist for both places a field can come from (request parameters and the JSON input).
+    ({}, '{"colour": "blue"}', "unknown sampling field 'colour'", "colour"),
+    ({}, '{"temperature": -1}', "temperature must be >= 0", "temperature"),
+    ({}, '{"logit_bias": {"5": 1000}}', "logit_bias[5] must be in [-100, 100]", "logit_bias"),
+    ({}, '{"guided_regex": ""}', "guided_regex must be a non-empty string", "guided_regex"),
+    ({}, '{"structured_outputs": {"regex": "a", "choice": ["b"]}}', "both constrain the output",
+     "structured_outputs"),
+    ({}, '{"guided_json_object": "maybe"}', "guided_json_object must be true or false", "guided_json_object"),
 ])
-def test_bad_sampling_input_names_the_problem(inputs, params, needle):
-    with pytest.raises(ValueError) as info:
+def test_bad_sampling_input_names_the_problem(inputs, params, needle, field):
+    with pytest.raises(RequestError) as info:
         codec.decode_request({"text_input": _bytes("hi"), **inputs}, parameters_json=params)
     assert needle in str(info.value)
+    assert info.value.field == field and info.value.kind is ErrorKind.INVALID
+
+
+def test_structured_output_fields_become_the_constraint_under_the_servers_limits():
+    """structured_outputs and the older guided_* fields (JSON input or parameters) -> SamplingParams.structured_outputs;
+    a limit refusal names the field and the setting (config.pbtxt's max_schema_chars)."""
+    text = {"text_input": _bytes("hi")}
+    regex = codec.decode_request({**text, "sampling_parameters": _bytes('{"guided_regex": "[ab]+"}')})
+    assert regex.params.structured_outputs == OutputConstraint(ConstraintKind.REGEX, "[ab]+")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    body = json.dumps({"structured_outputs": {"json": schema}})
+    assert codec.decode_request(text, body).params.structured_outputs.schema() == schema
+    obj = codec.decode_request(text, '{"guided_json_object": "true"}').params.structured_outputs
+    assert obj.kind is ConstraintKind.JSON_OBJECT and obj.field == "guided_json_object"
+    assert codec.decode_request(text, '{"guided_json_object": false}').params.structured_outputs is None
+    with pytest.raises(RequestError) as info:
+        codec.decode_request(text, '{"guided_choice": ["a", "b", "c"]}', limits=RequestLimits(max_choices=2))
+    assert info.value.field == "guided_choice" and info.value.limit == "max_choices"
+    assert "max_choices" in str(info.value)
+    with pytest.raises(RequestError, match="guided_json_object and guided_regex both constrain"):
+        codec.decode_request(text, '{"guided_json_object": true, "guided_regex": "a"}')
 
 
 def test_prompt_sources():
@@ -168,9 +199,10 @@ def test_prompt_sources():
     ({"text_input": _bytes("a"), "image": _bytes("x")}, "unknown input 'image'"),
 ])
 def test_bad_prompts_name_the_problem(inputs, needle):
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(RequestError) as info:
         codec.decode_request(inputs)
     assert needle in str(info.value)
+    assert info.value.field in ("text_input", "input_ids", "messages", "stream", "image")
 
 
 def test_sessions_from_grpc_flags_and_http_parameters():
@@ -208,7 +240,7 @@ def _all_flags(stream: bool, **extra) -> codec.DecodedRequest:
 
 
 def test_streaming_sends_deltas_and_skips_empty_ones():
-    encoder = codec.ResponseEncoder(_all_flags(stream=True))
+    encoder = responses.ResponseEncoder(_all_flags(stream=True))
     first = encoder.encode(_out("Par", [10], n_out=1, cum=-0.5))
     assert first["text_output"].tolist() == [b"Par"] and first["output_ids"].tolist() == [10]
     assert first["finish_reason"].tolist() == [b"None"]
@@ -223,7 +255,7 @@ def test_streaming_sends_deltas_and_skips_empty_ones():
 
 
 def test_non_streaming_gathers_everything_and_prepends_the_prompt():
-    encoder = codec.ResponseEncoder(_all_flags(stream=False, logprobs=1), decode_token=lambda t: f"<{t}>")
+    encoder = responses.ResponseEncoder(_all_flags(stream=False, logprobs=1), decode_token=lambda t: f"<{t}>")
     lp1 = TokenLogprob(10, -0.1, top=[(10, -0.1)])
     lp2 = TokenLogprob(11, -2.0, top=[(12, -0.5)])
     assert encoder.encode(_out("Par", [10], n_out=1, logprobs=[lp1])) is None
@@ -241,7 +273,7 @@ def test_prompt_logprobs_go_with_the_first_tokens_and_an_ids_prompt_is_decoded_b
     prompt = PromptLogprobs(5, [TokenLogprob(6, -1.5, top=[(7, -0.2)]), TokenLogprob(8, -0.3)])
     inputs = {"input_ids": np.array([5, 6, 8], dtype=np.int32), "exclude_input_in_output": _bool(False)}
     request = codec.decode_request(inputs, parameters_json=json.dumps({"prompt_logprobs": 1}))
-    encoder = codec.ResponseEncoder(request, decode_token=lambda t: f"<{t}>",
+    encoder = responses.ResponseEncoder(request, decode_token=lambda t: f"<{t}>",
                                     decode_ids=lambda ids: "".join(f"<{t}>" for t in ids))
     assert encoder.encode(replace(_out("a", [9], n_out=1), prompt_logprobs=prompt)) is None
     final = encoder.encode(_out("b", [10], finished=True, reason="length", n_out=2))
@@ -254,8 +286,8 @@ def test_prompt_logprobs_go_with_the_first_tokens_and_an_ids_prompt_is_decoded_b
     # Not asked by name, an ids prompt's non-streamed text is the new text alone, as before.
     assert codec.decode_request({"input_ids": np.array([5, 6], dtype=np.int32)}).prepend_ids == []
     # Streamed (coalesced deltas included), the entries ride with the first tokens and only there.
-    streaming = codec.ResponseEncoder(_all_flags(stream=True, prompt_logprobs=1))
-    merged = codec.coalesce([replace(_out("a", [9], n_out=1), prompt_logprobs=prompt), _out("b", [10], n_out=2)])
+    streaming = responses.ResponseEncoder(_all_flags(stream=True, prompt_logprobs=1))
+    merged = responses.coalesce([replace(_out("a", [9], n_out=1), prompt_logprobs=prompt), _out("b", [10], n_out=2)])
     assert "prompt_logprobs" in streaming.encode(merged)
     assert "prompt_logprobs" not in streaming.encode(_out("c", [11], n_out=3))
 
@@ -264,17 +296,17 @@ def test_coalesced_deltas_stream_as_one_response():
     lp = [TokenLogprob(10, -0.1), TokenLogprob(11, -0.2), TokenLogprob(12, -0.3)]
     parts = [_out("Pa", [10], n_out=1, logprobs=lp[:1]), _out("", [11], n_out=2, logprobs=lp[1:2]),
              _out("ris", [12], finished=True, reason="stop", n_out=3, logprobs=lp[2:], cum=-0.6)]
-    merged = codec.coalesce(parts)
+    merged = responses.coalesce(parts)
     assert merged.new_text == "Paris" and merged.new_token_ids == [10, 11, 12] and merged.new_logprobs == lp
     assert merged.finished and merged.finish_reason == "stop" and merged.cumulative_logprob == -0.6
-    assert codec.coalesce(parts[:1]) is parts[0]
-    assert codec.coalesce([_out("a", [1]), _out("b", [2])]).new_logprobs is None
-    tensors = codec.ResponseEncoder(_all_flags(stream=True)).encode(merged)
+    assert responses.coalesce(parts[:1]) is parts[0]
+    assert responses.coalesce([_out("a", [1]), _out("b", [2])]).new_logprobs is None
+    tensors = responses.ResponseEncoder(_all_flags(stream=True)).encode(merged)
     assert tensors["text_output"].tolist() == [b"Paris"] and tensors["num_output_tokens"].tolist() == [3]
 
 
 def test_stream_interval_holds_deltas_but_never_the_first_token_or_the_end():
-    coalescer = codec.DeltaCoalescer(interval=3)
+    coalescer = responses.DeltaCoalescer(interval=3)
     assert coalescer.push([]) is None
     assert coalescer.push([_out("", [])]).new_text == ""  # no token yet: nothing held back
     assert coalescer.push([_out("A", [1])]).new_token_ids == [1]  # the first token goes at once
@@ -287,16 +319,16 @@ def test_stream_interval_holds_deltas_but_never_the_first_token_or_the_end():
     assert coalescer.push([_out("f", [6])]) is None
     final = coalescer.push([_out(".", [7], finished=True, reason="stop")])
     assert final.finished and final.new_text == "f." and final.new_token_ids == [6, 7]
-    every_token = codec.DeltaCoalescer()
+    every_token = responses.DeltaCoalescer()
     assert [every_token.push([_out(t, [i])]).new_text for i, t in enumerate("xyz")] == ["x", "y", "z"]
-    late = codec.DeltaCoalescer(interval=1)  # the response thread found the whole request waiting
+    late = responses.DeltaCoalescer(interval=1)  # the response thread found the whole request waiting
     assert late.push([_out("A", [1]), _out("b", [2]), _out(".", [3], finished=True)]).new_text == "A"
     rest = late.push([])
     assert rest.finished and rest.new_text == "b." and late.push([]) is None
 
 
 def test_minimal_response_has_only_text_and_ids():
-    encoder = codec.ResponseEncoder(codec.decode_request({"text_input": _bytes("a"),
+    encoder = responses.ResponseEncoder(codec.decode_request({"text_input": _bytes("a"),
                                                           "exclude_input_in_output": _bool(True)}))
     final = encoder.encode(_out("b", [3], finished=True, reason="stop", n_out=1))
     assert set(final) == {"text_output", "output_ids"} and final["text_output"].tolist() == [b"b"]
@@ -308,9 +340,9 @@ def test_named_outputs_are_the_only_ones_built():
     inputs = {"text_input": _bytes("a"), "stream": _bool(True), "return_num_output_tokens": _bool(True),
               "return_finish_reason": _bool(True)}
     request = codec.decode_request(inputs, requested_outputs=["text_output", "num_output_tokens", "logprobs"])
-    tensors = codec.ResponseEncoder(request).encode(_out("b", [3], n_out=1))
+    tensors = responses.ResponseEncoder(request).encode(_out("b", [3], n_out=1))
     assert set(tensors) == {"text_output", "num_output_tokens"}
-    every = codec.ResponseEncoder(codec.decode_request(inputs)).encode(_out("b", [3], n_out=1))
+    every = responses.ResponseEncoder(codec.decode_request(inputs)).encode(_out("b", [3], n_out=1))
     assert set(every) == {"text_output", "output_ids", "num_output_tokens", "finish_reason"}
 
 

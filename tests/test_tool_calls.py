@@ -22,13 +22,15 @@ from backend_lib.structured_output.tool_calls import (
     DeepSeekDSMLToolParser,
     DeepSeekV3ToolParser,
     HermesToolParser,
-    ToolCallDelta,
+    parser_for_template,
+)
+from backend_lib.structured_output.tool_choice import (
     calls_from_constrained_output,
     parse_tools,
-    parser_for_template,
     required_calls_schema,
     tool_choice_constraint,
 )
+from backend_lib.structured_output.tool_parser_base import ToolCallDelta
 from test_structured_output import PADDED_VOCAB, sample, tokenizer  # noqa: F401 - the tokenizer fixture
 
 WEATHER = {"type": "object", "properties": {

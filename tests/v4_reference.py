@@ -108,8 +108,8 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
         if name.endswith(".scale"):
             continue
         scale = raw.get(name[: -len(".weight")] + ".scale") if name.endswith(".weight") else None
-        if scale is not None and t.dtype == torch.float8_e4m3fn:
-            t = dequantize_block_fp8(t, scale)
+        if scale is not None and t.dtype == torch.float8_e4m3fn:  # Engram tables: one row by 128 columns a scale
+            t = dequantize_block_fp8(t, scale, (1, 128) if ".engram." in name else (128, 128))
         elif scale is not None:
             t = dequantize_fp4(t, scale)
         name = name.removeprefix("model.").replace("embed_tokens.", "embed.").replace(".attn.norm.", ".attn.kv_norm.")

@@ -8,11 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from backend_lib.structured_output.constraints import StructuredOutputLimits
+
 _DTYPES = ("float32", "bfloat16", "float16")
 _SPEC_METHODS = ("none", "ngram", "mtp")
 _HOST_GEMMS = ("auto", "gemv", "onednn", "mkl")
 WEIGHT_FORMATS = ("dequantize", "packed")
 _COMPILE_BACKENDS = ("none", "auto", "inductor", "aot_eager", "neuron")
+# KV cache element types: "auto" = the model dtype; "fp8_e4m3" = e4m3 codes with per-layer scales (kernels/kv_fp8.py).
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+_KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 # Admission defaults per running slot: a burst of 8 batches' worth waits (the last one about 8 batch lifetimes),
 # more is refused at once; sessions hold history (and KV until evicted), so more of them may stay open.
 WAITING_PER_SEQ = 8
@@ -83,8 +88,14 @@ class CacheConfig:
     kv_cache_memory_gb: float = 0.0  # 0 = auto: kv_cache_memory_fraction of the memory free after loading weights
     kv_cache_memory_fraction: float = 0.5  # like vLLM's gpu_memory_utilization, of what is free, not of the total
     enable_prefix_caching: bool = True
+    # "auto": K/V in the model dtype; "fp8_e4m3" (alias "fp8"): one byte per value with per-layer scales, so the
+    # same memory holds 2x the tokens of bf16 (4x fp32). Models and paths that cannot store it refuse it at load.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        self.kv_cache_dtype = _KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (or the alias 'fp8'), got {self.kv_cache_dtype!r}")
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
                  f"block_size must be a power of two in [1, 128], got {self.block_size}")
         _require(self.num_blocks >= 0, f"num_blocks must be >= 0 (0 = auto), got {self.num_blocks}")
@@ -206,7 +217,7 @@ class ParallelConfig:
 
 @dataclass
 class RequestLimits:
-    """Caps on what one request can make the server hold; beyond one, the request is refused with a ValueError
+    """Caps on what one request can make the server hold; beyond one, the request is refused with a RequestError
     (INVALID_ARG) naming the field and the limit. Each bounds memory or per-token work that grows with the
     request, not the model: the context itself is bounded by max_model_len."""
 
@@ -219,13 +230,27 @@ class RequestLimits:
     max_stop_token_ids: int = 64
     max_logit_bias: int = 1024  # logit_bias entries (each step scatters them into a [rows, vocab] bias)
     max_logprobs: int = 20  # top-n alternatives per token (vLLM's default max_logprobs)
+    # Structured output (structured_outputs / guided_*; StructuredOutputLimits says what each bounds): characters of
+    # a schema, regex or grammar (or of all choices), a schema's JSON nesting, strings in a choice list, and the
+    # seconds a grammar may take to compile.
+    max_schema_chars: int = StructuredOutputLimits.max_schema_chars
+    max_schema_depth: int = StructuredOutputLimits.max_schema_depth
+    max_choices: int = StructuredOutputLimits.max_choices
+    compile_timeout_s: float = StructuredOutputLimits.compile_timeout_s
 
     def __post_init__(self) -> None:
         for f in fields(self):
+            if f.name == "compile_timeout_s":
+                continue  # StructuredOutputLimits checks it (a number > 0)
             value = getattr(self, f.name)
             lowest = 0 if f.name in ("max_input_ids", "max_logprobs") else 1
             _require(isinstance(value, int) and not isinstance(value, bool) and value >= lowest,
                      f"{f.name} must be an integer >= {lowest}, got {value!r}")
+        self.structured_output_limits()
+
+    def structured_output_limits(self) -> StructuredOutputLimits:
+        return StructuredOutputLimits(max_schema_chars=self.max_schema_chars, max_schema_depth=self.max_schema_depth,
+                                      max_choices=self.max_choices, compile_timeout_s=self.compile_timeout_s)
 
 
 @dataclass
@@ -241,7 +266,7 @@ class EngineConfig:
     seed: int = 0  # seeds the per-request seeds of unseeded sampled requests
     num_threads: int = 0  # torch intra-op threads; 0 = all cores
     # Admission control (AsyncEngine): requests waiting for a slot (inbox + scheduler queue) and open sessions.
-    # Beyond either, a request is refused at once (EngineBusyError -> UNAVAILABLE) instead of queueing without
+    # Beyond either, a request is refused at once (a busy RequestError -> UNAVAILABLE) instead of queueing without
     # bound. 0 = derived from max_num_seqs (set in __post_init__, so the config holds the value in force).
     max_waiting_requests: int = 0
     max_sessions: int = 0
@@ -259,6 +284,11 @@ class EngineConfig:
                  "weight_format=packed cannot run with compile_backend=neuron (its GEMMs are host C++ kernels)")
         self.max_waiting_requests = self.max_waiting_requests or WAITING_PER_SEQ * self.scheduler.max_num_seqs
         self.max_sessions = self.max_sessions or SESSIONS_PER_SEQ * self.scheduler.max_num_seqs
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """The KV cache's element type as the load log and /metrics name it (the model dtype for "auto")."""
+        return self.model.dtype if self.cache.kv_cache_dtype == "auto" else self.cache.kv_cache_dtype
 
     @classmethod
     def from_flat(cls, values: dict[str, Any]) -> "EngineConfig":

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from backend_lib.core.errors import RequestError
 from backend_lib.core.request import Request
 
 
@@ -96,11 +97,19 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None  # on a prompt_logprobs request's first output with tokens
     stop_reason: int | str | None = None  # the stop token id or stop string that ended the request
     error: str | None = None
-    # Ended before it ran because the engine refused its input (e.g. a session protocol error): the client's fault.
-    rejected: bool = False
-    # Rejected because the engine was at an admission limit (max_sessions), not for its input: retry later.
-    busy: bool = False
+    # Ended before it ran because the engine refused it when it took it in (a session protocol error, max_sessions):
+    # the typed refusal, whose kind says whose fault it is.
+    refusal: RequestError | None = None
     metrics: RequestMetrics | None = None
+
+    @property
+    def rejected(self) -> bool:
+        return self.refusal is not None
+
+    @property
+    def busy(self) -> bool:
+        """Refused at an admission limit, not for its input: retry later."""
+        return self.refusal is not None and self.refusal.busy
 
 
 @dataclass

@@ -9,13 +9,24 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Container
 from dataclasses import dataclass, field
 
+from backend_lib.core.errors import RequestError
+from backend_lib.core.grammar import RequestGrammar
 from backend_lib.core.sampling_params import SamplingParams
+
+
+def check_unused(request_id: str, *live: Container[str]) -> None:
+    """The one rule for request ids: none names a live request (in any of ``live``). The scheduler checks its own
+    table; the engine checks first, before a session turn opens anything, and AsyncEngine its inbox and streams."""
+    if any(request_id in ids for ids in live):
+        raise RequestError("request_id", f"request id {request_id!r} is already in use")
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # queued; its structured-output grammar is still compiling
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -46,6 +57,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     error: str | None = None  # why the request ended with FINISHED_ERROR
+    refusal: RequestError | None = None  # FINISHED_ERROR before it ran, for its input (a grammar that does not compile)
     num_preemptions: int = 0
     # The session history this turn continues (prompt_token_ids starts with it); its KV may be reused.
     num_history_tokens: int = 0
@@ -54,6 +66,8 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     # prompt_logprobs: prompt tokens 1 .. this whose logprobs the engine holds (a recomputed prefill skips them).
     num_prompt_logprobs: int = 0
+    # Structured output (backend_lib/core/grammar.py): the grammar's compile, then its matcher while running.
+    grammar: RequestGrammar | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

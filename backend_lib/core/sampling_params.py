@@ -1,7 +1,7 @@
 """SamplingParams: vLLM's per-request sampling knobs, validated at construction.
 
-Every bad value raises ValueError naming the field, the allowed range and the value, because these
-messages go back to clients verbatim (a Triton request error) and must say what to fix.
+Every bad value raises ``RequestError`` (core/errors.py, a ValueError) with the field and a message naming the
+allowed range and the value, because these messages go back to clients verbatim and must say what to fix.
 Vocabulary-dependent checks (stop_token_ids < vocab size) belong to the engine, which knows the model.
 """
 from __future__ import annotations
@@ -12,6 +12,9 @@ import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from backend_lib.core.errors import RequestError
+from backend_lib.structured_output.constraints import OutputConstraint
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's default
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
@@ -31,34 +34,40 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _field(name: str) -> str:
+    """The request field a value belongs to: ``logit_bias[7]`` is in ``logit_bias``."""
+    return name.split("[", 1)[0]
+
+
 def _as_float(name: str, value: Any) -> float:
     """Accept JSON ints where floats are expected (1 -> 1.0), never bools or strings."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+        raise RequestError(_field(name), f"{name} must be a number, got {type(value).__name__} {value!r}")
     try:
         result = float(value)
     except OverflowError:  # a JSON integer past float's range
-        raise ValueError(f"{name} must be a finite number, got an integer of {value.bit_length()} bits") from None
+        raise RequestError(_field(name), f"{name} must be a finite number, got an integer of "
+                           f"{value.bit_length()} bits") from None
     if not math.isfinite(result):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise RequestError(_field(name), f"{name} must be a finite number, got {value!r}")
     return result
 
 
 def _as_int(name: str, value: Any) -> int:
     if not _is_int(value):
-        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+        raise RequestError(_field(name), f"{name} must be an integer, got {type(value).__name__} {value!r}")
     return int(value)
 
 
 def _as_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a boolean (true/false), got {type(value).__name__} {value!r}")
+        raise RequestError(_field(name), f"{name} must be a boolean (true/false), got {type(value).__name__} {value!r}")
     return value
 
 
-def _require(condition: bool, message: str) -> None:
+def _require(condition: bool, name: str, message: str) -> None:
     if not condition:
-        raise ValueError(message)
+        raise RequestError(name, message)
 
 
 @dataclass
@@ -89,6 +98,9 @@ class SamplingParams:
     # token id -> added to its raw logit before penalties and sampling (OpenAI's and vLLM's logit_bias; JSON's keys
     # are strings of the ids); logprobs stay those of the raw logits.
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # What the output must match (a JSON schema, regex, choices, grammar), parsed by the intake from the request's
+    # structured_outputs / guided_* fields (backend_lib/engine/intake.py); None = unconstrained.
+    structured_outputs: OutputConstraint | None = None
 
     def __post_init__(self) -> None:
         # Not a dataclass field: from_dict must not accept it, and equal requests stay equal.
@@ -97,33 +109,33 @@ class SamplingParams:
         if not self.max_tokens_set:
             self.max_tokens = DEFAULT_MAX_TOKENS if self.max_tokens_omitted else UNTIL_CONTEXT_ENDS
         self.max_tokens = _as_int("max_tokens", self.max_tokens)
-        _require(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+        _require(self.max_tokens >= 1, "max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
 
         self.temperature = _as_float("temperature", self.temperature)
-        _require(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature:g}")
+        _require(self.temperature >= 0, "temperature", f"temperature must be >= 0, got {self.temperature:g}")
 
         self.top_p = _as_float("top_p", self.top_p)
-        _require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p:g}")
+        _require(0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p:g}")
 
         self.top_k = _as_int("top_k", self.top_k)
-        _require(self.top_k == -1 or self.top_k >= 1,
+        _require(self.top_k == -1 or self.top_k >= 1, "top_k",
                  f"top_k must be -1 (off) or >= 1, got {self.top_k}")
 
         self.min_p = _as_float("min_p", self.min_p)
-        _require(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p:g}")
+        _require(0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p:g}")
 
         self.repetition_penalty = _as_float("repetition_penalty", self.repetition_penalty)
-        _require(self.repetition_penalty > 0,
+        _require(self.repetition_penalty > 0, "repetition_penalty",
                  f"repetition_penalty must be > 0, got {self.repetition_penalty:g}")
 
         for name in ("presence_penalty", "frequency_penalty"):
             value = _as_float(name, getattr(self, name))
-            _require(-2 <= value <= 2, f"{name} must be in [-2, 2], got {value:g}")
+            _require(-2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value:g}")
             setattr(self, name, value)
 
         if self.seed is not None:
             self.seed = _as_int("seed", self.seed)
-            _require(0 <= self.seed < SEED_LIMIT,
+            _require(0 <= self.seed < SEED_LIMIT, "seed",
                      f"seed must be in [0, {SEED_LIMIT - 1}] (or null), got {self.seed}")
 
         self.stop = self._check_stop(self.stop)
@@ -133,18 +145,25 @@ class SamplingParams:
             _as_bool(name, getattr(self, name))
 
         self.min_tokens = _as_int("min_tokens", self.min_tokens)
-        _require(0 <= self.min_tokens <= self.max_tokens,
+        _require(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
                  f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
 
         self.logit_bias = self._check_logit_bias(self.logit_bias)
+        _require(self.structured_outputs is None or isinstance(self.structured_outputs, OutputConstraint),
+                 "structured_outputs", "structured_outputs must be a parsed OutputConstraint (the intake parses the "
+                 f"request's fields), got {type(self.structured_outputs).__name__}")
 
         if self.logprobs is not None:
             self.logprobs = _as_int("logprobs", self.logprobs)
             # The upper bound is a server setting (RequestLimits.max_logprobs): the engine checks it.
-            _require(self.logprobs >= 0, f"logprobs must be >= 0 (or null), got {self.logprobs}")
+            _require(self.logprobs >= 0, "logprobs", f"logprobs must be >= 0 (or null), got {self.logprobs}")
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = _as_int("prompt_logprobs", self.prompt_logprobs)
-            _require(self.prompt_logprobs >= 0, f"prompt_logprobs must be >= 0 (or null), got {self.prompt_logprobs}")
+            _require(self.prompt_logprobs >= 0, "prompt_logprobs",
+                     f"prompt_logprobs must be >= 0 (or null), got {self.prompt_logprobs}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, OutputConstraint):
+            raise RequestError("structured_outputs", "structured_outputs must be an OutputConstraint (parsed by the "
+                               f"request intake), got {type(self.structured_outputs).__name__}")
 
     @staticmethod
     def _check_logit_bias(bias: Any) -> dict[int, float]:
@@ -153,16 +172,19 @@ class SamplingParams:
         if bias is None:
             return {}
         if not isinstance(bias, dict):
-            raise ValueError(f"logit_bias must be an object of token id -> bias, got {type(bias).__name__}")
+            raise RequestError("logit_bias", f"logit_bias must be an object of token id -> bias, got "
+                               f"{type(bias).__name__}")
         checked = {}
         for key, value in bias.items():
             text = key.strip() if isinstance(key, str) else None
             if not (_is_int(key) or (text and text.isascii() and text.isdigit() and len(text) <= 18)):
-                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {str(key)[:40]!r}")
+                raise RequestError("logit_bias", f"logit_bias keys must be token ids (integers >= 0), got "
+                                   f"{str(key)[:40]!r}")
             token = int(key)
-            _require(token >= 0, f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+            _require(token >= 0, "logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
             bias_value = _as_float(f"logit_bias[{token}]", value)
-            _require(-LOGIT_BIAS_LIMIT <= bias_value <= LOGIT_BIAS_LIMIT, f"logit_bias[{token}] must be in "
+            _require(-LOGIT_BIAS_LIMIT <= bias_value <= LOGIT_BIAS_LIMIT, "logit_bias",
+                     f"logit_bias[{token}] must be in "
                      f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {bias_value:g}")
             checked[token] = bias_value
         return checked
@@ -174,10 +196,11 @@ class SamplingParams:
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, (list, tuple)):
-            raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__} {stop!r}")
+            raise RequestError("stop", f"stop must be a string or a list of strings, got {type(stop).__name__} "
+                               f"{stop!r}")
         for item in stop:
             if not isinstance(item, str) or not item:
-                raise ValueError(f"stop must contain only non-empty strings, got {item!r}")
+                raise RequestError("stop", f"stop must contain only non-empty strings, got {item!r}")
         return list(stop)
 
     @staticmethod
@@ -185,10 +208,11 @@ class SamplingParams:
         if ids is None:
             return []
         if not isinstance(ids, (list, tuple)):
-            raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {type(ids).__name__} {ids!r}")
+            raise RequestError("stop_token_ids", f"stop_token_ids must be a list of integers >= 0, got "
+                               f"{type(ids).__name__} {ids!r}")
         for item in ids:
             if not _is_int(item) or item < 0:
-                raise ValueError(f"stop_token_ids must contain only integers >= 0, got {item!r}")
+                raise RequestError("stop_token_ids", f"stop_token_ids must contain only integers >= 0, got {item!r}")
         return [int(i) for i in ids]
 
     @property
@@ -200,27 +224,17 @@ class SamplingParams:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
+    def from_dict(cls, values: dict[str, Any], also_allowed: tuple[str, ...] = ()) -> "SamplingParams":
+        """The fields by name; an unknown name is refused, listing ours and ``also_allowed`` (the request's other
+        fields, which the caller has taken out: the one place a request's field names are checked)."""
         if not isinstance(values, dict):
-            raise ValueError(f"sampling parameters must be an object, got {type(values).__name__}")
+            raise RequestError(None, f"sampling parameters must be an object, got {type(values).__name__}")
         allowed = cls.field_names()
         for name in values:
             if name not in allowed:
-                raise ValueError(f"unknown sampling field {name!r} (allowed: {', '.join(allowed)})")
+                raise RequestError(str(name), f"unknown sampling field {name!r} (allowed: "
+                                   f"{', '.join(allowed + also_allowed)})")
         return cls(**values)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> "SamplingParams":
-        try:
-            values = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
-            raise ValueError(f"sampling_parameters is not valid JSON: {exc}") from exc
-        except RecursionError:  # Python's parser recurses per nesting level
-            raise ValueError("sampling_parameters is not valid JSON: nested too deeply") from None
-        if not isinstance(values, dict):
-            raise ValueError(
-                f"sampling_parameters is not valid JSON: expected an object, got {type(values).__name__}")
-        return cls.from_dict(values)
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as from_dict takes them; a max_tokens left out stays out, a null stays null."""
@@ -233,14 +247,14 @@ class SamplingParams:
         return values
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict())
+        """The fields as JSON; a constraint as the structured_outputs request field that parses back to it."""
+        values = self.to_dict()
+        if self.structured_outputs is not None:
+            values.update(self.structured_outputs.to_request())
+        return json.dumps(values)
 
     def clone(self, **overrides: Any) -> "SamplingParams":
         """A validated copy with ``overrides`` applied; lists are copied so the clone owns them."""
         values = self.to_dict()
-        allowed = self.field_names()
-        for name in overrides:
-            if name not in allowed:
-                raise ValueError(f"unknown sampling field {name!r} (allowed: {', '.join(allowed)})")
-        values.update(overrides)
+        values.update(overrides)  # an unknown name is a TypeError: overrides come from code, not from a request
         return SamplingParams(**values)

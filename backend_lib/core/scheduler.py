@@ -18,47 +18,30 @@ is scheduled with ``1 + k`` tokens; its blocks also cover ``num_lookahead_slots`
 proposer writes its draft chain there). After verification ``num_computed_tokens`` stops at the last accepted token
 (the rejected positions roll back: their KV is simply overwritten later) and only those computed tokens are hashed
 into the prefix cache.
+
+Structured output (``request.grammar``, backend_lib/core/grammar.py): a request whose grammar still compiles waits
+in WAITING_FOR_GRAMMAR and admission passes over it (the others run); one whose compile failed or timed out is failed
+before any step (``refusal``: a RequestError naming the request field). Admission builds the matcher (a request back
+from preemption re-accepts its output); every emitted token advances it, a terminated matcher finishes the request
+("stop"), drafts are cut at the first token the grammar refuses, and finish / abort / preemption release it.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from concurrent.futures import Future
 
 from backend_lib.core.config import CacheConfig, SchedulerConfig
+from backend_lib.core.errors import RequestError
 from backend_lib.core.hybrid_kv import HybridKVManager
 from backend_lib.core.kv_cache import KVCacheManager
 from backend_lib.core.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput
-from backend_lib.core.request import Request, RequestStatus
+from backend_lib.core.request import Request, RequestStatus, check_unused
 from backend_lib.core.sessions import SessionTable
+from backend_lib.core.spec_counters import SpecCounters
 
 _KEEPS_SESSION = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
-
-
-@dataclass
-class SpecCounters:
-    """Cumulative speculative-decoding counters (the EngineStats spec_* fields)."""
-
-    num_drafts: int = 0  # request-steps that verified at least one draft
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    drafts_per_position: list[int] = field(default_factory=list)
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def record(self, num_drafts: int, num_accepted: int) -> None:
-        if num_drafts == 0:
-            return
-        grow = num_drafts - len(self.drafts_per_position)
-        if grow > 0:
-            self.drafts_per_position += [0] * grow
-            self.accepted_per_position += [0] * grow
-        self.num_drafts += 1
-        self.draft_tokens += num_drafts
-        self.accepted_tokens += num_accepted
-        for j in range(num_drafts):
-            self.drafts_per_position[j] += 1
-            self.accepted_per_position[j] += j < num_accepted
 
 
 class Scheduler:
@@ -97,8 +80,7 @@ class Scheduler:
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         rid = request.request_id
-        if rid in self._requests:
-            raise ValueError(f"request id {rid!r} is already in use")
+        check_unused(rid, self._requests)
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_ids:
             raise ValueError(f"request {rid!r} must be new (WAITING, no computed tokens, no blocks)")
         if not request.prompt_token_ids:
@@ -107,16 +89,10 @@ class Scheduler:
             raise ValueError(f"request {rid!r} has {request.num_tokens} tokens; max_model_len is "
                              f"{self.max_model_len}, so at most {self.max_model_len - 1} fit with one new token")
         if request.session_id is not None:
-            session = self.sessions.get(request.session_id)
-            if session is None:
-                raise ValueError(f"unknown session {request.session_id!r} (open_session first)")
-            if session.turn_request_id is not None:
-                raise ValueError(f"session {request.session_id!r} already has a turn in flight "
-                                 f"(request {session.turn_request_id!r})")
-            if session.closing:
-                raise ValueError(f"session {request.session_id!r} is closing")
-            session.turn_request_id = rid
-            session.last_used = self._clock()
+            self.sessions.check_turn(request.session_id)
+            self.sessions.begin_turn(request.session_id, rid)
+        if request.grammar is not None:  # until schedule() sees its compile done (and fails it if it failed)
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self._requests[rid] = request
         self.waiting.append(request)
         self.num_prompt_tokens += request.num_prompt_tokens
@@ -146,6 +122,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._finished_in_schedule)
 
+    def pending_grammars(self) -> list[Future]:
+        """The compiles that waiting requests wait for (the engine waits on them when nothing else can run)."""
+        return [r.grammar.future for r in self.waiting
+                if r.status is RequestStatus.WAITING_FOR_GRAMMAR and r.grammar is not None]
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -156,6 +137,7 @@ class Scheduler:
 
     # ---- the step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self._resolve_grammars()
         budget = self.config.max_num_batched_tokens
         decodes: list[ScheduledChunk] = []
         prefills: list[ScheduledChunk] = []
@@ -176,10 +158,13 @@ class Scheduler:
                 scheduled.add(request.request_id)
                 budget -= n
         # After a preemption the pool is short: admitting now would only be preempted again (vLLM v1 rule).
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            n = self._admit(self.waiting[0], budget)
+        while not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            head = next((r for r in self.waiting if r.status is not RequestStatus.WAITING_FOR_GRAMMAR), None)
+            if head is None:
+                break
+            n = self._admit(head, budget)
             if n is None:
-                break  # FCFS: nobody overtakes the head of the queue
+                break  # FCFS: nobody overtakes the head of the queue (but a request still compiling its grammar)
             if n == 0:
                 continue  # the head could never run and was failed; look at the next one
             request = self.running[-1]
@@ -220,7 +205,7 @@ class Scheduler:
             for token in sampled:
                 request.output_token_ids.append(token)
                 self.num_generation_tokens += 1
-                if self._check_stop(request, token):
+                if self._advance_grammar(request, token) or self._check_stop(request, token):
                     break
             # A stop among the accepted drafts drops the tokens after it: their KV is no longer the request's.
             request.num_computed_tokens = min(end, request.num_tokens - 1) if sampled else end
@@ -232,6 +217,17 @@ class Scheduler:
             if sampled or request.is_finished:
                 changed.append(request)
         return changed
+
+    @staticmethod
+    def _advance_grammar(request: Request, token: int) -> bool:
+        """The matcher takes the emitted token; True when that ends the request (the grammar terminated: "stop")."""
+        outcome = request.grammar.advance(token) if request.grammar is not None else None
+        if outcome == "terminated":
+            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif outcome == "refused":  # the mask forbade it: a bug, not the client's fault
+            request.status = RequestStatus.FINISHED_ERROR
+            request.error = f"internal error: the grammar refused token {token}, which its mask allowed"
+        return outcome is not None
 
     def _check_stop(self, request: Request, token: int) -> bool:
         params = request.sampling_params
@@ -263,7 +259,8 @@ class Scheduler:
             return []
         limit = min(room, self.max_model_len - request.num_tokens - 1,
                     request.sampling_params.max_tokens - request.num_output_tokens - 1)
-        return request.draft_token_ids[:max(0, limit)]
+        drafts = request.draft_token_ids[:max(0, limit)]
+        return request.grammar.cut(drafts) if request.grammar is not None else drafts
 
     def _lookahead(self, request: Request) -> int:
         return self.num_lookahead_slots if request.sampling_params.speculative else 0
@@ -291,6 +288,8 @@ class Scheduler:
     def _preempt(self, request: Request, preempted: list[str]) -> None:
         self.running = [r for r in self.running if r is not request]
         self.kv_cache.free(request)
+        if request.grammar is not None:  # rebuilt at re-admission from the output so far
+            request.grammar.release()
         request.draft_token_ids = []
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -307,6 +306,20 @@ class Scheduler:
         self._finished_in_schedule.append(request)
 
     # ---- admission ------------------------------------------------------------------------------
+    def _resolve_grammars(self) -> None:
+        """Requests whose grammar is done compiling: ready for admission, or failed before any step."""
+        for request in [r for r in self.waiting if r.status is RequestStatus.WAITING_FOR_GRAMMAR]:
+            if not request.grammar.ready:
+                continue  # still compiling: others run meanwhile
+            failure = request.grammar.failure()
+            if failure is None:
+                request.status = RequestStatus.WAITING
+            else:
+                message, refused = failure
+                if refused:  # the request's constraint is at fault: INVALID_ARG naming its field
+                    request.refusal = RequestError(request.grammar.constraint.field.split(".", 1)[0], message)
+                self._fail(request, message)
+
     def _admit(self, request: Request, budget: int) -> int | None:
         """Try to start the head of the queue. Returns its first chunk's size, None when it does not fit now,
         0 when it can never run (it is then failed)."""
@@ -346,8 +359,17 @@ class Scheduler:
         if request.status is RequestStatus.WAITING:  # first admission, not a return from preemption
             request.num_cached_tokens = computed
         request.status = RequestStatus.RUNNING
-        self.waiting.popleft()
+        if self.waiting[0] is request:
+            self.waiting.popleft()
+        else:  # it passed requests still compiling their grammars
+            self.waiting = deque(r for r in self.waiting if r is not request)
         self.running.append(request)
+        if request.grammar is not None and request.grammar.matcher is None:
+            try:
+                request.grammar.start(request.output_token_ids)
+            except RuntimeError as exc:
+                self._fail(request, f"internal error: {exc}")
+                return 0
         return n
 
     def _first_chunk(self, remaining: int, budget: int) -> int | None:
@@ -376,6 +398,8 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         """A finished request's blocks go back to the pool, or to its session when the turn completed."""
         self._requests.pop(request.request_id, None)
+        if request.grammar is not None:
+            request.grammar.release()
         session = self.sessions.get(request.session_id)
         if session is None or session.turn_request_id != request.request_id:
             self.kv_cache.free(request)
@@ -455,11 +479,16 @@ class Scheduler:
         the only holders) and the pool agrees with itself; raises AssertionError otherwise."""
         for request in self.waiting:
             assert not request.block_ids, f"waiting request {request.request_id!r} holds blocks {request.block_ids}"
-            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), \
+            assert request.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR,
+                                      RequestStatus.PREEMPTED), \
                 f"waiting request {request.request_id!r} has status {request.status}"
+            assert request.grammar is None or request.grammar.matcher is None, \
+                f"waiting request {request.request_id!r} holds a grammar matcher"
         for request in self.running:
             assert request.status is RequestStatus.RUNNING, \
                 f"running request {request.request_id!r} has status {request.status}"
+            assert request.grammar is None or request.grammar.matcher is not None, \
+                f"running request {request.request_id!r} has no grammar matcher"
         holders = [r.block_ids for r in self.running] + self.sessions.held_blocks()
         if isinstance(self.kv_cache, HybridKVManager):
             for request in self.waiting:

@@ -4,12 +4,16 @@ A session keeps its conversation's token history and, while memory allows, the K
 reference each) and, on the hybrid cache, the fixed state slot at ``num_computed_tokens``. The next turn takes them
 over (``Scheduler._admit``) and gives them back when it ends (``Scheduler._release``). Under memory pressure the least
 recently used session's KV goes first (``evict_kv``); its next turn recomputes the history.
+
+This is the server's one session table: the scheduler owns it, and the engine asks it (a turn's checks in
+``engine/intake.py``, chat history, idle closing, the session count).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from backend_lib.core.errors import RequestError
 from backend_lib.core.hybrid_kv import HybridKVManager
 from backend_lib.core.kv_cache import KVCacheManager
 from backend_lib.core.request import Request
@@ -27,6 +31,9 @@ class Session:
     state_slot: int | None = None  # hybrid cache: the fixed state at num_computed_tokens, kept with block_ids
     turn_request_id: str | None = None  # the turn in flight (waiting or running)
     closing: bool = False  # close_session arrived during a turn: close when it ends
+    # A session driven by chat messages: the conversation so far (the engine renders it whole each turn; the prefix
+    # cache supplies the history's KV, so such a turn's request is not tied to the session here).
+    messages: list[dict] = field(default_factory=list)
 
 
 class SessionTable:
@@ -58,6 +65,40 @@ class SessionTable:
     def remove(self, session: Session) -> None:
         self.drop_kv(session)
         del self._by_id[session.session_id]
+
+    def check_turn(self, session_id: str, start: bool = False) -> None:
+        """The one rule for a turn: its session is open (or this turn STARTs it), no turn of it is in flight and
+        it is not closing. The engine's intake checks it before any work; the scheduler again when it queues the
+        turn (its own contract)."""
+        session = self._by_id.get(session_id)
+        if session is None:
+            if not start:
+                raise RequestError("sequence_id", f"unknown session {session_id}: the first request of a sequence "
+                                   "must carry START")
+            return
+        if session.turn_request_id is not None:
+            again = "; cannot START it again" if start else ""
+            raise RequestError("sequence_id", f"session {session_id} already has a turn in flight (request "
+                               f"{session.turn_request_id}){again}")
+        if session.closing:
+            raise RequestError("sequence_id", f"session {session_id} is closing")
+
+    def begin_turn(self, session_id: str, request_id: str) -> Session:
+        """Mark a turn in flight (the scheduler for turns it runs on the session's KV, the engine for chat turns)."""
+        session = self._known(session_id)
+        session.turn_request_id = request_id
+        session.last_used = self._clock()
+        return session
+
+    def end_turn(self, session_id: str, request_id: str) -> None:
+        """The turn ``begin_turn`` marked is over; a session closed during it goes now."""
+        session = self._by_id.get(session_id)
+        if session is None or session.turn_request_id != request_id:
+            return
+        session.turn_request_id = None
+        session.last_used = self._clock()
+        if session.closing:
+            self.remove(session)
 
     def busy(self, session_id: str) -> bool:
         session = self._by_id.get(session_id)

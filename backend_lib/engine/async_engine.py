@@ -11,7 +11,7 @@ lock and wait for the current step at most. Python's locks are not fair, so the 
 in before it takes the lock for the next step; otherwise a busy loop could starve an abort for a generation.
 
 Admission control: a request that would make more than ``max_waiting_requests`` wait for a slot (the inbox, the
-requests being taken in from it, and the scheduler's waiting queue) is refused at once with EngineBusyError, as is
+requests being taken in from it, and the scheduler's waiting queue) is refused at once with a busy RequestError, as is
 a session START past ``max_sessions`` (checked by the engine when the loop takes the turn in; its stream ends with
 a ``busy`` rejected output). Both refusals are counted in ``stats()``.
 
@@ -39,9 +39,10 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 from backend_lib.core.config import EngineConfig
+from backend_lib.core.errors import RequestError, busy
 from backend_lib.core.outputs import EngineStats, RequestOutput, SessionControl
+from backend_lib.core.request import check_unused
 from backend_lib.core.sampling_params import SamplingParams
-from backend_lib.engine.errors import EngineBusyError
 from backend_lib.engine.faults import FaultConfig
 from backend_lib.engine.llm_engine import LLMEngine, Prompt
 from backend_lib.worker.failures import FatalEngineError
@@ -139,7 +140,7 @@ class AsyncEngine:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     session: SessionControl | None = None) -> RequestStream:
-        """Raises ValueError (nothing queued) for bad input; EngineBusyError past max_waiting_requests;
+        """Raises RequestError (nothing queued): invalid input, or busy past max_waiting_requests;
         RuntimeError after shutdown. A session turn the engine refuses (unknown session, a turn still running,
         max_sessions, ...) ends its stream with a rejected output."""
         with self._inbox_lock:  # first before tokenizing: an overloaded server refuses at the least cost
@@ -156,8 +157,7 @@ class AsyncEngine:
             if self._stopped:
                 raise RuntimeError("the engine is shut down")
             # The live ids are those of the streams and the inbox (a dict read is atomic under the GIL).
-            if request_id in self._inbox or request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
+            check_unused(request_id, self._inbox, self._streams)
             self._check_waiting_room()  # again: others may have come in while this one was tokenized
             self._inbox[request_id] = (admit, stream)
         self._wakeup.set()
@@ -170,8 +170,8 @@ class AsyncEngine:
         waiting = len(self._inbox) + self._admitting + self.engine.scheduler.num_waiting
         if waiting >= limit:
             self._refused_waiting += 1
-            raise EngineBusyError(f"server busy: {waiting} requests are waiting for a slot, the limit "
-                                  f"(max_waiting_requests {limit}); retry later", "max_waiting_requests")
+            raise busy(f"server busy: {waiting} requests are waiting for a slot, the limit (max_waiting_requests "
+                       f"{limit}); retry later", "max_waiting_requests")
 
     def abort(self, request_id: str) -> None:
         with self._caller():
@@ -224,12 +224,10 @@ class AsyncEngine:
         for request_id, (admit, stream) in waiting.items():
             try:
                 admit()
-            except (ValueError, EngineBusyError) as exc:  # the engine refused it (a session turn's checks run here)
-                busy = isinstance(exc, EngineBusyError)
-                self._refused_sessions += busy
+            except RequestError as exc:  # the engine refused it (a session turn's checks run here)
+                self._refused_sessions += exc.busy
                 stream.put(RequestOutput(request_id, [], "", finished=True, finish_reason="error",
-                                         num_prompt_tokens=0, num_output_tokens=0, error=str(exc), rejected=True,
-                                         busy=busy))
+                                         num_prompt_tokens=0, num_output_tokens=0, error=str(exc), refusal=exc))
                 refused = True
                 continue
             except Exception as exc:  # a bug, not the client's fault: this request fails, the others go on

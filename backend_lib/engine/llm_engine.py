@@ -3,31 +3,47 @@
 A step is: schedule -> run (prepare, forward, sample) -> update the scheduler -> detokenize and check stop
 strings -> RequestOutputs. AsyncEngine (async_engine.py) runs this loop on a thread; LLM (offline.py) drives
 it synchronously.
+
+Structured output: a request whose ``SamplingParams.structured_outputs`` holds a constraint submits its grammar to
+the engine's ``GrammarCompiler`` (built on first use, at the model's logits width) when it is prepared, so the
+compile runs on the compiler's threads while the request queues; the scheduler takes it from there
+(backend_lib/core/grammar.py).
 """
 from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from backend_lib.core.config import EngineConfig
+from backend_lib.core.errors import RequestError
+from backend_lib.core.grammar import RequestGrammar
 from backend_lib.core.outputs import (EngineStats, PromptLogprobs, RequestMetrics, RequestOutput, RunnerOutput,
                                       SessionControl, TokenLogprob)
-from backend_lib.core.request import Request, RequestStatus
-from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.core.request import Request, RequestStatus, check_unused
+from backend_lib.core.sampling_params import SEED_LIMIT, SamplingParams
 from backend_lib.core.scheduler import Scheduler
 from backend_lib.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from backend_lib.engine.errors import EngineBusyError
-from backend_lib.engine.limits import check_context, check_params, check_prompt
+from backend_lib.engine.intake import (check_context, check_ids, check_params, check_prompt, check_session_room,
+                                       check_turn, parse_input_ids, parse_text)
 from backend_lib.engine.tokenizer import Tokenizer
 from backend_lib.models.loader import resolve_model_path
+from backend_lib.structured_output.grammar_compiler import GrammarCompiler
+from backend_lib.structured_output.matcher import GrammarMatcher
 from backend_lib.worker.executor.executor import Executor
 from backend_lib.worker.executor.rank import DTYPES
 
 log = logging.getLogger("deepinfer.engine")
+
+# With nothing to run but requests whose grammars compile, a step waits this long for one of them (not a busy loop).
+GRAMMAR_WAIT_S = 0.01
 
 Prompt = str | list[int] | list[dict]
 
@@ -56,13 +72,7 @@ class PreparedRequest:
     prompt_ids: list[int]
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)  # when it came in, not when a step took it
-
-
-@dataclass
-class _Session:
-    last_used: float
-    running_request_id: str | None = None
-    messages: list[dict] = field(default_factory=list)  # chat turns, for sessions driven by messages
+    grammar: RequestGrammar | None = None  # structured output: its grammar, compiling since preparation
 
 
 class LLMEngine:
@@ -86,144 +96,133 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self._seeds = random.Random(config.seed)
         self._states: dict[str, _TextState] = {}
-        self._sessions: dict[str, _Session] = {}
         self.num_steps = 0
+        self._grammar_compiler: GrammarCompiler | None = None  # built by the first constrained request
+        self._grammar_lock = threading.Lock()  # prepare_request runs on callers' threads
 
     # ---- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        if not prompt:
-            raise ValueError("prompt is empty")
-        if isinstance(prompt[0], dict):
+            return self.tokenizer.encode(parse_text("prompt", prompt), add_special_tokens=add_special_tokens)
+        if prompt and isinstance(prompt[0], dict):
             return self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValueError("input_ids must be a list of integers")
-        return list(prompt)
-
-    def _check_ids(self, field_name: str, ids: list[int]) -> None:
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"{field_name} contains token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        return list(parse_input_ids("input_ids", list(prompt)))
 
     def prepare_request(self, request_id: str, prompt: Prompt,
                         params: SamplingParams | None = None) -> PreparedRequest:
-        """Tokenizes and checks a request that is not a session turn; raises ValueError naming the problem.
+        """Tokenizes and checks a request that is not a session turn (engine/intake.py's rules); raises RequestError.
 
         Reads nothing a step changes (tokenizer, vocabulary, limits), so another thread may call it while a step
         runs: AsyncEngine does, so that a new request never waits for the step in flight."""
         params = params or SamplingParams()
         self._check_limits(prompt, params)
         prompt_ids = self.tokenize(prompt)
-        self._check_ids("input_ids", prompt_ids)
+        check_ids("input_ids", prompt_ids, self.vocab_size)
         check_context(len(prompt_ids), params, self.config.model.max_model_len)
-        return PreparedRequest(request_id, prompt_ids, params)
+        return PreparedRequest(request_id, prompt_ids, params, grammar=self._submit_grammar(params))
 
     def add_prepared(self, prepared: PreparedRequest) -> None:
-        """Queue a request from ``prepare_request``; raises ValueError (nothing queued) if its id is in use."""
-        self._check_unused(prepared.request_id)
-        self._queue(prepared.request_id, prepared.prompt_ids, prepared.params, arrival_time=prepared.arrival_time)
+        """Queue a request from ``prepare_request``; raises RequestError (nothing queued) if its id is in use."""
+        try:
+            check_unused(prepared.request_id, self._states)
+        except RequestError:
+            if prepared.grammar is not None:
+                prepared.grammar.release()
+            raise
+        self._queue(prepared.request_id, prepared.prompt_ids, prepared.params, arrival_time=prepared.arrival_time,
+                    grammar=prepared.grammar)
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The engine's grammar compiler: xgrammar's view of the tokenizer at the model's logits width (built once,
+        on first use: a 49k vocabulary takes a while), compiles on its own threads."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler.from_tokenizer(self.tokenizer, self.vocab_size,
+                                                                        limits=self.config.limits.structured_output_limits())
+            return self._grammar_compiler
+
+    def _submit_grammar(self, params: SamplingParams) -> RequestGrammar | None:
+        constraint = params.structured_outputs
+        if constraint is None:
+            return None
+        # A verification rolls back at most the drafts of one step.
+        drafts = self.config.spec.num_speculative_tokens if self.config.spec.method != "none" else 0
+        return RequestGrammar(constraint, self.grammar_compiler.submit(constraint),
+                              partial(GrammarMatcher, max_rollback_tokens=drafts))
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     session: SessionControl | None = None) -> None:
-        """Queue a request; raises ValueError (nothing queued) for bad input or a session protocol error."""
+        """Queue a request; raises RequestError (nothing queued, no session opened) for bad input, a session
+        protocol error or max_sessions."""
         if session is None:
             self.add_prepared(self.prepare_request(request_id, prompt, params))
             return
         params = params or SamplingParams()
-        self._check_unused(request_id)
-        if params.prompt_logprobs is not None:  # the history's positions are not computed again
-            raise ValueError("prompt_logprobs is not available for a session turn (sequence_id); send the whole "
-                             "prompt as a request of its own")
+        check_unused(request_id, self._states)
+        sessions, sid = self.scheduler.sessions, session.session_id
+        check_turn(sessions, session, params)
+        if session.start and sessions.get(sid) is None:
+            self._check_session_room()
         self._check_limits(prompt, params)  # the new turn's prompt; the history is bounded by max_model_len
+        previous = None if session.start else sessions.get(sid)  # START begins a fresh conversation
         chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
         history: list[int] = []
-        state = self._session_for_turn(session)
         if chat:
-            prompt = state.messages + list(prompt)
-        elif not session.start:
-            history = self.scheduler.session_history(session.session_id)
+            prompt = (previous.messages if previous is not None else []) + list(prompt)
+        elif previous is not None:
+            history = sessions.history(sid)
         new_ids = self.tokenize(prompt, add_special_tokens=not history)
-        self._check_ids("input_ids", new_ids)
+        check_ids("input_ids", new_ids, self.vocab_size)
         prompt_ids = history + new_ids
         check_context(len(prompt_ids), params, self.config.model.max_model_len, " (session history included)")
+        if session.start:
+            if sessions.get(sid) is not None:  # START again, no turn running (check_turn): a new conversation
+                self.scheduler.close_session(sid)
+            self.scheduler.open_session(sid)
+        # The constraint applies to this turn only: the next turn's params carry their own (or none).
         self._queue(request_id, prompt_ids, params, session=session, num_history_tokens=len(history),
-                    text_turn=not chat)
-        self._sessions[session.session_id].running_request_id = request_id
+                    text_turn=not chat, grammar=self._submit_grammar(params))  # a text turn: marked in flight
         if chat:
-            self._sessions[session.session_id].messages = list(prompt)
-
-    def _check_unused(self, request_id: str) -> None:
-        if request_id in self._states:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            sessions.begin_turn(sid, request_id).messages = list(prompt)
 
     def _check_limits(self, prompt: Prompt, params: SamplingParams) -> None:
         """What one request may make the server hold (RequestLimits), before tokenizing it."""
         check_params(self.config.limits, params, self.vocab_size)
-        self._check_ids("stop_token_ids", list(params.stop_token_ids))
         check_prompt(self.config.limits, prompt, self.config.model.max_model_len)
 
     def _queue(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                session: SessionControl | None = None, num_history_tokens: int = 0, text_turn: bool = True,
-               arrival_time: float | None = None) -> None:
-        seed = params.seed if params.seed is not None else self._seeds.randrange(2**31)
+               arrival_time: float | None = None, grammar: RequestGrammar | None = None) -> None:
+        seed = params.seed if params.seed is not None else self._seeds.randrange(SEED_LIMIT)
         request = Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params, seed=seed,
                           arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                           eos_token_ids=self.tokenizer.eos_token_ids,
                           session_id=session.session_id if session is not None and text_turn else None,
-                          num_history_tokens=num_history_tokens)
+                          num_history_tokens=num_history_tokens, grammar=grammar)
+        try:
+            self.scheduler.add_request(request)  # first: a refusal there leaves no text state behind
+        except Exception:  # released, then raised on
+            if grammar is not None:
+                grammar.release()
+            raise
         self._states[request_id] = _TextState(
             request=request,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
             stops=StopStringMatcher(list(params.stop), params.include_stop_str_in_output),
             metrics=RequestMetrics(arrival_time=request.arrival_time),
             session=session, text_turn=text_turn)
-        self.scheduler.add_request(request)
-
-    def _session_for_turn(self, control: SessionControl) -> _Session:
-        sid = control.session_id
-        now = time.monotonic()
-        if control.start:
-            if sid not in self._sessions:
-                self._check_session_room()
-            if sid in self._sessions:
-                if self._sessions[sid].running_request_id is not None:
-                    raise ValueError(f"session {sid} has a turn still running; cannot START it again")
-                self._close_session(sid)
-            self.scheduler.open_session(sid)
-            self._sessions[sid] = _Session(last_used=now)
-        elif sid not in self._sessions:
-            raise ValueError(f"unknown session {sid}: the first request of a sequence must carry START")
-        state = self._sessions[sid]
-        if state.running_request_id is not None:
-            raise ValueError(f"session {sid} already has a turn running (request {state.running_request_id})")
-        state.last_used = now
-        return state
 
     def _check_session_room(self) -> None:
-        """A new session beyond max_sessions is refused (EngineBusyError), after closing the idle ones: the step
-        loop closes them only when it idles, and a busy engine must not refuse sessions for expired ones."""
-        limit = self.config.max_sessions
-        if len(self._sessions) >= limit:
+        """max_sessions, after closing the idle sessions: the step loop closes them only when it idles, and a busy
+        engine must not refuse sessions for expired ones."""
+        if self.scheduler.num_sessions >= self.config.max_sessions:
             self.close_idle_sessions()
-        if len(self._sessions) >= limit:
-            raise EngineBusyError(f"server busy: {len(self._sessions)} sessions are open, the limit "
-                                  f"(max_sessions {limit}); end one or retry later", "max_sessions")
-
-    def _close_session(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
-        if self.scheduler.has_session(session_id):
-            self.scheduler.close_session(session_id)
+        check_session_room(self.scheduler.sessions, self.config.max_sessions)
 
     def close_idle_sessions(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
-        idle = [sid for sid, s in self._sessions.items()
-                if s.running_request_id is None and now - s.last_used > self.config.session_idle_timeout_s]
-        for sid in idle:
-            self._close_session(sid)
-        return idle
+        return self.scheduler.close_idle_sessions(now, self.config.session_idle_timeout_s)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort at any time; returns the request's final output, or None if it is unknown or already done."""
@@ -244,7 +243,11 @@ class LLMEngine:
             metrics = self._states[chunk.request.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-        # Nothing to run (e.g. every request waits for blocks, or errors found while scheduling).
+        if scheduler_output.is_empty:
+            pending = self.scheduler.pending_grammars()
+            if pending and not self.scheduler.num_running:  # only compiles to wait for: no busy loop meanwhile
+                wait_futures(pending, timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+        # Nothing to run (e.g. every request waits for blocks or its grammar, or errors found while scheduling).
         runner_output = (RunnerOutput(sampled_token_ids=[]) if scheduler_output.is_empty
                          else self.executor.execute(scheduler_output))
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -300,17 +303,19 @@ class LLMEngine:
         return self._output(state, new_ids, text, new_logprobs, finished=True)
 
     def _end_turn(self, state: _TextState) -> None:
+        """A session turn's end: a chat turn's answer joins the conversation; END closes the session (a text turn's
+        KV went back to its session when the scheduler released it)."""
         control = state.session
-        if control is None or control.session_id not in self._sessions:
+        sessions = self.scheduler.sessions
+        if control is None or sessions.get(control.session_id) is None:
             return
-        session = self._sessions[control.session_id]
-        session.running_request_id = None
-        session.last_used = time.monotonic()
-        ok = state.request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
-        if ok and not state.text_turn:
-            session.messages.append({"role": "assistant", "content": "".join(state.text)})
+        if not state.text_turn:
+            if state.request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+                sessions.get(control.session_id).messages.append({"role": "assistant",
+                                                                  "content": "".join(state.text)})
+            sessions.end_turn(control.session_id, state.request.request_id)
         if control.end:
-            self._close_session(control.session_id)
+            self.scheduler.close_session(control.session_id)
 
     def _output(self, state: _TextState, new_ids: list[int], text: str, new_logprobs: list[TokenLogprob],
                 finished: bool) -> RequestOutput:
@@ -326,7 +331,7 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens, cumulative_logprob=state.cumulative_logprob,
             new_logprobs=new_logprobs or None, prompt_logprobs=prompt_logprobs,
-            stop_reason=request.stop_reason if finished else None,
+            stop_reason=request.stop_reason if finished else None, refusal=request.refusal if finished else None,
             error=request.error if finished else None, metrics=state.metrics)
 
     def fail_all(self, message: str) -> list[RequestOutput]:
@@ -341,10 +346,14 @@ class LLMEngine:
 
     # ---- introspection --------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the worker ranks (tensor parallelism); idempotent. The engine cannot step afterwards."""
+        """Stop the worker ranks (tensor parallelism) and the grammar compiler; idempotent. The engine cannot step
+        afterwards."""
         self.executor.close()
+        with self._grammar_lock:
+            if self._grammar_compiler is not None:
+                self._grammar_compiler.shutdown()
 
     def stats(self) -> EngineStats:
         counters = self.scheduler.stats_counters()
         return EngineStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-                           kv_blocks_total=self.num_blocks, num_sessions=len(self._sessions), **counters)
+                           kv_blocks_total=self.num_blocks, num_sessions=self.scheduler.num_sessions, **counters)

@@ -24,6 +24,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as RustTokenizer
 
+from backend_lib.core.errors import RequestError
+
 __all__ = ["Tokenizer"]
 
 # llama.cpp token types (gguf.TokenType): only these two become added tokens.
@@ -152,13 +154,19 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    def get_vocab(self, with_added_tokens: bool = True) -> dict[str, int]:
+        """Token (as the tokenizer model spells it: byte-level ``Ġa``, SentencePiece ``▁a``) -> id; the grammar
+        compiler builds its vocabulary from it."""
+        return self._backend.get_vocab(with_added_tokens=with_added_tokens)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
-            raise ValueError(f"text must be a str, got {type(text).__name__}")
+            raise RequestError("text_input", f"text must be a str, got {type(text).__name__}")
         try:  # tokenizers raises TypeError on a lone surrogate (e.g. a JSON "\ud800" escape in messages)
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise ValueError(f"text is not valid Unicode: lone surrogate {text[exc.start]!r} at {exc.start}") from None
+            raise RequestError("text_input", f"text is not valid Unicode: lone surrogate {text[exc.start]!r} at "
+                               f"{exc.start}") from None
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -186,12 +194,14 @@ class Tokenizer:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The chat template rendered to text (with its special tokens written out)."""
         if self.chat_template is None:
-            raise ValueError("this tokenizer has no chat_template; send a plain prompt instead of messages")
+            raise RequestError("messages", "this tokenizer has no chat_template; send a plain prompt instead of "
+                               "messages")
         if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+            raise RequestError("messages", "messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         for index, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise ValueError(f"messages[{index}] must be a dict with a string 'role', got {message!r}")
+                raise RequestError("messages", f"messages[{index}] must be a dict with a string 'role', got "
+                                   f"{message!r}")
         if self._compiled_template is None:
             self._compiled_template = _compile_chat_template(self.chat_template)
         # Templates test for missing keys, so None values (as OpenAI-style clients send) are dropped.
@@ -203,7 +213,7 @@ class Tokenizer:
         except (jinja2.TemplateError, TypeError) as exc:
             # The messages do not fit the template (a missing field, roles it refuses via raise_exception, a value
             # of a type it cannot format): the client's input, so a ValueError naming it, not an internal error.
-            raise ValueError(f"messages do not fit the model's chat template: {exc}") from exc
+            raise RequestError("messages", f"messages do not fit the model's chat template: {exc}") from exc
 
     def with_chat_template(self, chat_template: str | None) -> "Tokenizer":
         """The same tokenizer with another chat template (a deployment's override); the backend is shared."""

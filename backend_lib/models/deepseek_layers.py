@@ -19,6 +19,7 @@ from backend_lib.models.parallel import ParallelContext, Shard, read_shard
 from kernels.attention_metadata import AttentionMetadata
 from kernels.gemv import TILE, GemvPolicy, block_weight, blocked_linear, gemv_available
 from kernels.mla import mla_decode_absorbed, mla_prefill, split_kv_b, write_latent_cache
+from kernels.mla_fp8 import MLARecord
 from kernels.moe import ExpertWeights, RouterConfig, grouped_topk, moe_dynamic, moe_static
 from kernels.packed_gemm import packed_kernels_available, packed_linear_buffers
 from kernels.packed_weights import PackedFp8, pack_fp8
@@ -435,6 +436,7 @@ class MLAttention(nn.Module):
         # Its bias is added once, on the driver, before the all-reduce.
         self.o_proj = BlockLinear(total_heads * d.v_head_dim, d.hidden, d.attention_bias and par.is_driver,
                                   block_size, shard=Shard(1, head_start * d.v_head_dim, local_heads * d.v_head_dim))
+        self.record: MLARecord | None = None  # fp8 KV cache (kv_cache_dtype=fp8_e4m3): the latent record layout
 
     def forward(self, x: torch.Tensor,  # [T, hidden]
                 cos: torch.Tensor, sin: torch.Tensor,  # [T, P/2]
@@ -452,7 +454,7 @@ class MLAttention(nn.Module):
         kv = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(kv[:, :d.kv_lora_rank])
         k_rope = apply_rope(kv[:, None, d.kv_lora_rank:], cos, sin, self.rope.interleave)[:, 0]
-        write_latent_cache(cache, meta.slot_mapping, latent, k_rope)
+        write_latent_cache(cache, meta.slot_mapping, latent, k_rope, self.record)
         blocks = cache.view(-1, meta.block_size, cache.shape[-1])
         kv_b = self.kv_b_proj.dense_weight(x.dtype)
         if kv_b.shape[0] != d.num_heads * (d.qk_nope_head_dim + d.v_head_dim):
@@ -464,12 +466,13 @@ class MLAttention(nn.Module):
             shape = (meta.num_decodes, meta.decode_query_len, d.num_heads)
             out[:nd] = mla_decode_absorbed(
                 q_nope[:nd].reshape(*shape, -1), q_rope[:nd].reshape(*shape, -1), blocks,
-                meta.decode_block_tables, meta.decode_seq_lens, w_uk, w_uv, self.scale).flatten(0, 1)
+                meta.decode_block_tables, meta.decode_seq_lens, w_uk, w_uv, self.scale, self.record).flatten(0, 1)
         start = nd
         for i in range(meta.num_prefills):
             end = start + meta.prefill_query_lens[i]
             out[start:end] = mla_prefill(q_nope[start:end], q_rope[start:end], blocks,
-                                         meta.prefill_block_tables[i], meta.prefill_seq_lens[i], kv_b, self.scale)
+                                         meta.prefill_block_tables[i], meta.prefill_seq_lens[i], kv_b, self.scale,
+                                         self.record)
             start = end
         return self.par.all_reduce(self.o_proj(out.flatten(1)))
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,8 +21,14 @@ from backend_lib.models.deepseek_layers import (
     MOE_IMPLS, BlockLinear, DecoderLayer, DenseMLP, MLADims, MLAttention, MoE, MTPLayer, RMSNorm,
     RoutedExperts, WeightSlot, build_rope, rope_cos_sin,
 )
+from backend_lib.models.engram_config import EngramConfig
+from backend_lib.models.engram_layer import (
+    EngramPrefetch, attach_engram_layers, engram_gather, engram_ring_shape, engram_vocabulary_of,
+)
+from backend_lib.models.engram_loading import EngramLoader
 from backend_lib.models.parallel import ParallelContext, Shard, read_shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
+from kernels.mla_fp8 import MLARecord
 from kernels.moe import RouterConfig
 from kernels.quant import DEFAULT_BLOCK
 
@@ -63,11 +70,14 @@ class DeepseekV3Args:
     num_nextn_predict_layers: int = 0
     fp8_block_size: tuple[int, int] = DEFAULT_BLOCK
     fp8_scale_fmt: str | None = None  # "float" / "ue8m0" for fp8 checkpoints, None otherwise
+    engram: EngramConfig | None = None  # config.json's ``engram`` object (DeepSeek's Engram conditional memory)
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> "DeepseekV3Args":
-        names = {f.name for f in fields(cls)}
+        names = {f.name for f in fields(cls)} - {"engram"}
         kw = {k: v for k, v in config.items() if k in names and v is not None}
+        if config.get("engram") is not None:
+            kw["engram"] = EngramConfig.from_dict(config["engram"])
         if "q_lora_rank" in config:  # None is meaningful: a plain q_proj
             kw["q_lora_rank"] = config["q_lora_rank"]
         # rope: new format ``rope_parameters`` (transformers 5) or old ``rope_theta`` + ``rope_scaling``
@@ -100,6 +110,8 @@ class DeepseekV3Args:
             raise ValueError(f"quantization_config.scale_fmt must be 'float' or 'ue8m0', got {self.fp8_scale_fmt!r}")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if self.engram is not None:
+            self.engram.check_layers(self.num_hidden_layers)
 
     @property
     def latent_dim(self) -> int:
@@ -120,11 +132,12 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def __init__(self, args: DeepseekV3Args, dtype: torch.dtype = torch.float32,
                  dequantize_fp8_at_load: bool = False, moe_impl: str = "dynamic",
-                 par: ParallelContext | None = None, packed: bool = False) -> None:
+                 par: ParallelContext | None = None, packed: bool = False, engram_vocab: Any = None) -> None:
         super().__init__()
         if moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
         self.args, self.dtype, self.dequantize_fp8_at_load = args, dtype, dequantize_fp8_at_load
+        self.record: MLARecord | None = None  # fp8 latent records (use_fp8_kv), else None: R + P values a row
         self.par = par = par or ParallelContext()
         self.packed = packed  # weight_format=packed: fp8 projections stay in packed tiles (BlockLinear.set_weight)
         self.rope = build_rope(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling,
@@ -138,6 +151,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.lm_head = BlockLinear(args.hidden_size, args.vocab_size, shard=self.vocab_rows)
         n = args.num_hidden_layers
         self.mtp = nn.ModuleList(self._layer(n + j, moe_impl, mtp=True) for j in range(args.num_nextn_predict_layers))
+        # Engram: ids before each token from the runner, and the ShortConv history in state slots (a hybrid cache)
+        self.token_history = attach_engram_layers(self.layers, args.engram, engram_vocab, args.hidden_size, 1,
+                                                  dtype, par)
+        self.engram_prefetch = EngramPrefetch(overlap=par.world_size == 1)
+        if self.token_history:
+            self.hybrid_cache_shapes = self._engram_cache_shapes
         self.to(dtype)
         for module in self.modules():  # routing stays fp32 in every dtype
             if isinstance(module, MoE):
@@ -161,8 +180,10 @@ class DeepseekV3ForCausalLM(nn.Module):
     def from_hf_config(cls, config: dict, dtype: torch.dtype,
                        options: "LoadOptions | None" = None) -> "DeepseekV3ForCausalLM":
         dequantize = bool(getattr(options, "dequantize_fp8_at_load", False))
-        return cls(DeepseekV3Args.from_hf_config(config), dtype=dtype, dequantize_fp8_at_load=dequantize,
-                   par=getattr(options, "par", None), packed=bool(getattr(options, "packed", False)))
+        args = DeepseekV3Args.from_hf_config(config)
+        vocab = None if args.engram is None else engram_vocabulary_of(getattr(options, "checkpoint_dir", ""))
+        return cls(args, dtype=dtype, dequantize_fp8_at_load=dequantize, par=getattr(options, "par", None),
+                   packed=bool(getattr(options, "packed", False)), engram_vocab=vocab)
 
     def set_moe_impl(self, impl: str) -> None:
         """"dynamic" (grouped dispatch, eager) or "static" (fixed shapes, for compiled regions)."""
@@ -174,17 +195,58 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     # ---- the model-runner contract -------------------------------------------------------------------
     def kv_cache_shapes(self, num_slots: int) -> list[tuple[int, ...]]:
-        return [(self.args.num_hidden_layers, num_slots, self.args.latent_dim)]
+        """[L, slots, R + P] values, or [L, slots, record bytes] uint8 with an fp8 cache (use_fp8_kv)."""
+        return [(self.args.num_hidden_layers, num_slots, self.latent_width)]
+
+    @property
+    def latent_width(self) -> int:
+        """A cache row's width: R + P values, or the fp8 record's bytes (kernels/mla_fp8.py)."""
+        return self.record.num_bytes if self.record is not None else self.args.latent_dim
+
+    def use_fp8_kv(self, fp8_max: float) -> str:
+        """The latent cache as fp8 records (MTP layers too): e4m3 latent with a power-of-two scale per 128 values
+        and bf16 RoPE. Returns how the scales are chosen, for the load log."""
+        self.record = MLARecord(self.args.kv_lora_rank, self.args.qk_rope_head_dim, fp8_max)
+        for module in self.modules():
+            if isinstance(module, MLAttention):
+                module.record = self.record
+        return (f"MLA records of {self.record.num_bytes} B a token and layer (e4m3 latent, a power-of-two scale "
+                f"per 128 values from each token's amax, bf16 RoPE)")
+
+    def _engram_cache_shapes(self, num_blocks: int, block_size: int, num_state_slots: int,
+                             max_drafts: int = 0) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """With Engram the cache is hybrid: the latent cache's blocks, and the ShortConv history in state slots."""
+        return (self.kv_cache_shapes(num_blocks * block_size),
+                [engram_ring_shape(self.args.engram, num_state_slots, max_drafts, self.args.hidden_size)])
+
+    def engram_gather(self, input_ids: torch.Tensor,  # [T] int64
+                      token_history: torch.Tensor | None) -> torch.Tensor:  # [T, H] int64 -> [L_e, T, width]
+        return engram_gather(self.layers, self.args.engram, input_ids, token_history)
+
+    def _add_engram(self, index: int, h: torch.Tensor,  # [T, hidden]
+                    positions: torch.Tensor, rings: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        k = self.args.engram.layer_ids.index(index)
+        chunks = ([meta.decode_query_len] if meta.num_decodes else []) + list(meta.prefill_query_lens)
+        added = self.layers[index].engram(h[:, None], meta.engram_rows[k], positions, meta.state, rings[k],
+                                          max(chunks, default=None))
+        return h + added[:, 0]
 
     def forward(self, input_ids: torch.Tensor,  # [T] int64
                 positions: torch.Tensor,  # [T] int64
                 kv_caches: list[torch.Tensor],  # [[num_layers, num_slots, R + P]]
                 meta: AttentionMetadata) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] (what compute_logits and the MTP proposer consume)."""
+        pending = None
+        if self.token_history and meta.engram_rows is None:  # eager: gathered here (regions gather before the graph)
+            pending = self.engram_prefetch.start(partial(self.engram_gather, input_ids, meta.token_history))
         h = self.embed(input_ids)
         cos, sin = rope_cos_sin(self.rope, positions, h.dtype)
         cache = kv_caches[0]
         for i, layer in enumerate(self.layers):
+            if getattr(layer, "engram", None) is not None:
+                if pending is not None:
+                    meta, pending = replace(meta, engram_rows=pending.result()), None
+                h = self._add_engram(i, h, positions, kv_caches[1], meta)
             h = layer(h, cos, sin, cache[i], meta)
         return self.norm(h)
 
@@ -215,10 +277,14 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Load Hugging Face-named tensors; fp8 weights pair up with their ``weight_scale_inv``."""
         pending: dict[str, dict[str, torch.Tensor]] = {}  # linear name -> {"weight", "weight_scale_inv"}
         loaded: set[str] = set()
+        engram = EngramLoader(self.layers, self.dtype)
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # derived from the config, never loaded
             internal = self._internal_name(name)
+            if engram.owns(internal):
+                engram.take(internal, tensor)
+                continue
             owner, _, leaf = internal.rpartition(".")
             expert = _EXPERT.match(internal)
             try:
@@ -260,6 +326,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             if not self.args.tie_word_embeddings:
                 raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
             self.lm_head.weight = self.embed_tokens.weight
+        engram.finish()
         self._check_complete()
 
     def _set_linear(self, owner: str, entry: dict[str, torch.Tensor]) -> None:

@@ -19,152 +19,33 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, fields, replace
+from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm, build_rope
+from backend_lib.models.deepseek_v4_args import DeepseekV4Args
 from backend_lib.models.deepseek_v4_attention import (
-    CSA, HCA, LAYER_TYPES, SLIDING, LayerCache, StepContext, V4Attention, V4AttentionDims, V4Rope,
-    compress_rope_scaling,
+    CSA, HCA, SLIDING, Compressor, LayerCache, StepContext, V4Attention, V4AttentionDims, V4Rope,
 )
-from backend_lib.models.deepseek_v4_layers import (
-    HASH_MOE, MOE_IMPLS, SCORING_FUNCS, TOPK_MOE, V4DecoderLayer, V4MoE, V4MoEDims,
-)
+from backend_lib.models.deepseek_v4_layers import HASH_MOE, MOE_IMPLS, V4DecoderLayer, V4MoE, V4MoEDims
 from backend_lib.models.deepseek_v4_mtp import V4MTPLayer
+from backend_lib.models.engram_layer import (
+    EngramPrefetch, attach_engram_layers, engram_gather, engram_ring_shape, engram_vocabulary_of,
+)
+from backend_lib.models.engram_loading import EngramLoader
 from backend_lib.models.parallel import ParallelContext, Shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
 from kernels.compressed_attention import ChunkPages, TokenPages, entry_rows_per_block
 from kernels.cpu_kernels import load_cpu_kernels
 from kernels.hyper_connections import HyperConnectionSpec, hc_head_collapse
-from kernels.quant import DEFAULT_BLOCK
+from kernels.v4_fp8 import EntryRecord, IndexKeyRecord
 
 if TYPE_CHECKING:
     from backend_lib.models.load_options import LoadOptions
-
-_LEGACY_RATE_TYPES = {0: SLIDING, 4: CSA, 128: HCA}
-
-
-@dataclass(frozen=True)
-class DeepseekV4Args:
-    """The DeepseekV4Config fields that change the math (defaults: transformers' DeepseekV4Config)."""
-
-    vocab_size: int = 129280
-    hidden_size: int = 4096
-    moe_intermediate_size: int = 2048
-    num_hidden_layers: int = 43
-    num_attention_heads: int = 64
-    num_key_value_heads: int = 1
-    head_dim: int = 512
-    q_lora_rank: int = 1024
-    rope_head_dim: int = 64  # head_dim * partial_rotary_factor
-    num_experts_per_tok: int = 6
-    n_routed_experts: int = 256
-    n_shared_experts: int = 1
-    scoring_func: str = "sqrtsoftplus"
-    routed_scaling_factor: float = 1.5
-    max_position_embeddings: int = 1048576
-    rope_theta: float = 10000.0
-    compress_rope_theta: float = 160000.0
-    compress_rope_scaling: dict | None = None  # the YaRN parameters of the "compress" rotary, None for default
-    layer_types: tuple[str, ...] = ()
-    compress_rates: tuple[tuple[str, int], ...] = ((CSA, 4), (HCA, 128))
-    hc_mult: int = 4
-    hc_sinkhorn_iters: int = 20
-    hc_eps: float = 1e-6
-    mlp_layer_types: tuple[str, ...] = ()
-    swiglu_limit: float = 10.0
-    sliding_window: int = 128
-    o_groups: int = 8
-    o_lora_rank: int = 1024
-    index_n_heads: int = 64
-    index_head_dim: int = 128
-    index_topk: int = 512
-    num_nextn_predict_layers: int = 0
-    hidden_act: str = "silu"
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    fp8_block_size: tuple[int, int] = DEFAULT_BLOCK
-    expert_dtype: str | None = None  # quantized checkpoints: "fp8" or "fp4" routed experts; None when unquantized
-
-    @classmethod
-    def from_hf_config(cls, config: dict[str, Any]) -> "DeepseekV4Args":
-        names = {f.name for f in fields(cls)} - {"layer_types", "mlp_layer_types", "compress_rates",
-                                                  "rope_head_dim", "compress_rope_scaling"}
-        kw: dict[str, Any] = {k: v for k, v in config.items() if k in names and v is not None}
-        n = int(config.get("num_hidden_layers", cls.num_hidden_layers))
-        quant = config.get("quantization_config")
-        if quant:
-            if quant.get("quant_method") != "fp8":
-                raise ValueError(f"quantization_config.quant_method must be 'fp8', got {quant.get('quant_method')!r}")
-            kw["fp8_block_size"] = tuple(quant.get("weight_block_size") or DEFAULT_BLOCK)
-            kw["expert_dtype"] = quant.get("expert_dtype", config.get("expert_dtype")) or "fp8"
-        rates = dict(cls.compress_rates)
-        rates.update(config.get("compress_rates") or {})
-        for legacy, kind in (("compress_rate_csa", CSA), ("compress_rate_hca", HCA)):
-            if config.get(legacy) is not None:
-                rates[kind] = int(config[legacy])
-        kw["compress_rates"] = tuple(sorted(rates.items()))
-        layer_types = config.get("layer_types")
-        if layer_types is None and config.get("compress_ratios") is not None:
-            layer_types = [_LEGACY_RATE_TYPES[r] for r in config["compress_ratios"]]
-        if layer_types is None:  # transformers' default schedule: two HCA layers, then CSA / HCA interleaved
-            layer_types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
-        kw["layer_types"] = tuple(layer_types[:n])
-        mlp_types = config.get("mlp_layer_types")
-        if mlp_types is None:
-            num_hash = int(config.get("num_hash_layers", 3))
-            mlp_types = [HASH_MOE] * min(n, num_hash) + [TOPK_MOE] * max(0, n - num_hash)
-        kw["mlp_layer_types"] = tuple(mlp_types[:n])
-        head_dim = int(config.get("head_dim", cls.head_dim))
-        factor = config.get("partial_rotary_factor")
-        if factor is None:
-            legacy = config.get("qk_rope_head_dim")
-            factor = legacy / head_dim if legacy is not None else 64 / 512
-        kw["rope_head_dim"] = int(head_dim * factor)
-        kw["num_nextn_predict_layers"] = int(config.get("num_nextn_predict_layers") or 0)
-        kw["compress_rope_scaling"] = compress_rope_scaling(config)
-        if config.get("attention_bias") or config.get("mlp_bias"):
-            raise ValueError("attention_bias / mlp_bias must be false for DeepSeek-V4")
-        args = cls(**kw)
-        args.validate()
-        return args
-
-    def validate(self) -> None:
-        n = self.num_hidden_layers
-        if len(self.layer_types) != n or any(t not in LAYER_TYPES for t in self.layer_types):
-            raise ValueError(f"layer_types must list num_hidden_layers={n} entries from {LAYER_TYPES}, "
-                             f"got {list(self.layer_types)}")
-        if len(self.mlp_layer_types) != n or any(t not in (HASH_MOE, TOPK_MOE) for t in self.mlp_layer_types):
-            raise ValueError(f"mlp_layer_types must list num_hidden_layers={n} entries from "
-                             f"{(HASH_MOE, TOPK_MOE)}, got {list(self.mlp_layer_types)}")
-        if self.num_key_value_heads != 1:
-            raise ValueError(f"num_key_value_heads must be 1 (shared-KV MQA), got {self.num_key_value_heads}")
-        if self.n_shared_experts != 1:
-            raise ValueError(f"n_shared_experts must be 1 for DeepSeek-V4, got {self.n_shared_experts}")
-        if self.hidden_act != "silu":
-            raise ValueError(f"hidden_act must be 'silu', got {self.hidden_act!r}")
-        if self.scoring_func not in SCORING_FUNCS:
-            raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}")
-        if self.rope_head_dim % 2 or not 0 < self.rope_head_dim <= min(self.head_dim, self.index_head_dim):
-            raise ValueError(f"head_dim * partial_rotary_factor must be even and in (0, min(head_dim, "
-                             f"index_head_dim)], got {self.rope_head_dim}")
-        for kind, rate in self.compress_rates:
-            if kind in self.layer_types and rate < 1:
-                raise ValueError(f"compress_rates[{kind!r}] must be >= 1, got {rate}")
-        if self.expert_dtype not in (None, "fp8", "fp4"):
-            raise ValueError(f"quantization_config.expert_dtype must be 'fp8' or 'fp4', got {self.expert_dtype!r}")
-        if self.sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
-
-    def rate(self, layer_type: str) -> int:
-        return dict(self.compress_rates).get(layer_type, 0) if layer_type != SLIDING else 0
-
-    def count(self, layer_type: str) -> int:
-        return sum(1 for t in self.layer_types if t == layer_type)
-
 
 _EXPERT = re.compile(r"^(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
 _LAYER = re.compile(r"^layers\.(\d+)\.")
@@ -185,12 +66,13 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def __init__(self, args: DeepseekV4Args, dtype: torch.dtype = torch.float32,
                  par: ParallelContext = ParallelContext(), moe_impl: str = "dynamic",
-                 dequantize_fp8_at_load: bool = False, packed: bool = False) -> None:
+                 dequantize_fp8_at_load: bool = False, packed: bool = False, engram_vocab: Any = None) -> None:
         super().__init__()
         if moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
         self.args, self.dtype, self.par = args, dtype, par
         self.dequantize_fp8_at_load, self.packed = dequantize_fp8_at_load, packed
+        self.records: tuple[EntryRecord, IndexKeyRecord] | None = None  # fp8 paged entries (use_fp8_kv)
         a = args
         main = build_rope(a.rope_head_dim, a.rope_theta, None, a.max_position_embeddings, True)
         compress = build_rope(a.rope_head_dim, a.compress_rope_theta, a.compress_rope_scaling,
@@ -216,6 +98,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         # each layer's index inside its cache tensor (kv: every layer; csa / hca: layers of that type)
         self.cache_index = [sum(1 for t in a.layer_types[:i] if t == a.layer_types[i])
                             for i in range(a.num_hidden_layers)]
+        # token ids before each step token that the runner sends (AttentionMetadata.token_history): Engram's n-grams
+        self.token_history = attach_engram_layers(self.layers, a.engram, engram_vocab, a.hidden_size, a.hc_mult,
+                                                  dtype, par)
+        self.engram_prefetch = EngramPrefetch(overlap=par.world_size == 1)
         self.to(dtype)
         for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
             if _KEEP_FP32.search(name) and tensor.is_floating_point():
@@ -241,8 +127,10 @@ class DeepseekV4ForCausalLM(nn.Module):
                        par: ParallelContext | None = None) -> "DeepseekV4ForCausalLM":
         dequantize = bool(getattr(options, "dequantize_fp8_at_load", False))
         par = par or getattr(options, "par", None) or ParallelContext()  # the loader's rank, unless given here
-        return cls(DeepseekV4Args.from_hf_config(config), dtype=dtype, par=par, dequantize_fp8_at_load=dequantize,
-                   packed=bool(getattr(options, "packed", False)))
+        args = DeepseekV4Args.from_hf_config(config)
+        vocab = None if args.engram is None else engram_vocabulary_of(getattr(options, "checkpoint_dir", ""))
+        return cls(args, dtype=dtype, par=par, dequantize_fp8_at_load=dequantize,
+                   packed=bool(getattr(options, "packed", False)), engram_vocab=vocab)
 
     def set_moe_impl(self, impl: str) -> None:
         """"dynamic" (grouped dispatch, eager) or "static" (fixed shapes, for compiled regions)."""
@@ -296,28 +184,54 @@ class DeepseekV4ForCausalLM(nn.Module):
         csa_rate, hca_rate = max(a.rate(CSA), 1), max(a.rate(HCA), 1)
         csa_rows = num_blocks * entry_rows_per_block(block_size, csa_rate)
         hca_rows = num_blocks * entry_rows_per_block(block_size, hca_rate)
-        paged = [(n_csa, csa_rows, d), (n_csa, csa_rows, di), (n_hca, hca_rows, d)]
+        ed, id_ = (d, di) if self.records is None else (r.num_bytes for r in self.records)  # fp8: record bytes
+        paged = [(n_csa, csa_rows, ed), (n_csa, csa_rows, id_), (n_hca, hca_rows, ed)]
         state = [(a.num_hidden_layers, num_state_slots, a.sliding_window + max_drafts, d),
                  (n_csa, num_state_slots, 2 * csa_rate + max_drafts, 4 * d),
                  (n_csa, num_state_slots, 2 * csa_rate + max_drafts, 4 * di),
                  (n_hca, num_state_slots, hca_rate + max_drafts, 2 * d)]
         if self.has_mtp_weights:
             state.append((1, num_state_slots, a.sliding_window + max_drafts, d))
+        if a.engram is not None:  # the ShortConv's past normed values, per Engram layer
+            state.append(engram_ring_shape(a.engram, num_state_slots, max_drafts, a.hc_mult * a.hidden_size))
         return paged, state
+
+    def use_fp8_kv(self, fp8_max: float) -> str:
+        """Compressed entries and indexer keys as fp8 records (kernels/v4_fp8.py); the rings keep the model dtype
+        (the runner allocates the paged tensors in uint8, the state in the model dtype)."""
+        a = self.args
+        self.records = (EntryRecord(a.head_dim, a.rope_head_dim, fp8_max), IndexKeyRecord(a.index_head_dim, fp8_max))
+        for name, module in self.named_modules():
+            if isinstance(module, Compressor):
+                module.record = self.records[1 if ".indexer." in f".{name}." else 0]
+        return (f"compressed entries {self.records[0].num_bytes} B, indexer keys {self.records[1].num_bytes} B "
+                f"(power-of-two scales from each entry's amax); sliding-window rings in {self.dtype}")
 
     def mtp_window(self, caches: list) -> torch.Tensor:  # the drafting depth's ring [S + 1, window + drafts, D]
         return caches[7][0]
 
-    def _layer_cache(self, index: int, caches: list) -> LayerCache:
+    def engram_gather(self, input_ids: torch.Tensor,  # [T] int64
+                      token_history: torch.Tensor | None) -> torch.Tensor:  # [T, H] int64 -> [L_e, T, width]
+        return engram_gather(self.layers, self.args.engram, input_ids, token_history)
+
+    def _engram(self, index: int, caches: list, meta: AttentionMetadata) -> dict[str, torch.Tensor]:
+        engram = self.args.engram
+        if engram is None or index not in engram.layer_ids:
+            return {}
+        k = engram.layer_ids.index(index)
+        return {"engram_ring": caches[7 + self.has_mtp_weights][k], "engram_rows": meta.engram_rows[k]}
+
+    def _layer_cache(self, index: int, caches: list, meta: AttentionMetadata) -> LayerCache:
         """``caches``: the paged tensors then the fixed ones, in ``hybrid_cache_shapes`` order."""
         csa_entries, index_entries, hca_entries, window, csa_state, index_state, hca_state = caches[:7]
         layer_type, k = self.args.layer_types[index], self.cache_index[index]
+        engram = self._engram(index, caches, meta)
         if layer_type == SLIDING:
-            return LayerCache(window[index])
+            return LayerCache(window[index], **engram)
         if layer_type == HCA:
-            return LayerCache(window[index], state=hca_state[k], entries=hca_entries[k])
+            return LayerCache(window[index], state=hca_state[k], entries=hca_entries[k], **engram)
         return LayerCache(window[index], state=csa_state[k], entries=csa_entries[k], index_state=index_state[k],
-                          index_entries=index_entries[k])
+                          index_entries=index_entries[k], **engram)
 
     def _pages(self, positions: torch.Tensor, meta: AttentionMetadata) -> TokenPages:
         """Each token's block table: decode rows repeated per query, prefill rows per chunk token. Columns past a
@@ -354,11 +268,16 @@ class DeepseekV4ForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] (with ``keep_streams``, ``last_streams`` keeps the pre-hc_head
         streams [T, hc, hidden] for the MTP drafts)."""
+        pending = None
+        if self.token_history and meta.engram_rows is None:  # eager: gathered here (regions gather before the graph)
+            pending = self.engram_prefetch.start(partial(self.engram_gather, input_ids, meta.token_history))
         h = self.embed_tokens(input_ids)
         ctx = self.step_context(positions, meta, h.dtype)
         streams = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.layers):
-            streams = layer(streams, input_ids, ctx, self._layer_cache(i, kv_caches))
+            if pending is not None and layer.engram is not None:  # the first Engram layer waits for the rows
+                meta, pending = replace(meta, engram_rows=pending.result()), None
+            streams = layer(streams, input_ids, ctx, self._layer_cache(i, kv_caches, meta))
         if self.keep_streams:
             self.last_streams = streams
         collapsed = hc_head_collapse(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.hc)
@@ -390,9 +309,13 @@ class DeepseekV4ForCausalLM(nn.Module):
                   for key, shard in getattr(module, "shards", {}).items()}
         loaded: set[str] = set()
         pending: dict[str, dict[str, Any]] = {}  # quantized module -> {"weight", "scale"} until both arrived
+        engram = EngramLoader(self.layers, self.dtype)
         for raw_name, tensor in weights:
             name = raw_name[len("model."):] if raw_name.startswith("model.") else raw_name
             name = _SAVED_NAMES.get(name, name)
+            if engram.owns(name):
+                engram.take(name, tensor)
+                continue
             if self._is_mtp(name) and not (name.startswith("mtp.") and self.mtp):
                 continue  # V3-style nextn layers past num_hidden_layers, or depths the config does not declare
             base, _, leaf = name.rpartition(".")
@@ -419,7 +342,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         if "head.weight" not in loaded and self.args.tie_word_embeddings:
             self.head.weight = self.embed.weight
             loaded.add("head.weight")
-        missing = sorted(self._expected_names() - loaded)
+        engram.finish()
+        missing = sorted({n for n in self._expected_names() if ".engram." not in n} - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
         if self.packed:  # the fp4 routed experts into the packed GEMM's tiles, once every expert is in

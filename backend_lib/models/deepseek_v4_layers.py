@@ -305,6 +305,7 @@ class V4DecoderLayer(nn.Module):
     def __init__(self, attn: V4Attention, ffn: V4MoE, hidden: int, eps: float, hc: HyperConnectionSpec) -> None:
         super().__init__()
         self.attn, self.ffn, self.hc = attn, ffn, hc
+        self.engram: nn.Module | None = None  # an EngramLayer on the layers of config.json's engram.layer_ids
         self.attn_norm = RMSNorm(hidden, eps)
         self.ffn_norm = RMSNorm(hidden, eps)
         mixes = (2 + hc.hc_mult) * hc.hc_mult
@@ -316,6 +317,9 @@ class V4DecoderLayer(nn.Module):
     def forward(self, streams: torch.Tensor,  # [T, hc, hidden]
                 input_ids: torch.Tensor,  # [T] int64
                 ctx: StepContext, cache: LayerCache) -> torch.Tensor:  # [T, hc, hidden]
+        if self.engram is not None:
+            streams = streams + self.engram(streams, cache.engram_rows, ctx.pages.positions, ctx.rows,
+                                            cache.engram_ring, ctx.longest_chunk)
         x, post, comb = hc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.hc)
         streams = hc_post(self.attn(self.attn_norm(x), ctx, cache), streams, post, comb, self.hc)
         x, post, comb = hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.hc)

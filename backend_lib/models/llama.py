@@ -23,6 +23,7 @@ from kernels.attention_metadata import AttentionMetadata
 from kernels.gemv import TILE, GemvPolicy, block_weight, blocked_linear_argmax, blocked_linear_float
 from kernels.head_screen import HeadScreen
 from kernels.int8_head_screen import Int8HeadScreen
+from kernels.kv_fp8 import KVQuant
 from kernels.onednn_gemm import PackedWeight
 from kernels.packed_gemm import packed_linear_buffers
 from kernels.rope import RopeScaling, rope_at, rotate
@@ -140,6 +141,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, arch.hidden_size, arch.attention_bias and par.is_driver, dtype)
         self.cpu_decode_kernel = False  # the C++ decode attention (kernels/cpu_kernels.py), set by the engine
         self.host_fused = False  # RoPE + KV write as one C++ op in eager host steps (kernels/fused_layer_ops.py)
+        self.kv_quant: KVQuant | None = None  # fp8 KV cache (use_fp8_kv): the caches hold e4m3 codes
+        self.checkpoint_kv_scales: dict[str, float] = {}  # "k" / "v" -> the checkpoint's per-tensor scale
 
     def shard_rows(self, shard: str) -> slice:
         """Rows of the fused qkv_proj that hold this rank's part of the checkpoint's q_proj, k_proj or v_proj."""
@@ -158,16 +161,22 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        if self.host_fused and not torch.compiler.is_compiling():
+        quant = self.kv_quant
+        if self.host_fused and quant is None and not torch.compiler.is_compiling():
             q = fused.rope_qkv_to_cache(qkv, *rope, k_cache, v_cache, meta.slot_mapping, self.num_heads,
                                         self.num_kv_heads)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = rotate(q.view(num_tokens, self.num_heads, self.head_dim), *rope)
             k = rotate(k.view(num_tokens, self.num_kv_heads, self.head_dim), *rope)
-            write_kv(k_cache, k, meta.slot_mapping)
-            write_kv(v_cache, v.view(num_tokens, self.num_kv_heads, self.head_dim), meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.cpu_decode_kernel)
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+            if quant is None:
+                write_kv(k_cache, k, meta.slot_mapping)
+                write_kv(v_cache, v, meta.slot_mapping)
+            else:
+                write_kv(k_cache, k, meta.slot_mapping, quant.k_scale, quant.fp8_max)
+                write_kv(v_cache, v, meta.slot_mapping, quant.v_scale, quant.fp8_max)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.cpu_decode_kernel, quant)
         return self.par.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
@@ -231,6 +240,8 @@ class LlamaDecoderLayer(nn.Module):
 _LAYER_WEIGHTS = re.compile(
     r"(?P<module>self_attn\.(?P<attn>q|k|v|o)_proj|mlp\.(?P<mlp>gate|up|down)_proj|input_layernorm"
     r"|post_attention_layernorm)\.(?P<kind>weight|bias)")
+# Per-tensor KV scales of fp8-KV checkpoints (llm-compressor: self_attn.k_scale; older: k_proj.output_scale).
+_KV_SCALE = re.compile(r"model\.layers\.(?P<index>\d+)\.self_attn\.(?:(?P<a>k|v)_scale|(?P<b>k|v)_proj\.output_scale)")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -257,6 +268,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("screen_int8_blocked_head", None, persistent=False)  # Int8HeadScreen.build's
         self.gemv_policy = GemvPolicy()
         self.host_fused = False  # eager host steps on the C++ ops (use_cpu_attention)
+        self.kv_fp8 = False  # use_fp8_kv: e4m3 K/V (the one-op decode loop writes model-dtype K/V, so it is off)
         self._decode_weight_lists: tuple | None = None  # _host_decode_weights' lists, collected once
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings)
 
@@ -302,7 +314,7 @@ class LlamaForCausalLM(nn.Module):
         the eager host path's ops from one C++ loop, same results) when this step is in its scope: decode tokens
         only, one rank, no biases, every projection on the GEMM that ``linear`` picks at this row count (the
         blocked kernel needs SiLU's width a multiple of its tile). Else None: the module path."""
-        if meta.num_prefills or meta.num_decode_tokens != num_tokens or self.par.world_size > 1:
+        if meta.num_prefills or meta.num_decode_tokens != num_tokens or self.par.world_size > 1 or self.kv_fp8:
             return None
         if self._decode_weight_lists is None:
             self._decode_weight_lists = self._collect_decode_weights()
@@ -412,6 +424,20 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.cpu_decode_kernel = True
             layer.host_fused = layer.self_attn.host_fused = True
 
+    def use_fp8_kv(self, fp8_max: float) -> str:
+        """K and V stored as e4m3 codes (kernels/kv_fp8.py) with per-layer scales: the checkpoint's where it has
+        them, else 1.0 (vLLM's default; fixed, so a block's bytes depend only on its tokens). Returns where the
+        scales came from, for the load log."""
+        layers = [layer.self_attn for layer in self.layers]
+        found = sum(1 for attn in layers if attn.checkpoint_kv_scales)
+        for attn in layers:
+            scales = attn.checkpoint_kv_scales
+            attn.kv_quant = KVQuant(scales.get("k", 1.0), scales.get("v", 1.0), fp8_max)
+        self.kv_fp8 = True
+        if found == 0:
+            return "k_scale = v_scale = 1.0 (the checkpoint has none)"
+        return f"k_scale / v_scale from the checkpoint ({found} of {len(layers)} layers; 1.0 elsewhere)"
+
     def _target(self, name: str) -> tuple[str, torch.Tensor, Shard | None] | None:
         """(loaded-key, destination view, this rank's part of the checkpoint tensor or None for all of it) for a
         checkpoint name; None for names that carry nothing to load."""
@@ -497,6 +523,15 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         quantized: dict[nn.Module, list[tuple[int, GGUFBlocks, torch.Tensor, str]]] = {}
         for name, tensor in weights:
+            scale = _KV_SCALE.fullmatch(name)
+            if scale is not None:  # optional: used only with kv_cache_dtype=fp8_e4m3
+                index, value = int(scale.group("index")), read_shard(tensor, None)
+                if index >= len(self.layers) or value.numel() != 1 or not float(value.float()) > 0:
+                    raise ValueError(f"unexpected KV scale {name!r} (shape {tuple(value.shape)}; a positive "
+                                     f"per-tensor scale of one of the {len(self.layers)} layers expected)")
+                which = scale.group("a") or scale.group("b")
+                self.layers[index].self_attn.checkpoint_kv_scales[which] = float(value.float().reshape(()))
+                continue
             target = self._target(name)
             if target is None:
                 continue

@@ -25,6 +25,7 @@ class LoadOptions:
     # "packed": quantized checkpoint tensors stay in their blocks (ModelConfig.weight_format)
     weight_format: str = "dequantize"
     packed_gemm_path: str = "auto"  # ModelConfig.packed_gemm_path: auto, fp32 or int8
+    checkpoint_dir: str = ""  # set by the loader: files beside the weights a model may read (Engram's tokenizer)
 
     def __post_init__(self) -> None:
         if self.dtype not in _LOAD_DTYPES:

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -108,7 +109,8 @@ class LazyTensor:
         return self._slice[index]
 
     def load(self) -> torch.Tensor:
-        return self._slice[:]
+        # A 0-dim entry (a per-tensor scale such as llm-compressor's k_scale) takes no slice: an empty index reads it.
+        return self._slice[()] if not self._slice.get_shape() else self._slice[:]
 
     def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.load().to(*args, **kwargs)
@@ -139,6 +141,7 @@ def _load_hf_directory(directory: str, options: LoadOptions) -> nn.Module:
         raise ValueError(f"weight_format=packed: {directory} is a {architectures[0]} Hugging Face directory; packed "
                          "weights are wired for GGUF checkpoints (Q8_0 / Q4_0 / Q4_1 / Q4_K) and DeepSeek-V3 / V4 fp8 "
                          "projections only so far: use weight_format=dequantize")
+    options = replace(options, checkpoint_dir=directory)
     model = cls.from_hf_config(config, options.dtype, options=options)
     model.load_weights(iter_safetensors(safetensors_files(directory), options.progress))
     if options.packed:

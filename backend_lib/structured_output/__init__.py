@@ -10,9 +10,12 @@ This package owns, and only owns:
   and compilation of constraints on a thread pool (cache, time limit, errors naming the field).
 - ``matcher``: one request's grammar state (``GrammarMatcher``): its row of the step's shared bitmask, accepted
   tokens, rollback of rejected speculative tokens, draft validation, release.
-- ``tool_calls``: OpenAI ``tools`` without the engine: the JSON schemas that force ``tool_choice="required"`` /
-  a named function, and parsers (complete and streaming) of a model's own tool-call text.
+- ``tool_choice``: OpenAI ``tools`` without the engine: the JSON schemas that force ``tool_choice="required"`` /
+  a named function, and the calls read back from such an output;
+- ``tool_parser_base`` and ``tool_calls``: parsers (complete and streaming) of a model's own tool-call text, one per
+  chat template family.
 
-Applying the bitmask to logits is ``kernels/grammar_mask.py``. Nothing here is wired into the sampler, scheduler,
-engine, codec or OpenAI front yet.
+Applying the bitmask to logits is ``kernels/grammar_mask.py``. The engine uses this package through
+``core/grammar.py`` (a request's compile and matcher), ``worker/grammar_bitmask.py`` (the step's bitmask) and the
+one sampling core (``worker/sampler.py``); the codec and the OpenAI front do not use it yet.
 """

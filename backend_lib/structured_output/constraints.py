@@ -16,7 +16,7 @@ Request forms (one parser, ``parse_constraint``):
 A request carries at most one constraint. Every refusal is a ``StructuredOutputError`` (a ValueError, so
 INVALID_ARG) whose message starts with the request field it is about (``structured_outputs.json``,
 ``guided_regex``, ...) and, for a limit, says what the request holds and the limit by its setting name, as
-``backend_lib/engine/limits.py`` words them. Limits are checked before anything is parsed: a huge schema must not
+``backend_lib/engine/intake.py`` words them. Limits are checked before anything is parsed: a huge schema must not
 cost a JSON parse on the way to its refusal.
 
 No xgrammar here: the codec and the OpenAI front import this module without the grammar engine.

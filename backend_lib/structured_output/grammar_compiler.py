@@ -65,8 +65,7 @@ def encoded_vocabulary(tokenizer: Any) -> list[str]:
     if isinstance(tokenizer, Mapping):
         vocab = tokenizer
     else:
-        backend = getattr(tokenizer, "_backend", tokenizer)  # ours wraps a tokenizers.Tokenizer
-        vocab = backend.get_vocab(with_added_tokens=True)
+        vocab = tokenizer.get_vocab(with_added_tokens=True)  # ours and tokenizers.Tokenizer alike
     size = max(vocab.values(), default=-1) + 1
     tokens = [""] * size
     for token, index in vocab.items():

@@ -108,7 +108,8 @@ def deepseek_v4_layout(tp: int, expert_parallel: bool) -> RankLayout:
     """DeepSeek-V4-Flash's dimensions (transformers' DeepseekV4Config defaults), fp8 weights and fp4 experts."""
     from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
 
-    from backend_lib.models.deepseek_v4 import DeepseekV4Args, DeepseekV4ForCausalLM
+    from backend_lib.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from backend_lib.models.deepseek_v4_args import DeepseekV4Args
 
     config = DeepseekV4Config().to_dict()
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "fp4"}

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from backend_lib.tools.tiny_engram import add_engram
 from kernels.quant import DEFAULT_BLOCK, quantize_block_fp8
 
 ARCHS = ("deepseek_v3", "deepseek_v4", "llama")
@@ -272,8 +273,11 @@ def _write_shards(tensors: dict[str, torch.Tensor], out_dir: Path, num_shards: i
 
 def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int = 0, seed: int = 0,
               scale_fmt: str = "float", num_shards: int = 2, initializer_range: float = 0.2,
-              overrides: dict[str, Any] | None = None, fp4_experts: bool = False) -> Path:
-    """Write a tiny random ``arch`` model to ``out_dir``; ``overrides`` replaces config fields."""
+              overrides: dict[str, Any] | None = None, fp4_experts: bool = False,
+              engram_layers: Sequence[int] = (), engram: dict[str, Any] | None = None,
+              engram_fp8_table: bool = False) -> Path:
+    """Write a tiny random ``arch`` model to ``out_dir``; ``overrides`` replaces config fields. ``engram_layers``:
+    Engram modules on those layers (``engram``: EngramConfig fields replacing the tiny defaults)."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     if fp4_experts and arch != "deepseek_v4":
@@ -284,6 +288,8 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
         raise ValueError(f"mtp_layers must be >= 0 and only set for the DeepSeek archs, got {mtp_layers} for {arch}")
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if engram_layers and arch == "llama":
+        raise ValueError("engram_layers: Engram is defined for the DeepSeek archs only")
     import transformers
 
     out = Path(out_dir)
@@ -300,6 +306,8 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
         _make_tiny_v4(out, {**kwargs, "num_nextn_predict_layers": mtp_layers}, gen, num_shards)
         if fp8 or fp4_experts:
             _quantize_v4(out, fp8, fp4_experts, num_shards)
+        if engram_layers:
+            add_engram(out, list(engram_layers), gen, engram, engram_fp8_table)
         return out
     if arch == "deepseek_v3":
         kwargs["num_mtp_layers"] = mtp_layers
@@ -326,6 +334,8 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
                                       "weight_block_size": list(DEFAULT_BLOCK), "scale_fmt": scale_fmt}
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     _write_shards(tensors, out, num_shards)
+    if engram_layers:
+        add_engram(out, list(engram_layers), gen, engram, engram_fp8_table)
     return out
 
 
@@ -339,9 +349,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="deepseek_v4: e2m1 routed experts with ue8m0 scales per 32 inputs")
     parser.add_argument("--mtp-layers", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engram-layers", default="", help="DeepSeek archs: comma-separated layers with Engram")
     args = parser.parse_args(argv)
+    engram_layers = [int(v) for v in args.engram_layers.split(",") if v.strip()]
     path = make_tiny(args.arch, args.out, fp8=args.fp8, mtp_layers=args.mtp_layers, seed=args.seed,
-                     scale_fmt=args.scale_fmt, fp4_experts=args.fp4_experts)
+                     scale_fmt=args.scale_fmt, fp4_experts=args.fp4_experts, engram_layers=engram_layers)
     print(f"wrote a tiny {args.arch} model to {path}")
     return 0
 

@@ -11,6 +11,10 @@ exactly its own positions). ``_execute_spec`` verifies every sampling chunk's dr
 (a chunk without drafts is plain sampling: the same seeded draw) and proposes the next drafts: n-gram on the host
 after the one sync, MTP on device before it.
 
+Structured output: before sampling, the driver's ``StepBitmask`` (worker/grammar_bitmask.py) takes each constrained
+request's mask from its matcher (a verification's rows: the masks after each of its drafts) into
+``SamplingMetadata.bitmask``; the sampling core applies it, and such a step skips the screened greedy heads.
+
 Tensor parallelism: the driver (rank 0) prepares the inputs and publishes them on its ``StepChannel``; every
 other rank runs ``follow`` in a loop: it receives the same tensors and runs the same forward (the collectives
 inside the model pair up rank by rank), takes part in the logits all-gather, and for MTP receives the verified
@@ -25,8 +29,10 @@ import torch
 
 from backend_lib.core.config import CompileConfig, SpecConfig
 from backend_lib.core.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput, TokenLogprob
+from backend_lib.core.request import Request
 from backend_lib.worker.compile.platform import detect_platform
 from backend_lib.worker.compile.regions import build_regions, resolve_backend
+from backend_lib.worker.grammar_bitmask import StepBitmask
 from backend_lib.worker.prompt_logprobs import PromptRows, head_slices, prompt_rows
 from backend_lib.worker.prompt_logprobs import compute as compute_prompt_logprobs
 from backend_lib.worker.sampler import Sampler, SamplingMetadata, SamplingRow
@@ -34,6 +40,7 @@ from backend_lib.worker.spec_decode import make_mtp_proposer
 from backend_lib.worker.spec_decode.ngram import NgramProposer
 from backend_lib.worker.spec_decode.rejection import DraftLayout, greedy_verify, num_accepted, rejection_sample
 from backend_lib.worker.step_channel import StepChannel, StepOp
+from backend_lib.worker.token_history import chunk_history, padding_history, step_history
 from kernels import sampling as sampling_ops
 from kernels.attention_metadata import AttentionMetadata, StateRows
 
@@ -60,6 +67,11 @@ class ModelInputs:
     prompt_rows: PromptRows | None = None  # rows that predict prompt tokens of prompt_logprobs requests
 
 
+def _matcher(request: Request):
+    """The request's grammar matcher while it runs (structured output), else None."""
+    return request.grammar.matcher if request.grammar is not None else None
+
+
 def chunk_token_ids(chunk: ScheduledChunk) -> list[int]:
     """The chunk's tokens (drafts last) without concatenating the whole history (decodes read one token)."""
     request = chunk.request
@@ -79,8 +91,9 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype, spec: SpecConfig | None = None,
                  compile_config: CompileConfig | None = None, max_num_seqs: int = 32,
                  max_model_len: int | None = None, channel: StepChannel | None = None,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
+        self.token_history = getattr(model, "token_history", 0)  # ids before each token the model reads (Engram)
         self.channel = channel
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -89,19 +102,22 @@ class ModelRunner:
         self.device = device
         num_slots = (num_blocks + 1) * block_size
         self.num_state_slots = num_state_slots if is_hybrid(model) else 0
+        # kv_dtype: the paged cache's element type (default the model's; uint8 for kv_cache_dtype=fp8_e4m3); a
+        # hybrid model's fixed state (rings) keeps the model dtype.
         if is_hybrid(model):  # paged blocks + the scratch block, state slots + the scratch slot
             paged, state = model.hybrid_cache_shapes(num_blocks + 1, block_size, num_state_slots + 1,
                                                      max_drafts(spec))
-            shapes = paged + state
+            shapes = [(shape, kv_dtype or dtype) for shape in paged] + [(shape, dtype) for shape in state]
         else:
-            shapes = model.kv_cache_shapes(num_slots)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+            shapes = [(shape, kv_dtype or dtype) for shape in model.kv_cache_shapes(num_slots)]
+        self.kv_caches = [torch.zeros(shape, dtype=kind, device=device) for shape, kind in shapes]
         self.sampler = Sampler() if channel is None or channel.par.is_driver else None  # only the driver samples
+        self.bitmask = StepBitmask(vocab_size)  # structured output's masks (filled on the driver only)
         spec = spec or SpecConfig()
         k = spec.num_speculative_tokens
         self.spec_method = spec.method if k > 0 else "none"
         self.ngram = NgramProposer(spec.ngram_min, spec.ngram_max, k) if self.spec_method == "ngram" else None
-        self.mtp = (make_mtp_proposer(model, self.kv_caches, num_slots, k, device, dtype)
+        self.mtp = (make_mtp_proposer(model, self.kv_caches, num_slots, k, device, kv_dtype or dtype)
                     if self.spec_method == "mtp" else None)
         if getattr(self.mtp, "needs_eager_model", False) and resolve_backend(compile_config, detect_platform()):
             raise ValueError("spec_method 'mtp' drafts for this model need the eager forward (it keeps the "
@@ -154,13 +170,17 @@ class ModelRunner:
         sampling_chunks: list[int] = []
         row_starts = [0] * len(chunks)
         state: tuple[list[int], list[int], list[int]] = ([], [], [])  # slot, chunk start, chunk end per token
+        history: list = []  # per chunk (and padding), the ids before each token: models with token_history only
         for rank, i in enumerate(order):
             chunk = chunks[i]
             blocks = chunk.block_ids
             span = range(chunk.start, chunk.start + chunk.num_tokens)
             row_starts[i] = len(input_ids)
-            input_ids += chunk_token_ids(chunk)
+            tokens = chunk_token_ids(chunk)
+            input_ids += tokens
             positions += span
+            if self.token_history:
+                history.append(chunk_history(chunk, tokens, self.token_history))
             slots += [blocks[p // bs] * bs + p % bs for p in span]
             if self.num_state_slots:
                 if chunk.state_slot is None:
@@ -176,6 +196,8 @@ class ModelRunner:
             pad = decode_len - chunk.num_tokens if rank < len(decodes) else 0
             if pad:  # rows nobody reads: KV goes to the scratch block
                 input_ids += [0] * pad
+                if self.token_history:
+                    history.append(padding_history(pad, self.token_history))
                 positions += range(chunk.start + chunk.num_tokens, chunk.start + chunk.num_tokens + pad)
                 slots += [scratch_slot] * pad
                 if self.num_state_slots:
@@ -201,6 +223,7 @@ class ModelRunner:
             prefill_block_tables=self._block_table([needed_blocks(chunks[i]) for i in prefills]),
             state=StateRows(*(torch.tensor(c, dtype=torch.int64, device=self.device) for c in state))
             if self.num_state_slots else None,
+            token_history=step_history(history, self.device) if self.token_history else None,
         )
         return ModelInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
@@ -227,7 +250,8 @@ class ModelRunner:
             **({} if inputs.prompt_rows is None else
                {"prompt_logits_indices": torch.tensor(inputs.prompt_rows.indices, dtype=torch.int64)}),
             **({} if meta.state is None else {"state_slots": meta.state.slots, "chunk_starts": meta.state.chunk_starts,
-                                              "chunk_ends": meta.state.chunk_ends})})
+                                              "chunk_ends": meta.state.chunk_ends}),
+            **({} if meta.token_history is None else {"token_history": meta.token_history})})
 
     def _received_inputs(self, t: dict[str, torch.Tensor]) -> ModelInputs:
         num_decodes, decode_query_len = t["scalars"].tolist()
@@ -238,7 +262,8 @@ class ModelRunner:
             decode_seq_lens=t["decode_seq_lens"], num_prefills=len(prefill_query_lens),
             prefill_query_lens=prefill_query_lens, prefill_seq_lens=t["prefill_seq_lens"].tolist(),
             prefill_block_tables=t["prefill_block_tables"],
-            state=StateRows(t["state_slots"], t["chunk_starts"], t["chunk_ends"]) if "state_slots" in t else None)
+            state=StateRows(t["state_slots"], t["chunk_starts"], t["chunk_ends"]) if "state_slots" in t else None,
+            token_history=t.get("token_history"))
         return ModelInputs(input_ids=t["input_ids"], positions=t["positions"], meta=meta,
                            logits_indices=t["logits_indices"], order=[], sampling_chunks=[], row_starts=[])
 
@@ -288,11 +313,13 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in chunks]
         if not inputs.sampling_chunks:
             return RunnerOutput(sampled_token_ids=sampled)
+        requests = [chunks[i].request for i in inputs.sampling_chunks]
         rows = [SamplingRow(params=r.sampling_params, seed=r.seed, output_position=r.num_output_tokens,
                             prompt_token_ids=r.prompt_token_ids, output_token_ids=r.output_token_ids,
                             eos_token_ids=r.eos_token_ids)
-                for r in (chunks[i].request for i in inputs.sampling_chunks)]
-        meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
+                for r in requests]
+        bitmask, masked = self.bitmask.fill([(_matcher(r), ()) for r in requests])
+        meta = SamplingMetadata.build(rows, self.vocab_size, self.device, bitmask, masked)
         head_input = hidden[inputs.logits_indices]
         greedy = self._screened_greedy(head_input, meta)
         out = self.sampler(self.model.compute_logits(head_input), meta) if greedy is None else None
@@ -344,7 +371,10 @@ class ModelRunner:
             if self.mtp is not None:  # keep the MTP cache complete for the prefill tokens
                 self.mtp.first_pass(mtp_host["mtp_next_ids"], hidden, inputs.positions, inputs.meta)
             return RunnerOutput(sampled_token_ids=sampled, draft_token_ids=proposals)
-        meta = SamplingMetadata.build(self._verify_rows(chunks, inputs), self.vocab_size, self.device)
+        bitmask, masked = self.bitmask.fill([(_matcher(chunks[i].request), chunks[i].draft_token_ids)
+                                             for i in sampling])
+        meta = SamplingMetadata.build(self._verify_rows(chunks, inputs), self.vocab_size, self.device, bitmask,
+                                      masked)
         layout = DraftLayout.build([chunks[i].draft_token_ids for i in sampling], self.device)
         head_input = hidden[inputs.logits_indices]
         greedy = self._screened_greedy(head_input, meta)

@@ -24,7 +24,8 @@ class StepOp(IntEnum):
 # Every name a message may carry (the header sends the index, not the name).
 FIELDS = ("input_ids", "positions", "slot_mapping", "decode_block_tables", "decode_seq_lens", "prefill_block_tables",
           "prefill_query_lens", "prefill_seq_lens", "logits_indices", "scalars", "mtp_next_ids", "mtp_first_rows",
-          "mtp_tables", "verified", "state_slots", "chunk_starts", "chunk_ends", "prompt_logits_indices")
+          "mtp_tables", "verified", "state_slots", "chunk_starts", "chunk_ends", "prompt_logits_indices",
+          "token_history")
 _DTYPES = (torch.int64, torch.int32, torch.bool)
 _HEADER_LEN = 128
 _MAX_DIMS = 2

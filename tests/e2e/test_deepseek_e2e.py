@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from triton_helpers import StreamClient, http_generate, new_server
 
+from backend_lib.core.outputs import SessionControl
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.offline import LLM
 from backend_lib.frontend.triton.server import TritonServer
@@ -23,8 +24,10 @@ TEXT_PROMPTS = ("The quick brown fox", "Mixture of experts routes every token")
 ID_PROMPT = [5, 17, 42, 99, 150, 7, 211, 64]
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v4"])
+@pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v4", "deepseek_v4_engram"])
 def deepseek_dir(request, tmp_path_factory) -> Path:
+    if request.param == "deepseek_v4_engram":  # Engram on layers 1 and 3 (host tables, conv state per session)
+        return make_tiny("deepseek_v4", tmp_path_factory.mktemp("tiny_engram"), engram_layers=[1, 3])
     return make_tiny(request.param, tmp_path_factory.mktemp(f"tiny_{request.param}"))
 
 
@@ -90,3 +93,23 @@ def test_http_generate_and_generate_stream_give_offline_tokens(deepseek_triton, 
     status, events = http_generate(deepseek_triton.http_url, {**body, "stream": True}, stream=True)
     assert status == 200 and len(events) > 1
     assert "".join(e["text_output"] for e in events) == expected.text
+
+
+def test_session_turns_stream_what_the_offline_engine_gives(grpc, deepseek_dir):
+    """Two turns of one sequence: the second prefills only its new tokens on the kept state (KV, rings and, with
+    Engram, the ShortConv history) and streams what the offline engine's session gives."""
+    first = grpc.generate(_request(ID_PROMPT), sequence_id=4242, sequence_start=True)
+    second = grpc.generate(_request([9, 8, 7]), sequence_id=4242, sequence_end=True)
+    assert first.error is None and second.error is None
+    engine = LLM(str(deepseek_dir), **{k: int(v) for k, v in ENGINE_SETTINGS.items()}).engine
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    expected = []
+    for rid, prompt, control in (("a", ID_PROMPT, SessionControl("s", start=True)),
+                                 ("b", [9, 8, 7], SessionControl("s", end=True))):
+        engine.add_request(rid, prompt, params, session=control)
+        ids = []
+        while engine.has_unfinished_requests():
+            ids += [t for out in engine.step() for t in out.new_token_ids]
+        expected.append(ids)
+    engine.close()
+    assert [first.all_ids, second.all_ids] == expected

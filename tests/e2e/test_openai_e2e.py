@@ -13,7 +13,9 @@ from urllib.parse import urlparse
 import openai
 import pytest
 from conftest import SERVER_PARAMETERS
-from triton_helpers import StreamClient, metric, metrics, new_server
+from triton_helpers import StreamClient, http_generate, metric, metrics, new_server
+
+from backend_lib.core.errors import ErrorKind, from_wire
 
 pytestmark = pytest.mark.e2e
 
@@ -362,3 +364,67 @@ def test_model_errors_leave_nothing_that_holds_the_server_at_stop(tmp_path):
         started = time.monotonic()
         server.stop()
         assert time.monotonic() - started < 10, "Triton waited out its exit timeout (15 s): the model was held"
+
+
+# One refusal rule, every way in: the same bad value reaches the client with the same field and kind through Triton
+# gRPC (the stream's message), HTTP /generate and /generate_stream (Triton 2.51 answers 400 for every model error, so
+# the kind travels in the message's detail, core/errors.py), and the OpenAI front (status of the kind, param the
+# field). /v2/.../infer does not take a decoupled model (test_http_infer_cannot_reach_a_decoupled_model).
+LONG_PROMPT = "hello " * 600  # past max_model_len (512) once tokenized
+REFUSED = [
+    # (fields the Triton model gets, OpenAI completions kwargs or None where the front has no such field, engine
+    #  field, OpenAI param)
+    ({"temperature": -1}, {"temperature": -1}, "temperature", "temperature"),
+    ({"top_k": 0}, {"extra_body": {"top_k": 0}}, "top_k", "top_k"),
+    ({"logprobs": 50}, {"logprobs": 50}, "logprobs", "logprobs"),  # past max_logprobs (20): a limit
+    ({"colour": "blue"}, None, "colour", None),  # the OpenAI front's schema ignores unknown fields (OpenAI's way)
+    ({"guided_regex": ""}, {"extra_body": {"guided_regex": ""}}, "guided_regex", "guided_regex"),
+    ({"max_tokens": 4, "prompt": LONG_PROMPT}, {"max_tokens": 4, "prompt": LONG_PROMPT}, "prompt", "prompt"),
+]
+
+
+def _http_infer(http_url: str, prompt: str, parameters: dict) -> tuple[int, dict]:
+    """POST /v2/models/deepinfer/infer (KServe JSON): text_input as a BYTES tensor, the fields as parameters."""
+    body = {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": [prompt]}],
+            "parameters": parameters}
+    connection = http.client.HTTPConnection(http_url, timeout=120)
+    try:
+        connection.request("POST", f"/v2/models/{MODEL}/infer", json.dumps(body),
+                           {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read().decode() or "{}")
+    finally:
+        connection.close()
+
+
+def test_http_infer_cannot_reach_a_decoupled_model(served):
+    """KServe's /v2/models/<m>/infer is Triton's to refuse for a decoupled model (Triton 2.51: 501, its own message,
+    no detail of ours): HTTP clients use /generate and /generate_stream. Fails when a Triton upgrade changes this,
+    and the refusal test above then has one more way in to cover."""
+    status, answer = _http_infer(served.http_url, "hi", {"temperature": -1})
+    assert status == 501 and "decoupled" in answer.get("error", ""), (status, answer)
+    assert from_wire(answer["error"]).field is None
+
+
+@pytest.mark.parametrize("fields, openai_kwargs, field, param", REFUSED, ids=[r[2] for r in REFUSED])
+def test_a_refusal_names_the_same_field_and_kind_through_every_front(served, grpc, client, fields, openai_kwargs,
+                                                                     field, param):
+    fields = dict(fields)
+    prompt = fields.pop("prompt", "hi")
+    via_grpc = grpc.generate({"text_input": prompt, "sampling_parameters": json.dumps(fields)})
+    status, [via_generate] = http_generate(served.http_url, {"text_input": prompt, **fields})
+    assert status == 400, via_generate
+    status, via_stream = http_generate(served.http_url, {"text_input": prompt, "stream": True, **fields}, stream=True)
+    assert status == 400 and len(via_stream) == 1, via_stream
+    for path, message in (("grpc", via_grpc.error), ("generate", via_generate.get("error")),
+                          ("generate_stream", via_stream[0].get("error"))):
+        assert message, path
+        wire = from_wire(message)
+        assert (wire.kind, wire.field) == (ErrorKind.INVALID, field), (path, message)
+    if openai_kwargs is not None:
+        kwargs = {"prompt": "hi", **openai_kwargs}
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.completions.create(model=MODEL, **kwargs)
+        error = raised.value.body
+        assert raised.value.status_code == 400 and error["param"] == param, error
+        assert error["type"] == "invalid_request_error" and "deepinfer-error" not in error["message"]

@@ -165,7 +165,9 @@ def http_generate(http_url: str, body: dict[str, Any], stream: bool = False,
             payload = response.read().decode()
             status = response.status
     except urllib.error.HTTPError as exc:
-        return exc.code, [json.loads(exc.read().decode() or "{}")]
+        payload, status = exc.read().decode(), exc.code
+        if not (stream and payload.startswith("data: ")):  # /generate_stream sends a refusal as an event
+            return status, [json.loads(payload or "{}")]
     if not stream:
         return status, [json.loads(payload)]
     events = [json.loads(line[len("data: "):]) for line in payload.splitlines() if line.startswith("data: ")]

@@ -1,20 +1,20 @@
 """Every failure as an OpenAI error: an HTTP status and {"error": {"message", "type", "param", "code"}}.
 
-A gRPC stream carries only the model's error message, not its Triton code, so the model's own wording tells
-them apart: a busy refusal starts with "server busy:" (README "Limits"), a shutdown says so, an internal failure
-starts with "internal error" or is the engine's generic failure; everything else is the request's fault.
+A model error arrives as its message only (a gRPC stream carries no Triton code); the Triton model puts the typed
+refusal's kind and field after the text (core/errors.py ``to_wire``), which ``from_model_error`` decodes: invalid
+-> 400 with ``param`` the client's name of the field, busy -> 503, internal -> 500. No prose is parsed.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.core.errors import ErrorKind, from_wire
 from backend_lib.frontend.openai.schema import ErrorBody, ErrorResponse
 
-_BUSY_PREFIXES = ("server busy:", "the server is shutting down")
-_SERVER_FAULT_PREFIXES = ("internal error", "the engine failed")
-_LEADING_NAME = re.compile(r"^([a-z_]+)\b")
+
+# The engine's names of request fields every call names otherwise (a request's own renames come with it).
+_CLIENT_NAMES = {"text_input": "prompt", "input_ids": "prompt", "sequence_id": "X-Session-Id",
+                 "sequence_start": "X-Session-Start", "sequence_end": "X-Session-End"}
 
 
 @dataclass
@@ -38,18 +38,15 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
 
 
 def from_model_error(message: str, known_fields: dict[str, str]) -> OpenAIError:
-    """The Triton model's error message -> an OpenAIError with the right status.
-
-    The engine's message starts with the field it refuses, which becomes ``param``; ``known_fields`` maps the
-    engine's names to the ones the client used where they differ (e.g. logprobs -> top_logprobs)."""
-    if message.startswith(_BUSY_PREFIXES):
-        return OpenAIError(503, message, "server_busy", code="server_busy")
-    if message.startswith(_SERVER_FAULT_PREFIXES):
-        return OpenAIError(500, message, "server_error")
-    match = _LEADING_NAME.match(message)
-    name = match.group(1) if match else ""
-    param = known_fields.get(name, name if name in SamplingParams.field_names() else None)
-    return OpenAIError(400, message, "invalid_request_error", param)
+    """The Triton model's error message -> an OpenAIError with the status of its kind; ``known_fields`` maps the
+    engine's field names to the ones the client used where they differ (e.g. logprobs -> top_logprobs)."""
+    error = from_wire(message)
+    if error.kind is ErrorKind.BUSY:
+        return OpenAIError(503, error.message, "server_busy", code="server_busy")
+    if error.kind is ErrorKind.INTERNAL:
+        return OpenAIError(500, error.message, "server_error")
+    param = None if error.field is None else known_fields.get(error.field, _CLIENT_NAMES.get(error.field, error.field))
+    return OpenAIError(400, error.message, "invalid_request_error", param)
 
 
 def unreachable(detail: str) -> OpenAIError:

@@ -1,6 +1,6 @@
 """OpenAI requests -> our Triton model's request; the model's responses -> OpenAI responses and chunks.
 
-The model validates every sampling field itself and names the field it refuses (SamplingParams), so fields
+The model validates every sampling field itself (the engine's intake) and names the field it refuses, so fields
 pass through with their engine names; here we only refuse what the model has no notion of (tools,
 suffix, ...), pick the prompt input (text_input, input_ids or messages) and map the session headers. A call
 asking for several choices (``n``, a completions batch of prompts) becomes one model request per choice, prompt
@@ -12,7 +12,9 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
+from backend_lib.core.errors import RequestError
 from backend_lib.core.sampling_params import SEED_LIMIT
+from backend_lib.engine.intake import parse_bool
 from backend_lib.frontend.openai.errors import bad_request
 from backend_lib.frontend.openai.schema import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                                 ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatLogprobs,
@@ -25,7 +27,8 @@ SESSION_END_HEADER = "x-session-end"
 # Fields passed to the model's sampling_parameters under the same name.
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "frequency_penalty", "presence_penalty",
                 "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
-                "skip_special_tokens", "logit_bias")
+                "skip_special_tokens", "logit_bias", "structured_outputs", "guided_json", "guided_regex",
+                "guided_choice", "guided_grammar", "guided_json_object")
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
 # Choices (prompts x n) one call may ask for: each is an engine request, admitted like any other.
@@ -72,12 +75,13 @@ class ModelDelta:
 
 
 def _parse_bool_header(name: str, value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in ("true", "1", "yes"):
-        return True
-    if lowered in ("false", "0", "no", ""):
+    """An absent or empty header is false; otherwise the intake's words for true and false."""
+    if not value.strip():
         return False
-    raise bad_request(f"header {name} must be true or false, got {value!r}", param=name)
+    try:
+        return parse_bool(name, value)
+    except RequestError:
+        raise bad_request(f"header {name} must be true or false, got {value!r}", param=name) from None
 
 
 def session_from_headers(headers: Mapping[str, str]) -> Session | None:

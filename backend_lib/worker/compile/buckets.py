@@ -152,6 +152,13 @@ def pad_state(state: StateRows | None, rows: int) -> StateRows | None:
                      _pad_rows(state.chunk_ends, rows, 0))
 
 
+def pad_engram_rows(rows_in: torch.Tensor | None, rows: int) -> torch.Tensor | None:  # [L_e, T, W] -> [L_e, rows, W]
+    """Padded tokens gather zeros (nothing reads what they compute)."""
+    if rows_in is None or rows_in.shape[1] == rows:
+        return rows_in
+    return torch.cat([rows_in, rows_in.new_zeros(rows_in.shape[0], rows - rows_in.shape[1], rows_in.shape[2])], dim=1)
+
+
 def _pad_table(table: torch.Tensor, rows: int, width: int, scratch: int) -> torch.Tensor:  # [B, w] -> [rows, width]
     out = table.new_full((rows, width), scratch)
     out[: table.shape[0], : table.shape[1]] = table
@@ -180,6 +187,7 @@ def pad_decode(input_ids: torch.Tensor,  # [B] int64
         num_prefills=0, prefill_query_lens=[], prefill_seq_lens=[],
         prefill_block_tables=meta.prefill_block_tables.new_zeros((0, width)),
         state=pad_state(meta.state, rows),
+        engram_rows=pad_engram_rows(meta.engram_rows, rows),
     )
     return PaddedStep(_pad_rows(input_ids, rows, 0), _pad_rows(positions, rows, 0), padded_meta, b)
 
@@ -208,5 +216,6 @@ def pad_prefill(input_ids: torch.Tensor,  # [q] int64
         num_prefills=0, prefill_query_lens=[], prefill_seq_lens=[],
         prefill_block_tables=meta.prefill_block_tables.new_zeros((0, width)),
         state=pad_state(meta.state, length),
+        engram_rows=pad_engram_rows(meta.engram_rows, length),
     )
     return PaddedStep(_pad_rows(input_ids, length, 0), _pad_rows(positions, length, 0), padded_meta, q_len)

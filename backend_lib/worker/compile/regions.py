@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -40,12 +40,12 @@ from backend_lib.core.config import CompileConfig
 from backend_lib.worker.compile.buckets import BucketSpec, PaddedStep, pad_decode, pad_prefill
 from backend_lib.worker.compile.compile_cache import CacheUse, compile_cache_scope, count_cache_use
 from backend_lib.worker.compile.platform import Platform, detect_platform
-from backend_lib.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
-from kernels import sampling as ops
+from backend_lib.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, masked_sample
 from kernels.attention_metadata import AttentionMetadata, StateRows
 
 # Sampler variants that get a graph: (all_greedy, any_top_k, any_top_p). logit_bias, penalties, min-p, min_tokens
-# and logprobs need [B, V] host-built side inputs and stay eager.
+# and logprobs need [B, V] host-built side inputs and stay eager. Each variant has a second graph with the grammar
+# bitmask ([batch bucket, ceil(V/32)] int32, a graph input like the others), compiled for its first constrained batch.
 GREEDY_VARIANT = (True, False, False)
 SAMPLER_VARIANTS = (GREEDY_VARIANT, (False, False, False), (False, True, False), (False, False, True),
                     (False, True, True))
@@ -135,6 +135,9 @@ class CompiledModel(torch.nn.Module):
                 positions: torch.Tensor,  # [T] int64
                 kv_caches: list[torch.Tensor],  # layer-major roots
                 meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden]
+        if getattr(self.model, "token_history", 0) and meta.engram_rows is None:
+            # host work before the graph: the int64 hash and the table lookup (the graph sees gathered rows)
+            meta = replace(meta, engram_rows=self.model.engram_gather(input_ids, meta.token_history))
         padded = self.pad(input_ids, positions, meta)
         if padded is None:
             self.stats.eager_steps += 1
@@ -216,6 +219,9 @@ class CompiledModel(torch.nn.Module):
         zeros = torch.zeros(tokens, dtype=torch.int64, device=device)
         if hasattr(self.model, "hybrid_cache_shapes"):  # no state slot: every row writes the scratch slot
             meta.state = StateRows(torch.full_like(zeros, -1), zeros.clone(), zeros.clone())
+        if getattr(self.model, "token_history", 0):
+            history = torch.full((tokens, self.model.token_history), -1, dtype=torch.int64, device=device)
+            meta.engram_rows = self.model.engram_gather(zeros, history)
         return PaddedStep(zeros, zeros.clone(), meta, tokens)
 
     @torch.inference_mode()
@@ -240,33 +246,29 @@ class CompiledModel(torch.nn.Module):
         return self.stats.compile_seconds
 
 
-def _sample_core(logits: torch.Tensor,  # [B, V] float32
-                 temperature: torch.Tensor,  # [B] float32
-                 is_greedy: torch.Tensor,  # [B] bool
-                 top_k: torch.Tensor | None,  # [B] int64
-                 top_p: torch.Tensor | None,  # [B] float32
-                 seeds: torch.Tensor,  # [B] int64
-                 positions: torch.Tensor,  # [B] int64
-                 all_greedy: bool, any_top_k: bool, any_top_p: bool) -> torch.Tensor:  # [B] int64
-    """The sampler's greedy fast path, or temperature -> top-k / top-p -> seeded Gumbel-max (flags are graph
-    constants: an all-greedy batch has no filter and no noise in its graph)."""
-    greedy_ids = torch.argmax(logits, dim=-1)
-    if all_greedy:
-        return greedy_ids
-    scaled = ops.apply_temperature(logits, temperature)
-    filtered = ops.apply_top_k_top_p(scaled, top_k, top_p, any_top_k, any_top_p)
-    return torch.where(is_greedy, greedy_ids, ops.gumbel_argmax(filtered, seeds, positions))
+def warm_up_meta(rows: int, vocab_size: int, device: torch.device, all_greedy: bool, any_top_k: bool,
+                 any_top_p: bool, masked: bool = False) -> SamplingMetadata:
+    """A batch of one sampler variant, for compiling (and linting) its graph. Distinct tensors per field: dynamo
+    guards on aliasing between inputs."""
+    def longs(value: int) -> torch.Tensor:
+        return torch.full((rows,), value, dtype=torch.int64, device=device)
 
-
-def _pad_1d(x: torch.Tensor | None, rows: int, value: float | int) -> torch.Tensor | None:
-    if x is None or x.shape[0] == rows:
-        return x
-    return torch.cat([x, x.new_full((rows - x.shape[0],), value)])
+    width = -(-vocab_size // 32)
+    return SamplingMetadata(
+        temperature=torch.full((rows,), 0.7, device=device), is_greedy=torch.full((rows,), all_greedy, device=device),
+        top_k=longs(vocab_size) if any_top_k else None, top_p=torch.ones(rows, device=device) if any_top_p else None,
+        min_p=None, seeds=longs(0), positions=longs(0), repetition_penalty=None, presence_penalty=None,
+        frequency_penalty=None, prompt_mask=None, output_counts=None, blocked=None, logit_bias=None,
+        num_logprobs=[None] * rows, all_greedy=all_greedy, any_top_k=any_top_k, any_top_p=any_top_p,
+        any_min_p=False, any_penalty=False, any_min_tokens=False, max_num_logprobs=None,
+        bitmask=torch.full((rows, width), -1, dtype=torch.int32, device=device) if masked else None,
+        masked_rows=tuple(range(rows)) if masked else ())
 
 
 class CompiledSampler(torch.nn.Module):
     """The Sampler's contract; batches without logit_bias, penalties, min-p, min_tokens or logprobs run as a graph per
-    (batch bucket, variant in SAMPLER_VARIANTS), the rest through the eager Sampler (same ops, same tokens)."""
+    (batch bucket, variant in SAMPLER_VARIANTS, grammar bitmask or not), the rest through the eager Sampler. Both
+    run the one sampling core (worker/sampler.py: ``masked_sample``), so they give the same tokens."""
 
     def __init__(self, buckets: BucketSpec, backend: str, vocab_size: int, sampler: Sampler | None = None,
                  warm_variants: tuple[tuple[bool, bool, bool], ...] = SAMPLER_VARIANTS,
@@ -278,8 +280,8 @@ class CompiledSampler(torch.nn.Module):
         self.warm_variants = warm_variants  # compiled by warm_up; the others on their first batch
         self.cache_scope = cache_scope  # the persistent compile cache, entered for a variant's first batch
         self.stats = RegionStats()
-        raise_dynamo_cache_limits(len(buckets.batch_sizes) * len(SAMPLER_VARIANTS))
-        self._core = compile_region(_sample_core, backend)
+        raise_dynamo_cache_limits(len(buckets.batch_sizes) * len(SAMPLER_VARIANTS) * 2)
+        self._core = compile_region(masked_sample, backend)
 
     def process_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         return self.sampler.process_logits(logits, meta)
@@ -298,17 +300,15 @@ class CompiledSampler(torch.nn.Module):
             return self.sampler(logits, meta)
         self.stats.compiled_steps += 1
         key = ("sampler", rows, meta.all_greedy, meta.any_top_k, meta.any_top_p)
+        if meta.bitmask is not None:
+            key += ("masked",)
         first = key not in self.stats.compiled_keys
         self.stats.compiled_keys.add(key)
         b = meta.batch_size
         logits = logits.to(torch.float32)
         padded = torch.cat([logits, logits.new_zeros((rows - b, logits.shape[1]))]) if rows > b else logits
         with self.cache_scope() if first else nullcontext():
-            token_ids = self._core(
-                padded, _pad_1d(meta.temperature, rows, 1.0), _pad_1d(meta.is_greedy, rows, True),
-                _pad_1d(meta.top_k, rows, self.vocab_size), _pad_1d(meta.top_p, rows, 1.0),
-                _pad_1d(meta.seeds, rows, 0), _pad_1d(meta.positions, rows, 0),
-                meta.all_greedy, meta.any_top_k, meta.any_top_p)
+            token_ids = self._core(padded, meta.padded(rows))
         return SamplerOutput(token_ids=token_ids[:b], logprobs=None, top_ids=None, top_logprobs=None)
 
     @torch.inference_mode()
@@ -317,15 +317,8 @@ class CompiledSampler(torch.nn.Module):
         keys = [(rows, variant) for rows in self.buckets.batch_sizes for variant in self.warm_variants]
         for rows, (all_greedy, any_top_k, any_top_p) in tqdm(keys, desc="compiling sampler graphs",
                                                               disable=not progress):
-            # Distinct tensors per argument: dynamo guards on aliasing between inputs.
-            def longs(value: int) -> torch.Tensor:
-                return torch.full((rows,), value, dtype=torch.int64, device=device)
-
-            self._core(torch.zeros(rows, self.vocab_size, device=device), torch.ones(rows, device=device),
-                       torch.full((rows,), all_greedy, device=device),
-                       longs(self.vocab_size) if any_top_k else None,
-                       torch.ones(rows, device=device) if any_top_p else None, longs(0), longs(0),
-                       all_greedy, any_top_k, any_top_p)
+            self._core(torch.zeros(rows, self.vocab_size, device=device),
+                       warm_up_meta(rows, self.vocab_size, device, all_greedy, any_top_k, any_top_p))
             self.stats.compiled_keys.add(("sampler", rows, all_greedy, any_top_k, any_top_p))
         self.stats.compile_seconds += time.perf_counter() - start
         return self.stats.compile_seconds

@@ -24,7 +24,9 @@ deterministic drafts a seeded request emits the same tokens with or without spec
 With general ``q``, the acceptance uniform comes from the same counter hash keyed by ``seed ^ _ACCEPT_KEY`` and the
 recovered draw is Gumbel-max over ``log(max(p - q, 0))`` at (seed, position): batch-invariant as well.
 
-``p`` is the sampler's distribution: ``Sampler.process_logits`` (logit_bias, penalties, min_tokens) then
+``p`` is the sampler's distribution: the grammar bitmask of structured-output rows (``apply_grammar_mask``; the
+runner gives each verified position the mask of the grammar state after the drafts before it, and the scheduler cut
+the drafts at the first token the grammar refuses), ``Sampler.process_logits`` (logit_bias, penalties, min_tokens) then
 ``filtered_logits`` (temperature, min-p, top-k / top-p), so spec decoding samples exactly what the plain sampler
 samples. No host sync here; the caller reads the output once.
 """
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend_lib.worker.sampler import Sampler, SamplingMetadata
+from backend_lib.worker.sampler import Sampler, SamplingMetadata, apply_grammar_mask
 from kernels import sampling as ops
 
 _ACCEPT_KEY = 0x2545F491  # int32-safe key that separates the acceptance uniforms from the Gumbel noise
@@ -92,7 +94,7 @@ def rejection_sample(target_logits: torch.Tensor,  # [N, V] raw target logits, o
                      draft_probs: torch.Tensor | None = None,  # [N, V] q per draft row; None = one-hot drafts
                      sampler: Sampler | None = None) -> RejectionOutput:
     sampler = sampler or Sampler()
-    logits = target_logits.to(torch.float32)
+    logits = apply_grammar_mask(target_logits.to(torch.float32), meta)
     drafts = layout.draft_token_ids
     if meta.raw_greedy:
         return greedy_verify(ops.row_argmax(logits), layout)

@@ -1,7 +1,8 @@
 """Triton Python-backend model: lifecycle and translation only.
 
-Lifecycle: initialize builds the engine through ``codec.build_engine``; execute decodes each request
-with ``codec.decode_request`` and hands it to the engine (returning None: decoupled); one response
+Lifecycle: initialize builds the engine through ``parameters.build_engine``; execute decodes each request
+with ``codec.decode_request`` (which runs the engine's intake) and hands it to the engine (returning None:
+decoupled); a refusal is a RequestError, sent with its kind's Triton code and ``to_wire``'s message. One response
 thread drains every request's stream, sends the deltas, polls cancellation (-> engine.abort) and ends
 every request, errors included, with TRITONSERVER_RESPONSE_COMPLETE_FINAL; finalize shuts the engine
 down (each stream then ends) and joins the thread, so unload never hangs.
@@ -45,8 +46,9 @@ def _use_site_dirs() -> None:
 _use_site_dirs()
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
-from backend_lib.engine.errors import EngineBusyError  # noqa: E402
-from backend_lib.frontend.triton import codec, lifeline  # noqa: E402  (after the path set-up above)
+from backend_lib.core.errors import ErrorKind, RequestError, internal, to_wire  # noqa: E402
+from backend_lib.frontend.triton import codec, lifeline, parameters as triton_parameters  # noqa: E402
+from backend_lib.frontend.triton.responses import DeltaCoalescer, ResponseEncoder  # noqa: E402
 from backend_lib.frontend.triton.metrics import TritonMetrics  # noqa: E402
 
 # Poll periods of the response thread (outputs and new requests wake it at once): each is_cancelled() is a round
@@ -62,8 +64,8 @@ class _Active:
     request: Any  # pb_utils.InferenceRequest, kept for is_cancelled()
     sender: Any  # its response sender
     stream: Any  # backend_lib.engine.async_engine.RequestStream
-    encoder: codec.ResponseEncoder
-    coalescer: codec.DeltaCoalescer
+    encoder: ResponseEncoder
+    coalescer: DeltaCoalescer
     cancel_checked: float = 0.0
     cancelled: bool = False
     done: bool = field(default=False)
@@ -76,9 +78,9 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise ValueError("deepinfer needs model_transaction_policy { decoupled: true } in config.pbtxt")
         parameters = {name: value["string_value"] for name, value in config.get("parameters", {}).items()}
-        self._options = codec.serving_options_from_parameters(parameters)
+        self._options = triton_parameters.serving_options_from_parameters(parameters)
         self._guard = lifeline.StubGuard(lifeline.stub_shm_region())  # before the (long) engine build
-        self._engine = codec.build_engine(parameters)
+        self._engine = triton_parameters.build_engine(parameters)
         self._model_name = args["model_name"]
         tokenizer = self._engine.tokenizer
         self._decode_token = lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
@@ -98,7 +100,8 @@ class TritonPythonModel:
 
     def _make_metrics(self, args: dict[str, str]) -> TritonMetrics | None:
         try:
-            return TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
+            return TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]},
+                                 kv_cache_dtype=self._engine.config.kv_dtype_name)
         except pb_utils.TritonModelException as exc:
             if "metrics not supported" not in str(exc):
                 raise
@@ -111,37 +114,39 @@ class TritonPythonModel:
             request_id = f"{self._prefix}{next(self._ids)}"
             try:
                 if self._closing.is_set() or self._server_stopping():
-                    raise ValueError("the server is shutting down")
+                    raise RequestError(None, "the server is shutting down", ErrorKind.BUSY)
                 decoded = self._decode(request)
                 stream = self._engine.add_request(request_id, decoded.prompt, decoded.params, decoded.session)
-            except (ValueError, EngineBusyError) as exc:  # bad input, or an admission limit (retry later)
-                busy = isinstance(exc, EngineBusyError)
-                code = pb_utils.TritonError.UNAVAILABLE if busy else pb_utils.TritonError.INVALID_ARG
-                self._send_error(sender, str(exc), code)
+            except RequestError as exc:  # the intake or admission refused it: its kind says whose fault
+                self._send_error(sender, exc)
                 continue
             except Exception as exc:
                 self._logger.log_error(f"[deepinfer] request {request_id} failed: {traceback.format_exc()}")
-                self._send_error(sender, f"internal error: {exc}")
+                self._send_error(sender, internal(f"internal error: {exc}"))
                 continue
-            encoder = codec.ResponseEncoder(decoded, self._decode_token, self._decode_ids)
-            coalescer = codec.DeltaCoalescer(self._options.stream_interval if decoded.stream else 1)
+            encoder = ResponseEncoder(decoded, self._decode_token, self._decode_ids)
+            coalescer = DeltaCoalescer(self._options.stream_interval if decoded.stream else 1)
             self._incoming.put(_Active(request_id, request, sender, stream, encoder, coalescer))
             self._wake.set()
         return None
 
-    @staticmethod
-    def _decode(request: Any) -> codec.DecodedRequest:
+    def _decode(self, request: Any) -> codec.DecodedRequest:
         inputs = {}
         for name in codec.INPUT_NAMES:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             if tensor is not None:
                 inputs[name] = tensor.as_numpy()
         return codec.decode_request(inputs, request.parameters(), request.correlation_id(), request.flags(),
-                                    request.requested_output_names())
+                                    request.requested_output_names(), self._engine.config.limits)
 
-    def _send_error(self, sender: Any, message: str, code: Any = None) -> None:
-        error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
-        sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    def _send_error(self, sender: Any, error: RequestError, code: Any = None) -> None:
+        """The error as its kind's Triton code (or ``code``), its field and kind in the message (core/errors.py's
+        wire form, which the OpenAI front decodes: a gRPC stream and Triton 2.51's /generate carry no code)."""
+        codes = {ErrorKind.INVALID: pb_utils.TritonError.INVALID_ARG, ErrorKind.BUSY: pb_utils.TritonError.UNAVAILABLE,
+                 ErrorKind.INTERNAL: pb_utils.TritonError.INTERNAL}
+        triton_error = pb_utils.TritonError(to_wire(error), codes[error.kind] if code is None else code)
+        sender.send(pb_utils.InferenceResponse(error=triton_error),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     # -- the response thread ------------------------------------------------------------------------
 
@@ -208,12 +213,11 @@ class TritonPythonModel:
 
     def _send_final(self, item: _Active, output: Any) -> None:
         if item.cancelled:
-            self._send_error(item.sender, "request cancelled", pb_utils.TritonError.CANCELLED)
-        elif output.rejected:  # e.g. a session protocol error or max_sessions, found when the engine took it in
-            code = pb_utils.TritonError.UNAVAILABLE if output.busy else pb_utils.TritonError.INVALID_ARG
-            self._send_error(item.sender, output.error, code)
+            self._send_error(item.sender, internal("request cancelled"), pb_utils.TritonError.CANCELLED)
+        elif output.refusal is not None:  # e.g. a session protocol error or max_sessions, found when it was taken in
+            self._send_error(item.sender, output.refusal)
         elif output.finish_reason == "error":
-            self._send_error(item.sender, output.error or "the engine failed this request")
+            self._send_error(item.sender, internal(output.error or "the engine failed this request"))
         else:
             tensors = item.encoder.encode(output)
             response = self._response(tensors) if tensors is not None else None
@@ -230,7 +234,7 @@ class TritonPythonModel:
             item.done = True
             self._engine.abort(item.request_id)
             try:
-                self._send_error(item.sender, f"internal error: {exc}")
+                self._send_error(item.sender, internal(f"internal error: {exc}"))
             except Exception:
                 self._logger.log_error(f"[deepinfer] could not send the final error: {traceback.format_exc()}")
 

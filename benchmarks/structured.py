@@ -1,0 +1,133 @@
+"""Structured output's cost: the shared workload's prompts decoded with a JSON schema vs without, side by side in one
+run on SmolLM2 (eager engine, greedy), at 32 streams (one continuous batch) and 1.
+
+Per run: generated tokens, seconds, tokens/s, and the median decode step (steps where every request of a full batch
+decodes: the grammar's cost per step is the matchers' mask fill on the host plus the mask on the logits; an
+unconstrained batch takes the path it took before structured output existed). A constrained request stops when its
+grammar completes, so its run generates fewer tokens than 128 per prompt; tokens/s and the step time compare, the
+totals do not. Target (issue 35): a constrained batch-32 step costs at most 1.10x an unconstrained one. vLLM CPU's
+constrained throughput (the issue's second target) needs its anchor run with the same schema: not measured here.
+
+Prints the machine and a table; writes benchmarks/results/structured.md and .png. Run nothing else meanwhile.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from backend_lib.core.config import EngineConfig  # noqa: E402
+from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
+from backend_lib.engine.llm_engine import LLMEngine  # noqa: E402
+from backend_lib.models.loader import default_model_path  # noqa: E402
+from backend_lib.structured_output.constraints import parse_constraint  # noqa: E402
+from benchmarks.machine import describe, measure_limits  # noqa: E402
+from benchmarks.plots import paired_bars  # noqa: E402
+
+# Long enough that a batch decodes for a while before the grammars complete.
+SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 40},
+    "items": {"type": "array", "minItems": 4, "maxItems": 8, "items": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                         "score": {"type": "integer", "minimum": 0, "maximum": 100}},
+        "required": ["name", "score"], "additionalProperties": False}}},
+    "required": ["title", "items"], "additionalProperties": False}
+
+
+@dataclass
+class Run:
+    label: str
+    streams: int
+    tokens: int
+    seconds: float
+    step_ms: float  # median full-batch decode step
+    finished_by_grammar: int
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def load_prompts(path: Path) -> tuple[list, int]:
+    spec = importlib.util.spec_from_file_location("workload", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.prompts(), module.NEW_TOKENS
+
+
+def run(engine: LLMEngine, prompts: list, new_tokens: int, constrained: bool, label: str) -> Run:
+    constraint = parse_constraint({"structured_outputs": {"json": SCHEMA}}) if constrained else None
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=not constrained,
+                            structured_outputs=constraint)
+    if constrained:  # compile once before timing: the grammar cache serves every request after
+        engine.grammar_compiler.compile(constraint)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{label}-{len(prompts)}-{i}", prompt, params)
+    tokens = stopped = 0
+    steps: list[float] = []
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        scheduler = engine.scheduler
+        full_decode = (not scheduler.waiting and len(scheduler.running) == len(prompts)
+                       and all(r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running))
+        step_start = time.perf_counter()
+        outputs = engine.step()
+        if full_decode:
+            steps.append(time.perf_counter() - step_start)
+        for out in outputs:
+            tokens += len(out.new_token_ids)
+            stopped += out.finished and out.finish_reason == "stop"
+    seconds = time.perf_counter() - start
+    return Run(label, len(prompts), tokens, seconds, 1e3 * statistics.median(steps) if steps else float("nan"),
+               stopped if constrained else 0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", default=str(ROOT.parent / "shared" / "bench" / "workload.py"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--streams", default="32,1")
+    args = parser.parse_args()
+    prompts, new_tokens = load_prompts(Path(args.workload))
+    machine = describe().line()
+    limits = measure_limits().line()
+    print(f"Machine: {machine}; {limits}", flush=True)
+    engine = LLMEngine(EngineConfig.from_flat({"model": default_model_path(), "max_num_seqs": 32}))
+    runs = []
+    for streams in (int(s) for s in args.streams.split(",")):
+        for constrained in (False, True):
+            label = "JSON schema" if constrained else "free"
+            runs.append(run(engine, prompts[:streams], new_tokens, constrained, label))
+            print(runs[-1], flush=True)
+    engine.close()
+    lines = ["# Structured output: JSON schema vs free decoding, SmolLM2-135M (eager, greedy)", "",
+             f"Machine: {machine}; {limits}.", "",
+             "| run | streams | tokens | seconds | tokens/s | median decode step (ms) | step vs free | ended by grammar |",
+             "|---|---|---|---|---|---|---|---|"]
+    free = {r.streams: r for r in runs if r.label == "free"}
+    for r in runs:
+        ratio = r.step_ms / free[r.streams].step_ms
+        lines.append(f"| {r.label} | {r.streams} | {r.tokens} | {r.seconds:.1f} | {r.tok_s:.1f} | {r.step_ms:.1f} | "
+                     f"{ratio:.2f}x | {r.finished_by_grammar if r.label != 'free' else '-'} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "structured.md").write_text(text)
+    streams = sorted(free, reverse=True)
+    paired_bars(out / "structured.png", [f"{s} stream{'s' * (s > 1)}" for s in streams],
+                [("free", [free[s].step_ms for s in streams], "#999999"),
+                 ("JSON schema", [next(r for r in runs if r.streams == s and r.label != "free").step_ms
+                                  for s in streams], "#4c72b0")],
+                "median decode step, ms (lower is better)", f"Structured output cost: {machine.split(',')[0]}")
+
+
+if __name__ == "__main__":
+    main()
