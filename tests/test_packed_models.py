@@ -13,7 +13,7 @@ import torch
 from backend_lib.core.config import EngineConfig, ModelConfig
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.offline import LLM
-from backend_lib.frontend.triton.codec import engine_config_from_parameters
+from backend_lib.frontend.triton.parameters import engine_config_from_parameters
 from backend_lib.models.gguf_file import GGUFFile
 from backend_lib.models.gguf_loader import unpermute_rows
 from backend_lib.models.layers import resident_weight_bytes
