@@ -47,9 +47,9 @@ def main() -> int:
     ids = {mode: [] for mode in modes}
     for prompt in prompts:
         for mode in modes:
-            run, out = run_engine(engines[mode], [prompt], new_tokens, mode)
-            tokens[mode] += run.tokens
-            seconds[mode] += run.seconds
+            count, elapsed, out = run_engine(engines[mode], [prompt], new_tokens)
+            tokens[mode] += count
+            seconds[mode] += elapsed
             ids[mode] += out
     first = modes[0]
     lines = [f"SmolLM2-135M fp32, one stream: {len(prompts)} prompts one at a time, {new_tokens} new tokens each, "

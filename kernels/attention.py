@@ -6,6 +6,10 @@ A query at position ``p`` sees the keys at positions ``0..p`` of its own request
 
 GQA: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (transformers' ``repeat_kv`` order);
 the kernels group the query heads by KV head instead of repeating K/V.
+
+fp8 caches (``kv_cache_dtype=fp8_e4m3``) are uint8 e4m3 codes with a ``KVQuant`` (kernels/kv_fp8.py): ``write_kv``
+quantizes, the C++ kernels widen the codes in registers, and the torch forms dequantize only what they gathered
+(one request's blocks, or the fused gather under torch.compile), never the whole cache.
 """
 from __future__ import annotations
 
@@ -14,15 +18,31 @@ import torch.nn.functional as F
 
 from kernels.attention_metadata import AttentionMetadata
 from kernels.cpu_kernels import CPU_ATTENTION_DTYPES
+from kernels.kv_fp8 import FP8_E4M3_MAX, KVQuant, dequantize_kv, quantize_kv
 
 
 def write_kv(
     cache: torch.Tensor,  # [num_slots, ...]
     values: torch.Tensor,  # [T, ...]
     slot_mapping: torch.Tensor,  # [T] int64
+    scale: float = 1.0,
+    fp8_max: float = FP8_E4M3_MAX,
 ) -> None:
-    """Store every token's K or V at its slot (in place)."""
-    cache.index_copy_(0, slot_mapping, values.to(cache.dtype))
+    """Store every token's K or V at its slot (in place); a uint8 (fp8) cache gets e4m3 codes of values / scale."""
+    if cache.dtype == torch.uint8:
+        cache.index_copy_(0, slot_mapping, quantize_kv(values, scale, fp8_max))
+    else:
+        cache.index_copy_(0, slot_mapping, values.to(cache.dtype))
+
+
+def _values(rows: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows as ``dtype`` values: fp8 codes dequantized, others as they are."""
+    return dequantize_kv(rows, scale, dtype) if rows.dtype == torch.uint8 else rows
+
+
+def _cpu_kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, kv_quant: KVQuant | None) -> bool:
+    return q.dtype in CPU_ATTENTION_DTYPES and (k_cache.dtype == q.dtype
+                                                or (kv_quant is not None and k_cache.dtype == torch.uint8))
 
 
 def _gather_blocks(
@@ -70,6 +90,7 @@ def paged_decode_attention(
     block_size: int,
     scale: float,
     cpu_kernel: bool = False,
+    kv_quant: KVQuant | None = None,  # the caches' scales when they hold fp8 codes (uint8)
 ) -> torch.Tensor:  # [B*Q, H, D]
     """Decode (Q >= 1 tokens per request, causal among them); shapes depend only on [B, nb] and Q.
 
@@ -79,14 +100,20 @@ def paged_decode_attention(
     dtypes it has (fp32; bf16 q and caches with fp32 math); other dtypes take the torch forms. A bf16 cache in
     the torch forms runs SDPA in bf16 (fp32 softmax and accumulation inside torch's CPU kernel).
     """
-    if cpu_kernel and q.dtype in CPU_ATTENTION_DTYPES and k_cache.dtype == q.dtype:
+    if cpu_kernel and _cpu_kernel_takes(q, k_cache, kv_quant):
+        if k_cache.dtype == torch.uint8:
+            return torch.ops.deepinfer.cpu_paged_decode_attention_fp8(
+                q, k_cache, v_cache, block_tables, seq_lens, query_len, block_size, scale, kv_quant.k_scale,
+                kv_quant.v_scale)
         return torch.ops.deepinfer.cpu_paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                                               query_len, block_size, scale)
     num_reqs = block_tables.shape[0]
+    quant = kv_quant or KVQuant()
     if torch.compiler.is_compiling():
-        return _fused_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_len, block_size, scale)
-    k = _gather_blocks(k_cache, block_tables, block_size)
-    v = _gather_blocks(v_cache, block_tables, block_size)
+        return _fused_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, query_len, block_size, scale,
+                                       quant)
+    k = _values(_gather_blocks(k_cache, block_tables, block_size), quant.k_scale, q.dtype)
+    v = _values(_gather_blocks(v_cache, block_tables, block_size), quant.v_scale, q.dtype)
     key_pos = torch.arange(k.shape[2], device=q.device)
     offsets = torch.arange(query_len, device=q.device) - query_len
     query_pos = (seq_lens.to(torch.int64)[:, None] + offsets[None, :]).clamp_min(0)  # [B, Q]
@@ -104,6 +131,7 @@ def _fused_decode_attention(
     query_len: int,
     block_size: int,
     scale: float,
+    quant: KVQuant = KVQuant(),
 ) -> torch.Tensor:  # [B*Q, H, D]
     """Decode attention as products and reductions that inductor fuses with the block-table gather: K and V
     are read from the pool once, never copied out (the gather + SDPA form copies them first and reads them
@@ -115,8 +143,8 @@ def _fused_decode_attention(
     group = q.shape[1] // hkv
     rows = query_len * group  # one row per (query, group member) inside each KV head
     blocks = block_tables.long()
-    k = k_cache.view(-1, block_size, hkv, d)[blocks].view(b, s, hkv, 1, d)
-    v = v_cache.view(-1, block_size, hkv, d)[blocks].view(b, s, hkv, 1, d)
+    k = _values(k_cache.view(-1, block_size, hkv, d)[blocks], quant.k_scale, q.dtype).view(b, s, hkv, 1, d)
+    v = _values(v_cache.view(-1, block_size, hkv, d)[blocks], quant.v_scale, q.dtype).view(b, s, hkv, 1, d)
     qg = q.view(b, query_len, hkv, group, d).permute(0, 2, 1, 3, 4).reshape(b, 1, hkv, rows, d)
     scores = (qg * k).sum(-1) * scale  # [B, S, Hkv, Q*G]
     key_pos = torch.arange(s, device=q.device)
@@ -144,6 +172,7 @@ def paged_prefill_attention(
     block_size: int,
     scale: float,
     cpu_kernel: bool = False,
+    kv_quant: KVQuant | None = None,
 ) -> torch.Tensor:  # [sum(query_lens), H, D]
     """Prefill chunks (host ints): a chunk's queries are the last positions of its context.
 
@@ -157,12 +186,12 @@ def paged_prefill_attention(
             raise ValueError(f"prefill request {i}: query_len must be in [1, seq_len={seq_len}], got {q_len}")
     if sum(query_lens) != q.shape[0]:
         raise ValueError(f"prefill query tokens: q has {q.shape[0]} rows but query_lens sum to {sum(query_lens)}")
-    in_kernel = [cpu_kernel and q.dtype in CPU_ATTENTION_DTYPES and k_cache.dtype == q.dtype
+    in_kernel = [cpu_kernel and _cpu_kernel_takes(q, k_cache, kv_quant)
                  and q_len * seq_len <= CPU_PREFILL_PAIRS for q_len, seq_len in zip(query_lens, seq_lens)]
     # The usual case: one call for every chunk of the step. Its score buffers are sized by the longest chunk times
     # the widest context, so a long chunk beside a 1-token chunk of a long context goes request by request.
     if in_kernel and all(in_kernel) and max(query_lens) * max(seq_lens) <= CPU_PREFILL_PAIRS:
-        return _cpp_prefill(q, k_cache, v_cache, block_tables, query_lens, seq_lens, block_size, scale)
+        return _cpp_prefill(q, k_cache, v_cache, block_tables, query_lens, seq_lens, block_size, scale, kv_quant)
     outputs = []
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
@@ -170,11 +199,12 @@ def paged_prefill_attention(
         table = block_tables[i : i + 1, :num_blocks]
         if in_kernel[i]:
             outputs.append(_cpp_prefill(q[start : start + q_len], k_cache, v_cache, table, [q_len], [seq_len],
-                                        block_size, scale))
+                                        block_size, scale, kv_quant))
             start += q_len
             continue
-        k = _gather_blocks(k_cache, table, block_size)[:, :, :seq_len]
-        v = _gather_blocks(v_cache, table, block_size)[:, :, :seq_len]
+        quant = kv_quant or KVQuant()  # fp8: this request's blocks dequantized, never the whole cache
+        k = _values(_gather_blocks(k_cache, table, block_size)[:, :, :seq_len], quant.k_scale, q.dtype)
+        v = _values(_gather_blocks(v_cache, table, block_size)[:, :, :seq_len], quant.v_scale, q.dtype)
         query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         visible = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
         outputs.append(_grouped_attention(q[None, start : start + q_len], k, v, visible[None], scale)[0])
@@ -185,12 +215,15 @@ def paged_prefill_attention(
 def _cpp_prefill(q: torch.Tensor,  # [sum(query_lens), H, D]
                  k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor,  # [P, nb] int32
-                 query_lens: list[int], seq_lens: list[int], block_size: int, scale: float) -> torch.Tensor:
+                 query_lens: list[int], seq_lens: list[int], block_size: int, scale: float,
+                 kv_quant: KVQuant | None = None) -> torch.Tensor:
     width = -(-max(seq_lens) // block_size)
     starts = torch.tensor([0, *query_lens], dtype=torch.int64, device=q.device).cumsum(0)
-    return torch.ops.deepinfer.cpu_paged_prefill_attention(
-        q, k_cache, v_cache, block_tables[:, :width].contiguous(),
-        torch.tensor(seq_lens, dtype=torch.int32, device=q.device), starts, block_size, scale)
+    args = (q, k_cache, v_cache, block_tables[:, :width].contiguous(),
+            torch.tensor(seq_lens, dtype=torch.int32, device=q.device), starts, block_size, scale)
+    if k_cache.dtype == torch.uint8:
+        return torch.ops.deepinfer.cpu_paged_prefill_attention_fp8(*args, kv_quant.k_scale, kv_quant.v_scale)
+    return torch.ops.deepinfer.cpu_paged_prefill_attention(*args)
 
 
 def paged_attention(
@@ -200,6 +233,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     cpu_kernel: bool = False,
+    kv_quant: KVQuant | None = None,  # fp8 (uint8) caches: their scales
 ) -> torch.Tensor:  # [T, H, D]
     """Decode tokens first, then prefill chunks, as laid out by ``AttentionMetadata``."""
     num_decode_tokens = meta.num_decode_tokens
@@ -207,11 +241,11 @@ def paged_attention(
     if meta.num_decodes:
         parts.append(paged_decode_attention(
             q[:num_decode_tokens], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-            meta.decode_query_len, meta.block_size, scale, cpu_kernel))
+            meta.decode_query_len, meta.block_size, scale, cpu_kernel, kv_quant))
     if meta.num_prefills:
         parts.append(paged_prefill_attention(
             q[num_decode_tokens:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_lens,
-            meta.prefill_seq_lens, meta.block_size, scale, cpu_kernel))
+            meta.prefill_seq_lens, meta.block_size, scale, cpu_kernel, kv_quant))
     if not parts:
         raise ValueError("attention metadata has no decode and no prefill requests")
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -112,6 +112,18 @@ def load_cpu_kernels() -> bool:
           seq_lens: torch.Tensor, query_starts: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake("deepinfer::cpu_paged_decode_attention_fp8")
+    def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+          seq_lens: torch.Tensor, query_len: int, block_size: int, scale: float, k_scale: float,
+          v_scale: float) -> torch.Tensor:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("deepinfer::cpu_paged_prefill_attention_fp8")
+    def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+          seq_lens: torch.Tensor, query_starts: torch.Tensor, block_size: int, scale: float, k_scale: float,
+          v_scale: float) -> torch.Tensor:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
     @torch.library.register_fake("deepinfer::row_argmax")
     def _(logits: torch.Tensor) -> torch.Tensor:
         return logits.new_empty(logits.shape[0], dtype=torch.int64)

@@ -16,18 +16,32 @@ Cache size: for DeepSeek-V3 (128 heads, qk_nope 128, qk_rope 64, v 128, kv_lora_
 Decode uses the absorbed form (fixed shapes, scratch-padded block tables, no host syncs); prefill expands
 K/V from the cached latents (cheaper when many queries share the context); ``mla_decode_expanded`` is the
 plain reference for the absorbed kernel.
+
+fp8 (``kv_cache_dtype=fp8_e4m3``): the cache holds ``MLARecord`` bytes (kernels/mla_fp8.py: e4m3 latent with a
+power-of-two scale per 128 values, bf16 RoPE); every reader takes ``record`` and decodes only the rows it gathered.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from kernels.mla_fp8 import MLARecord, decode_records, encode_records
 
-def write_latent_cache(cache: torch.Tensor,  # [num_slots, R + P] one layer
+
+def write_latent_cache(cache: torch.Tensor,  # [num_slots, R + P] one layer (fp8: [num_slots, record bytes] uint8)
                        slot_mapping: torch.Tensor,  # [T] int64
                        latent: torch.Tensor,  # [T, R] normalized
-                       k_rope: torch.Tensor) -> None:  # [T, P] post-rope
-    cache.index_copy_(0, slot_mapping, torch.cat([latent, k_rope], dim=-1).to(cache.dtype))
+                       k_rope: torch.Tensor,  # [T, P] post-rope
+                       record: MLARecord | None = None) -> None:
+    if record is not None:
+        cache.index_copy_(0, slot_mapping, encode_records(latent, k_rope, record))
+    else:
+        cache.index_copy_(0, slot_mapping, torch.cat([latent, k_rope], dim=-1).to(cache.dtype))
+
+
+def context_values(rows: torch.Tensor,  # [..., C] gathered cache rows (fp8: record bytes)
+                   record: MLARecord | None, dtype: torch.dtype) -> torch.Tensor:  # [..., R + P]
+    return decode_records(rows, record, dtype) if record is not None else rows.to(dtype)
 
 
 def gather_context(cache_blocks: torch.Tensor,  # [num_blocks + 1, block_size, C]
@@ -69,10 +83,11 @@ def mla_decode_absorbed(q_nope: torch.Tensor,  # [B, Q, H, Dn]
                         seq_lens: torch.Tensor,  # [B] int32, including this step's Q tokens
                         w_uk: torch.Tensor,  # [H, Dn, R]
                         w_uv: torch.Tensor,  # [H, Dv, R]
-                        scale: float) -> torch.Tensor:
+                        scale: float,
+                        record: MLARecord | None = None) -> torch.Tensor:
     """Absorbed MLA decode -> [B, Q, H, Dv]. Scores and the weighted sum run in the latent space."""
     rank = w_uk.shape[-1]
-    ctx = gather_context(cache_blocks, block_tables).to(q_nope.dtype)  # [B, S, C]
+    ctx = context_values(gather_context(cache_blocks, block_tables), record, q_nope.dtype)  # [B, S, R + P]
     latent, k_rope = ctx[..., :rank], ctx[..., rank:]
     q_latent = torch.einsum("bqhd,hdr->bqhr", q_nope, w_uk)
     scores = _scores("bqhr,bsr->bqhs", q_latent, latent, "bqhp,bsp->bqhs", q_rope, k_rope, scale)
@@ -95,11 +110,12 @@ def mla_decode_expanded(q_nope: torch.Tensor,  # [B, Q, H, Dn]
                         block_tables: torch.Tensor,  # [B, max_blocks] int32
                         seq_lens: torch.Tensor,  # [B] int32
                         kv_b_weight: torch.Tensor,  # [H * (Dn + Dv), R]
-                        scale: float) -> torch.Tensor:
+                        scale: float,
+                        record: MLARecord | None = None) -> torch.Tensor:
     """Reference decode that expands K/V per head from the latent cache -> [B, Q, H, Dv]."""
     num_heads, dn = q_nope.shape[2], q_nope.shape[3]
     rank = kv_b_weight.shape[-1]
-    ctx = gather_context(cache_blocks, block_tables).to(q_nope.dtype)
+    ctx = context_values(gather_context(cache_blocks, block_tables), record, q_nope.dtype)
     k_nope, v = _expand(ctx[..., :rank], kv_b_weight, num_heads, dn)  # [B, S, H, *]
     k_rope = ctx[..., rank:]
     scores = _scores("bqhd,bshd->bqhs", q_nope, k_nope, "bqhp,bsp->bqhs", q_rope, k_rope, scale)
@@ -114,14 +130,15 @@ def mla_prefill(q_nope: torch.Tensor,  # [L, H, Dn] one request's chunk
                 block_table: torch.Tensor,  # [max_blocks] int32
                 seq_len: int,  # host int: context length including this chunk
                 kv_b_weight: torch.Tensor,  # [H * (Dn + Dv), R]
-                scale: float) -> torch.Tensor:
+                scale: float,
+                record: MLARecord | None = None) -> torch.Tensor:
     """Expanded MLA for one prefill chunk (which may continue a cached prefix) -> [L, H, Dv]."""
     num_q, num_heads, dn = q_nope.shape
     block_size = cache_blocks.shape[1]
     rank = kv_b_weight.shape[-1]
     num_blocks = -(-seq_len // block_size)
     ctx = cache_blocks.index_select(0, block_table[:num_blocks].long()).flatten(0, 1)[:seq_len]
-    ctx = ctx.to(q_nope.dtype)
+    ctx = context_values(ctx, record, q_nope.dtype)  # fp8: this request's records decoded, never the whole cache
     k_nope, v = _expand(ctx[:, :rank], kv_b_weight, num_heads, dn)  # [S, H, *]
     k_rope = ctx[:, rank:]
     scores = _scores("lhd,shd->hls", q_nope, k_nope, "lhp,sp->hls", q_rope, k_rope, scale)

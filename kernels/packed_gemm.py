@@ -71,6 +71,24 @@ def packed_linear(x: torch.Tensor,  # [rows, in] float32 or bfloat16
                                              list(weight.block), path, isa)
 
 
+def packed_linear_buffers(x: torch.Tensor,  # [rows, in] float32 or bfloat16
+                          data: torch.Tensor,  # PackedWeight.data, a module buffer
+                          scales: torch.Tensor,  # PackedWeight.scales, a module buffer
+                          bias: torch.Tensor | None,  # [out]
+                          weight: PackedWeight,
+                          kernel: bool,
+                          path: str = "auto") -> torch.Tensor:  # [rows, out]
+    """``packed_linear`` on the module's buffers (compiled regions take buffers as graph inputs; ``weight``
+    supplies the format and sizes only). ``kernel``: ``packed_kernels_available()`` as the caller found it at
+    load (a cached check that compiled regions cannot trace); False runs the torch reference."""
+    if not kernel:
+        if path == "int8" or (path == "auto" and isinstance(weight, PackedGGUF)):
+            return packed_linear_int8_reference(x, weight, bias)
+        return packed_linear_reference(x, weight, bias)
+    return torch.ops.deepinfer.packed_linear(x, data, scales, bias, weight.fmt, weight.out_features,
+                                             list(weight.block), path, "auto")
+
+
 def packed_linear_reference(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Plain torch: dequantize the whole weight, then matmul in fp32 (``weight_format=dequantize``'s function)."""
     y = x.float() @ weight.dequantize().T

@@ -58,7 +58,8 @@ def test_lint_graphs_cli_passes_on_every_region(capsys):
     assert main([]) == 0
     out = capsys.readouterr().out
     assert "all regions pass" in out
-    for region in ("llama decode tokens=4", "deepseek_v3 decode tokens=4", "llama prefill", "sampler greedy=False "
+    for region in ("llama decode tokens=4", "llama_fp8 decode tokens=4", "llama_fp8 prefill",
+                   "deepseek_v3_fp8 decode tokens=4", "deepseek_v3_fp8 prefill", "deepseek_v4_fp8 decode tokens=4", "deepseek_v3 decode tokens=4", "llama prefill", "sampler greedy=False "
                    "top_k=True top_p=True", "verification greedy=False", "deepseek_v3 lm_head", "deepseek_v4 decode tokens=4",
                    "deepseek_v4 prefill", "deepseek_v4 lm_head"):
         assert region in out

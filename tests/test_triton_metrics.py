@@ -145,3 +145,12 @@ def test_admission_refusal_counters_follow_engine_stats(pb):
     assert pb.kind("deepinfer_requests_refused_waiting_total") == "counter"
     assert pb.value("deepinfer_requests_refused_waiting_total") == 5
     assert pb.value("deepinfer_sessions_refused_total") == 1
+
+
+def test_kv_cache_dtype_is_named_by_an_info_gauge(pb):
+    TritonMetrics(pb, LABELS, kv_cache_dtype="fp8_e4m3")
+    assert pb.kind("deepinfer_kv_cache_dtype_info") == "gauge"
+    assert pb.value("deepinfer_kv_cache_dtype_info", kv_cache_dtype="fp8_e4m3") == 1
+    other = _PbUtils()
+    TritonMetrics(other, LABELS)  # no dtype given (older callers): no such family
+    assert not [f for f in other.MetricFamily.created if f.name == "deepinfer_kv_cache_dtype_info"]

@@ -13,7 +13,11 @@ from backend_lib.structured_output.constraints import StructuredOutputLimits
 _DTYPES = ("float32", "bfloat16", "float16")
 _SPEC_METHODS = ("none", "ngram", "mtp")
 _HOST_GEMMS = ("auto", "gemv", "onednn", "mkl")
+WEIGHT_FORMATS = ("dequantize", "packed")
 _COMPILE_BACKENDS = ("none", "auto", "inductor", "aot_eager", "neuron")
+# KV cache element types: "auto" = the model dtype; "fp8_e4m3" = e4m3 codes with per-layer scales (kernels/kv_fp8.py).
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+_KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 # Admission defaults per running slot: a burst of 8 batches' worth waits (the last one about 8 batch lifetimes),
 # more is refused at once; sessions hold history (and KV until evicted), so more of them may stay open.
 WAITING_PER_SEQ = 8
@@ -47,9 +51,28 @@ class ModelConfig:
     # 28 MB for SmolLM2), more rows of an fp32 head a bf16 copy (kernels/head_screen.py, 56 MB). The same tokens,
     # the head's time at one row 0.3-0.6x. Off: every logit is computed.
     greedy_head_screen: bool = True
+    # Quantized checkpoints: "dequantize" widens the weights to ``dtype`` at load; "packed" keeps them in the
+    # checkpoint's blocks in memory (GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K: ~0.6 bytes a weight for Q4_1, not 4) and runs
+    # the host GEMMs on those bytes (kernels/packed_gemm.py), and DeepSeek-V3 / V4 fp8 projections likewise. Host
+    # (cpu) only.
+    weight_format: str = "dequantize"
+    # weight_format=packed's GEMM path (kernels/packed_gemm.py): "auto" = "int8" for GGUF (each activation row
+    # rounded to int8 per 32 inputs as llama.cpp does, integer dot products: ~1.7x faster, within a documented
+    # bound of dequantize) and "fp32" for fp8 / fp4; "fp32" widens the weights in registers: dequantize's function
+    # up to summation order.
+    packed_gemm_path: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _require(self.weight_format in WEIGHT_FORMATS,
+                 f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
+        _require(self.packed_gemm_path in ("auto", "fp32", "int8"),
+                 f"packed_gemm_path must be 'auto', 'fp32' or 'int8', got {self.packed_gemm_path!r}")
+        # The packed GEMMs are host C++ kernels: Neuron (and CUDA) have none.
+        _require(self.weight_format == "dequantize" or self.device == "cpu",
+                 f"weight_format=packed runs on the host only (device 'cpu'), not device {self.device!r}")
+        _require(self.weight_format == "dequantize" or self.dtype in ("float32", "bfloat16"),
+                 f"weight_format=packed takes float32 or bfloat16 activations, not dtype {self.dtype!r}")
         _require(self.host_gemm in _HOST_GEMMS, f"host_gemm must be one of {_HOST_GEMMS}, got {self.host_gemm!r}")
         _require(self.host_attention in ("cpp", "torch"),
                  f"host_attention must be 'cpp' or 'torch', got {self.host_attention!r}")
@@ -65,8 +88,14 @@ class CacheConfig:
     kv_cache_memory_gb: float = 0.0  # 0 = auto: kv_cache_memory_fraction of the memory free after loading weights
     kv_cache_memory_fraction: float = 0.5  # like vLLM's gpu_memory_utilization, of what is free, not of the total
     enable_prefix_caching: bool = True
+    # "auto": K/V in the model dtype; "fp8_e4m3" (alias "fp8"): one byte per value with per-layer scales, so the
+    # same memory holds 2x the tokens of bf16 (4x fp32). Models and paths that cannot store it refuse it at load.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        self.kv_cache_dtype = _KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (or the alias 'fp8'), got {self.kv_cache_dtype!r}")
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
                  f"block_size must be a power of two in [1, 128], got {self.block_size}")
         _require(self.num_blocks >= 0, f"num_blocks must be >= 0 (0 = auto), got {self.num_blocks}")
@@ -251,8 +280,15 @@ class EngineConfig:
                  f"got {self.max_waiting_requests}")
         _require(self.max_sessions >= 0,
                  f"max_sessions must be >= 0 (0 = {SESSIONS_PER_SEQ} x max_num_seqs), got {self.max_sessions}")
+        _require(self.model.weight_format == "dequantize" or self.compile.compile_backend != "neuron",
+                 "weight_format=packed cannot run with compile_backend=neuron (its GEMMs are host C++ kernels)")
         self.max_waiting_requests = self.max_waiting_requests or WAITING_PER_SEQ * self.scheduler.max_num_seqs
         self.max_sessions = self.max_sessions or SESSIONS_PER_SEQ * self.scheduler.max_num_seqs
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """The KV cache's element type as the load log and /metrics name it (the model dtype for "auto")."""
+        return self.model.dtype if self.cache.kv_cache_dtype == "auto" else self.cache.kv_cache_dtype
 
     @classmethod
     def from_flat(cls, values: dict[str, Any]) -> "EngineConfig":

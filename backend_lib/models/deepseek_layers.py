@@ -19,7 +19,10 @@ from backend_lib.models.parallel import ParallelContext, Shard, read_shard
 from kernels.attention_metadata import AttentionMetadata
 from kernels.gemv import TILE, GemvPolicy, block_weight, blocked_linear, gemv_available
 from kernels.mla import mla_decode_absorbed, mla_prefill, split_kv_b, write_latent_cache
+from kernels.mla_fp8 import MLARecord
 from kernels.moe import ExpertWeights, RouterConfig, grouped_topk, moe_dynamic, moe_static
+from kernels.packed_gemm import packed_kernels_available, packed_linear_buffers
+from kernels.packed_weights import PackedFp8, pack_fp8
 from kernels.quant import DEFAULT_BLOCK, block_fp8_linear, dequantize_block_fp8
 
 MOE_IMPLS = ("dynamic", "static")
@@ -159,9 +162,21 @@ class BlockLinear(nn.Module):
         # host engines: the weight again in kernels/gemv.py's blocked layout (``block_for_cpu``), for few-row calls
         self.register_buffer("blocked", None, persistent=False)
         self.gemv_policy = GemvPolicy()
+        # weight_format=packed: fp8 codes in kernels/packed_weights.py's tiles, the only copy (``weight`` then an
+        # empty [0, in] placeholder); buffers, so compiled regions take them as graph inputs
+        self.quantized: PackedFp8 | None = None
+        self.register_buffer("quantized_data", None, persistent=False)
+        self.register_buffer("quantized_scales", None, persistent=False)
 
     def set_weight(self, weight: Any,  # [out, in] of the checkpoint, possibly lazy
-                   scale_inv: Any, dtype: torch.dtype, dequantize: bool) -> None:
+                   scale_inv: Any, dtype: torch.dtype, dequantize: bool, packed: bool = False) -> None:
+        if self.shard is not None and packed and scale_inv is not None:
+            b, full = self.block_size[self.shard.dim], weight.shape[self.shard.dim]
+            end = self.shard.start + self.shard.size
+            if self.shard.start % b or (end % b and end != full):
+                raise ValueError(f"weight_format=packed: the tensor-parallel split [{self.shard.start}, {end}) of "
+                                 f"dim {self.shard.dim} of a {tuple(weight.shape)} fp8 weight is not on its {b}-wide "
+                                 "blocks; use weight_format=dequantize or another tensor_parallel_size")
         if self.shard is not None:
             if scale_inv is None:
                 weight = self.shard.take(weight)
@@ -176,12 +191,23 @@ class BlockLinear(nn.Module):
         elif dequantize:
             self.weight = dequantize_block_fp8(weight, scale_inv, self.block_size, dtype=dtype)
             self.weight_scale_inv = None
+        elif packed:
+            self.quantized = pack_fp8(weight, scale_inv.to(torch.float32), self.block_size)
+            self.quantized_data, self.quantized_scales = self.quantized.data, self.quantized.scales
+            self.quantized_kernel = packed_kernels_available()  # built and logged at load
+            self.weight, self.weight_scale_inv = weight.new_empty(0, self.in_features), None
         else:
             # dequantize_block_fp8 validates the grid here, at load, not on the first forward
             dequantize_block_fp8(weight[:1, :1], scale_inv[:1, :1], self.block_size)
             self.weight, self.weight_scale_inv = weight, scale_inv.to(torch.float32)
 
+    def rebind_quantized(self) -> None:  # as layers.Linear.rebind_quantized
+        self.quantized = PackedFp8(self.quantized_data, self.quantized_scales, self.quantized.out_features,
+                                   self.quantized.in_features, self.quantized.block_size)
+
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized.dequantize().to(dtype)
         if self.weight_scale_inv is None:
             return self.weight.to(dtype)
         return dequantize_block_fp8(self.weight, self.weight_scale_inv, self.block_size, dtype=dtype)
@@ -190,15 +216,19 @@ class BlockLinear(nn.Module):
         """Few-row calls (``policy``) on the blocked kernel: fp32 / bf16 weights on the host CPU with the C++ ops
         built (fp8 weights keep their block-scaled path). One more copy of the weight, as ``weight`` stays for
         ``dense_weight`` and state dicts. False when it does not apply."""
-        if self.weight is None or self.weight_scale_inv is not None or not gemv_available(self.weight.device,
-                                                                                          self.weight.dtype):
+        if (self.weight is None or self.weight_scale_inv is not None or self.quantized is not None
+                or not gemv_available(self.weight.device, self.weight.dtype)):
             return False
         self.register_buffer("blocked", block_weight(self.weight), persistent=False)
         self.gemv_policy = policy
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in]
-        if (self.blocked is not None and x.dtype == self.weight.dtype
+        if self.quantized is not None:  # fp8 widened in registers: block_fp8_linear's function up to summation order
+            y = packed_linear_buffers(x.reshape(-1, x.shape[-1]), self.quantized_data, self.quantized_scales, None,
+                                      self.quantized, self.quantized_kernel, "fp32")
+            y = y.view(*x.shape[:-1], self.out_features)
+        elif (self.blocked is not None and x.dtype == self.weight.dtype
                 and self.gemv_policy.use_blocked(x.numel() // x.shape[-1])):
             y = blocked_linear(x.reshape(-1, x.shape[-1]), self.blocked, None, self.out_features)
             y = y.view(*x.shape[:-1], self.out_features)
@@ -406,6 +436,7 @@ class MLAttention(nn.Module):
         # Its bias is added once, on the driver, before the all-reduce.
         self.o_proj = BlockLinear(total_heads * d.v_head_dim, d.hidden, d.attention_bias and par.is_driver,
                                   block_size, shard=Shard(1, head_start * d.v_head_dim, local_heads * d.v_head_dim))
+        self.record: MLARecord | None = None  # fp8 KV cache (kv_cache_dtype=fp8_e4m3): the latent record layout
 
     def forward(self, x: torch.Tensor,  # [T, hidden]
                 cos: torch.Tensor, sin: torch.Tensor,  # [T, P/2]
@@ -423,7 +454,7 @@ class MLAttention(nn.Module):
         kv = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(kv[:, :d.kv_lora_rank])
         k_rope = apply_rope(kv[:, None, d.kv_lora_rank:], cos, sin, self.rope.interleave)[:, 0]
-        write_latent_cache(cache, meta.slot_mapping, latent, k_rope)
+        write_latent_cache(cache, meta.slot_mapping, latent, k_rope, self.record)
         blocks = cache.view(-1, meta.block_size, cache.shape[-1])
         kv_b = self.kv_b_proj.dense_weight(x.dtype)
         if kv_b.shape[0] != d.num_heads * (d.qk_nope_head_dim + d.v_head_dim):
@@ -435,12 +466,13 @@ class MLAttention(nn.Module):
             shape = (meta.num_decodes, meta.decode_query_len, d.num_heads)
             out[:nd] = mla_decode_absorbed(
                 q_nope[:nd].reshape(*shape, -1), q_rope[:nd].reshape(*shape, -1), blocks,
-                meta.decode_block_tables, meta.decode_seq_lens, w_uk, w_uv, self.scale).flatten(0, 1)
+                meta.decode_block_tables, meta.decode_seq_lens, w_uk, w_uv, self.scale, self.record).flatten(0, 1)
         start = nd
         for i in range(meta.num_prefills):
             end = start + meta.prefill_query_lens[i]
             out[start:end] = mla_prefill(q_nope[start:end], q_rope[start:end], blocks,
-                                         meta.prefill_block_tables[i], meta.prefill_seq_lens[i], kv_b, self.scale)
+                                         meta.prefill_block_tables[i], meta.prefill_seq_lens[i], kv_b, self.scale,
+                                         self.record)
             start = end
         return self.par.all_reduce(self.o_proj(out.flatten(1)))
 

@@ -28,6 +28,7 @@ from backend_lib.models.engram_layer import (
 from backend_lib.models.engram_loading import EngramLoader
 from backend_lib.models.parallel import ParallelContext, Shard, read_shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
+from kernels.mla_fp8 import MLARecord
 from kernels.moe import RouterConfig
 from kernels.quant import DEFAULT_BLOCK
 
@@ -127,14 +128,18 @@ _EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)
 
 
 class DeepseekV3ForCausalLM(nn.Module):
+    accepts_packed_weights = True  # weight_format=packed: the fp8 projections (loader.py)
+
     def __init__(self, args: DeepseekV3Args, dtype: torch.dtype = torch.float32,
                  dequantize_fp8_at_load: bool = False, moe_impl: str = "dynamic",
-                 par: ParallelContext | None = None, engram_vocab: Any = None) -> None:
+                 par: ParallelContext | None = None, packed: bool = False, engram_vocab: Any = None) -> None:
         super().__init__()
         if moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
         self.args, self.dtype, self.dequantize_fp8_at_load = args, dtype, dequantize_fp8_at_load
+        self.record: MLARecord | None = None  # fp8 latent records (use_fp8_kv), else None: R + P values a row
         self.par = par = par or ParallelContext()
+        self.packed = packed  # weight_format=packed: fp8 projections stay in packed tiles (BlockLinear.set_weight)
         self.rope = build_rope(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling,
                                args.max_position_embeddings, args.rope_interleave)
         # Vocabulary-parallel embedding and head: each rank keeps 1/N of the rows.
@@ -178,7 +183,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         args = DeepseekV3Args.from_hf_config(config)
         vocab = None if args.engram is None else engram_vocabulary_of(getattr(options, "checkpoint_dir", ""))
         return cls(args, dtype=dtype, dequantize_fp8_at_load=dequantize, par=getattr(options, "par", None),
-                   engram_vocab=vocab)
+                   packed=bool(getattr(options, "packed", False)), engram_vocab=vocab)
 
     def set_moe_impl(self, impl: str) -> None:
         """"dynamic" (grouped dispatch, eager) or "static" (fixed shapes, for compiled regions)."""
@@ -190,7 +195,23 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     # ---- the model-runner contract -------------------------------------------------------------------
     def kv_cache_shapes(self, num_slots: int) -> list[tuple[int, ...]]:
-        return [(self.args.num_hidden_layers, num_slots, self.args.latent_dim)]
+        """[L, slots, R + P] values, or [L, slots, record bytes] uint8 with an fp8 cache (use_fp8_kv)."""
+        return [(self.args.num_hidden_layers, num_slots, self.latent_width)]
+
+    @property
+    def latent_width(self) -> int:
+        """A cache row's width: R + P values, or the fp8 record's bytes (kernels/mla_fp8.py)."""
+        return self.record.num_bytes if self.record is not None else self.args.latent_dim
+
+    def use_fp8_kv(self, fp8_max: float) -> str:
+        """The latent cache as fp8 records (MTP layers too): e4m3 latent with a power-of-two scale per 128 values
+        and bf16 RoPE. Returns how the scales are chosen, for the load log."""
+        self.record = MLARecord(self.args.kv_lora_rank, self.args.qk_rope_head_dim, fp8_max)
+        for module in self.modules():
+            if isinstance(module, MLAttention):
+                module.record = self.record
+        return (f"MLA records of {self.record.num_bytes} B a token and layer (e4m3 latent, a power-of-two scale "
+                f"per 128 values from each token's amax, bf16 RoPE)")
 
     def _engram_cache_shapes(self, num_blocks: int, block_size: int, num_state_slots: int,
                              max_drafts: int = 0) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
@@ -321,7 +342,9 @@ class DeepseekV3ForCausalLM(nn.Module):
             experts.set_expert(int(expert.group(2)), expert.group(3), weight, scale, self.dtype,
                                self.dequantize_fp8_at_load)
         else:
-            self.get_submodule(owner).set_weight(weight, scale, self.dtype, self.dequantize_fp8_at_load)
+            # kv_b_proj is read whole (dense_weight) by MLA's absorbed decode at every step: it keeps the fp8 form
+            packed = self.packed and not owner.endswith("kv_b_proj")
+            self.get_submodule(owner).set_weight(weight, scale, self.dtype, self.dequantize_fp8_at_load, packed)
 
     def _check_complete(self) -> None:
         missing = [name for name, m in self.named_modules() if isinstance(m, BlockLinear)

@@ -29,7 +29,7 @@ from torch import nn
 from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm, build_rope
 from backend_lib.models.deepseek_v4_args import DeepseekV4Args
 from backend_lib.models.deepseek_v4_attention import (
-    CSA, HCA, SLIDING, LayerCache, StepContext, V4Attention, V4AttentionDims, V4Rope,
+    CSA, HCA, SLIDING, Compressor, LayerCache, StepContext, V4Attention, V4AttentionDims, V4Rope,
 )
 from backend_lib.models.deepseek_v4_layers import HASH_MOE, MOE_IMPLS, V4DecoderLayer, V4MoE, V4MoEDims
 from backend_lib.models.deepseek_v4_mtp import V4MTPLayer
@@ -42,6 +42,7 @@ from kernels.attention_metadata import AttentionMetadata
 from kernels.compressed_attention import ChunkPages, TokenPages, entry_rows_per_block
 from kernels.cpu_kernels import load_cpu_kernels
 from kernels.hyper_connections import HyperConnectionSpec, hc_head_collapse
+from kernels.v4_fp8 import EntryRecord, IndexKeyRecord
 
 if TYPE_CHECKING:
     from backend_lib.models.load_options import LoadOptions
@@ -61,14 +62,17 @@ def _whole(tensor: Any) -> torch.Tensor:
 
 
 class DeepseekV4ForCausalLM(nn.Module):
+    accepts_packed_weights = True  # weight_format=packed: the fp8 projections (loader.py)
+
     def __init__(self, args: DeepseekV4Args, dtype: torch.dtype = torch.float32,
                  par: ParallelContext = ParallelContext(), moe_impl: str = "dynamic",
-                 dequantize_fp8_at_load: bool = False, engram_vocab: Any = None) -> None:
+                 dequantize_fp8_at_load: bool = False, packed: bool = False, engram_vocab: Any = None) -> None:
         super().__init__()
         if moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
         self.args, self.dtype, self.par = args, dtype, par
-        self.dequantize_fp8_at_load = dequantize_fp8_at_load
+        self.dequantize_fp8_at_load, self.packed = dequantize_fp8_at_load, packed
+        self.records: tuple[EntryRecord, IndexKeyRecord] | None = None  # fp8 paged entries (use_fp8_kv)
         a = args
         main = build_rope(a.rope_head_dim, a.rope_theta, None, a.max_position_embeddings, True)
         compress = build_rope(a.rope_head_dim, a.compress_rope_theta, a.compress_rope_scaling,
@@ -125,7 +129,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         par = par or getattr(options, "par", None) or ParallelContext()  # the loader's rank, unless given here
         args = DeepseekV4Args.from_hf_config(config)
         vocab = None if args.engram is None else engram_vocabulary_of(getattr(options, "checkpoint_dir", ""))
-        return cls(args, dtype=dtype, par=par, dequantize_fp8_at_load=dequantize, engram_vocab=vocab)
+        return cls(args, dtype=dtype, par=par, dequantize_fp8_at_load=dequantize,
+                   packed=bool(getattr(options, "packed", False)), engram_vocab=vocab)
 
     def set_moe_impl(self, impl: str) -> None:
         """"dynamic" (grouped dispatch, eager) or "static" (fixed shapes, for compiled regions)."""
@@ -179,7 +184,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         csa_rate, hca_rate = max(a.rate(CSA), 1), max(a.rate(HCA), 1)
         csa_rows = num_blocks * entry_rows_per_block(block_size, csa_rate)
         hca_rows = num_blocks * entry_rows_per_block(block_size, hca_rate)
-        paged = [(n_csa, csa_rows, d), (n_csa, csa_rows, di), (n_hca, hca_rows, d)]
+        ed, id_ = (d, di) if self.records is None else (r.num_bytes for r in self.records)  # fp8: record bytes
+        paged = [(n_csa, csa_rows, ed), (n_csa, csa_rows, id_), (n_hca, hca_rows, ed)]
         state = [(a.num_hidden_layers, num_state_slots, a.sliding_window + max_drafts, d),
                  (n_csa, num_state_slots, 2 * csa_rate + max_drafts, 4 * d),
                  (n_csa, num_state_slots, 2 * csa_rate + max_drafts, 4 * di),
@@ -189,6 +195,17 @@ class DeepseekV4ForCausalLM(nn.Module):
         if a.engram is not None:  # the ShortConv's past normed values, per Engram layer
             state.append(engram_ring_shape(a.engram, num_state_slots, max_drafts, a.hc_mult * a.hidden_size))
         return paged, state
+
+    def use_fp8_kv(self, fp8_max: float) -> str:
+        """Compressed entries and indexer keys as fp8 records (kernels/v4_fp8.py); the rings keep the model dtype
+        (the runner allocates the paged tensors in uint8, the state in the model dtype)."""
+        a = self.args
+        self.records = (EntryRecord(a.head_dim, a.rope_head_dim, fp8_max), IndexKeyRecord(a.index_head_dim, fp8_max))
+        for name, module in self.named_modules():
+            if isinstance(module, Compressor):
+                module.record = self.records[1 if ".indexer." in f".{name}." else 0]
+        return (f"compressed entries {self.records[0].num_bytes} B, indexer keys {self.records[1].num_bytes} B "
+                f"(power-of-two scales from each entry's amax); sliding-window rings in {self.dtype}")
 
     def mtp_window(self, caches: list) -> torch.Tensor:  # the drafting depth's ring [S + 1, window + drafts, D]
         return caches[7][0]
@@ -329,6 +346,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         missing = sorted({n for n in self._expected_names() if ".engram." not in n} - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        if self.packed:  # the fp4 routed experts into the packed GEMM's tiles, once every expert is in
+            for module in self.modules():
+                if isinstance(module, V4MoE):
+                    module.pack_experts()
 
     def _set_expert(self, expert: re.Match, weight: Any, scale: Any) -> None:
         moe = getattr(self, expert.group(1))[int(expert.group(2))].ffn
@@ -354,7 +375,10 @@ class DeepseekV4ForCausalLM(nn.Module):
                                  f"scale blocks; choose a tensor_parallel_size that keeps shards block-aligned")
             weight = shard.take(weight)
             scale = Shard(shard.dim, shard.start // block, -(-shard.size // block)).take(scale)
-        target.set_weight(_whole(weight), _whole(scale).float(), self.dtype, self.dequantize_fp8_at_load)
+        # weight_format=packed: the fp8 projections in packed tiles, but wo_a, read whole (dense_weight) by its
+        # block-diagonal grouped product at every step; the fp4 routed experts keep their own packed form
+        packed = self.packed and not base.endswith("wo_a")
+        target.set_weight(_whole(weight), _whole(scale).float(), self.dtype, self.dequantize_fp8_at_load, packed)
 
     def _is_mtp(self, name: str) -> bool:
         layer = _LAYER.match(name)

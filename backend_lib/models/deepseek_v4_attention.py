@@ -34,6 +34,7 @@ from kernels.hyper_connections import unweighted_rms_norm
 from kernels.interleaved_rope import apply_tail_rope, rope_cos_sin
 from kernels.quant import DEFAULT_BLOCK
 from kernels.state_ring import chunk_recent_rows, recent_rows, write_index, write_recent
+from kernels.v4_fp8 import EntryRecord, IndexKeyRecord, entry_values, store_entries
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
@@ -156,6 +157,8 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(dim, eps)
         self.cpp_rope = False  # host engines with the C++ ops (V4 model's use_cpu_attention)
         self.register_buffer("kv_gate_blocked", None, persistent=False)  # fuse_for_cpu
+        # fp8 KV cache (the model's use_fp8_kv): the paged entries are records (kernels/v4_fp8.py)
+        self.record: EntryRecord | IndexKeyRecord | None = None
 
     def fuse_for_cpu(self) -> None:
         """``wkv`` and ``wgate`` as one blocked GEMM (after BlockLinear.block_for_cpu): they read the same input."""
@@ -197,7 +200,7 @@ class Compressor(nn.Module):
         pooled = pool_overlapping(window, exists, ape) if self.overlap else pool_heavily_compressed(window, ape)
         cos, sin = self.rope.at(positions - self.rate + 1, projections.dtype)
         rows = entry_write_rows(slots, positions, self.rate, ctx.pages.block_size, entries.shape[0])
-        entries[rows] = apply_tail_rope(self.norm(pooled), cos, sin, self.cpp_rope).to(entries.dtype)
+        store_entries(entries, rows, apply_tail_rope(self.norm(pooled), cos, sin, self.cpp_rope), self.record)
 
 
 class Indexer(nn.Module):
@@ -227,7 +230,8 @@ class Indexer(nn.Module):
                ) -> torch.Tensor:  # [L, E] bool
         if self.d.index_topk >= visible.shape[1]:  # all visible entries are picked: skip the gather and scores
             return visible
-        keys = gather_rows(cache.index_entries, entry_slots).to(q.dtype)
+        keys = entry_values(gather_rows(cache.index_entries, entry_slots), self.compressor.record, q.dtype)
+        keys = keys.to(q.dtype)
         return indexer_select(q, keys, head_weights, visible, self.d.index_topk)
 
 
@@ -320,7 +324,7 @@ class V4Attention(nn.Module):
                                               lambda: entry_rows_visible(pages, d.compress_rate))
             if index_q is not None:
                 visible = self.indexer.select(*index_q, cache, entry_slots, visible)
-            entry_keys = gather_rows(cache.entries, entry_slots)
+            entry_keys = entry_values(gather_rows(cache.entries, entry_slots), self.compressor.record, q.dtype)
         # both key sets in one pass, no concatenation; eager only: an opaque op over the ring's rows made inductor
         # copy the rings again (a batch-32 graph step 0.09 -> 0.45 s), and graphs fuse the torch form anyway
         cpp = self.cpp_attention and q.dtype == torch.float32 and not torch.compiler.is_compiling()

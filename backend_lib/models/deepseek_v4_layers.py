@@ -25,6 +25,8 @@ from kernels.grouped_experts import (
     block_experts, blocked_grouped_experts, clipped_swiglu, grouped_experts, grouped_experts_op, has_grouped_mm,
 )
 from kernels.hyper_connections import HyperConnectionSpec, hc_post, hc_pre
+from kernels.packed_gemm import packed_kernels_available, packed_linear_buffers
+from kernels.packed_weights import PackedFp4, pack_fp4
 from kernels.quant import DEFAULT_BLOCK, dequantize_block_fp8
 
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
@@ -113,6 +115,48 @@ class V4MoE(nn.Module):
         # host engines: the experts again in kernels/gemv.py's blocked layout for the C++ grouped op (block_experts)
         self.register_buffer("gate_up_blocked", None, persistent=False)
         self.register_buffer("down_blocked", None, persistent=False)
+        # weight_format=packed (pack_experts): each fp4 expert in the packed GEMM's tiles, [E, tiles, in / 2, 16]
+        # codes and [E, tiles, in / 32, 16] e8m0 scales, the only copy
+        self.packed_shapes: dict[str, tuple[int, int]] = {}  # "gate_up" / "down" -> (out, in) of one expert
+        self.packed_kernel = False
+        for which in ("gate_up", "down"):
+            self.register_buffer(f"{which}_tiles", None, persistent=False)
+            self.register_buffer(f"{which}_tile_scales", None, persistent=False)
+
+    def pack_experts(self) -> None:
+        """weight_format=packed, after loading: the fp4 stacks repacked once into the packed GEMM's 16-row tiles
+        (kernels/packed_weights.py: a permutation of the same bytes); the int8 stacks are dropped."""
+        if not self.packed_fp4:
+            return
+        for which in ("gate_up", "down"):
+            codes, scale = getattr(self, which), getattr(self, which + "_scale")
+            packs = [pack_fp4(codes[e], scale[e]) for e in range(codes.shape[0])]
+            self.packed_shapes[which] = (codes.shape[1], 2 * codes.shape[2])
+            setattr(self, f"{which}_tiles", torch.stack([p.data for p in packs]))
+            setattr(self, f"{which}_tile_scales", torch.stack([p.scales for p in packs]))
+            setattr(self, which, codes.new_empty(0, *codes.shape[1:]))
+            setattr(self, which + "_scale", scale.new_empty(0, *scale.shape[1:]))
+        self.packed_kernel = packed_kernels_available()
+
+    def packed_experts_bytes(self) -> tuple[int, int]:
+        """(weights, resident bytes) of the packed experts (the load log's count; layers.resident_weight_bytes)."""
+        weights = sum(self.num_local_experts * out * inp for out, inp in self.packed_shapes.values())
+        tensors = [getattr(self, f"{w}_{k}") for w in self.packed_shapes for k in ("tiles", "tile_scales")]
+        return weights, sum(t.numel() * t.element_size() for t in tensors)
+
+    def _expert_weight(self, which: str, expert: int) -> PackedFp4:
+        out, inp = self.packed_shapes[which]
+        return PackedFp4(getattr(self, f"{which}_tiles")[expert], getattr(self, f"{which}_tile_scales")[expert],
+                         out, inp)
+
+    def _expert_linear(self, x: torch.Tensor,  # [T, in]
+                       which: str, expert: int) -> torch.Tensor:  # [T, out]
+        """One expert's projection: the packed GEMM (fp32 widening: dequantize's function up to summation order) on
+        its tiles, or plain F.linear on the dequantized expert."""
+        if not self.packed_shapes:
+            return F.linear(x, self._dense(which, x.dtype, expert))
+        weight = self._expert_weight(which, expert)
+        return packed_linear_buffers(x, weight.data, weight.scales, None, weight, self.packed_kernel, "fp32")
 
     def block_experts(self) -> bool:
         """Lay the dense experts out for ``deepinfer::blocked_grouped_experts`` (host CPU, fp32 / bf16, the C++ ops
@@ -171,6 +215,10 @@ class V4MoE(nn.Module):
 
     def _dense(self, which: str, dtype: torch.dtype, expert: int | None = None) -> torch.Tensor:
         """``gate_up`` or ``down`` of one local expert (or all of them), dequantized when packed."""
+        if self.packed_shapes:  # weight_format=packed: from the tiles
+            experts = range(self.num_local_experts) if expert is None else [expert]
+            dense = torch.stack([self._expert_weight(which, e).dequantize().to(dtype) for e in experts])
+            return dense if expert is None else dense[0]
         weight = getattr(self, which)
         if expert is not None:
             weight = weight[expert]
@@ -216,9 +264,9 @@ class V4MoE(nn.Module):
                          num_classes=self.num_local_experts + 2)[..., 1:-1].permute(2, 1, 0)  # [E, k, T]
         for e in (mask.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist():
             slot, token = torch.where(mask[e])
-            gate_up = F.linear(x[token], self._dense("gate_up", x.dtype, e))
+            gate_up = self._expert_linear(x[token], "gate_up", e)
             h = clipped_swiglu(*gate_up.chunk(2, dim=-1), self.d.swiglu_limit)
-            y = F.linear(h, self._dense("down", x.dtype, e)) * weights[token, slot, None].to(x.dtype)
+            y = self._expert_linear(h, "down", e) * weights[token, slot, None].to(x.dtype)
             out.index_add_(0, token, y)
         return out
 

@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from backend_lib.models.gguf_file import GGUFFile
+from backend_lib.models.quantized_blocks import PACKABLE_GGUF_TYPES, GGUFBlocks
 from backend_lib.models.registry import architecture_for_gguf
 
 Q = GGMLQuantizationType
@@ -76,17 +77,26 @@ class GGUFCheckpoint:
     num_tensors: int
     reader: GGUFFile
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, float32 tensor), dequantized one at a time."""
+    def tensors(self, keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+        """(HF name, float32 tensor), dequantized one at a time; with ``keep_blocks`` (weight_format=packed) a 2-D
+        tensor in a format the packed GEMMs read comes as ``GGUFBlocks``: the file's bytes (rows reordered only)."""
         num_heads = self.config["num_attention_heads"]
         num_kv_heads = self.config["num_key_value_heads"]
         for t in self.reader.tensors:
             name = hf_name(t.name)
-            weight = torch.from_numpy(dequantize_tensor(t.name, t.data, t.tensor_type).copy())
-            if ".self_attn.q_proj." in name:
-                weight = unpermute_rows(weight, num_heads)
-            elif ".self_attn.k_proj." in name:
-                weight = unpermute_rows(weight, num_kv_heads)
+            weight: torch.Tensor | GGUFBlocks
+            if keep_blocks and t.tensor_type in PACKABLE_GGUF_TYPES and len(t.shape) == 2:
+                # rows of a memory-mapped read-only file: one copy, so the module owns writable bytes
+                rows = torch.from_numpy(np.array(t.data, dtype=np.uint8))
+                weight = GGUFBlocks(t.name, PACKABLE_GGUF_TYPES[t.tensor_type], rows, int(t.shape[0]))
+            else:
+                weight = torch.from_numpy(dequantize_tensor(t.name, t.data, t.tensor_type).copy())
+            heads = num_heads if ".self_attn.q_proj." in name else num_kv_heads if ".self_attn.k_proj." in name else 0
+            if heads and isinstance(weight, GGUFBlocks):  # whole rows move: the blocks stay the file's
+                weight = GGUFBlocks(weight.name, weight.qtype, unpermute_rows(weight.rows, heads).contiguous(),
+                                    weight.in_features)
+            elif heads:
+                weight = unpermute_rows(weight, heads)
             yield name, weight
 
 

@@ -2,7 +2,7 @@
 ``load_weights``; every forward is plain torch that a compiled region can trace."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +12,9 @@ from kernels.fused_layer_ops import silu_and_mul as fused_silu_and_mul
 from kernels.gemv import TILE, GemvPolicy, block_weight, blocked_linear, blocked_linear_add, blocked_linear_silu_mul
 from kernels.norm import rms_norm
 from kernels.onednn_gemm import PackedWeight, packed_linear
+from kernels.packed_embedding import packed_embedding
+from kernels.packed_gemm import packed_kernels_available, packed_linear_buffers
+from kernels.packed_weights import PackedWeight as QuantizedWeight
 from kernels.rope import RopeScaling, apply_rope, rope_cos_sin_cache, rope_inv_freq
 
 
@@ -52,18 +55,45 @@ class Linear(nn.Module):
         self.packed: PackedWeight | None = None
         self.register_buffer("blocked", None, persistent=False)
         self.gemv_policy = GemvPolicy()
+        # weight_format=packed: the checkpoint's quantized blocks (kernels/packed_weights.py); their tensors are
+        # buffers so compiled regions take them as graph inputs
+        self.quantized: QuantizedWeight | None = None
+        self.register_buffer("quantized_data", None, persistent=False)
+        self.register_buffer("quantized_scales", None, persistent=False)
+
+    def set_quantized(self, weight: QuantizedWeight, path: str = "auto") -> None:
+        """Keep ``weight`` (packed at load) as this projection's only copy: ``weight`` becomes an empty [0, in]
+        placeholder, and every forward runs the packed GEMM on these bytes (its epilogues as separate ops)."""
+        if (weight.out_features, weight.in_features) != (self.out_features, self.in_features):
+            raise ValueError(f"packed weight [{weight.out_features}, {weight.in_features}] does not match the "
+                             f"projection [{self.out_features}, {self.in_features}]")
+        self.quantized = weight
+        self.quantized_data, self.quantized_scales = weight.data, weight.scales
+        self.quantized_kernel = packed_kernels_available()  # built and logged (instruction sets) at load
+        self.quantized_path = path  # kernels/packed_gemm.py's path: auto, fp32 or int8
+        self.weight = _empty_param(0, self.in_features, dtype=self.weight.dtype)
+
+    def rebind_quantized(self) -> None:
+        """After ``quantized_data`` moved (kernels/host_memory.py), the container holds the moved bytes, so the old
+        copy is freed."""
+        self.quantized = replace(self.quantized, data=self.quantized_data)
 
     def pack_for_cpu(self, plan: HostGemmPlan = HostGemmPlan()) -> None:
         """Host GEMMs on pre-packed weights, eagerly and in compiled regions: the blocked few-row kernel streams
         the weights near memory bandwidth at decode row counts; oneDNN's packed GEMM is about 2x MKL's sgemm at
         larger ones (same products, other summation orders). Keeps ``weight`` for state dicts and tied heads, so
-        each layout is one more copy of the weight."""
+        each layout is one more copy of the weight. A quantized projection keeps its packed GEMM alone."""
+        if self.quantized is not None:
+            return
         self.packed = PackedWeight(self.weight) if plan.onednn else None
         if plan.blocked:
             self.register_buffer("blocked", block_weight(self.weight), persistent=False)
         self.gemv_policy = plan.policy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
+        if self.quantized is not None:
+            return packed_linear_buffers(x, self.quantized_data, self.quantized_scales, self.bias, self.quantized,
+                                         self.quantized_kernel, self.quantized_path)
         return linear(x, self.weight, self.bias, self.packed, self.blocked, self.gemv_policy)
 
     def forward_add(self, x: torch.Tensor,  # [T, in]
@@ -96,10 +126,32 @@ class RMSNorm(nn.Module):
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__()
+        self.num_embeddings, self.embedding_dim = vocab_size, hidden_size
         self.weight = _empty_param(vocab_size, hidden_size, dtype=dtype)
+        self.quantized: QuantizedWeight | None = None  # weight_format=packed: GGUF blocks (Linear.set_quantized)
+        self.register_buffer("quantized_data", None, persistent=False)
+        self.register_buffer("quantized_scales", None, persistent=False)  # a tied head's GEMM takes them
+
+    def set_quantized(self, weight: QuantizedWeight, path: str = "auto") -> None:
+        if (weight.out_features, weight.in_features) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"packed embedding [{weight.out_features}, {weight.in_features}] does not match "
+                             f"[{self.num_embeddings}, {self.embedding_dim}]")
+        self.quantized = weight
+        self.quantized_data, self.quantized_scales = weight.data, weight.scales
+        self.quantized_kernel = packed_kernels_available()  # for a tied head's GEMM
+        self.quantized_path = path
+        self.weight = _empty_param(0, self.embedding_dim, dtype=self.weight.dtype)
+
+    def rebind_quantized(self) -> None:  # as Linear.rebind_quantized
+        self.quantized = replace(self.quantized, data=self.quantized_data)
+
+    def lookup(self, input_ids: torch.Tensor) -> torch.Tensor:  # input_ids [T] int64 (local rows) -> [T, hidden]
+        if self.quantized is not None:
+            return packed_embedding(input_ids, self.quantized_data, self.quantized).to(self.weight.dtype)
+        return F.embedding(input_ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # input_ids [T] int64 -> [T, hidden]
-        return F.embedding(input_ids, self.weight)
+        return self.lookup(input_ids)
 
 
 class RotaryEmbedding(nn.Module):
@@ -123,6 +175,42 @@ class RotaryEmbedding(nn.Module):
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # x [T, 2 * I] = [gate | up] -> [T, I]
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def resident_weight_bytes(model: nn.Module) -> tuple[int, int]:
+    """(weights, resident bytes) of a model's parameters and persistent buffers (DeepSeek's weights are buffers;
+    a ``*scale*`` buffer adds bytes, no weights), quantized projections and embeddings at their packed size (the
+    load log's bytes per weight; the host GEMMs' extra layouts, non-persistent buffers, are not counted)."""
+    weights = resident = 0
+    for module in model.modules():
+        quantized = getattr(module, "quantized", None)
+        if isinstance(quantized, QuantizedWeight):
+            weights += quantized.out_features * quantized.in_features
+            resident += quantized.nbytes
+        if hasattr(module, "packed_experts_bytes"):  # DeepSeek-V4's fp4 routed experts (V4MoE.pack_experts)
+            more_weights, more_bytes = module.packed_experts_bytes()
+            weights, resident = weights + more_weights, resident + more_bytes
+        tensors = [(name, t) for name, t in module.named_parameters(recurse=False)]
+        tensors += [(name, t) for name, t in module.named_buffers(recurse=False)
+                    if t is not None and name not in module._non_persistent_buffers_set]
+        for name, t in tensors:
+            weights += 0 if "scale" in name else t.numel()
+            resident += t.numel() * t.element_size()
+    return weights, resident
+
+
+def describe_weight_formats(model: nn.Module) -> str:
+    """'q4_1 210 tensors 0.625 B/w, q8_0 1 tensor 1.062 B/w': the quantized formats a model holds."""
+    found: dict[str, list[QuantizedWeight]] = {}
+    for module in model.modules():
+        quantized = getattr(module, "quantized", None)
+        if isinstance(quantized, QuantizedWeight):
+            found.setdefault(quantized.fmt, []).append(quantized)
+    parts = []
+    for fmt, weights in sorted(found.items()):
+        total = sum(w.out_features * w.in_features for w in weights)
+        parts.append(f"{fmt} {len(weights)} projections {sum(w.nbytes for w in weights) / total:.3f} B/w")
+    return ", ".join(parts) or "no quantized weights"
 
 
 def copy_into(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:

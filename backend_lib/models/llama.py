@@ -15,14 +15,17 @@ from torch import nn
 
 from backend_lib.models.layers import (HostGemmPlan, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding, copy_into,
                                        linear, silu_and_mul)
-from backend_lib.models.parallel import ParallelContext, Shard, read_shard, vocab_parallel_embedding
+from backend_lib.models.parallel import ParallelContext, Shard, read_shard, vocab_parallel_lookup
+from backend_lib.models.quantized_blocks import GGUFBlocks, install_gguf_parts
 from kernels import fused_layer_ops as fused
 from kernels.attention import paged_attention, write_kv
 from kernels.attention_metadata import AttentionMetadata
 from kernels.gemv import TILE, GemvPolicy, block_weight, blocked_linear_argmax, blocked_linear_float
 from kernels.head_screen import HeadScreen
 from kernels.int8_head_screen import Int8HeadScreen
+from kernels.kv_fp8 import KVQuant
 from kernels.onednn_gemm import PackedWeight
+from kernels.packed_gemm import packed_linear_buffers
 from kernels.rope import RopeScaling, rope_at, rotate
 
 if TYPE_CHECKING:
@@ -138,6 +141,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, arch.hidden_size, arch.attention_bias and par.is_driver, dtype)
         self.cpu_decode_kernel = False  # the C++ decode attention (kernels/cpu_kernels.py), set by the engine
         self.host_fused = False  # RoPE + KV write as one C++ op in eager host steps (kernels/fused_layer_ops.py)
+        self.kv_quant: KVQuant | None = None  # fp8 KV cache (use_fp8_kv): the caches hold e4m3 codes
+        self.checkpoint_kv_scales: dict[str, float] = {}  # "k" / "v" -> the checkpoint's per-tensor scale
 
     def shard_rows(self, shard: str) -> slice:
         """Rows of the fused qkv_proj that hold this rank's part of the checkpoint's q_proj, k_proj or v_proj."""
@@ -156,16 +161,22 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        if self.host_fused and not torch.compiler.is_compiling():
+        quant = self.kv_quant
+        if self.host_fused and quant is None and not torch.compiler.is_compiling():
             q = fused.rope_qkv_to_cache(qkv, *rope, k_cache, v_cache, meta.slot_mapping, self.num_heads,
                                         self.num_kv_heads)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = rotate(q.view(num_tokens, self.num_heads, self.head_dim), *rope)
             k = rotate(k.view(num_tokens, self.num_kv_heads, self.head_dim), *rope)
-            write_kv(k_cache, k, meta.slot_mapping)
-            write_kv(v_cache, v.view(num_tokens, self.num_kv_heads, self.head_dim), meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.cpu_decode_kernel)
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+            if quant is None:
+                write_kv(k_cache, k, meta.slot_mapping)
+                write_kv(v_cache, v, meta.slot_mapping)
+            else:
+                write_kv(k_cache, k, meta.slot_mapping, quant.k_scale, quant.fp8_max)
+                write_kv(v_cache, v, meta.slot_mapping, quant.v_scale, quant.fp8_max)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.cpu_decode_kernel, quant)
         return self.par.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
@@ -229,6 +240,8 @@ class LlamaDecoderLayer(nn.Module):
 _LAYER_WEIGHTS = re.compile(
     r"(?P<module>self_attn\.(?P<attn>q|k|v|o)_proj|mlp\.(?P<mlp>gate|up|down)_proj|input_layernorm"
     r"|post_attention_layernorm)\.(?P<kind>weight|bias)")
+# Per-tensor KV scales of fp8-KV checkpoints (llm-compressor: self_attn.k_scale; older: k_proj.output_scale).
+_KV_SCALE = re.compile(r"model\.layers\.(?P<index>\d+)\.self_attn\.(?:(?P<a>k|v)_scale|(?P<b>k|v)_proj\.output_scale)")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -255,6 +268,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("screen_int8_blocked_head", None, persistent=False)  # Int8HeadScreen.build's
         self.gemv_policy = GemvPolicy()
         self.host_fused = False  # eager host steps on the C++ ops (use_cpu_attention)
+        self.kv_fp8 = False  # use_fp8_kv: e4m3 K/V (the one-op decode loop writes model-dtype K/V, so it is off)
         self._decode_weight_lists: tuple | None = None  # _host_decode_weights' lists, collected once
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings)
 
@@ -275,7 +289,8 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], final-normed
         k_caches, v_caches = kv_caches
-        hidden = vocab_parallel_embedding(input_ids, self.embed_tokens.weight, self.vocab_rows.start, self.par)
+        hidden = vocab_parallel_lookup(input_ids, self.embed_tokens.lookup, self.vocab_rows.size,
+                                       self.vocab_rows.start, self.par)
         rope = rope_at(self.rotary.cos, self.rotary.sin, positions, hidden.dtype)
         if not self.host_fused or torch.compiler.is_compiling():
             for i, layer in enumerate(self.layers):
@@ -295,25 +310,28 @@ class LlamaForCausalLM(nn.Module):
 
     def _host_decode_weights(self, num_tokens: int,
                              meta: AttentionMetadata) -> tuple[list[torch.Tensor], list[torch.Tensor], int] | None:
-        """(norms, projections, GEMM path) for ``deepinfer::llama_decode_layers`` (kernels/csrc/llama_decode.cpp:
+        """(norms, projections, GEMM path[, packed format, packed path]) for ``deepinfer::llama_decode_layers`` (kernels/csrc/llama_decode.cpp:
         the eager host path's ops from one C++ loop, same results) when this step is in its scope: decode tokens
         only, one rank, no biases, every projection on the GEMM that ``linear`` picks at this row count (the
         blocked kernel needs SiLU's width a multiple of its tile). Else None: the module path."""
-        if meta.num_prefills or meta.num_decode_tokens != num_tokens or self.par.world_size > 1:
+        if meta.num_prefills or meta.num_decode_tokens != num_tokens or self.par.world_size > 1 or self.kv_fp8:
             return None
         if self._decode_weight_lists is None:
             self._decode_weight_lists = self._collect_decode_weights()
         if not self._decode_weight_lists:
             return None
-        norms, blocked, packed, plain = self._decode_weight_lists
+        norms, blocked, packed, plain, quantized = self._decode_weight_lists
+        if quantized is not None:  # weight_format=packed: (tiles, format, path)
+            return (norms, *quantized[:1], 3, *quantized[1:])
         if blocked is not None and self.gemv_policy.use_blocked(num_tokens):  # as linear() picks
             return (norms, blocked, 0) if blocked else None
         return (norms, packed, 1) if packed else (norms, plain, 2)
 
     def _collect_decode_weights(self) -> tuple:
-        """(norms, blocked, oneDNN-packed, plain) weight lists, a list None where the projections lack that layout
-        (blocked: [] where SiLU's width does not fit the kernel's tiles); () when the C++ loop cannot serve this
-        model (biases)."""
+        """(norms, blocked, oneDNN-packed, plain, quantized) weight lists, a list None where the projections lack
+        that layout (blocked: [] where SiLU's width does not fit the kernel's tiles; quantized: (packed tiles,
+        format, path) under weight_format=packed); () when the C++ loop cannot serve this model (biases, mixed
+        packed formats)."""
         layers = self.layers
         linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
@@ -324,11 +342,25 @@ class LlamaForCausalLM(nn.Module):
         if blocked and any(layer.mlp.intermediate_size % TILE for layer in layers):
             blocked = []
         packed = [m.packed.packed for m in linears] if all(m.packed is not None for m in linears) else None
-        return norms, blocked, packed, [m.weight for m in linears]
+        quantized = None
+        if any(m.quantized is not None for m in linears):
+            # weight_format=packed: the C++ loop calls the packed GEMM when every projection is in one GGUF format
+            # on the built kernel (else the module path: a projection dequantized at load, the torch reference)
+            kinds = {(m.quantized.fmt, m.quantized_path, m.quantized_kernel) if m.quantized is not None else None
+                     for m in linears}
+            kind = next(iter(kinds))
+            if len(kinds) != 1 or kind is None or not kind[2] or not kind[0].startswith("q"):
+                return ()
+            quantized = ([m.quantized_data for m in linears], kind[0], kind[1])
+        return norms, blocked, packed, [m.weight for m in linears], quantized
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden [N, hidden] -> [N, vocab] float32
         """Every rank gets the full vocabulary row (all-gathered from the ranks' vocabulary shards)."""
-        if self.blocked_head is not None and self.gemv_policy.use_blocked(hidden.shape[0]):
+        head = self._head_module()
+        if head.quantized is not None:  # weight_format=packed: the packed GEMM on the head's (or embedding's) blocks
+            logits = packed_linear_buffers(hidden, head.quantized_data, head.quantized_scales, None,
+                                           head.quantized, head.quantized_kernel, head.quantized_path).float()
+        elif self.blocked_head is not None and self.gemv_policy.use_blocked(hidden.shape[0]):
             logits = blocked_linear_float(hidden, self.blocked_head, self._head_weight().shape[0])
         else:
             logits = linear(hidden, self._head_weight(), None, self.packed_head, None, self.gemv_policy).float()
@@ -355,12 +387,19 @@ class LlamaForCausalLM(nn.Module):
     def _head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def _head_module(self) -> Linear | VocabEmbedding:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
     def pack_for_cpu(self, plan: HostGemmPlan = HostGemmPlan()) -> None:
         """Every projection and the head on the host's packed GEMMs (see Linear.pack_for_cpu). An untied
         ``lm_head`` is packed once, as the head (compute_logits never calls the module)."""
         for module in self.modules():
             if isinstance(module, Linear) and module is not self.lm_head:
                 module.pack_for_cpu(plan)
+        self.gemv_policy = plan.policy
+        self._decode_weight_lists = None  # new layouts: the lists are rebuilt on the next decode step
+        if self._head_module().quantized is not None:  # the packed GEMM alone (compute_logits)
+            return
         self.packed_head = PackedWeight(self._head_weight()) if plan.onednn else None
         if plan.blocked:
             self.blocked_head = block_weight(self._head_weight())
@@ -384,6 +423,20 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.self_attn.cpu_decode_kernel = True
             layer.host_fused = layer.self_attn.host_fused = True
+
+    def use_fp8_kv(self, fp8_max: float) -> str:
+        """K and V stored as e4m3 codes (kernels/kv_fp8.py) with per-layer scales: the checkpoint's where it has
+        them, else 1.0 (vLLM's default; fixed, so a block's bytes depend only on its tokens). Returns where the
+        scales came from, for the load log."""
+        layers = [layer.self_attn for layer in self.layers]
+        found = sum(1 for attn in layers if attn.checkpoint_kv_scales)
+        for attn in layers:
+            scales = attn.checkpoint_kv_scales
+            attn.kv_quant = KVQuant(scales.get("k", 1.0), scales.get("v", 1.0), fp8_max)
+        self.kv_fp8 = True
+        if found == 0:
+            return "k_scale = v_scale = 1.0 (the checkpoint has none)"
+        return f"k_scale / v_scale from the checkpoint ({found} of {len(layers)} layers; 1.0 elsewhere)"
 
     def _target(self, name: str) -> tuple[str, torch.Tensor, Shard | None] | None:
         """(loaded-key, destination view, this rank's part of the checkpoint tensor or None for all of it) for a
@@ -446,16 +499,55 @@ class LlamaForCausalLM(nn.Module):
             keys |= {f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}.post_attention_layernorm.weight"}
         return keys
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Fill every parameter from Hugging Face-named tensors; a missing or unknown weight is an error."""
+    def _quantized_target(self, name: str) -> tuple[Linear | VocabEmbedding, int]:
+        """(module, first row inside its fused weight) of a checkpoint weight kept in GGUF blocks."""
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens, 0
+        if name == "lm_head.weight" and self.lm_head is not None:
+            return self.lm_head, 0
+        match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name)
+        parts = _LAYER_WEIGHTS.fullmatch(f"{match.group(2)}.weight") if match else None
+        if parts is None or parts.group("module").endswith("layernorm"):
+            raise ValueError(f"weight_format=packed: {name!r} is not a projection or embedding")
+        layer = self.layers[int(match.group(1))]
+        attn, mlp = layer.self_attn, layer.mlp
+        if parts.group("attn") in ("q", "k", "v"):
+            return attn.qkv_proj, attn.shard_rows(parts.group("attn")).start
+        if parts.group("mlp") in ("gate", "up"):
+            return mlp.gate_up_proj, mlp.shard_rows(parts.group("mlp")).start
+        return layer.get_submodule(parts.group("module")), 0
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GGUFBlocks]]) -> None:
+        """Fill every parameter from Hugging Face-named tensors; a missing or unknown weight is an error. GGUF blocks
+        (weight_format=packed) become each projection's packed weight once all its parts arrived."""
         loaded: set[str] = set()
+        quantized: dict[nn.Module, list[tuple[int, GGUFBlocks, torch.Tensor, str]]] = {}
         for name, tensor in weights:
+            scale = _KV_SCALE.fullmatch(name)
+            if scale is not None:  # optional: used only with kv_cache_dtype=fp8_e4m3
+                index, value = int(scale.group("index")), read_shard(tensor, None)
+                if index >= len(self.layers) or value.numel() != 1 or not float(value.float()) > 0:
+                    raise ValueError(f"unexpected KV scale {name!r} (shape {tuple(value.shape)}; a positive "
+                                     f"per-tensor scale of one of the {len(self.layers)} layers expected)")
+                which = scale.group("a") or scale.group("b")
+                self.layers[index].self_attn.checkpoint_kv_scales[which] = float(value.float().reshape(()))
+                continue
             target = self._target(name)
             if target is None:
                 continue
             key, view, shard = target
-            copy_into(view, read_shard(tensor, shard), name)
+            part = read_shard(tensor, shard)
+            if isinstance(part, GGUFBlocks):
+                if tuple(part.shape) != tuple(view.shape):
+                    raise ValueError(f"weight {name!r}: checkpoint shape {tuple(part.shape)} does not match the "
+                                     f"model's {tuple(view.shape)}")
+                module, row = self._quantized_target(name)
+                quantized.setdefault(module, []).append((row, part, view, name))
+            else:
+                copy_into(view, part, name)
             loaded.add(key)
         missing = sorted(self._expected_keys() - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[:5]}")
+        for module, parts in quantized.items():
+            install_gguf_parts(module, parts, self.options.packed_gemm_path if self.options else "auto")

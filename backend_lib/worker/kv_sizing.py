@@ -19,6 +19,7 @@ memory first (and off the fraction's budget in the auto rule), the blocks get th
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ class KVCachePlan:
     available_bytes: int | None  # free memory measured after the weights were loaded; None = unknown device
     rule: str  # which setting decided, for the log
     fixed_bytes: int = 0  # a hybrid model's state slots, allocated next to the blocks
+    kv_dtype: str = ""  # the KV element type (kv_cache_dtype, or the model dtype for "auto"), for the log
 
     @property
     def total_bytes(self) -> int:
@@ -49,7 +51,9 @@ class KVCachePlan:
     def describe(self) -> str:
         free = "unknown" if self.available_bytes is None else f"{self.available_bytes / _GIB:.2f} GiB"
         fixed = f" + {self.fixed_bytes / _GIB:.2f} GiB of state slots" if self.fixed_bytes else ""
-        return (f"KV cache: {self.num_blocks} blocks x {self.bytes_per_block} B = {self.total_bytes / _GIB:.2f} GiB"
+        dtype = f" of {self.kv_dtype}" if self.kv_dtype else ""
+        return (f"KV cache{dtype}: {self.num_blocks} blocks x {self.bytes_per_block} B = "
+                f"{self.total_bytes / _GIB:.2f} GiB"
                 f"{fixed} ({self.rule}; free memory after loading the weights: {free})")
 
 
@@ -130,12 +134,12 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def kv_cache_num_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device, share: int = 1,
-                        fixed_bytes: int = 0, fixed_what: str = "state slots") -> int:
+                        fixed_bytes: int = 0, fixed_what: str = "state slots", kv_dtype: str = "") -> int:
     """The engine's call, after the weights are on ``device``: measure, plan, log. ``share``: how many ranks size
     their caches from the same free memory (tensor-parallel ranks on one host; the driver's count is used by all,
     and assuming every rank on the driver's host is the safe side when they are spread over machines)."""
     free = available_bytes(device)
     plan = plan_kv_cache(config.cache, bytes_per_block, None if free is None else free // max(1, share),
                          config.model.max_model_len, config.scheduler.max_num_seqs, fixed_bytes, fixed_what)
-    logger.info(plan.describe())
+    logger.info(dataclasses.replace(plan, kv_dtype=kv_dtype).describe())
     return plan.num_blocks

@@ -91,7 +91,7 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype, spec: SpecConfig | None = None,
                  compile_config: CompileConfig | None = None, max_num_seqs: int = 32,
                  max_model_len: int | None = None, channel: StepChannel | None = None,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.token_history = getattr(model, "token_history", 0)  # ids before each token the model reads (Engram)
         self.channel = channel
@@ -102,20 +102,22 @@ class ModelRunner:
         self.device = device
         num_slots = (num_blocks + 1) * block_size
         self.num_state_slots = num_state_slots if is_hybrid(model) else 0
+        # kv_dtype: the paged cache's element type (default the model's; uint8 for kv_cache_dtype=fp8_e4m3); a
+        # hybrid model's fixed state (rings) keeps the model dtype.
         if is_hybrid(model):  # paged blocks + the scratch block, state slots + the scratch slot
             paged, state = model.hybrid_cache_shapes(num_blocks + 1, block_size, num_state_slots + 1,
                                                      max_drafts(spec))
-            shapes = paged + state
+            shapes = [(shape, kv_dtype or dtype) for shape in paged] + [(shape, dtype) for shape in state]
         else:
-            shapes = model.kv_cache_shapes(num_slots)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+            shapes = [(shape, kv_dtype or dtype) for shape in model.kv_cache_shapes(num_slots)]
+        self.kv_caches = [torch.zeros(shape, dtype=kind, device=device) for shape, kind in shapes]
         self.sampler = Sampler() if channel is None or channel.par.is_driver else None  # only the driver samples
         self.bitmask = StepBitmask(vocab_size)  # structured output's masks (filled on the driver only)
         spec = spec or SpecConfig()
         k = spec.num_speculative_tokens
         self.spec_method = spec.method if k > 0 else "none"
         self.ngram = NgramProposer(spec.ngram_min, spec.ngram_max, k) if self.spec_method == "ngram" else None
-        self.mtp = (make_mtp_proposer(model, self.kv_caches, num_slots, k, device, dtype)
+        self.mtp = (make_mtp_proposer(model, self.kv_caches, num_slots, k, device, kv_dtype or dtype)
                     if self.spec_method == "mtp" else None)
         if getattr(self.mtp, "needs_eager_model", False) and resolve_backend(compile_config, detect_platform()):
             raise ValueError("spec_method 'mtp' drafts for this model need the eager forward (it keeps the "

@@ -15,6 +15,22 @@
 
 namespace deepinfer::attention_math {
 
+// An e4m3 code of an fp8 KV cache (kernels/kv_fp8.py): sign << 7 | exponent << 3 | mantissa, bias 7, no inf.
+struct Fp8E4M3 {
+  uint8_t bits;
+};
+
+// Its value, (mantissa + 8 if normal) * 2^(max(exponent, 1) - 10), signed: an integer times a power of two, both
+// normal fp32 numbers (no subnormal fp32 arithmetic, which a flush-to-zero mode would lose), so exact.
+inline float fp8_to_float(Fp8E4M3 code) {
+  const uint32_t c = code.bits, exponent = (c >> 3) & 15;
+  const uint32_t pow2_bits = ((exponent > 0 ? exponent : 1) + 127 - 10) << 23;
+  float pow2;
+  std::memcpy(&pow2, &pow2_bits, sizeof pow2);
+  const float magnitude = static_cast<float>((c & 7) | (exponent > 0 ? 8u : 0u)) * pow2;
+  return (c & 128) ? -magnitude : magnitude;
+}
+
 constexpr int64_t kLanes = 16;  // independent partial sums: the compiler vectorizes without reassociating
 
 // Lanes folded as a tree (vector adds), not one by one (a serial chain of 16 scalar adds per dot product).
@@ -140,6 +156,18 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+// 16 e4m3 codes widened in registers, fp8_to_float's arithmetic a lane each.
+inline __m512 load16(const Fp8E4M3* p) {
+  const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i exponent = _mm512_and_si512(_mm512_srli_epi32(c, 3), _mm512_set1_epi32(15));
+  const __m512i one = _mm512_set1_epi32(1);
+  const __m512i integer = _mm512_or_si512(_mm512_and_si512(c, _mm512_set1_epi32(7)),
+                                          _mm512_slli_epi32(_mm512_min_epu32(exponent, one), 3));
+  const __m512i pow2 = _mm512_slli_epi32(_mm512_add_epi32(_mm512_max_epu32(exponent, one), _mm512_set1_epi32(117)), 23);
+  const __m512 magnitude = _mm512_mul_ps(_mm512_cvtepi32_ps(integer), _mm512_castsi512_ps(pow2));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(128)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(magnitude), sign));
 }
 
 // exp_poly's steps 16 at a time (FMA-contracted, so within ~1 ulp of the scalar form): GCC leaves the scalar

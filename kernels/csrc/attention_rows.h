@@ -29,6 +29,15 @@ inline const float* as_float(const c10::BFloat16* src, float* scratch, int64_t n
   return scratch;
 }
 
+inline const float* as_float(const Fp8E4M3* src, float* scratch, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(scratch + i, load16(src + i));
+#endif
+  for (; i < n; ++i) scratch[i] = fp8_to_float(src[i]);
+  return scratch;
+}
+
 constexpr int64_t kChunk = 16;  // keys per step: one 16-lane vector of scores per query row
 
 // Lines of up to two regions prefetched into L2 a slice per issue(), paced with the compute between the calls: one
@@ -83,7 +92,7 @@ struct Avx512Rows {
   static constexpr int64_t kMaxRows = kVecs <= 4 ? 3 : 1;
   static constexpr int64_t kPrefetchSlices = kChunk / 4;  // one before each four keys
 
-  template <typename T>  // float or bf16 rows, widened in registers as they are loaded
+  template <typename T>  // float, bf16 or e4m3 rows, widened in registers as they are loaded
   static const T* chunk_rows(const T* chunk, float* /*scratch*/, int64_t /*n*/) { return chunk; }
 
   template <typename T>

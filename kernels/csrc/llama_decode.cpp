@@ -62,8 +62,19 @@ const LayerOps& layer_ops() {
   return ops;
 }
 
-// Where a step's projections run, as backend_lib/models/layers.py's linear() picks for its row count.
-enum class GemmPath : int64_t { kBlocked = 0, kOneDnnPacked = 1, kPlain = 2 };
+// Where a step's projections run, as backend_lib/models/layers.py's linear() picks for its row count, or the
+// packed quantized weights' GEMM (weight_format=packed: Linear.set_quantized).
+enum class GemmPath : int64_t { kBlocked = 0, kOneDnnPacked = 1, kPlain = 2, kQuantized = 3 };
+
+// deepinfer::packed_linear lives in its own extension (kernels/cpu_kernels.py: load_packed_kernels), loaded
+// before a packed model's first step: looked up on first use, not with the other ops.
+using PackedLinearFn = Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, c10::string_view, int64_t,
+                              at::IntArrayRef, c10::string_view, c10::string_view);
+const c10::TypedOperatorHandle<PackedLinearFn>& packed_linear_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("deepinfer::packed_linear", "").typed<PackedLinearFn>();
+  return op;
+}
 
 // A projection as the eager path runs it: the blocked kernel; oneDNN's GEMM on its packed weight
 // (kernels/onednn_gemm.py's packed_linear: mkldnn::_linear_pointwise, a boxed call: its Scalar?[] argument has
@@ -71,8 +82,13 @@ enum class GemmPath : int64_t { kBlocked = 0, kOneDnnPacked = 1, kPlain = 2 };
 struct Projection {
   const LayerOps& ops;
   GemmPath path;
+  std::string packed_fmt, packed_path;  // kQuantized: the format (q4_1, ...) and kernels/packed_gemm.py's path
+  Tensor no_scales;                      // GGUF formats keep their scales inside the blocks
   Tensor operator()(const Tensor& x, const Tensor& weight, int64_t out_features) const {
     switch (path) {
+      case GemmPath::kQuantized:
+        return packed_linear_op().call(x, weight, no_scales, c10::nullopt, packed_fmt, out_features, {},
+                                       packed_path, "auto");
       case GemmPath::kBlocked: return ops.linear.call(x, weight, c10::nullopt, out_features, "auto");
       case GemmPath::kOneDnnPacked: {
         torch::jit::Stack stack{x, weight, c10::IValue(), "none", c10::List<c10::optional<c10::Scalar>>(),
@@ -105,7 +121,9 @@ Tensor llama_decode_layers(const Tensor& hidden_in,     // [T, hidden]
                            int64_t num_kv_heads, int64_t intermediate, double eps,
                            at::TensorList norms,        // 2L: layer i's input norm [hidden], then its post-attention one
                            at::TensorList projections,  // 4L: layer i's qkv, o, gate_up, down weights
-                           int64_t gemm_path) {         // GemmPath: the weights blocked, oneDNN-packed or plain
+                           int64_t gemm_path,           // GemmPath: the weights blocked, oneDNN-packed, plain or
+                           c10::string_view packed_fmt,  // packed GGUF tiles (then packed_fmt: q4_1, ... and
+                           c10::string_view packed_path) {  // packed_path: auto, fp32 or int8)
   const int64_t layers = k_caches.dim() == 4 ? k_caches.size(0) : -1;
   TORCH_CHECK(hidden_in.dim() == 2 && layers >= 0 && v_caches.sizes() == k_caches.sizes(),
               "llama_decode_layers: hidden must be [T, hidden] and the caches [L, num_slots, Hkv, D] of one shape, "
@@ -115,9 +133,12 @@ Tensor llama_decode_layers(const Tensor& hidden_in,     // [T, hidden]
               "llama_decode_layers: norms must hold 2 and projections 4 tensors a layer (", layers, " layers), got ",
               norms.size(), " and ", projections.size());
   const LayerOps& ops = layer_ops();
-  TORCH_CHECK(gemm_path >= 0 && gemm_path <= 2, "llama_decode_layers: gemm_path must be 0 (blocked), 1 (oneDNN "
-              "packed) or 2 (plain), got ", gemm_path);
-  const Projection project{ops, static_cast<GemmPath>(gemm_path)};
+  TORCH_CHECK(gemm_path >= 0 && gemm_path <= 3, "llama_decode_layers: gemm_path must be 0 (blocked), 1 (oneDNN "
+              "packed), 2 (plain) or 3 (packed quantized), got ", gemm_path);
+  TORCH_CHECK(gemm_path != 3 || packed_fmt.rfind("q", 0) == 0, "llama_decode_layers: gemm_path 3 takes packed GGUF "
+              "weights (packed_fmt q8_0, q4_0, q4_1 or q4_k), got packed_fmt '", packed_fmt, "'");
+  const Projection project{ops, static_cast<GemmPath>(gemm_path), std::string(packed_fmt), std::string(packed_path),
+                           at::empty({0}, hidden_in.options().dtype(at::kByte))};
   const int64_t tokens = hidden_in.size(0), width = hidden_in.size(1), head_dim = k_caches.size(3);
   const int64_t qkv_out = (num_heads + 2 * num_kv_heads) * head_dim;
   Tensor hidden = hidden_in;
@@ -142,7 +163,7 @@ TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
   m.def("llama_decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor(a!) k_caches, Tensor(b!) v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int query_len, int block_size, float scale, "
         "int num_heads, int num_kv_heads, int intermediate, float eps, Tensor[] norms, Tensor[] projections, "
-        "int gemm_path) -> Tensor");
+        "int gemm_path, str packed_fmt=\"\", str packed_path=\"auto\") -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer, CPU, m) {

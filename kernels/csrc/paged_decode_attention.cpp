@@ -43,6 +43,10 @@
 // fp32; the portable loops widen a chunk into a scratch copy), so the math is the fp32 kernel's and only the loads
 // differ; widening needs AVX-512F (or plain shifts), no bf16 instructions, so every x86 CPU runs it. The output is
 // rounded to bf16 once, at the end (round to nearest even).
+// fp8 caches (kv_cache_dtype=fp8_e4m3; the *_fp8 ops): K and V rows are e4m3 codes (one byte a value, a per-tensor
+// k_scale / v_scale), widened to fp32 as they are loaded like bf16 (attention_math.h: load16 / fp8_to_float, exact),
+// never dequantized into a copy; k_scale folds into the score scale and v_scale into the final normalization, so at
+// scales of 1 (or powers of two) the result is the fp32 / bf16 kernel's over the dequantized cache, to the bit.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -76,10 +80,10 @@ struct QueryLayout {
   int64_t count(int64_t b) const { return starts ? starts[b + 1] - starts[b] : query_len; }
 };
 
-template <typename scalar_t, typename Rows>
+template <typename scalar_t, typename cache_t, typename Rows>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, QueryLayout layout,
-                      int64_t block_size, float scale_f, Rows math) {
+                      int64_t block_size, float scale_f, float out_scale, Rows math) {
   const int64_t num_reqs = tables.size(0), width = tables.size(1);
   const int64_t heads = q.size(1), head_dim = q.size(2), kv_heads = k_cache.size(1);
   const int64_t num_blocks = k_cache.size(0) / block_size;
@@ -90,11 +94,11 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int64_t max_keys = width * block_size;
   const int64_t slot_stride = kv_heads * head_dim;
   const int64_t chunk_keys = std::min(kChunk, block_size);  // a chunk never crosses a block
-  auto lines_of = [&](int64_t slots) { return (slots * slot_stride * int64_t(sizeof(scalar_t)) + 63) / 64; };
-  auto as_bytes = [](const scalar_t* p) { return reinterpret_cast<const char*>(p); };
+  auto lines_of = [&](int64_t slots) { return (slots * slot_stride * int64_t(sizeof(cache_t)) + 63) / 64; };
+  auto as_bytes = [](const cache_t* p) { return reinterpret_cast<const char*>(p); };
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+  const cache_t* k_ptr = reinterpret_cast<const cache_t*>(k_cache.data_ptr());
+  const cache_t* v_ptr = reinterpret_cast<const cache_t*>(v_cache.data_ptr());
   const int32_t* table_ptr = tables.data_ptr<int32_t>();
   const int32_t* len_ptr = lens.data_ptr<int32_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
@@ -155,7 +159,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       auto slot_offset = [&](int64_t s) { return (table[s / block_size] * block_size + s % block_size) * slot_stride; };
       // Chunks never cross a block, so the slots of one are contiguous and its block id is read (and checked:
       // a bad one would read outside the cache) once per block, where it is used.
-      auto for_each_chunk = [&](const scalar_t* cache, int64_t first, int64_t last, auto&& body) {
+      auto for_each_chunk = [&](const cache_t* cache, int64_t first, int64_t last, auto&& body) {
         for (int64_t s0 = first; s0 < last;) {
           const int64_t block = table[s0 / block_size], in_block = s0 % block_size;
           if (in_block == 0) {
@@ -242,7 +246,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       scalar_t* out_req = out_ptr + q_offset;
       for (int64_t r = 0; r < rows; ++r) {
         if (!in_slice(r)) continue;
-        const float inv = 1.f / denominators[r];
+        const float inv = out_scale / denominators[r];
         for (int64_t d = 0; d < head_dim; ++d) {
           out_req[r * head_dim + d] = static_cast<scalar_t>(acc[r * head_dim + d] * inv);
         }
@@ -271,7 +275,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           denominator += partial[rows * (head_dim + 1) + r] * factor;
           for (int64_t d = 0; d < head_dim; ++d) sums[d] += partial[r * head_dim + d] * factor;
         }
-        const float inv = 1.f / denominator;
+        const float inv = out_scale / denominator;
         for (int64_t d = 0; d < head_dim; ++d) out_req[r * head_dim + d] = static_cast<scalar_t>(sums[d] * inv);
       }
     }
@@ -279,38 +283,46 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 }
 
 // The AVX-512 forms for head_dim 16, 32, 64 or 128; any other, or a build without AVX-512, takes the loops.
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, QueryLayout layout,
-                       int64_t block_size, float scale) {
+                       int64_t block_size, float scale, float out_scale) {
   const int64_t head_dim = q.size(2);
 #ifdef __AVX512F__
   switch (head_dim) {
-    case 16: return decode_attention<scalar_t>(q, k_cache, v_cache, tables, lens, out, layout, block_size,
-                                               scale, Avx512Rows<1>{});
-    case 32: return decode_attention<scalar_t>(q, k_cache, v_cache, tables, lens, out, layout, block_size,
-                                               scale, Avx512Rows<2>{});
-    case 64: return decode_attention<scalar_t>(q, k_cache, v_cache, tables, lens, out, layout, block_size,
-                                               scale, Avx512Rows<4>{});
-    case 128: return decode_attention<scalar_t>(q, k_cache, v_cache, tables, lens, out, layout, block_size,
-                                                scale, Avx512Rows<8>{});
+    case 16: return decode_attention<scalar_t, cache_t>(q, k_cache, v_cache, tables, lens, out, layout, block_size,
+                                               scale, out_scale, Avx512Rows<1>{});
+    case 32: return decode_attention<scalar_t, cache_t>(q, k_cache, v_cache, tables, lens, out, layout, block_size,
+                                               scale, out_scale, Avx512Rows<2>{});
+    case 64: return decode_attention<scalar_t, cache_t>(q, k_cache, v_cache, tables, lens, out, layout, block_size,
+                                               scale, out_scale, Avx512Rows<4>{});
+    case 128: return decode_attention<scalar_t, cache_t>(q, k_cache, v_cache, tables, lens, out, layout, block_size,
+                                                scale, out_scale, Avx512Rows<8>{});
     default: break;
   }
 #endif
-  decode_attention<scalar_t>(q, k_cache, v_cache, tables, lens, out, layout, block_size, scale,
-                             PortableRows{head_dim});
+  decode_attention<scalar_t, cache_t>(q, k_cache, v_cache, tables, lens, out, layout, block_size, scale,
+                                      out_scale, PortableRows{head_dim});
 }
 
 // Both ops: q [rows, H, D] with each request's queries the last positions of its context (causal among them).
+// fp8: the caches hold e4m3 codes (uint8) of K / k_scale and V / v_scale.
+struct CacheCodes {
+  bool fp8 = false;
+  double k_scale = 1.0, v_scale = 1.0;
+};
+
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens, QueryLayout layout,
-                           int64_t block_size, double scale) {
+                           int64_t block_size, double scale, CacheCodes codes = {}) {
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and the caches must be 3-D");
   TORCH_CHECK(q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16,
               "q must be float32 or bfloat16, got ", q_in.scalar_type());
-  TORCH_CHECK(k_cache.scalar_type() == q_in.scalar_type() && v_cache.scalar_type() == q_in.scalar_type(),
-              "the caches must have q's dtype (", q_in.scalar_type(), "), got ", k_cache.scalar_type(), " and ",
-              v_cache.scalar_type());
+  const auto cache_type = codes.fp8 ? at::kByte : q_in.scalar_type();
+  TORCH_CHECK(k_cache.scalar_type() == cache_type && v_cache.scalar_type() == cache_type,
+              "the caches must be ", cache_type, codes.fp8 ? " (e4m3 codes)" : " (q's dtype)", ", got ",
+              k_cache.scalar_type(), " and ", v_cache.scalar_type());
+  TORCH_CHECK(codes.k_scale > 0 && codes.v_scale > 0, "k_scale and v_scale must be > 0");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables and seq_lens must be int32");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(),
@@ -323,12 +335,21 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   TORCH_CHECK(seq_lens.size(0) == num_reqs && width >= 1, "seq_lens must have one entry per block-table row");
   const at::Tensor q = q_in.contiguous();
   at::Tensor out = at::empty_like(q);
+  const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
+  const float score_scale = static_cast<float>(scale * codes.k_scale), out_scale = static_cast<float>(codes.v_scale);
   if (q.scalar_type() == at::kBFloat16) {
-    dispatch_head_dim<at::BFloat16>(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), out,
-                                    layout, block_size, static_cast<float>(scale));
+    if (codes.fp8) {
+      dispatch_head_dim<at::BFloat16, Fp8E4M3>(q, k_cache, v_cache, tables, lens, out, layout, block_size,
+                                               score_scale, out_scale);
+    } else {
+      dispatch_head_dim<at::BFloat16, at::BFloat16>(q, k_cache, v_cache, tables, lens, out, layout, block_size,
+                                                    score_scale, 1.f);
+    }
+  } else if (codes.fp8) {
+    dispatch_head_dim<float, Fp8E4M3>(q, k_cache, v_cache, tables, lens, out, layout, block_size, score_scale,
+                                      out_scale);
   } else {
-    dispatch_head_dim<float>(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), out,
-                             layout, block_size, static_cast<float>(scale));
+    dispatch_head_dim<float, float>(q, k_cache, v_cache, tables, lens, out, layout, block_size, score_scale, 1.f);
   }
   return out;
 }
@@ -343,15 +364,27 @@ at::Tensor cpu_paged_decode_attention(const at::Tensor& q,             // [B*Q, 
   return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, QueryLayout{query_len}, block_size, scale);
 }
 
+at::Tensor cpu_paged_decode_attention_fp8(const at::Tensor& q,             // [B*Q, H, D] float32 or bfloat16
+                                          const at::Tensor& k_cache,       // [num_slots, Hkv, D] uint8 e4m3
+                                          const at::Tensor& v_cache,       // [num_slots, Hkv, D] uint8 e4m3
+                                          const at::Tensor& block_tables,  // [B, nb] int32
+                                          const at::Tensor& seq_lens,      // [B] int32
+                                          int64_t query_len, int64_t block_size, double scale, double k_scale,
+                                          double v_scale) {
+  TORCH_CHECK(query_len >= 1, "query_len must be >= 1, got ", query_len);
+  return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, QueryLayout{query_len}, block_size, scale,
+                         CacheCodes{true, k_scale, v_scale});
+}
+
 // Prefill chunks of different lengths in one call (threads over requests): request b's queries are rows
 // query_starts[b] .. query_starts[b + 1] - 1 of q.
-at::Tensor cpu_paged_prefill_attention(const at::Tensor& q,             // [sum(Q_b), H, D]
-                                       const at::Tensor& k_cache,       // [num_slots, Hkv, D] q's dtype
-                                       const at::Tensor& v_cache,       // [num_slots, Hkv, D] q's dtype
-                                       const at::Tensor& block_tables,  // [P, nb] int32
-                                       const at::Tensor& seq_lens,      // [P] int32
-                                       const at::Tensor& query_starts,  // [P + 1] int64, from 0
-                                       int64_t block_size, double scale) {
+at::Tensor prefill_attention(const at::Tensor& q,             // [sum(Q_b), H, D]
+                             const at::Tensor& k_cache,       // [num_slots, Hkv, D] q's dtype (or e4m3 codes)
+                             const at::Tensor& v_cache,       // [num_slots, Hkv, D]
+                             const at::Tensor& block_tables,  // [P, nb] int32
+                             const at::Tensor& seq_lens,      // [P] int32
+                             const at::Tensor& query_starts,  // [P + 1] int64, from 0
+                             int64_t block_size, double scale, CacheCodes codes) {
   TORCH_CHECK(query_starts.scalar_type() == at::kLong && query_starts.dim() == 1 &&
                   query_starts.size(0) == block_tables.size(0) + 1,
               "query_starts must be int64 [P + 1] for P block-table rows");
@@ -366,7 +399,21 @@ at::Tensor cpu_paged_prefill_attention(const at::Tensor& q,             // [sum(
     TORCH_CHECK(s[b + 1] > s[b] && s[b + 1] - s[b] <= lens[b], "prefill request ", b, ": its query count (",
                 s[b + 1] - s[b], ") must be in [1, seq_len=", lens[b], "]");
   }
-  return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, QueryLayout{0, s}, block_size, scale);
+  return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, QueryLayout{0, s}, block_size, scale, codes);
+}
+
+at::Tensor cpu_paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                       const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                       const at::Tensor& query_starts, int64_t block_size, double scale) {
+  return prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_starts, block_size, scale, {});
+}
+
+at::Tensor cpu_paged_prefill_attention_fp8(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                           const at::Tensor& query_starts, int64_t block_size, double scale,
+                                           double k_scale, double v_scale) {
+  return prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_starts, block_size, scale,
+                           CacheCodes{true, k_scale, v_scale});
 }
 
 }  // namespace
@@ -376,9 +423,15 @@ TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
         "Tensor seq_lens, int query_len, int block_size, float scale) -> Tensor");
   m.def("cpu_paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_starts, int block_size, float scale) -> Tensor");
+  m.def("cpu_paged_decode_attention_fp8(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, int query_len, int block_size, float scale, float k_scale, float v_scale) -> Tensor");
+  m.def("cpu_paged_prefill_attention_fp8(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor query_starts, int block_size, float scale, float k_scale, float v_scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer, CPU, m) {
   m.impl("cpu_paged_decode_attention", &cpu_paged_decode_attention);
   m.impl("cpu_paged_prefill_attention", &cpu_paged_prefill_attention);
+  m.impl("cpu_paged_decode_attention_fp8", &cpu_paged_decode_attention_fp8);
+  m.impl("cpu_paged_prefill_attention_fp8", &cpu_paged_prefill_attention_fp8);
 }

@@ -35,7 +35,7 @@ class _CumulativeCounter:
 class TritonMetrics:
     """``pb_utils`` is passed in because it only exists inside the Python backend's stub."""
 
-    def __init__(self, pb_utils: Any, labels: dict[str, str]) -> None:
+    def __init__(self, pb_utils: Any, labels: dict[str, str], kv_cache_dtype: str = "") -> None:
         family = pb_utils.MetricFamily
         self._families: list[Any] = []  # keeps every family alive (see module docstring)
         self._labels = labels
@@ -83,6 +83,14 @@ class TritonMetrics:
         self.prefix_hit_rate = make(gauge, "deepinfer_prefix_cache_hit_rate",
                                     "Prompt tokens found in the prefix cache / looked up (cumulative)")
         self.sessions = make(gauge, "deepinfer_num_sessions", "Open sessions (Triton sequences)")
+        # The KV cache's element type as a label (an info metric, always 1): "float32", "bfloat16", "fp8_e4m3".
+        self.kv_cache_dtype = None
+        if kv_cache_dtype:
+            info = family(name="deepinfer_kv_cache_dtype_info", description="The KV cache's element type (label)",
+                          kind=gauge)
+            self._families.append(info)
+            self.kv_cache_dtype = info.Metric(labels={**labels, "kv_cache_dtype": kv_cache_dtype})
+            self.kv_cache_dtype.set(1)
         # Speculative decoding (zero while spec_method is none), named after vLLM's spec_decode metrics.
         self.spec_draft_tokens = cumulative("deepinfer_spec_decode_draft_tokens_total",
                                             "Draft tokens verified by the target model")

@@ -11,13 +11,16 @@ from backend_lib.tools.lint.regions import lint_all_regions
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deepinfer lint-graphs",
                                      description="Lint every compiled region of a tiny Llama, a tiny "
-                                                 "DeepSeek-V3 and a tiny DeepSeek-V4 for what neuronx-cc rejects or "
-                                                 "runs slowly.")
-    parser.add_argument("--arch", choices=["llama", "deepseek_v3", "deepseek_v4", "all"], default="all")
+                                                 "DeepSeek-V3 and a tiny DeepSeek-V4 (each also with an fp8 KV cache) "
+                                                 "for what neuronx-cc rejects or runs slowly.")
+    parser.add_argument("--arch", default="all",
+                        choices=["llama", "llama_fp8", "deepseek_v3", "deepseek_v3_fp8", "deepseek_v4",
+                                 "deepseek_v4_fp8", "all"])
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="lint each rank's shard with the collectives in its graphs (gloo ranks on this host)")
     args = parser.parse_args(argv)
-    archs = ["llama", "deepseek_v3", "deepseek_v4"] if args.arch == "all" else [args.arch]
+    archs = (["llama", "llama_fp8", "deepseek_v3", "deepseek_v3_fp8", "deepseek_v4", "deepseek_v4_fp8"]
+             if args.arch == "all" else [args.arch])
     if args.tensor_parallel_size > 1:
         results = [(f"rank {r.rank}: {r.region}", r.error)
                    for r in lint_with_ranks(archs, args.tensor_parallel_size)]

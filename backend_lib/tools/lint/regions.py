@@ -1,8 +1,10 @@
 """The catalogue of compiled regions that ``deepinfer lint-graphs`` checks, built on tiny random models.
 
 Regions: decode at each batch bucket, each prefill bucket, the lm_head, every sampler variant and the draft
-verification (greedy and sampled rows; with and without the structured-output grammar bitmask), for a tiny Llama, a tiny DeepSeek-V3 (fp8 weights, static MoE) and a tiny
-DeepSeek-V4 (fp32, static MoE).
+verification (greedy and sampled rows; with and without the structured-output grammar bitmask), for a tiny Llama, a
+tiny DeepSeek-V3 (fp8 weights, static MoE) and a tiny DeepSeek-V4 (fp32, static MoE); ``llama_fp8``,
+``deepseek_v3_fp8`` and ``deepseek_v4_fp8`` are the same with an fp8 KV cache (e4m3 K/V codes, MLA latent records,
+V4 entry and indexer-key records) stored and read at Neuron's 224.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from backend_lib.tools.lint.graph_lint import GraphLintError, lint_region
 from backend_lib.tools.tiny import make_tiny
 from backend_lib.worker.compile.buckets import BucketSpec
 from backend_lib.worker.compile.regions import SAMPLER_VARIANTS, CompiledModel, layer_views, warm_up_meta
+from backend_lib.worker.kv_dtype import KV_FP8_MAX_NEURON
 from backend_lib.worker.sampler import SamplingMetadata, SamplingRow, masked_sample
 from backend_lib.worker.spec_decode.rejection import DraftLayout, rejection_sample
 
@@ -30,8 +33,12 @@ LINT_BUCKETS = BucketSpec(batch_sizes=(1, 4), block_table_widths=(4,), prefill_l
 
 
 def _tiny_model(arch: str, directory: str, par: ParallelContext | None = None) -> torch.nn.Module:
+    fp8_kv = arch.endswith("_fp8")
+    arch = arch.removesuffix("_fp8")
     path = make_tiny(arch, directory, fp8=arch == "deepseek_v3", seed=0)
     model = load_model(str(path), torch.float32, progress=False, par=par).eval()
+    if fp8_kv:
+        model.use_fp8_kv(KV_FP8_MAX_NEURON)
     if arch in ("deepseek_v3", "deepseek_v4"):
         model.set_moe_impl("static")
     return model
@@ -40,9 +47,12 @@ def _tiny_model(arch: str, directory: str, par: ParallelContext | None = None) -
 def _model_regions(arch: str, model: torch.nn.Module) -> Iterator[tuple[str, object]]:
     if hasattr(model, "hybrid_cache_shapes"):
         paged, state = model.hybrid_cache_shapes(NUM_BLOCKS + 1, BLOCK_SIZE, NUM_STATE_SLOTS + 1)
-        caches = [torch.zeros(s) for s in paged + state]
+        paged_dtype = torch.uint8 if getattr(model, "records", None) is not None else torch.float32  # fp8 records
+        caches = [torch.zeros(s, dtype=paged_dtype) for s in paged] + [torch.zeros(s) for s in state]
     else:
-        caches = [torch.zeros(s) for s in model.kv_cache_shapes((NUM_BLOCKS + 1) * BLOCK_SIZE)]
+        fp8 = getattr(model, "kv_fp8", False) or getattr(model, "record", None) is not None
+        kv_dtype = torch.uint8 if fp8 else torch.float32  # e4m3 codes / latent records
+        caches = [torch.zeros(s, dtype=kv_dtype) for s in model.kv_cache_shapes((NUM_BLOCKS + 1) * BLOCK_SIZE)]
     wrapper = CompiledModel(model, LINT_BUCKETS, "eager", scratch_block=NUM_BLOCKS)
     keys = ([("decode", b, 1, w) for b, w in LINT_BUCKETS.decode_keys()]
             + [("prefill", 1, n, w) for n, w in LINT_BUCKETS.prefill_keys()])

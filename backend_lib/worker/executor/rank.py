@@ -12,6 +12,7 @@ from backend_lib.core.config import EngineConfig
 from backend_lib.models.layers import HostGemmPlan
 from backend_lib.models.loader import load_model, resolve_model_path
 from backend_lib.models.parallel import ParallelContext
+from backend_lib.worker.kv_dtype import kv_storage_dtype
 from backend_lib.worker.kv_sizing import kv_cache_num_blocks
 from backend_lib.worker.model_runner import ModelRunner, is_hybrid, max_drafts
 from backend_lib.worker.step_channel import StepChannel
@@ -37,16 +38,19 @@ def num_state_slots(config: EngineConfig, model: torch.nn.Module) -> int:
     return config.scheduler.max_num_seqs + config.max_sessions if is_hybrid(model) else 0
 
 
-def kv_cache_blocks(config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype, world_size: int = 1) -> int:
+def kv_cache_blocks(config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype, world_size: int = 1,
+                    kv_dtype: torch.dtype | None = None) -> int:
     """Blocks of the KV pool for this rank's shard (backend_lib/worker/kv_sizing.py: ``num_blocks``, ``kv_cache_memory_gb``,
     or a fraction of the free memory, which the ranks of one host share); a hybrid model's state slots (and the
-    scratch slot) come off the budget first."""
+    scratch slot) come off the budget first. ``kv_dtype``: the paged cache's element type (uint8 for fp8 records;
+    default ``dtype``); the state slots keep the model ``dtype``."""
     drafts, block_size = max_drafts(config.spec), config.cache.block_size
-    per_block = ModelRunner.kv_bytes_per_block(model, block_size, dtype, drafts)
+    per_block = ModelRunner.kv_bytes_per_block(model, block_size, kv_dtype or dtype, drafts)
     slots = num_state_slots(config, model)
     fixed = (slots + 1) * ModelRunner.state_bytes_per_slot(model, block_size, dtype, drafts) if slots else 0
     return kv_cache_num_blocks(config, per_block, torch.device(config.model.device), share=world_size,
-                               fixed_bytes=fixed, fixed_what=f"{slots} state slots (max_num_seqs + max_sessions)")
+                               fixed_bytes=fixed, fixed_what=f"{slots} state slots (max_num_seqs + max_sessions)",
+                               kv_dtype=config.kv_dtype_name)
 
 
 def _agree_on_blocks(num_blocks: int, par: ParallelContext) -> int:
@@ -72,7 +76,8 @@ def host_gemm_plan(host_gemm: str, device: torch.device, dtype: torch.dtype,
 def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
     device, dtype = torch.device(config.model.device), DTYPES[config.model.dtype]
     model = load_model(resolve_model_path(config.model.model), dtype=dtype, progress=par.is_driver,
-                       par=par).to(device).eval()
+                       par=par, weight_format=config.model.weight_format,
+                       packed_gemm_path=config.model.packed_gemm_path).to(device).eval()
     # Before the runner: compiled regions trace the packed GEMMs (opaque custom ops) that eager steps call. Before
     # the KV cache's sizing: the packed and blocked copies and the screened heads take memory the cache must not.
     plan = host_gemm_plan(config.model.host_gemm, device, dtype, config.model.greedy_head_screen)
@@ -82,7 +87,14 @@ def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
             move_buffers_to_huge_pages([(module, name) for module in model.modules()
                                         for name, buffer in module.named_buffers(recurse=False)
                                         if "blocked" in name and buffer is not None])
-    num_blocks = _agree_on_blocks(kv_cache_blocks(config, model, dtype, par.world_size), par)
+    quantized = [(module, "quantized_data") for module in model.modules()
+                 if getattr(module, "quantized", None) is not None]
+    if quantized:  # weight_format=packed: the packed bytes every decode step streams, in model order, likewise
+        move_buffers_to_huge_pages(quantized)
+        for module, _ in quantized:
+            module.rebind_quantized()
+    kv_dtype = kv_storage_dtype(config, model, dtype)  # refuses fp8 where the model cannot store it
+    num_blocks = _agree_on_blocks(kv_cache_blocks(config, model, dtype, par.world_size, kv_dtype), par)
     if (config.model.host_attention == "cpp" and hasattr(model, "use_cpu_attention")
             and cpu_kernels_supported(device, dtype) and load_cpu_kernels()):
         model.use_cpu_attention()
@@ -91,5 +103,5 @@ def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
     runner = ModelRunner(model, num_blocks, config.cache.block_size, model.arch.vocab_size, device, dtype,
                          spec=config.spec, compile_config=config.compile,
                          max_num_seqs=config.scheduler.max_num_seqs, max_model_len=config.model.max_model_len,
-                         channel=channel, num_state_slots=slots)
+                         channel=channel, num_state_slots=slots, kv_dtype=kv_dtype)
     return RankState(model, runner, num_blocks, slots)

@@ -40,7 +40,8 @@ class MTPProposer:
         self.model = model
         self.layer = model.mtp[0]
         self.k = num_speculative_tokens
-        self.cache = torch.zeros(num_slots, model.args.latent_dim, dtype=dtype, device=device)
+        # dtype: the main cache's (uint8 for fp8 latent records, whose width latent_width gives)
+        self.cache = torch.zeros(num_slots, model.latent_width, dtype=dtype, device=device)
 
     @property
     def num_lookahead_slots(self) -> int:

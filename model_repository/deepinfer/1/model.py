@@ -100,7 +100,8 @@ class TritonPythonModel:
 
     def _make_metrics(self, args: dict[str, str]) -> TritonMetrics | None:
         try:
-            return TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
+            return TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]},
+                                 kv_cache_dtype=self._engine.config.kv_dtype_name)
         except pb_utils.TritonModelException as exc:
             if "metrics not supported" not in str(exc):
                 raise
