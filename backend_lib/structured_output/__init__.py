@@ -17,5 +17,6 @@ This package owns, and only owns:
 
 Applying the bitmask to logits is ``kernels/grammar_mask.py``. The engine uses this package through
 ``core/grammar.py`` (a request's compile and matcher), ``worker/grammar_bitmask.py`` (the step's bitmask) and the
-one sampling core (``worker/sampler.py``); the codec and the OpenAI front do not use it yet.
+one sampling core (``worker/sampler.py``); the intake parses constraints with ``constraints.py`` and the OpenAI front
+(``frontend/openai/tools.py``) builds tool calls with ``tool_choice`` and the parsers.
 """
