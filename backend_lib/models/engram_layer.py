@@ -56,13 +56,12 @@ def _linear(in_features: int, out_features: int) -> nn.Linear:
 
 
 class _Norm(nn.Module):
+    """An RMSNorm's weight and eps under the reference's name (EngramLayer applies the streams' norms batched)."""
+
     def __init__(self, width: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(width), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., width]
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class _ShardedTable(nn.Module):
@@ -118,9 +117,6 @@ class _ShortConv(nn.Module):
         self.conv.weight = nn.Parameter(torch.zeros(streams * hidden, 1, kernel_size), requires_grad=False)
         self.norms = nn.ModuleList(_Norm(hidden, _CONV_NORM_EPS) for _ in range(streams))
 
-    def normed(self, values: torch.Tensor) -> torch.Tensor:  # [T, hc, hidden] -> [T, hc * hidden]
-        return torch.cat([norm(values[:, s]) for s, norm in enumerate(self.norms)], dim=-1)
-
     def forward(self, window: torch.Tensor,  # [T, lookback + 1, hc * hidden] normed values, oldest first
                 ) -> torch.Tensor:  # [T, hc * hidden]
         taps = window[:, ::self.dilation]  # [T, kernel_size, C]: tap k reads position t - (K - 1 - k) * dilation
@@ -141,24 +137,36 @@ class EngramLayer(nn.Module):
         self.norm1 = nn.ModuleList(_Norm(hidden, machine_eps) for _ in range(streams))
         self.norm2 = nn.ModuleList(_Norm(hidden, machine_eps) for _ in range(streams))
         self.short_conv = _ShortConv(hidden, streams, config.kernel_size, config.max_ngram_size)
+        self._fused: tuple[torch.Tensor, ...] | None = None  # fuse()'s stacked weights
 
     def gather(self, context: torch.Tensor,  # [T, max_ngram] int64 token ids, oldest first, -1 before the start
                ) -> torch.Tensor:  # [T, width]: the hashed rows of every head (host work: int64, a table lookup)
         return self.multi_head_embedding.gather(self.hasher(context))
+
+    def fuse(self) -> None:
+        """One GEMM for value_proj and every key_proj, and each norm's per-stream weights stacked, so a step runs a
+        few batched ops instead of ~4 per stream (the loader calls it once the weights are in)."""
+        projections = [self.value_proj, *self.key_projs]
+        self._fused = (torch.cat([p.weight for p in projections]), torch.cat([p.bias for p in projections]),
+                       torch.stack([n.weight for n in self.norm1]), torch.stack([n.weight for n in self.norm2]),
+                       torch.stack([n.weight for n in self.short_conv.norms]))
 
     def forward(self, streams: torch.Tensor,  # [T, hc, hidden]
                 embedded: torch.Tensor,  # [T, width] ``gather``'s rows
                 positions: torch.Tensor,  # [T] int64
                 rows: StateRows, ring: torch.Tensor,  # ring [S + 1, lookback + drafts, hc * hidden]
                 longest_chunk: int | None = None) -> torch.Tensor:  # [T, hc, hidden]: what to add to the streams
-        embedded = embedded.to(streams.dtype)
-        scale = 1.0 / math.sqrt(self.hidden)
-        gates = []
-        for s in range(self.streams):
-            dot = (self.norm1[s](self.key_projs[s](embedded)) * self.norm2[s](streams[:, s])).sum(-1) * scale
-            gates.append(torch.sigmoid(dot.abs().clamp_min(_GATE_FLOOR).sqrt() * dot.sign()))
-        values = torch.stack(gates, dim=1)[..., None] * self.value_proj(embedded)[:, None, :]  # [T, hc, hidden]
-        normed = self.short_conv.normed(values)  # [T, hc * hidden]
+        if self._fused is None:
+            self.fuse()
+        weight, bias, norm1, norm2, conv_norm = self._fused
+        hidden, eps = self.hidden, self.norm1[0].eps
+        projected = F.linear(embedded.to(streams.dtype), weight, bias).view(-1, self.streams + 1, hidden)
+        keys = F.rms_norm(projected[:, 1:], (hidden,), None, eps) * norm1  # [T, hc, hidden]
+        queries = F.rms_norm(streams, (hidden,), None, eps) * norm2
+        dot = (keys * queries).sum(-1) / math.sqrt(hidden)  # [T, hc]
+        gates = torch.sigmoid(dot.abs().clamp_min(_GATE_FLOOR).sqrt() * dot.sign())
+        values = gates[..., None] * projected[:, :1]  # [T, hc, hidden]
+        normed = (F.rms_norm(values, (hidden,), None, _CONV_NORM_EPS) * conv_norm).flatten(1)  # [T, hc * hidden]
         window, exists = recent_rows(ring, normed, rows, positions, self.config.conv_lookback + 1,
                                      longest_chunk=longest_chunk)
         window = window * exists[..., None].to(window.dtype)  # the conv's zero padding before position 0

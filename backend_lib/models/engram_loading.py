@@ -87,3 +87,6 @@ class EngramLoader:
         if missing:
             raise ValueError(f"checkpoint is missing Engram weights for: {missing[:8]}"
                              f"{' ...' if len(missing) > 8 else ''}")
+        for layer in self.layers:
+            if getattr(layer, "engram", None) is not None:
+                layer.engram.fuse()
