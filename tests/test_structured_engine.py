@@ -156,6 +156,20 @@ def test_speculation_gives_the_tokens_without_it(tiny_llama, tiny_mtp, spec):
     assert stats.spec_draft_tokens > 0 and stats.kv_blocks_used == 0
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4"])
+def test_tiny_deepseek_outputs_validate_and_mtp_gives_the_same_tokens(arch, tmp_path):
+    """The same grammars on the DeepSeek backbones (V4: the hybrid cache; both with MTP drafts checked against none)."""
+    path = make_tiny(arch, tmp_path / arch, seed=8, mtp_layers=1)
+    prompts, params, kinds = _workload()
+    with _llm(path) as plain:
+        expected = plain.generate(prompts, params)
+    _check_valid(expected, params, kinds)
+    with _llm(path, method="mtp", num_speculative_tokens=2) as llm:
+        results = llm.generate(prompts, params)
+        llm.engine.scheduler.check_integrity()
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+
+
 def test_preemption_rebuilds_the_matcher(tiny_llama):
     prompts, params, kinds = _workload()
     with _llm(tiny_llama) as llm:
