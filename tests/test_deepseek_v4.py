@@ -276,7 +276,7 @@ def test_memory_grows_by_compressed_entries_only_and_sessions_hold_slots(tmp_pat
     """The engine's allocator: a block of 8 positions (both tiny rates, 4 and 8, divide it) holds n_csa * (D + Di) / 4
     + n_hca * D / 8 values per position; a state slot holds the rings, whatever the context length. Slots are
     max_num_seqs + max_sessions: a session past max_sessions gets the busy error, and END frees its slot."""
-    from backend_lib.worker.model_runner import ModelRunner
+    from backend_lib.worker.kv_sizing import kv_bytes_per_block, state_bytes_per_slot
     path = make_tiny("deepseek_v4", tmp_path, seed=3)
     engine = _engine(path, num_blocks=16, block_size=8, max_sessions=2)
     a = engine.model.args
@@ -284,9 +284,9 @@ def test_memory_grows_by_compressed_entries_only_and_sessions_hold_slots(tmp_pat
         a.count("heavily_compressed_attention"), a.num_hidden_layers
     assert (a.rate("compressed_sparse_attention"), a.rate("heavily_compressed_attention")) == (4, 8)
     per_position = n_csa * (d + di) / 4 + n_hca * d / 8
-    assert ModelRunner.kv_bytes_per_block(engine.model, 8, torch.float32) == per_position * 8 * 4
+    assert kv_bytes_per_block(engine.model, 8, torch.float32) == per_position * 8 * 4
     per_slot = layers * w * d + n_csa * 2 * 4 * (4 * d + 4 * di) + n_hca * 8 * 2 * d
-    assert ModelRunner.state_bytes_per_slot(engine.model, 8, torch.float32) == per_slot * 4
+    assert state_bytes_per_slot(engine.model, 8, torch.float32) == per_slot * 4
     allocated = sum(t.numel() for t in engine.runner.kv_caches)
     slots = engine.scheduler.kv_cache.num_state_slots
     assert slots == 4 + 2  # max_num_seqs + max_sessions

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,29 @@ class KVCachePlan:
         return (f"KV cache{dtype}: {self.num_blocks} blocks x {self.bytes_per_block} B = "
                 f"{self.total_bytes / _GIB:.2f} GiB"
                 f"{fixed} ({self.rule}; free memory after loading the weights: {free})")
+
+
+def is_hybrid(model: torch.nn.Module) -> bool:
+    """Whether the model keeps fixed per-request state next to its paged blocks (backend_lib/core/hybrid_kv.py)."""
+    return hasattr(model, "hybrid_cache_shapes")
+
+
+def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype, drafts: int = 0) -> int:
+    """Bytes of one paged KV block (``dtype``: the paged cache's element type)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if is_hybrid(model):
+        paged, _ = model.hybrid_cache_shapes(1, block_size, 0, drafts)
+        return sum(math.prod(shape) for shape in paged) * size
+    per_slot = sum(math.prod(shape) for shape in model.kv_cache_shapes(1))
+    return per_slot * block_size * size
+
+
+def state_bytes_per_slot(model: torch.nn.Module, block_size: int, dtype: torch.dtype, drafts: int = 0) -> int:
+    """Bytes of one fixed state slot (0 for models without one)."""
+    if not is_hybrid(model):
+        return 0
+    _, state = model.hybrid_cache_shapes(0, block_size, 1, drafts)
+    return sum(math.prod(shape) for shape in state) * torch.empty((), dtype=dtype).element_size()
 
 
 def _blocks_for(tokens: int, block_size: int) -> int:

@@ -22,7 +22,6 @@ tokens to run the same draft pass. Only the driver samples.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +31,7 @@ from backend_lib.core.outputs import RunnerOutput, ScheduledChunk, SchedulerOutp
 from backend_lib.core.request import Request
 from backend_lib.worker.compile.platform import detect_platform
 from backend_lib.worker.compile.regions import build_regions, resolve_backend
+from backend_lib.worker.kv_sizing import is_hybrid
 from backend_lib.worker.grammar_bitmask import StepBitmask
 from backend_lib.worker.prompt_logprobs import PromptRows, head_slices, prompt_rows
 from backend_lib.worker.prompt_logprobs import compute as compute_prompt_logprobs
@@ -43,11 +43,6 @@ from backend_lib.worker.step_channel import StepChannel, StepOp
 from backend_lib.worker.token_history import chunk_history, padding_history, step_history
 from kernels import sampling as sampling_ops
 from kernels.attention_metadata import AttentionMetadata, StateRows
-
-
-def is_hybrid(model: torch.nn.Module) -> bool:
-    """Whether the model keeps fixed per-request state next to its paged blocks (backend_lib/core/hybrid_kv.py)."""
-    return hasattr(model, "hybrid_cache_shapes")
 
 
 def max_drafts(spec: SpecConfig | None) -> int:
@@ -132,23 +127,6 @@ class ModelRunner:
     def num_lookahead_slots(self) -> int:
         """Slots past a step's tokens that the proposer writes (the scheduler reserves them)."""
         return self.mtp.num_lookahead_slots if self.mtp is not None else 0
-
-    @staticmethod
-    def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype, drafts: int = 0) -> int:
-        size = torch.empty((), dtype=dtype).element_size()
-        if is_hybrid(model):
-            paged, _ = model.hybrid_cache_shapes(1, block_size, 0, drafts)
-            return sum(math.prod(shape) for shape in paged) * size
-        per_slot = sum(math.prod(shape) for shape in model.kv_cache_shapes(1))
-        return per_slot * block_size * size
-
-    @staticmethod
-    def state_bytes_per_slot(model: torch.nn.Module, block_size: int, dtype: torch.dtype, drafts: int = 0) -> int:
-        """Bytes of one fixed state slot (0 for models without one)."""
-        if not is_hybrid(model):
-            return 0
-        _, state = model.hybrid_cache_shapes(0, block_size, 1, drafts)
-        return sum(math.prod(shape) for shape in state) * torch.empty((), dtype=dtype).element_size()
 
     def _block_table(self, rows: list[list[int]], min_width: int = 0) -> torch.Tensor:
         width = max(max((len(r) for r in rows), default=0), min_width)

@@ -14,7 +14,8 @@ from backend_lib.models.loader import load_model, resolve_model_path
 from backend_lib.models.parallel import ParallelContext
 from backend_lib.worker.kv_dtype import kv_storage_dtype
 from backend_lib.worker.kv_sizing import kv_cache_num_blocks
-from backend_lib.worker.model_runner import ModelRunner, is_hybrid, max_drafts
+from backend_lib.worker.kv_sizing import is_hybrid, kv_bytes_per_block, state_bytes_per_slot
+from backend_lib.worker.model_runner import ModelRunner, max_drafts
 from backend_lib.worker.step_channel import StepChannel
 from kernels.cpu_kernels import cpu_kernels_supported, load_cpu_kernels
 from kernels.gemv import GemvPolicy, gemv_available
@@ -45,9 +46,9 @@ def kv_cache_blocks(config: EngineConfig, model: torch.nn.Module, dtype: torch.d
     scratch slot) come off the budget first. ``kv_dtype``: the paged cache's element type (uint8 for fp8 records;
     default ``dtype``); the state slots keep the model ``dtype``."""
     drafts, block_size = max_drafts(config.spec), config.cache.block_size
-    per_block = ModelRunner.kv_bytes_per_block(model, block_size, kv_dtype or dtype, drafts)
+    per_block = kv_bytes_per_block(model, block_size, kv_dtype or dtype, drafts)
     slots = num_state_slots(config, model)
-    fixed = (slots + 1) * ModelRunner.state_bytes_per_slot(model, block_size, dtype, drafts) if slots else 0
+    fixed = (slots + 1) * state_bytes_per_slot(model, block_size, dtype, drafts) if slots else 0
     return kv_cache_num_blocks(config, per_block, torch.device(config.model.device), share=world_size,
                                fixed_bytes=fixed, fixed_what=f"{slots} state slots (max_num_seqs + max_sessions)",
                                kv_dtype=config.kv_dtype_name)
