@@ -11,22 +11,19 @@ least 2x dequantize. Writes benchmarks/results/quantized_deepseek.md. Run on a q
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from backend_lib.core.config import EngineConfig  # noqa: E402
-from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
 from backend_lib.engine.llm_engine import LLMEngine  # noqa: E402
 from backend_lib.tools.tiny import make_tiny  # noqa: E402
 from benchmarks.deepseek_v4_decode import MODEL_OVERRIDES as V4_OVERRIDES  # noqa: E402
+from benchmarks.engram import PROMPT, decode_step_ms  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 
 V3_OVERRIDES = dict(hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512, num_hidden_layers=4,
@@ -35,7 +32,6 @@ V3_OVERRIDES = dict(hidden_size=1024, intermediate_size=2048, moe_intermediate_s
                     qk_nope_head_dim=64, v_head_dim=64)
 MODELS = {"DeepSeek-V3 fp8": ("deepseek_v3", V3_OVERRIDES, False),
           "DeepSeek-V4 fp8 + fp4 experts": ("deepseek_v4", V4_OVERRIDES, True)}
-PROMPT = 32
 FORMATS = ("dequantize", "packed")
 
 
@@ -43,22 +39,6 @@ def _engine(path: Path, batch: int, weight_format: str) -> LLMEngine:
     return LLMEngine(EngineConfig.from_flat({"model": str(path), "max_model_len": 512, "block_size": 16,
                                              "max_num_seqs": batch, "max_num_batched_tokens": batch * PROMPT,
                                              "num_blocks": batch * 8 + 8, "weight_format": weight_format}))
-
-
-def decode_step_ms(engine: LLMEngine, batch: int, steps: int) -> float:
-    """Median wall time of a decode step of ``batch`` requests past their prefill."""
-    run = time.perf_counter_ns()
-    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
-    gen = torch.Generator().manual_seed(batch)
-    for i, prompt in enumerate(torch.randint(3, 300, (batch, PROMPT), generator=gen).tolist()):
-        engine.add_request(f"b{batch}-{run}-{i}", prompt, params)
-    engine.step()  # the prefill
-    times = []
-    while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times[1:-1])
 
 
 def main() -> int:
