@@ -29,6 +29,30 @@ class StateRows:
 
 
 @dataclass
+class ContextShare:
+    """Context parallelism (backend_lib/worker/context_share.py): what this context rank holds of the step's
+    requests, and which of the step's rows it computes. Block tables list only the blocks this rank holds (its
+    local ids, the scratch block padding), each with the position of its first token (padding: past every query)."""
+
+    rank: int
+    size: int
+    query_positions: torch.Tensor  # [T] int64: every row's position (the causal mask is by position)
+    decode_tables: torch.Tensor  # [num_decodes, w] int64 held blocks
+    decode_starts: torch.Tensor  # [num_decodes, w] int64
+    prefill_tables: torch.Tensor  # [num_prefills, w'] int64
+    prefill_starts: torch.Tensor  # [num_prefills, w'] int64
+    row_counts: list[int] | None = None  # rows per context rank when the step's rows are split, else None
+
+    @property
+    def rows(self) -> slice:
+        """This rank's rows of the step (all of them when unsplit)."""
+        if self.row_counts is None:
+            return slice(0, self.query_positions.shape[0])
+        start = sum(self.row_counts[:self.rank])
+        return slice(start, start + self.row_counts[self.rank])
+
+
+@dataclass
 class AttentionMetadata:
     block_size: int
     slot_mapping: torch.Tensor  # [T] int64: cache slot of every token's K/V (written before attention)
@@ -43,6 +67,7 @@ class AttentionMetadata:
     state: StateRows | None = None  # hybrid-cache models only
     token_history: torch.Tensor | None = None  # [T, H] int64 ids before each token (-1 before the start): Engram
     engram_rows: torch.Tensor | None = None  # [L_e, T, width]: Engram's gathered table rows, computed on the host
+    context: ContextShare | None = None  # context parallelism: this rank's blocks and rows (slot_mapping is local)
 
     @property
     def num_decode_tokens(self) -> int:

@@ -190,10 +190,17 @@ class CompileConfig:
 
 @dataclass
 class ParallelConfig:
-    """Tensor / expert parallelism over torch.distributed (names as vLLM uses them)."""
+    """Tensor / expert / context parallelism over torch.distributed (names as vLLM uses them).
 
-    tensor_parallel_size: int = 1  # ranks; rank 0 is the driver (where the engine lives), the rest worker processes
+    Ranks = tensor_parallel_size x context_parallel_size; global rank ``cp * tensor_parallel_size + tp``. Rank 0 is
+    the driver (where the engine lives), the rest worker processes. Context parallelism (worker/context_share.py):
+    each context-parallel group holds a share of every request's KV blocks, attends it and merges the partial results
+    by log-sum-exp; a step of at least ``context_parallel_min_tokens`` tokens also splits its rows across the group."""
+
+    tensor_parallel_size: int = 1  # ranks that shard the weights (heads, intermediate units, vocabulary)
     enable_expert_parallel: bool = False  # MoE experts partitioned across the ranks instead of each one sharded
+    context_parallel_size: int = 1  # groups that split the KV (and long steps' rows) by sequence position
+    context_parallel_min_tokens: int = 256  # a step with fewer tokens runs every row on every context rank
     nnodes: int = 1  # machines; ranks on nodes 1.. are started there by `deepinfer worker`
     master_addr: str = "127.0.0.1"  # where the driver's rendezvous store listens (node 0's address)
     master_port: int = 0  # 0 = a free port (one machine only)
@@ -202,8 +209,14 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _require(1 <= self.tensor_parallel_size <= 1024,
                  f"tensor_parallel_size must be in [1, 1024], got {self.tensor_parallel_size}")
-        _require(1 <= self.nnodes <= self.tensor_parallel_size and self.tensor_parallel_size % self.nnodes == 0,
-                 f"nnodes must divide tensor_parallel_size={self.tensor_parallel_size}, got {self.nnodes}")
+        # Context ranks each hold a full copy of their tensor-parallel shard: CP multiplies the ranks, not the split.
+        _require(1 <= self.context_parallel_size <= 64,
+                 f"context_parallel_size must be in [1, 64], got {self.context_parallel_size}")
+        _require(self.context_parallel_min_tokens >= 1,
+                 f"context_parallel_min_tokens must be >= 1, got {self.context_parallel_min_tokens}")
+        _require(1 <= self.nnodes <= self.world_size and self.world_size % self.nnodes == 0,
+                 f"nnodes must divide tensor_parallel_size x context_parallel_size={self.world_size}, "
+                 f"got {self.nnodes}")
         _require(self.nnodes == 1 or self.master_port > 0,
                  f"nnodes={self.nnodes} needs an explicit master_port (the workers on other nodes dial it)")
         _require(0 <= self.master_port <= 65535, f"master_port must be in [0, 65535], got {self.master_port}")
@@ -211,8 +224,12 @@ class ParallelConfig:
                  f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
 
     @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.context_parallel_size
+
+    @property
     def ranks_per_node(self) -> int:
-        return self.tensor_parallel_size // self.nnodes
+        return self.world_size // self.nnodes
 
 
 @dataclass
@@ -282,6 +299,13 @@ class EngineConfig:
                  f"max_sessions must be >= 0 (0 = {SESSIONS_PER_SEQ} x max_num_seqs), got {self.max_sessions}")
         _require(self.model.weight_format == "dequantize" or self.compile.compile_backend != "neuron",
                  "weight_format=packed cannot run with compile_backend=neuron (its GEMMs are host C++ kernels)")
+        context_parallel = self.parallel.context_parallel_size > 1
+        _require(not context_parallel or self.compile.compile_backend == "none",
+                 f"context_parallel_size={self.parallel.context_parallel_size} runs eager steps: set compile_backend "
+                 f"'none' (got {self.compile.compile_backend!r})")
+        _require(not context_parallel or self.spec.method != "mtp",
+                 f"context_parallel_size={self.parallel.context_parallel_size} does not run MTP drafts yet: use "
+                 f"spec_method 'ngram' or 'none'")
         self.max_waiting_requests = self.max_waiting_requests or WAITING_PER_SEQ * self.scheduler.max_num_seqs
         self.max_sessions = self.max_sessions or SESSIONS_PER_SEQ * self.scheduler.max_num_seqs
 

@@ -18,6 +18,7 @@ from backend_lib.models.layers import (HostGemmPlan, Linear, RMSNorm, RotaryEmbe
 from backend_lib.models.parallel import ParallelContext, Shard, read_shard, vocab_parallel_lookup
 from backend_lib.models.quantized_blocks import GGUFBlocks, install_gguf_parts
 from kernels import fused_layer_ops as fused
+from backend_lib.models.context_parallel import context_attention
 from kernels.attention import paged_attention, write_kv
 from kernels.attention_metadata import AttentionMetadata
 from kernels.gemv import TILE, GemvPolicy, block_weight, blocked_linear_argmax, blocked_linear_float
@@ -162,21 +163,28 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         quant = self.kv_quant
-        if self.host_fused and quant is None and not torch.compiler.is_compiling():
+        share = meta.context
+        if share is not None:  # context parallelism: every row's q, k, v (the step's rows may be split)
+            qkv = self.par.context.gather_rows(qkv, share.row_counts)
+        if self.host_fused and quant is None and share is None and not torch.compiler.is_compiling():
             q = fused.rope_qkv_to_cache(qkv, *rope, k_cache, v_cache, meta.slot_mapping, self.num_heads,
                                         self.num_kv_heads)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = rotate(q.view(num_tokens, self.num_heads, self.head_dim), *rope)
-            k = rotate(k.view(num_tokens, self.num_kv_heads, self.head_dim), *rope)
-            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+            rows = qkv.shape[0]
+            q = rotate(q.reshape(rows, self.num_heads, self.head_dim), *rope)
+            k = rotate(k.reshape(rows, self.num_kv_heads, self.head_dim), *rope)
+            v = v.reshape(rows, self.num_kv_heads, self.head_dim)
             if quant is None:
                 write_kv(k_cache, k, meta.slot_mapping)
                 write_kv(v_cache, v, meta.slot_mapping)
             else:
                 write_kv(k_cache, k, meta.slot_mapping, quant.k_scale, quant.fp8_max)
                 write_kv(v_cache, v, meta.slot_mapping, quant.v_scale, quant.fp8_max)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.cpu_decode_kernel, quant)
+        if share is not None:
+            out = context_attention(q, k_cache, v_cache, meta, self.scale, self.par.context, quant).to(q.dtype)
+        else:
+            out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.cpu_decode_kernel, quant)
         return self.par.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
@@ -277,6 +285,8 @@ class LlamaForCausalLM(nn.Module):
                        options: "LoadOptions | None" = None) -> "LlamaForCausalLM":
         return cls(LlamaArchConfig.from_hf_config(config), dtype, options)
 
+    supports_context_parallel = True  # attention over held blocks + log-sum-exp merge (models/context_parallel.py)
+
     def kv_cache_shapes(self, num_slots: int) -> list[tuple[int, ...]]:
         shape = (self.arch.num_layers, num_slots, self.layers[0].self_attn.num_kv_heads, self.arch.head_dim)
         return [shape, shape]  # K, V
@@ -292,6 +302,12 @@ class LlamaForCausalLM(nn.Module):
         hidden = vocab_parallel_lookup(input_ids, self.embed_tokens.lookup, self.vocab_rows.size,
                                        self.vocab_rows.start, self.par)
         rope = rope_at(self.rotary.cos, self.rotary.sin, positions, hidden.dtype)
+        share = meta.context
+        if share is not None:  # context parallelism: this rank's rows through the layers, every row at the end
+            hidden = hidden[share.rows]
+            for i, layer in enumerate(self.layers):
+                hidden = layer(rope, hidden, k_caches[i], v_caches[i], meta)
+            return self.par.context.gather_rows(self.norm(hidden), share.row_counts)
         if not self.host_fused or torch.compiler.is_compiling():
             for i, layer in enumerate(self.layers):
                 hidden = layer(rope, hidden, k_caches[i], v_caches[i], meta)

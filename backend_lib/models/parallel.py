@@ -61,8 +61,42 @@ def balanced_range(total: int, world_size: int, rank: int, what: str) -> tuple[i
 
 
 @dataclass(frozen=True)
+class ContextGroup:
+    """This rank's place among the context-parallel ranks: those holding the same tensor-parallel shard, each with
+    its share of every request's KV blocks (worker/context_share.py decides which rows and blocks are its)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # torch.distributed.ProcessGroup; None when size == 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"context-parallel rank must be in [0, {self.size}), got {self.rank}")
+        if self.size > 1 and self.group is None:
+            raise ValueError("a context-parallel group of size > 1 needs a process group")
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # [N, ...] per rank -> [size, N, ...] in rank order
+        if self.size == 1:
+            return x[None]
+        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))  # gloo fills one tensor, rank parts end to end
+        dist.all_gather_single(out, x.contiguous(), group=self.group)
+        return out.view(self.size, *x.shape)
+
+    def gather_rows(self, x: torch.Tensor,  # [row_counts[rank], ...] this rank's rows
+                    row_counts: list[int] | None) -> torch.Tensor:  # [sum(row_counts), ...] every rank's, in order
+        """A split step's rows from every context rank (None: the step is not split, every rank has them all)."""
+        if row_counts is None:
+            return x
+        widest = max(row_counts)
+        padded = torch.cat([x, x.new_zeros((widest - x.shape[0], *x.shape[1:]))]) if x.shape[0] < widest else x
+        parts = self.all_gather(padded)
+        return torch.cat([part[:count] for part, count in zip(parts, row_counts)])
+
+
+@dataclass(frozen=True)
 class ParallelContext:
-    """This rank's place in the tensor-parallel group; the layers ask it for shards and collectives."""
+    """This rank's place in the tensor-parallel group (the layers ask it for shards and collectives) and in the
+    context-parallel group (``context``)."""
 
     rank: int = 0
     world_size: int = 1
@@ -71,6 +105,7 @@ class ParallelContext:
     # Ranks on one host all-reduce through shared memory (kernels/csrc/shm_all_reduce.cpp): gloo's TCP round trips
     # cost ~0.5 ms a call there. None: the process group's all-reduce.
     shm_handle: int | None = None
+    context: ContextGroup = ContextGroup()
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:

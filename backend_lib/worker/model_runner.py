@@ -29,7 +29,9 @@ import torch
 from backend_lib.core.config import CompileConfig, SpecConfig
 from backend_lib.core.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput, TokenLogprob
 from backend_lib.core.request import Request
+from backend_lib.models.parallel import ContextGroup
 from backend_lib.worker.compile.platform import detect_platform
+from backend_lib.worker.context_share import share_step
 from backend_lib.worker.compile.regions import build_regions, resolve_backend
 from backend_lib.worker.kv_sizing import is_hybrid
 from backend_lib.worker.grammar_bitmask import StepBitmask
@@ -86,13 +88,20 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype, spec: SpecConfig | None = None,
                  compile_config: CompileConfig | None = None, max_num_seqs: int = 32,
                  max_model_len: int | None = None, channel: StepChannel | None = None,
-                 num_state_slots: int = 0, kv_dtype: torch.dtype | None = None) -> None:
+                 num_state_slots: int = 0, kv_dtype: torch.dtype | None = None,
+                 context: ContextGroup = ContextGroup(), context_min_tokens: int = 1) -> None:
+        if context.size > 1 and not getattr(model, "supports_context_parallel", False):
+            raise ValueError(f"context_parallel_size={context.size}: {type(model).__name__} has no context-parallel "
+                             f"attention (Llama-family models have)")
         self.model = model
+        self.context, self.context_min_tokens = context, context_min_tokens
         self.token_history = getattr(model, "token_history", 0)  # ids before each token the model reads (Engram)
         self.channel = channel
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.scratch_block = num_blocks  # one block past the pool: padded rows write here
+        # One block past the pool: padded rows write here. The step's block ids are global (the scheduler's pool is
+        # every context rank's blocks together; worker/context_share.py maps them onto this rank's).
+        self.scratch_block = num_blocks * context.size
         self.vocab_size = vocab_size
         self.device = device
         num_slots = (num_blocks + 1) * block_size
@@ -106,7 +115,7 @@ class ModelRunner:
         else:
             shapes = [(shape, kv_dtype or dtype) for shape in model.kv_cache_shapes(num_slots)]
         self.kv_caches = [torch.zeros(shape, dtype=kind, device=device) for shape, kind in shapes]
-        self.sampler = Sampler() if channel is None or channel.par.is_driver else None  # only the driver samples
+        self.sampler = Sampler() if channel is None or channel.is_driver else None  # only the driver samples
         self.bitmask = StepBitmask(vocab_size)  # structured output's masks (filled on the driver only)
         spec = spec or SpecConfig()
         k = spec.num_speculative_tokens
@@ -253,7 +262,10 @@ class ModelRunner:
             return False
         t = message.tensors
         inputs = self._received_inputs(t)
+        self._share(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if self.context.rank:  # another context rank's tensor-parallel group computes (and samples) the logits
+            return True
         if inputs.logits_indices.numel():
             self.model.compute_logits(hidden[inputs.logits_indices])  # the driver samples from the gathered rows
         if "mtp_first_rows" in t:
@@ -266,6 +278,11 @@ class ModelRunner:
                 pass
         return True
 
+    def _share(self, inputs: ModelInputs) -> None:
+        """Context parallelism: the global step becomes this rank's share (after the driver published it)."""
+        if self.context.size > 1:
+            share_step(inputs.meta, inputs.positions, self.context, self.num_blocks, self.context_min_tokens)
+
     def shutdown_workers(self) -> None:
         if self.channel is not None:
             self.channel.publish(StepOp.SHUTDOWN)
@@ -277,6 +294,7 @@ class ModelRunner:
         mtp_host = self._mtp_host_inputs(chunks, inputs)
         if self.channel is not None:
             self._publish(inputs, mtp_host)
+        self._share(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if self.spec_method != "none" or any(c.draft_token_ids for c in chunks):
             output = self._execute_spec(chunks, inputs, hidden, mtp_host)

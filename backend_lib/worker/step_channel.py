@@ -2,7 +2,8 @@
 
 A message is an op code and named integer tensors. It travels as two broadcasts from rank 0: a fixed-size int64
 header (op, then per tensor its field index, dtype code, rank and shape) and one int64 payload with every tensor
-flattened end to end. Workers rebuild the tensors with the header's shapes and dtypes.
+flattened end to end. Workers rebuild the tensors with the header's shapes and dtypes. The messages go to every
+rank of the world (tensor- and context-parallel alike).
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from enum import IntEnum
 import torch
 import torch.distributed as dist
 
-from backend_lib.models.parallel import ParallelContext
 
 
 class StepOp(IntEnum):
@@ -40,10 +40,14 @@ class StepMessage:
 class StepChannel:
     """Driver: ``publish``; workers: ``receive`` (every rank calls its side once per message, in the same order)."""
 
-    def __init__(self, par: ParallelContext) -> None:
-        if par.world_size < 2:
+    def __init__(self, rank: int, world_size: int) -> None:  # global: every tensor- and context-parallel rank
+        if world_size < 2:
             raise ValueError("a step channel needs at least two ranks")
-        self.par = par
+        self.rank, self.world_size = rank, world_size
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
 
     def publish(self, op: StepOp, tensors: dict[str, torch.Tensor] | None = None) -> None:
         tensors = tensors or {}
@@ -57,14 +61,14 @@ class StepChannel:
             raise ValueError(f"a step message of {len(tensors)} tensors does not fit the header")
         header_tensor = torch.zeros(_HEADER_LEN, dtype=torch.int64)
         header_tensor[:len(header)] = torch.tensor(header, dtype=torch.int64)
-        dist.broadcast(header_tensor, src=0, group=self.par.group)
+        dist.broadcast(header_tensor, src=0)
         if tensors:
             payload = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors.values()])
-            dist.broadcast(payload, src=0, group=self.par.group)
+            dist.broadcast(payload, src=0)
 
     def receive(self) -> StepMessage:
         header_tensor = torch.empty(_HEADER_LEN, dtype=torch.int64)
-        dist.broadcast(header_tensor, src=0, group=self.par.group)
+        dist.broadcast(header_tensor, src=0)
         header = header_tensor.tolist()
         op, count = StepOp(header[0]), header[1]
         specs = []
@@ -78,7 +82,7 @@ class StepChannel:
         if specs:
             sizes = [int(torch.Size(shape).numel()) for _, _, shape in specs]
             payload = torch.empty(sum(sizes), dtype=torch.int64)
-            dist.broadcast(payload, src=0, group=self.par.group)
+            dist.broadcast(payload, src=0)
             for (name, dtype, shape), part in zip(specs, payload.split(sizes)):
                 tensors[name] = part.view(shape).to(dtype)
         return StepMessage(op, tensors)

@@ -49,6 +49,8 @@ _ENGINE_PARAMETERS: dict[str, tuple[str, type]] = {
     "num_threads": ("num_threads", int),
     "tensor_parallel_size": ("tensor_parallel_size", int),
     "enable_expert_parallel": ("enable_expert_parallel", bool),
+    "context_parallel_size": ("context_parallel_size", int),
+    "context_parallel_min_tokens": ("context_parallel_min_tokens", int),
     "nnodes": ("nnodes", int),
     "master_addr": ("master_addr", str),
     "master_port": ("master_port", int),

@@ -1,7 +1,7 @@
 """The engine's handle on its ranks: builds this process's rank (the driver, rank 0), starts and joins the others,
 runs steps, turns a lost rank into one clear error, and stops every worker.
 
-With ``tensor_parallel_size == 1`` there is no group and no worker: the model runner runs in this process as
+With one rank (``tensor_parallel_size x context_parallel_size == 1``) there is no group and no worker: the model runner runs in this process as
 before. Otherwise the driver hosts the rendezvous, starts the ranks of its own node, waits until every rank
 (including those ``deepinfer worker`` starts on other nodes) has joined, and builds its own shard; every step's
 inputs then go to the workers over the step channel inside ``ModelRunner.execute``.
@@ -29,18 +29,19 @@ class Executor:
         self.pool: WorkerPool | None = None
         self.failed: str | None = None
         self.state: RankState | None = None
-        if parallel.tensor_parallel_size == 1:
+        if parallel.world_size == 1:
             self.state = build_rank(config, ParallelContext())
             return
         rendezvous = host_rendezvous(parallel, config_to_flat(config))
         self.pool = WorkerPool(rendezvous, range(1, parallel.ranks_per_node), parallel.tensor_parallel_size,
-                               parallel.distributed_timeout_s)
+                               parallel.context_parallel_size, parallel.distributed_timeout_s)
         try:
             pin_rank_threads(config, 0)
             self.pool.wait_joined()
             par = init_group(rendezvous, config, 0)
-            log.info("tensor parallel: %d ranks (%d per node, expert parallel %s), rendezvous %s:%d",
-                     parallel.tensor_parallel_size, parallel.ranks_per_node, parallel.enable_expert_parallel,
+            log.info("parallel: %d ranks = tensor %d x context %d (%d per node, expert parallel %s), rendezvous %s:%d",
+                     parallel.world_size, parallel.tensor_parallel_size, parallel.context_parallel_size,
+                     parallel.ranks_per_node, parallel.enable_expert_parallel,
                      rendezvous.master_addr, rendezvous.master_port)
             self.state = build_rank(config, par)
         except Exception as exc:
@@ -77,7 +78,7 @@ class Executor:
         except RuntimeError as exc:  # with ranks: a collective failed (a peer died, or hung past the timeout)
             if self.pool is None:
                 raise
-            self.failed = self.pool.wait_failure(grace_s=2.0) or f"a tensor-parallel collective failed: {exc}"
+            self.failed = self.pool.wait_failure(grace_s=2.0) or f"a collective between ranks failed: {exc}"
             log.error("engine cannot go on: %s", self.failed)
             raise RankFailure(self.failed) from exc
 

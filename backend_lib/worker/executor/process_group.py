@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from backend_lib.core.config import EngineConfig, ParallelConfig
 from backend_lib.core.processes import set_parent_death_signal
-from backend_lib.models.parallel import ParallelContext
+from backend_lib.models.parallel import ContextGroup, ParallelContext
 from kernels.cpu_kernels import load_cpu_kernels
 
 CONFIG_KEY = "deepinfer/config"
@@ -48,7 +48,7 @@ class Rendezvous:
 
 def host_rendezvous(parallel: ParallelConfig, flat_config: dict[str, Any]) -> Rendezvous:
     """The driver's store (a free port when master_port is 0), holding the configuration for the workers."""
-    store = dist.TCPStore(parallel.master_addr, parallel.master_port, parallel.tensor_parallel_size, True,
+    store = dist.TCPStore(parallel.master_addr, parallel.master_port, parallel.world_size, True,
                           timeout=datetime.timedelta(seconds=parallel.distributed_timeout_s),
                           wait_for_workers=False)
     store.set(CONFIG_KEY, json.dumps(flat_config))
@@ -63,23 +63,37 @@ def join_rendezvous(master_addr: str, master_port: int, timeout_s: float) -> tup
 
 def init_group(rendezvous: Rendezvous, config: EngineConfig, rank: int) -> ParallelContext:
     """Join the gloo group (every rank calls it; it returns when all have), with the shared-memory all-reduce when
-    every rank is on this host."""
+    every rank is on this host and all of them form the one tensor-parallel group. ``rank`` is global:
+    ``cp * tensor_parallel_size + tp``."""
     parallel = config.parallel
     rendezvous.store.set(joined_key(rank), "1")
     dist.init_process_group("gloo", store=dist.PrefixStore("group", rendezvous.store), rank=rank,
-                            world_size=parallel.tensor_parallel_size,
+                            world_size=parallel.world_size,
                             timeout=datetime.timedelta(seconds=parallel.distributed_timeout_s))
+    tp_group, context = _subgroups(parallel, rank)
     shm_handle = None
-    if parallel.nnodes == 1 and config.model.device == "cpu":
+    if parallel.nnodes == 1 and config.model.device == "cpu" and parallel.context_parallel_size == 1:
         # Every rank takes the same path: all use the segment only if all could build the kernel and find room.
         usable = load_cpu_kernels() and _shm_has_room(parallel.tensor_parallel_size, rank)
         usable = torch.tensor([int(usable)], dtype=torch.int64)
         dist.all_reduce(usable, op=dist.ReduceOp.MIN)
         if usable.item():
             shm_handle = _attach_shm_all_reduce(rendezvous, parallel, rank)
-    return ParallelContext(rank=rank, world_size=parallel.tensor_parallel_size,
-                           expert_parallel=parallel.enable_expert_parallel, group=dist.group.WORLD,
-                           shm_handle=shm_handle)
+    tp = parallel.tensor_parallel_size
+    return ParallelContext(rank=rank % tp, world_size=tp, expert_parallel=parallel.enable_expert_parallel,
+                           group=tp_group, shm_handle=shm_handle, context=context)
+
+
+def _subgroups(parallel: ParallelConfig, rank: int) -> tuple[Any, ContextGroup]:
+    """This rank's tensor-parallel group (None alone) and context-parallel group. Every rank creates every group,
+    in the same order, as torch.distributed requires."""
+    tp, cp = parallel.tensor_parallel_size, parallel.context_parallel_size
+    if cp == 1:
+        return dist.group.WORLD, ContextGroup()
+    tp_groups = [dist.new_group([c * tp + t for t in range(tp)]) for c in range(cp)] if tp > 1 else None
+    cp_groups = [dist.new_group([c * tp + t for c in range(cp)]) for t in range(tp)]
+    return (tp_groups[rank // tp] if tp_groups else None,
+            ContextGroup(rank=rank // tp, size=cp, group=cp_groups[rank % tp]))
 
 
 def shm_segment_bytes(tensor_parallel_size: int) -> int:

@@ -29,7 +29,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class RankState:
     model: torch.nn.Module
     runner: ModelRunner
-    num_blocks: int
+    num_blocks: int  # the scheduler's: this rank's pool times the context-parallel ranks (each holds its share)
     num_state_slots: int = 0  # fixed per-request state slots (hybrid-cache models; 0 otherwise)
 
 
@@ -54,14 +54,14 @@ def kv_cache_blocks(config: EngineConfig, model: torch.nn.Module, dtype: torch.d
                                kv_dtype=config.kv_dtype_name)
 
 
-def _agree_on_blocks(num_blocks: int, par: ParallelContext) -> int:
+def _agree_on_blocks(num_blocks: int, world_size: int) -> int:
     """Every rank's pool must have the driver's block count (the scheduler's block ids index them all). The
     driver's shard holds the most KV heads (shares are uneven only in the first ranks' favour), so its count fits
-    every rank's memory budget."""
-    if par.world_size == 1:
+    every rank's memory budget; context ranks hold the driver's shard's sizes."""
+    if world_size == 1:
         return num_blocks
     count = torch.tensor([num_blocks], dtype=torch.int64)
-    dist.broadcast(count, src=0, group=par.group)
+    dist.broadcast(count, src=0)
     return int(count.item())
 
 
@@ -95,14 +95,18 @@ def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
         for module, _ in quantized:
             module.rebind_quantized()
     kv_dtype = kv_storage_dtype(config, model, dtype)  # refuses fp8 where the model cannot store it
-    num_blocks = _agree_on_blocks(kv_cache_blocks(config, model, dtype, par.world_size, kv_dtype), par)
+    parallel = config.parallel
+    num_blocks = _agree_on_blocks(kv_cache_blocks(config, model, dtype, parallel.ranks_per_node, kv_dtype),
+                                  parallel.world_size)
     if (config.model.host_attention == "cpp" and hasattr(model, "use_cpu_attention")
             and cpu_kernels_supported(device, dtype) and load_cpu_kernels()):
         model.use_cpu_attention()
-    channel = StepChannel(par) if par.world_size > 1 else None
+    global_rank = par.context.rank * par.world_size + par.rank
+    channel = StepChannel(global_rank, parallel.world_size) if parallel.world_size > 1 else None
     slots = num_state_slots(config, model)
     runner = ModelRunner(model, num_blocks, config.cache.block_size, model.arch.vocab_size, device, dtype,
                          spec=config.spec, compile_config=config.compile,
                          max_num_seqs=config.scheduler.max_num_seqs, max_model_len=config.model.max_model_len,
-                         channel=channel, num_state_slots=slots, kv_dtype=kv_dtype)
-    return RankState(model, runner, num_blocks, slots)
+                         channel=channel, num_state_slots=slots, kv_dtype=kv_dtype, context=par.context,
+                         context_min_tokens=parallel.context_parallel_min_tokens)
+    return RankState(model, runner, num_blocks * parallel.context_parallel_size, slots)

@@ -21,9 +21,20 @@ class RankFailure(FatalEngineError):
     rank cannot run another step, so the engine ends every request and the model goes not ready."""
 
 
+def rank_name(rank: int, tensor_parallel_size: int, context_parallel_size: int) -> str:
+    """How errors name a rank: its global number, and its place in both groups when there are context ranks."""
+    if context_parallel_size == 1:
+        return f"tensor-parallel rank {rank}"
+    return (f"rank {rank} (tensor-parallel rank {rank % tensor_parallel_size}, context-parallel rank "
+            f"{rank // tensor_parallel_size})")
+
+
 class WorkerPool:
-    def __init__(self, rendezvous: Rendezvous, ranks: range, world_size: int, timeout_s: float) -> None:
-        self.rendezvous, self.timeout_s, self.world_size = rendezvous, timeout_s, world_size
+    def __init__(self, rendezvous: Rendezvous, ranks: range, tensor_parallel_size: int, context_parallel_size: int,
+                 timeout_s: float) -> None:
+        self.rendezvous, self.timeout_s = rendezvous, timeout_s
+        self.sizes = (tensor_parallel_size, context_parallel_size)
+        self.world_size = tensor_parallel_size * context_parallel_size
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
         self.procs = {rank: subprocess.Popen(
@@ -41,7 +52,7 @@ class WorkerPool:
                 raise RankFailure(failed)
             pending = [r for r in pending if not self.rendezvous.store.check([joined_key(r)])]
             if pending and time.monotonic() > deadline:
-                raise RankFailure(f"tensor-parallel rank(s) {pending} did not join within {self.timeout_s:.0f} s "
+                raise RankFailure(f"rank(s) {pending} did not join within {self.timeout_s:.0f} s "
                                   f"(master {self.rendezvous.master_addr}:{self.rendezvous.master_port})")
             time.sleep(0.05)
 
@@ -49,11 +60,12 @@ class WorkerPool:
         """A description of the first failed rank: its own error message, or its exit code; None if all run."""
         for rank in range(1, self.world_size):
             if self.rendezvous.store.check([error_key(rank)]):
-                return f"tensor-parallel rank {rank} failed: {self.rendezvous.store.get(error_key(rank)).decode()}"
+                reason = self.rendezvous.store.get(error_key(rank)).decode()
+                return f"{rank_name(rank, *self.sizes)} failed: {reason}"
         for rank, proc in sorted(self.procs.items()):
             code = proc.poll()
             if code is not None:
-                return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}"
+                return f"{rank_name(rank, *self.sizes)} (pid {proc.pid}) exited with code {code}"
         return None
 
     def wait_failure(self, grace_s: float) -> str | None:

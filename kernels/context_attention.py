@@ -1,0 +1,108 @@
+"""Context parallelism's attention: each context rank attends every query of the step against the KV blocks it
+holds, returning the partial output and its log-sum-exp; ``merge_partials`` joins the ranks' partials exactly as
+one softmax over all the keys would (the flash-decoding / ring-attention merge).
+
+A rank holds some of a request's blocks (which ones: backend_lib/worker/context_share.py), so the key positions are
+not contiguous: each held block comes with the position of its first token (``ContextShare.*_starts``), and the mask
+is causal by position, never by index. A query none of whose keys this rank holds gets a zero output and a
+log-sum-exp of -inf: it adds nothing to the merge.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.attention import _gather_blocks, _values
+from kernels.attention_metadata import ContextShare
+from kernels.kv_fp8 import KVQuant
+
+# Queries per attention call in a long prefill chunk: bounds the [queries x group, keys] mask (a 2,048-token chunk
+# against 8,192 held keys would be 200 MB at once).
+QUERY_CHUNK = 512
+
+
+def _held_attention(
+    q: torch.Tensor,  # [B, Q, H, D]
+    k: torch.Tensor,  # [B, Hkv, S, D] held keys
+    v: torch.Tensor,  # [B, Hkv, S, D]
+    visible: torch.Tensor,  # [B, Q, S] bool
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, Q, H, D] float32, lse [B, Q, H] float32
+    b, nq, h, d = q.shape
+    hkv = k.shape[1]
+    group = h // hkv
+    # Rows (query, group member) inside each KV head, so one mask row per query serves the group (as
+    # kernels/attention.py's _grouped_attention); torch's CPU flash kernel returns the log-sum-exp beside the output.
+    qg = q.view(b, nq, hkv, group, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, nq * group, d)
+    rows = visible[:, :, None, :].expand(b, nq, group, visible.shape[-1]).reshape(b, 1, nq * group, -1)
+    mask = torch.zeros(rows.shape, dtype=q.dtype, device=q.device).masked_fill_(~rows, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, k, v, 0.0, False, attn_mask=mask,
+                                                                         scale=scale)
+    # The kernel gives a row without any visible key out 0 and lse 0; the merge needs -inf there.
+    lse = lse.float().masked_fill(~rows.any(-1).view(b, 1, nq * group), float("-inf"))
+    out = out.view(b, hkv, nq, group, d).permute(0, 2, 1, 3, 4).reshape(b, nq, h, d)
+    lse = lse.view(b, hkv, nq, group).permute(0, 2, 1, 3).reshape(b, nq, h)
+    return out.float(), lse
+
+
+def _held_keys(cache: torch.Tensor,  # [num_slots, Hkv, D]
+               tables: torch.Tensor,  # [B, w] held block ids (the scratch block pads)
+               block_size: int, scale: float, dtype: torch.dtype) -> torch.Tensor:  # [B, Hkv, w * block_size, D]
+    return _values(_gather_blocks(cache, tables, block_size), scale, dtype)
+
+
+def _key_positions(starts: torch.Tensor,  # [B, w] first position of each held block; padding: past every query
+                   block_size: int) -> torch.Tensor:  # [B, w * block_size]
+    offsets = torch.arange(block_size, device=starts.device)
+    return (starts[:, :, None] + offsets).flatten(1)
+
+
+def partial_paged_attention(
+    q: torch.Tensor,  # [T, H, D] every query of the step (decode rows first, then prefill chunks)
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D] this rank's blocks, this step's K already written
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    share: ContextShare,
+    num_decodes: int,
+    decode_query_len: int,
+    prefill_query_lens: list[int],
+    block_size: int,
+    scale: float,
+    kv_quant: KVQuant | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, H, D] float32, lse [T, H] float32
+    """Attention of the step's queries over the keys this rank holds, with each row's log-sum-exp."""
+    quant = kv_quant or KVQuant()
+    positions = share.query_positions
+    outs, lses = [], []
+    if num_decodes:
+        rows = num_decodes * decode_query_len
+        k = _held_keys(k_cache, share.decode_tables, block_size, quant.k_scale, q.dtype)
+        v = _held_keys(v_cache, share.decode_tables, block_size, quant.v_scale, q.dtype)
+        query_pos = positions[:rows].view(num_decodes, decode_query_len)
+        visible = _key_positions(share.decode_starts, block_size)[:, None, :] <= query_pos[:, :, None]
+        out, lse = _held_attention(q[:rows].view(num_decodes, decode_query_len, *q.shape[1:]), k, v, visible, scale)
+        outs.append(out.flatten(0, 1))
+        lses.append(lse.flatten(0, 1))
+    start = num_decodes * decode_query_len
+    for i, q_len in enumerate(prefill_query_lens):
+        table, first = share.prefill_tables[i:i + 1], share.prefill_starts[i:i + 1]
+        k = _held_keys(k_cache, table, block_size, quant.k_scale, q.dtype)
+        v = _held_keys(v_cache, table, block_size, quant.v_scale, q.dtype)
+        key_pos = _key_positions(first, block_size)  # [1, S]
+        for at in range(start, start + q_len, QUERY_CHUNK):
+            end = min(at + QUERY_CHUNK, start + q_len)
+            visible = key_pos[:, None, :] <= positions[at:end][None, :, None]
+            out, lse = _held_attention(q[None, at:end], k, v, visible, scale)
+            outs.append(out[0])
+            lses.append(lse[0])
+        start += q_len
+    return torch.cat(outs), torch.cat(lses)
+
+
+def merge_partials(out: torch.Tensor,  # [R, N, H, D] float32: every context rank's partial output
+                   lse: torch.Tensor,  # [R, N, H] float32: and its log-sum-exp (-inf: no key there)
+                   ) -> torch.Tensor:  # [N, H, D] float32
+    """One softmax over the union of the ranks' keys: each partial weighted by exp(lse - max lse)."""
+    top = lse.max(0).values
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row no rank sees (padding) stays 0
+    weight = torch.exp(lse - top)  # [R, N, H]
+    total = weight.sum(0).clamp_min(torch.finfo(torch.float32).tiny)
+    return (weight[..., None] * out).sum(0) / total[..., None]
