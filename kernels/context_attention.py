@@ -11,13 +11,20 @@ from __future__ import annotations
 
 import torch
 
+from typing import Callable
+
 from kernels.attention import _gather_blocks, _values
 from kernels.attention_metadata import ContextShare
 from kernels.kv_fp8 import KVQuant
+from kernels.mla import context_values, gather_context
+from kernels.mla_fp8 import MLARecord
 
-# Queries per attention call in a long prefill chunk: bounds the [queries x group, keys] mask (a 2,048-token chunk
-# against 8,192 held keys would be 200 MB at once).
-QUERY_CHUNK = 512
+# Query rows (queries x heads per KV head) per attention call in a long prefill chunk: bounds the [rows, keys] mask
+# (a 2,048-token chunk of SmolLM2 against 8,192 held keys would be 200 MB at once).
+QUERY_ROWS = 2048
+
+# Held blocks [B, w] -> (keys [B, Hkv, S, D], values [B, Hkv, S, D]) in the queries' dtype, S = w * block_size.
+HeldReader = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _held_attention(
@@ -44,10 +51,27 @@ def _held_attention(
     return out.float(), lse
 
 
-def _held_keys(cache: torch.Tensor,  # [num_slots, Hkv, D]
-               tables: torch.Tensor,  # [B, w] held block ids (the scratch block pads)
-               block_size: int, scale: float, dtype: torch.dtype) -> torch.Tensor:  # [B, Hkv, w * block_size, D]
-    return _values(_gather_blocks(cache, tables, block_size), scale, dtype)
+def paged_kv_reader(k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+                    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+                    block_size: int, dtype: torch.dtype, kv_quant: KVQuant | None = None) -> HeldReader:
+    """The GQA cache's held blocks (fp8 codes dequantized as gathered)."""
+    quant = kv_quant or KVQuant()
+
+    def read(tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # tables [B, w]
+        return (_values(_gather_blocks(k_cache, tables, block_size), quant.k_scale, dtype),
+                _values(_gather_blocks(v_cache, tables, block_size), quant.v_scale, dtype))
+    return read
+
+
+def latent_reader(cache_blocks: torch.Tensor,  # [num_blocks + 1, block_size, R + P] one MLA layer (fp8: records)
+                  record: MLARecord | None, rank: int, dtype: torch.dtype) -> HeldReader:
+    """MLA's held latents as one shared key head (latent + RoPE key) and its value (the latent; the RoPE columns
+    zeroed, as the attention kernel wants equal key and value widths): the absorbed form's attention."""
+    def read(tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # tables [B, w]
+        ctx = context_values(gather_context(cache_blocks, tables), record, dtype)  # [B, S, R + P]
+        values = torch.cat([ctx[..., :rank], ctx.new_zeros((*ctx.shape[:-1], ctx.shape[-1] - rank))], dim=-1)
+        return ctx[:, None], values[:, None]
+    return read
 
 
 def _key_positions(starts: torch.Tensor,  # [B, w] first position of each held block; padding: past every query
@@ -58,24 +82,20 @@ def _key_positions(starts: torch.Tensor,  # [B, w] first position of each held b
 
 def partial_paged_attention(
     q: torch.Tensor,  # [T, H, D] every query of the step (decode rows first, then prefill chunks)
-    k_cache: torch.Tensor,  # [num_slots, Hkv, D] this rank's blocks, this step's K already written
-    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    read: HeldReader,  # this rank's cache, the step's K / V already written
     share: ContextShare,
     num_decodes: int,
     decode_query_len: int,
     prefill_query_lens: list[int],
     block_size: int,
     scale: float,
-    kv_quant: KVQuant | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, H, D] float32, lse [T, H] float32
     """Attention of the step's queries over the keys this rank holds, with each row's log-sum-exp."""
-    quant = kv_quant or KVQuant()
     positions = share.query_positions
     outs, lses = [], []
     if num_decodes:
         rows = num_decodes * decode_query_len
-        k = _held_keys(k_cache, share.decode_tables, block_size, quant.k_scale, q.dtype)
-        v = _held_keys(v_cache, share.decode_tables, block_size, quant.v_scale, q.dtype)
+        k, v = read(share.decode_tables)
         query_pos = positions[:rows].view(num_decodes, decode_query_len)
         visible = _key_positions(share.decode_starts, block_size)[:, None, :] <= query_pos[:, :, None]
         out, lse = _held_attention(q[:rows].view(num_decodes, decode_query_len, *q.shape[1:]), k, v, visible, scale)
@@ -83,12 +103,11 @@ def partial_paged_attention(
         lses.append(lse.flatten(0, 1))
     start = num_decodes * decode_query_len
     for i, q_len in enumerate(prefill_query_lens):
-        table, first = share.prefill_tables[i:i + 1], share.prefill_starts[i:i + 1]
-        k = _held_keys(k_cache, table, block_size, quant.k_scale, q.dtype)
-        v = _held_keys(v_cache, table, block_size, quant.v_scale, q.dtype)
-        key_pos = _key_positions(first, block_size)  # [1, S]
-        for at in range(start, start + q_len, QUERY_CHUNK):
-            end = min(at + QUERY_CHUNK, start + q_len)
+        k, v = read(share.prefill_tables[i:i + 1])
+        key_pos = _key_positions(share.prefill_starts[i:i + 1], block_size)  # [1, S]
+        step = max(1, QUERY_ROWS * k.shape[1] // q.shape[1])
+        for at in range(start, start + q_len, step):
+            end = min(at + step, start + q_len)
             visible = key_pos[:, None, :] <= positions[at:end][None, :, None]
             out, lse = _held_attention(q[None, at:end], k, v, visible, scale)
             outs.append(out[0])

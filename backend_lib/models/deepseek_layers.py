@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backend_lib.models.context_parallel import mla_context_attention
 from backend_lib.models.parallel import ParallelContext, Shard, read_shard
 from kernels.attention_metadata import AttentionMetadata
 from kernels.gemv import TILE, GemvPolicy, block_weight, blocked_linear, gemv_available
@@ -443,15 +444,18 @@ class MLAttention(nn.Module):
                 cache: torch.Tensor,  # [num_slots, R + P] this layer
                 meta: AttentionMetadata) -> torch.Tensor:
         d = self.d
-        num_tokens = x.shape[0]
         if d.q_lora_rank is None:
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        kv = self.kv_a_proj_with_mqa(x)
+        if meta.context is not None:  # context parallelism: every row's q and latent, then the held keys
+            q, kv = self.par.context.gather_rows(torch.cat([q, kv], dim=-1), meta.context.row_counts).split(
+                [q.shape[-1], kv.shape[-1]], dim=-1)
+        num_tokens = q.shape[0]
         q = q.view(num_tokens, d.num_heads, d.qk_head_dim)
         q_nope = q[..., :d.qk_nope_head_dim]
         q_rope = apply_rope(q[..., d.qk_nope_head_dim:], cos, sin, self.rope.interleave)
-        kv = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(kv[:, :d.kv_lora_rank])
         k_rope = apply_rope(kv[:, None, d.kv_lora_rank:], cos, sin, self.rope.interleave)[:, 0]
         write_latent_cache(cache, meta.slot_mapping, latent, k_rope, self.record)
@@ -459,6 +463,11 @@ class MLAttention(nn.Module):
         kv_b = self.kv_b_proj.dense_weight(x.dtype)
         if kv_b.shape[0] != d.num_heads * (d.qk_nope_head_dim + d.v_head_dim):
             raise ValueError("kv_b_proj weight does not match num_heads * (qk_nope_head_dim + v_head_dim)")
+        if meta.context is not None:
+            w_uk, w_uv = split_kv_b(kv_b, d.num_heads, d.qk_nope_head_dim)
+            out = mla_context_attention(q_nope, q_rope, blocks, w_uk, w_uv, meta, self.scale, self.par.context,
+                                        self.record)
+            return self.par.all_reduce(self.o_proj(out.to(x.dtype).flatten(1)))
         out = x.new_zeros(num_tokens, d.num_heads, d.v_head_dim)
         nd = meta.num_decode_tokens
         if meta.num_decodes > 0:

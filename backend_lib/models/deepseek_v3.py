@@ -242,13 +242,22 @@ class DeepseekV3ForCausalLM(nn.Module):
         h = self.embed(input_ids)
         cos, sin = rope_cos_sin(self.rope, positions, h.dtype)
         cache = kv_caches[0]
+        share = meta.context
+        if share is not None:  # context parallelism: this rank's rows through the layers, every row at the end
+            h = h[share.rows]
         for i, layer in enumerate(self.layers):
             if getattr(layer, "engram", None) is not None:
                 if pending is not None:
                     meta, pending = replace(meta, engram_rows=pending.result()), None
                 h = self._add_engram(i, h, positions, kv_caches[1], meta)
             h = layer(h, cos, sin, cache[i], meta)
-        return self.norm(h)
+        h = self.norm(h)
+        return h if share is None else self.par.context.gather_rows(h, share.row_counts)
+
+    @property
+    def supports_context_parallel(self) -> bool:
+        """MLA attends held latents (models/context_parallel.py); Engram's n-gram state is not split yet."""
+        return not self.token_history
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, hidden]
         return vocab_parallel_embedding(input_ids, self.embed_tokens.weight, self.vocab_rows.start, self.par)

@@ -21,6 +21,7 @@ from kernels import fused_layer_ops as fused
 from backend_lib.models.context_parallel import context_attention
 from kernels.attention import paged_attention, write_kv
 from kernels.attention_metadata import AttentionMetadata
+from kernels.context_attention import paged_kv_reader
 from kernels.gemv import TILE, GemvPolicy, block_weight, blocked_linear_argmax, blocked_linear_float
 from kernels.head_screen import HeadScreen
 from kernels.int8_head_screen import Int8HeadScreen
@@ -182,7 +183,8 @@ class LlamaAttention(nn.Module):
                 write_kv(k_cache, k, meta.slot_mapping, quant.k_scale, quant.fp8_max)
                 write_kv(v_cache, v, meta.slot_mapping, quant.v_scale, quant.fp8_max)
         if share is not None:
-            out = context_attention(q, k_cache, v_cache, meta, self.scale, self.par.context, quant).to(q.dtype)
+            read = paged_kv_reader(k_cache, v_cache, meta.block_size, q.dtype, quant)
+            out = context_attention(q, read, meta, self.scale, self.par.context).to(q.dtype)
         else:
             out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.cpu_decode_kernel, quant)
         return self.par.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
