@@ -40,15 +40,14 @@ def _held_attention(
     # Rows (query, group member) inside each KV head, so one mask row per query serves the group (as
     # kernels/attention.py's _grouped_attention); torch's CPU flash kernel returns the log-sum-exp beside the output.
     qg = q.view(b, nq, hkv, group, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, nq * group, d)
-    rows = visible[:, :, None, :].expand(b, nq, group, visible.shape[-1]).reshape(b, 1, nq * group, -1)
-    mask = torch.zeros(rows.shape, dtype=q.dtype, device=q.device).masked_fill_(~rows, float("-inf"))
+    additive = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+    mask = additive[:, :, None, :].expand(b, nq, group, visible.shape[-1]).reshape(b, 1, nq * group, -1)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, k, v, 0.0, False, attn_mask=mask,
                                                                          scale=scale)
-    # The kernel gives a row without any visible key out 0 and lse 0; the merge needs -inf there.
-    lse = lse.float().masked_fill(~rows.any(-1).view(b, 1, nq * group), float("-inf"))
     out = out.view(b, hkv, nq, group, d).permute(0, 2, 1, 3, 4).reshape(b, nq, h, d)
     lse = lse.view(b, hkv, nq, group).permute(0, 2, 1, 3).reshape(b, nq, h)
-    return out.float(), lse
+    # The kernel gives a row without any visible key out 0 and lse 0; the merge needs -inf there.
+    return out.float(), lse.float().masked_fill(~visible.any(-1)[..., None], float("-inf"))
 
 
 def paged_kv_reader(k_cache: torch.Tensor,  # [num_slots, Hkv, D]
