@@ -303,9 +303,6 @@ class EngineConfig:
         _require(not context_parallel or self.compile.compile_backend == "none",
                  f"context_parallel_size={self.parallel.context_parallel_size} runs eager steps: set compile_backend "
                  f"'none' (got {self.compile.compile_backend!r})")
-        _require(not context_parallel or self.spec.method != "mtp",
-                 f"context_parallel_size={self.parallel.context_parallel_size} does not run MTP drafts yet: use "
-                 f"spec_method 'ngram' or 'none'")
         self.max_waiting_requests = self.max_waiting_requests or WAITING_PER_SEQ * self.scheduler.max_num_seqs
         self.max_sessions = self.max_sessions or SESSIONS_PER_SEQ * self.scheduler.max_num_seqs
 

@@ -121,7 +121,8 @@ class ModelRunner:
         k = spec.num_speculative_tokens
         self.spec_method = spec.method if k > 0 else "none"
         self.ngram = NgramProposer(spec.ngram_min, spec.ngram_max, k) if self.spec_method == "ngram" else None
-        self.mtp = (make_mtp_proposer(model, self.kv_caches, num_slots, k, device, kv_dtype or dtype)
+        self.mtp = (make_mtp_proposer(model, self.kv_caches, num_slots, k, device, kv_dtype or dtype,
+                                      self._share_meta if context.size > 1 else None)
                     if self.spec_method == "mtp" else None)
         if getattr(self.mtp, "needs_eager_model", False) and resolve_backend(compile_config, detect_platform()):
             raise ValueError("spec_method 'mtp' drafts for this model need the eager forward (it keeps the "
@@ -264,16 +265,16 @@ class ModelRunner:
         inputs = self._received_inputs(t)
         self._share(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        if self.context.rank:  # another context rank's tensor-parallel group computes (and samples) the logits
-            return True
-        if inputs.logits_indices.numel():
+        # Context ranks past the first: their tensor-parallel group does not compute the sampled logits (the first
+        # one's does), but runs the MTP passes (their attention spans every context rank).
+        if inputs.logits_indices.numel() and not self.context.rank:
             self.model.compute_logits(hidden[inputs.logits_indices])  # the driver samples from the gathered rows
         if "mtp_first_rows" in t:
             verified = self.channel.receive().tensors["verified"]
             self._mtp_drafts(hidden, inputs, t["mtp_next_ids"], t["mtp_first_rows"], t["mtp_tables"], verified)
         elif "mtp_next_ids" in t:
             self.mtp.first_pass(t["mtp_next_ids"], hidden, inputs.positions, inputs.meta)
-        if "prompt_logits_indices" in t:  # the driver's prompt logprobs: the same head calls, in the same order
+        if "prompt_logits_indices" in t and not self.context.rank:  # the driver's prompt logprobs: the same head calls
             for _ in head_slices(self.model, hidden, t["prompt_logits_indices"]):
                 pass
         return True
@@ -281,7 +282,11 @@ class ModelRunner:
     def _share(self, inputs: ModelInputs) -> None:
         """Context parallelism: the global step becomes this rank's share (after the driver published it)."""
         if self.context.size > 1:
-            share_step(inputs.meta, inputs.positions, self.context, self.num_blocks, self.context_min_tokens)
+            self._share_meta(inputs.meta, inputs.positions)
+
+    def _share_meta(self, meta: AttentionMetadata,
+                    positions: torch.Tensor) -> AttentionMetadata:  # positions [T] int64 of the queries
+        return share_step(meta, positions, self.context, self.num_blocks, self.context_min_tokens)
 
     def shutdown_workers(self) -> None:
         if self.channel is not None:
