@@ -17,6 +17,7 @@ from backend_lib.worker.kv_sizing import kv_cache_num_blocks
 from backend_lib.worker.kv_sizing import is_hybrid, kv_bytes_per_block, state_bytes_per_slot
 from backend_lib.worker.model_runner import ModelRunner, max_drafts
 from backend_lib.worker.step_channel import StepChannel
+from backend_lib.worker.step_messages import StepLink
 from kernels.cpu_kernels import cpu_kernels_supported, load_cpu_kernels
 from kernels.gemv import GemvPolicy, gemv_available
 from kernels.host_memory import move_buffers_to_huge_pages
@@ -31,6 +32,8 @@ class RankState:
     runner: ModelRunner
     num_blocks: int  # the scheduler's: this rank's pool times the context-parallel ranks (each holds its share)
     num_state_slots: int = 0  # fixed per-request state slots (hybrid-cache models; 0 otherwise)
+    channel: StepChannel | None = None  # the step messages between the ranks (None: one rank)
+    link: StepLink | None = None  # the driver's sending side of it
 
 
 def num_state_slots(config: EngineConfig, model: torch.nn.Module) -> int:
@@ -103,10 +106,11 @@ def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
         model.use_cpu_attention()
     global_rank = par.context.rank * par.world_size + par.rank
     channel = StepChannel(global_rank, parallel.world_size) if parallel.world_size > 1 else None
+    link = StepLink(channel) if channel is not None and channel.is_driver else None
     slots = num_state_slots(config, model)
     runner = ModelRunner(model, num_blocks, config.cache.block_size, model.arch.vocab_size, device, dtype,
                          spec=config.spec, compile_config=config.compile,
                          max_num_seqs=config.scheduler.max_num_seqs, max_model_len=config.model.max_model_len,
-                         channel=channel, num_state_slots=slots, kv_dtype=kv_dtype, context=par.context,
+                         link=link, is_driver=global_rank == 0, num_state_slots=slots, kv_dtype=kv_dtype, context=par.context,
                          context_min_tokens=parallel.context_parallel_min_tokens)
-    return RankState(model, runner, num_blocks * parallel.context_parallel_size, slots)
+    return RankState(model, runner, num_blocks * parallel.context_parallel_size, slots, channel, link)
