@@ -124,3 +124,20 @@ def merge_partials(out: torch.Tensor,  # [R, N, H, D] float32: every context ran
     weight = torch.exp(lse - top)  # [R, N, H]
     total = weight.sum(0).clamp_min(torch.finfo(torch.float32).tiny)
     return (weight[..., None] * out).sum(0) / total[..., None]
+
+
+def partial_sink_attention(q: torch.Tensor,  # [T, H, D] post-rope queries
+                           keys: torch.Tensor,  # [T or 1, K, D] one K = V head
+                           allowed: torch.Tensor,  # [T, K] bool: the keys this rank holds and the query sees
+                           sinks: torch.Tensor | None,  # [H] per-head sink logits (one rank counts them), or None
+                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, H, D], lse [T, H] float32
+    """kernels/compressed_attention.py's ``sink_attention`` over part of the keys, with its log-sum-exp (the sink a
+    key whose value is zero): ``merge_partials`` of every rank's parts gives the whole softmax."""
+    scores = (torch.matmul(q.float(), keys.float().transpose(1, 2)) * scale).masked_fill(~allowed[:, None, :],
+                                                                                        float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.float()[None, :, None].expand(q.shape[0], -1, 1)], dim=-1)
+    lse = torch.logsumexp(scores, dim=-1)  # -inf: no key (and no sink) here
+    probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
+    out = torch.matmul(probs[..., :keys.shape[1]], keys.float())
+    return out, lse

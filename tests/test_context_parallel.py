@@ -10,6 +10,7 @@ import subprocess
 import time
 
 import pytest
+import torch
 
 from backend_lib.core.config import EngineConfig
 from backend_lib.core.outputs import SessionControl
@@ -171,7 +172,28 @@ def test_refused_settings_name_the_field(tiny_dirs, settings, message):
 
 
 def test_a_model_without_context_parallel_attention_is_refused_by_name(tmp_path):
-    model = make_tiny("deepseek_v4", tmp_path / "v4")
-    with pytest.raises(ValueError, match="DeepseekV4.*no context-parallel attention"):
+    model = make_tiny("deepseek_v3", tmp_path / "v3_engram", engram_layers=[1])  # Engram's rows are not split yet
+    with pytest.raises(ValueError, match="DeepseekV3.*no context-parallel attention"):
         LLM(str(model), num_blocks=64, **CP2)
     assert _worker_pids() == []
+
+
+@pytest.mark.parametrize("config", ["release_small", "odd_rates"])
+def test_deepseek_v4_two_context_ranks_give_the_reference_greedy(tmp_path, config):
+    """DeepSeek-V4's compressed entries split across two ranks (the indexer's top-k taken over both ranks'
+    scores, ties in entry order; the window and sinks on rank 0), against DeepSeek's own inference code (ported in
+    tests/v4_reference.py): prompts inside and far past the window, in 61-token chunks beside decodes, and with MTP
+    drafts."""
+    from tests.test_deepseek_v4_reference import CONFIGS
+    from tests.v4_reference import ReferenceV4
+    path = make_tiny("deepseek_v4", tmp_path / config, seed=11, initializer_range=0.15, overrides=CONFIGS[config],
+                     mtp_layers=1)
+    reference = ReferenceV4(path)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (5, 70, 300)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = [reference.greedy(p, 24) for p in prompts]
+    for extra in ({}, MTP):
+        results = _generate(str(path), prompts, params, max_model_len=1024, max_num_batched_tokens=61,
+                            num_blocks=24, **CP2, **extra)
+        assert [r.token_ids for r in results] == expected, extra

@@ -82,9 +82,12 @@ class ModelRunner:
                  context: ContextGroup = ContextGroup(), context_min_tokens: int = 1) -> None:
         if context.size > 1 and not getattr(model, "supports_context_parallel", False):
             raise ValueError(f"context_parallel_size={context.size}: {type(model).__name__} has no context-parallel "
-                             f"attention (Llama-family models have)")
+                             f"attention here (Llama, DeepSeek-V3 without Engram and DeepSeek-V4 have)")
         self.model = model
-        self.context, self.context_min_tokens = context, context_min_tokens
+        self.context = context
+        # Models whose every layer needs every row (DeepSeek-V4: its compressors and rings) split only the KV.
+        self.context_min_tokens = (context_min_tokens if getattr(model, "splits_context_rows", True)
+                                   else torch.iinfo(torch.int64).max)
         self.token_history = getattr(model, "token_history", 0)  # ids before each token the model reads (Engram)
         self.link = link  # the driver's messages to its worker ranks (None: one rank, or this is a worker)
         self.block_size = block_size
