@@ -29,7 +29,9 @@ CP2 = {"context_parallel_size": 2, "context_parallel_min_tokens": 32}
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("cp")
-    return {"llama": make_tiny("llama", root / "llama"), "deepseek": make_tiny("deepseek_v3", root / "deepseek", mtp_layers=1)}
+    return {"llama": make_tiny("llama", root / "llama"),
+            "deepseek": make_tiny("deepseek_v3", root / "deepseek", mtp_layers=1),
+            "deepseek_v4": make_tiny("deepseek_v4", root / "deepseek_v4")}
 
 
 def _generate(model: str, prompts=PROMPTS, params: SamplingParams = GREEDY, **settings):
@@ -73,8 +75,9 @@ def test_smollm2_long_and_short_prompts_in_one_batch(smollm2_path):
     _assert_same(reference, _generate(smollm2_path, prompts, params, **settings, **CP2), 2e-4)
 
 
-def test_tensor_and_context_parallel_on_four_ranks(tiny_dirs):
-    model = str(tiny_dirs["llama"])
+@pytest.mark.parametrize("model", ["llama", "deepseek_v4"])
+def test_tensor_and_context_parallel_on_four_ranks(tiny_dirs, model):
+    model = str(tiny_dirs[model])
     _assert_same(_generate(model), _generate(model, tensor_parallel_size=2, **CP2))
 
 
