@@ -64,10 +64,10 @@ def share_step(meta: AttentionMetadata,
     decode_tables, decode_starts = _held(meta.decode_block_tables, rank, size, local_blocks, bs)
     prefill_tables, prefill_starts = _held(meta.prefill_block_tables, rank, size, local_blocks, bs)
     split = num_rows >= max(min_tokens, size)
+    row_counts = [balanced_range(num_rows, size, r, "the step's rows")[1] for r in range(size)] if split else None
     share = ContextShare(rank=rank, size=size, query_positions=positions, decode_tables=decode_tables,
                          decode_starts=decode_starts, prefill_tables=prefill_tables, prefill_starts=prefill_starts,
-                         scratch_block=local_blocks, row_counts=[balanced_range(num_rows, size, r, "the step's rows")[1] for r in range(size)]
-                         if split else None)
+                         scratch_block=local_blocks, row_counts=row_counts)
     meta.slot_mapping = local_slots(meta.slot_mapping, rank, size, local_blocks, bs)
     meta.decode_block_tables = local_tables(meta.decode_block_tables, rank, size, local_blocks)
     meta.prefill_block_tables = local_tables(meta.prefill_block_tables, rank, size, local_blocks)
