@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 
 import pytest
@@ -145,16 +144,10 @@ def test_sessions_ngram_drafts_and_preemption(tiny_dirs):
     assert got == reference
 
 
-def _worker_pids() -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "-P", str(os.getpid()), "backend_lib.worker.executor.worker"],
-                         capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
-def test_killed_context_rank_fails_the_step_naming_it(tiny_dirs):
+def test_killed_context_rank_fails_the_step_naming_it(tiny_dirs, child_worker_pids):
     llm = LLM(str(tiny_dirs["llama"]), num_blocks=64, distributed_timeout_s=20, **CP2)
     try:
-        (pid,) = _worker_pids()
+        (pid,) = child_worker_pids()
         os.kill(pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(RankFailure, match="context-parallel rank 1"):
@@ -162,7 +155,7 @@ def test_killed_context_rank_fails_the_step_naming_it(tiny_dirs):
         assert time.monotonic() - start < 10
     finally:
         llm.close()
-    assert _worker_pids() == []
+    assert child_worker_pids() == []
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -174,11 +167,11 @@ def test_refused_settings_name_the_field(tiny_dirs, settings, message):
         EngineConfig.from_flat({"model": str(tiny_dirs["llama"]), **CP2, **settings})
 
 
-def test_a_model_without_context_parallel_attention_is_refused_by_name(tmp_path):
+def test_a_model_without_context_parallel_attention_is_refused_by_name(tmp_path, child_worker_pids):
     model = make_tiny("deepseek_v3", tmp_path / "v3_engram", engram_layers=[1])  # Engram's rows are not split yet
     with pytest.raises(ValueError, match="DeepseekV3.*no context-parallel attention"):
         LLM(str(model), num_blocks=64, **CP2)
-    assert _worker_pids() == []
+    assert child_worker_pids() == []
 
 
 @pytest.mark.parametrize("config", ["release_small", "odd_rates"])

@@ -6,13 +6,10 @@ process behind."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import time
 
 import pytest
-from triton_helpers import StreamClient, http_generate, metric, metrics, new_server, server_ready
+from triton_helpers import StreamClient, http_generate, lose_a_rank, metric, metrics, new_server, worker_pids
 
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.offline import LLM
@@ -39,11 +36,6 @@ def reference(model_dir):
         return llm.generate(PROMPTS, SamplingParams(**GREEDY))
 
 
-def _worker_pids(session: int | None = None) -> set[int]:
-    session_filter = ["-s", str(session)] if session is not None else []
-    out = subprocess.run(["pgrep", *session_filter, "-f", "backend_lib.worker.executor.worker"], capture_output=True,
-                         text=True).stdout
-    return {int(p) for p in out.split()}
 
 
 @pytest.fixture(scope="module")
@@ -93,26 +85,8 @@ def test_session_turns_keep_their_split_kv(cp_server, reference):
 def test_killed_context_rank_fails_the_model_naming_it(model_dir, tmp_path):
     overrides = {**SETTINGS, "model": str(model_dir), "context_parallel_size": "2", "distributed_timeout_s": "30"}
     with new_server(tmp_path, overrides) as server:
-        (worker,) = _worker_pids(session=server.process.pid)
-        client = StreamClient(server.grpc_url)
-        try:
-            client.send(_request("Count to one thousand:", sampling_parameters=json.dumps(
-                {"temperature": 0, "max_tokens": 400, "ignore_eos": True})))
-            _, error = client.next_response()
-            assert error is None
-            os.kill(worker, signal.SIGKILL)
-            killed = time.monotonic()
-            while True:
-                _, error = client.next_response(timeout_s=30)
-                if error is not None:
-                    break
-            assert time.monotonic() - killed < 10
-            assert "context-parallel rank 1" in str(error)
-        finally:
-            client.close()
-        deadline = time.monotonic() + 10
-        while server_ready(server.http_url):
-            assert time.monotonic() < deadline, "the model still reports ready after losing a context rank"
-            time.sleep(0.2)
-        ranks = _worker_pids(session=server.process.pid) | {worker}
-    assert not ranks & _worker_pids()
+        started = worker_pids(session=server.process.pid)
+        lose_a_rank(server, _request("Count to one thousand:", sampling_parameters=json.dumps(
+            {"temperature": 0, "max_tokens": 400, "ignore_eos": True})), "context-parallel rank 1")
+        ranks = worker_pids(session=server.process.pid) | started
+    assert not ranks & worker_pids()
