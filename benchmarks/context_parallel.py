@@ -39,6 +39,7 @@ class Run:
     ttft_s: float
     decode_ms: float
     first_ids: list[int]
+    gather_s: float = 0.0  # CP=2: the driver's time in all-gathers during the prefill (a profiled repeat)
 
 
 def prompt_ids(model: str, length: int) -> list[int]:
@@ -62,6 +63,15 @@ def timed_request(llm: LLM, ids: list[int], decode_steps: int) -> tuple[float, f
     return first - start, decode_ms, tokens[:4]
 
 
+def gather_seconds(llm: LLM, ids: list[int]) -> float:
+    """The driver's seconds inside all-gathers (q/k/v rows, partial outputs; waits for the other rank included)
+    over one more prefill of ``ids``, profiled."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        timed_request(llm, ids, 0)
+    return sum(e.self_cpu_time_total for e in prof.key_averages() if "allgather" in e.key) / 1e6
+
+
 def measure(model: str, cp: int, lengths: list[int], decode_steps: int) -> list[Run]:
     """TTFT per length (one request alone, prefix caching off), then decode steps at the longest context."""
     longest = max(lengths)
@@ -80,7 +90,8 @@ def measure(model: str, cp: int, lengths: list[int], decode_steps: int) -> list[
             for length in lengths:
                 steps = decode_steps if length == longest else 0
                 ttft, decode_ms, ids = timed_request(llm, prompt_ids(model, length), steps)
-                runs.append(Run(Path(model).name, length, cp, ttft, decode_ms, ids))
+                gather = gather_seconds(llm, prompt_ids(model, length)) if cp > 1 and length == min(lengths) else 0.0
+                runs.append(Run(Path(model).name, length, cp, ttft, decode_ms, ids, gather))
                 print(f"  {Path(model).name} {length} tokens CP={cp}: TTFT {ttft:.2f} s"
                       + (f", decode {decode_ms:.1f} ms/step" if decode_ms else ""), flush=True)
             return runs
@@ -95,13 +106,14 @@ def write_report(runs: list[Run], out: Path, machine: str) -> None:
              "q/k/v, every rank attends the blocks it holds, partials merged by log-sum-exp); prefix caching off; "
              "decode: one request at the longest context, ms per step (its prefill subtracted).", "",
              "| model | prompt tokens | TTFT CP=1 s | TTFT CP=2 s | CP=2 / CP=1 | decode CP=1 ms | decode CP=2 ms | "
-             "first tokens equal |", "|---|---|---|---|---|---|---|---|"]
+             "first tokens equal | CP=2 all-gathers s |", "|---|---|---|---|---|---|---|---|---|"]
     pairs = [(a, b) for a in runs for b in runs if a.model == b.model and a.tokens == b.tokens and a.cp == 1
              and b.cp == 2]
     for a, b in pairs:
         decode = f"{a.decode_ms:.1f} | {b.decode_ms:.1f}" if a.decode_ms else "- | -"
         lines.append(f"| {a.model} | {a.tokens} | {a.ttft_s:.2f} | {b.ttft_s:.2f} | {b.ttft_s / a.ttft_s:.2f}x | "
-                     f"{decode} | {'yes' if a.first_ids == b.first_ids else 'NO'} |")
+                     f"{decode} | {'yes' if a.first_ids == b.first_ids else 'NO'} | "
+                     f"{f'{b.gather_s:.2f} (profiled repeat)' if b.gather_s else '-'} |")
     longest = max(r.tokens for r in runs)
     lines += ["", f"KV capacity: a rank's pool of N blocks holds N x {BLOCK} tokens of one request at CP=1 and "
               f"2 x N x {BLOCK} at CP=2 (each rank holds every other block); e.g. the {longest}-token context above "
