@@ -204,6 +204,17 @@ class LlamaForCausalLM(nn.Module):
 
     supports_context_parallel = True  # attention over held blocks + log-sum-exp merge (models/context_parallel.py)
 
+    def cover_positions(self, max_model_len: int) -> bool:
+        """Extend the RoPE table to ``max_model_len`` positions when that is past the checkpoint's
+        ``max_position_embeddings`` (RoPE computes any position; quality past the trained length is the model's).
+        True when it extended."""
+        if max_model_len <= self.rotary.cos.shape[0]:
+            return False
+        arch = self.arch
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, max_model_len).to(
+            self.rotary.cos.device)
+        return True
+
     def kv_cache_shapes(self, num_slots: int) -> list[tuple[int, ...]]:
         shape = (self.arch.num_layers, num_slots, self.layers[0].self_attn.num_kv_heads, self.arch.head_dim)
         return [shape, shape]  # K, V

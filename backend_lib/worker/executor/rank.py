@@ -3,6 +3,7 @@ and a model runner. One function, so that every rank makes the same decisions (t
 pair up only if every rank runs the same code)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,8 @@ from kernels.cpu_kernels import cpu_kernels_supported, load_cpu_kernels
 from kernels.gemv import GemvPolicy, gemv_available
 from kernels.host_memory import move_buffers_to_huge_pages
 from kernels.onednn_gemm import onednn_gemm_available
+
+log = logging.getLogger("deepinfer.rank")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -82,6 +85,9 @@ def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
     model = load_model(resolve_model_path(config.model.model), dtype=dtype, progress=par.is_driver,
                        par=par, weight_format=config.model.weight_format,
                        packed_gemm_path=config.model.packed_gemm_path).to(device).eval()
+    if hasattr(model, "cover_positions") and model.cover_positions(config.model.max_model_len) and par.is_driver:
+        log.warning("max_model_len %d is past the checkpoint's max_position_embeddings %d: RoPE extrapolates there",
+                    config.model.max_model_len, model.arch.max_position_embeddings)
     # Before the runner: compiled regions trace the packed GEMMs (opaque custom ops) that eager steps call. Before
     # the KV cache's sizing: the packed and blocked copies and the screened heads take memory the cache must not.
     plan = host_gemm_plan(config.model.host_gemm, device, dtype, config.model.greedy_head_screen)
