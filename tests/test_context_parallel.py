@@ -74,6 +74,15 @@ def test_smollm2_long_and_short_prompts_in_one_batch(smollm2_path):
     _assert_same(reference, _generate(smollm2_path, prompts, params, **settings, **CP2), 2e-4)
 
 
+def test_several_thousand_tokens_in_256_token_chunks(tiny_dirs):
+    """A 3,000-token prompt (past the tiny model's 1,024 trained positions: RoPE extended) beside a short one."""
+    prompts, model = [STORY * 57, "Hi"], str(tiny_dirs["llama"])
+    settings = {"max_model_len": 3200, "max_num_batched_tokens": 256, "num_blocks": 220}
+    reference = _generate(model, prompts, **settings)
+    assert reference[0].num_prompt_tokens > 3000
+    _assert_same(reference, _generate(model, prompts, **settings, **CP2))
+
+
 @pytest.mark.parametrize("model", ["llama", "deepseek_v4"])
 def test_tensor_and_context_parallel_on_four_ranks(tiny_dirs, model):
     model = str(tiny_dirs[model])
