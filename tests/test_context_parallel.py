@@ -167,6 +167,22 @@ def test_killed_context_rank_fails_the_step_naming_it(tiny_dirs, child_worker_pi
     assert child_worker_pids() == []
 
 
+def test_a_hung_context_rank_fails_the_step_within_the_timeout_naming_it(tiny_dirs, child_worker_pids):
+    """A stopped rank answers no collective: the context group's own timeout (distributed_timeout_s, not gloo's
+    30-minute default for subgroups) fails the step, and the error names the rank."""
+    llm = LLM(str(tiny_dirs["llama"]), num_blocks=64, distributed_timeout_s=4, **CP2)
+    try:
+        (pid,) = child_worker_pids()
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(RankFailure, match="context-parallel rank 1.*stopped"):
+            llm.generate(PROMPTS[:1], GREEDY)
+        assert time.monotonic() - start < 12
+    finally:
+        llm.close()  # kills the stopped rank
+    assert child_worker_pids() == []
+
+
 @pytest.mark.parametrize("settings, message", [
     ({"compile_backend": "inductor"}, "compile_backend 'none'"),
     ({"context_parallel_size": 0}, "context_parallel_size must be in"),
