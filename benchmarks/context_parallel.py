@@ -25,7 +25,7 @@ from benchmarks.plots import paired_bars  # noqa: E402
 from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
 from backend_lib.engine.offline import LLM  # noqa: E402
 from backend_lib.engine.tokenizer import Tokenizer  # noqa: E402
-from backend_lib.models.loader import resolve_model_path  # noqa: E402
+from backend_lib.core.model_path import resolve_model_path  # noqa: E402
 
 BLOCK = 16
 CHUNK = 2048

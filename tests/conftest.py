@@ -13,7 +13,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
-    from backend_lib.models.loader import default_model_path
+    from backend_lib.core.model_path import default_model_path
     return default_model_path()
 
 

@@ -27,7 +27,7 @@ from backend_lib.core.errors import RequestError
 from backend_lib.engine.tokenizer import Tokenizer
 from backend_lib.frontend.openai.errors import bad_request
 from backend_lib.frontend.openai.schema import ChatCompletionRequest, ChatMessage
-from backend_lib.models.loader import resolve_model_path
+from backend_lib.core.model_path import resolve_model_path
 from backend_lib.structured_output.constraints import StructuredOutputError
 from backend_lib.structured_output.tool_calls import HermesToolParser, parser_for_template
 from backend_lib.structured_output.tool_choice import (FunctionTool, ToolCall, new_call_id, parse_tools,
