@@ -133,7 +133,8 @@ class SpecConfig:
         _require(0 <= self.num_speculative_tokens <= 16,
                  f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
         _require(self.method == "none" or self.num_speculative_tokens >= 1,
-                 f"spec method {self.method!r} needs num_speculative_tokens in [1, 16], got {self.num_speculative_tokens}")
+                 f"spec method {self.method!r} needs num_speculative_tokens in [1, 16], "
+                 f"got {self.num_speculative_tokens}")
         _require(1 <= self.ngram_min <= self.ngram_max,
                  f"ngram range must satisfy 1 <= ngram_min <= ngram_max, got [{self.ngram_min}, {self.ngram_max}]")
 

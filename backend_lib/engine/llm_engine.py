@@ -138,8 +138,8 @@ class LLMEngine:
         on first use: a 49k vocabulary takes a while), compiles on its own threads."""
         with self._grammar_lock:
             if self._grammar_compiler is None:
-                self._grammar_compiler = GrammarCompiler.from_tokenizer(self.tokenizer, self.vocab_size,
-                                                                        limits=self.config.limits.structured_output_limits())
+                limits = self.config.limits.structured_output_limits()
+                self._grammar_compiler = GrammarCompiler.from_tokenizer(self.tokenizer, self.vocab_size, limits=limits)
             return self._grammar_compiler
 
     def _submit_grammar(self, params: SamplingParams) -> RequestGrammar | None:

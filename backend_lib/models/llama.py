@@ -254,10 +254,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _host_decode_weights(self, num_tokens: int,
                              meta: AttentionMetadata) -> tuple[list[torch.Tensor], list[torch.Tensor], int] | None:
-        """(norms, projections, GEMM path[, packed format, packed path]) for ``deepinfer::llama_decode_layers`` (kernels/csrc/llama_decode.cpp:
-        the eager host path's ops from one C++ loop, same results) when this step is in its scope: decode tokens
-        only, one rank, no biases, every projection on the GEMM that ``linear`` picks at this row count (the
-        blocked kernel needs SiLU's width a multiple of its tile). Else None: the module path."""
+        """(norms, projections, GEMM path[, packed format, packed path]) for ``deepinfer::llama_decode_layers``
+        (kernels/csrc/llama_decode.cpp: the eager host path's ops from one C++ loop, same results) when this step is
+        in its scope: decode tokens only, one rank, no biases, every projection on the GEMM that ``linear`` picks at
+        this row count (the blocked kernel needs SiLU's width a multiple of its tile). Else None: the module path."""
         if meta.num_prefills or meta.num_decode_tokens != num_tokens or self.par.world_size > 1 or self.kv_fp8:
             return None
         if self._decode_weight_lists is None:

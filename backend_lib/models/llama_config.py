@@ -14,7 +14,8 @@ def _positive(name: str, value: int | float) -> None:
 
 
 def _parse_rope(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, scaling) from transformers 5's ``rope_parameters`` or the older ``rope_theta`` + ``rope_scaling``."""
+    """(rope_theta, scaling) from transformers 5's ``rope_parameters`` or the older ``rope_theta`` +
+    ``rope_scaling``."""
     params = config.get("rope_parameters") or {}
     legacy = config.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))

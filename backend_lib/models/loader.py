@@ -123,8 +123,8 @@ def _load_hf_directory(directory: str, options: LoadOptions) -> nn.Module:
 def _load_gguf(path: str, options: LoadOptions) -> nn.Module:
     checkpoint = open_gguf(path)
     model = get_model_class(checkpoint.architecture).from_hf_config(checkpoint.config, options.dtype, options=options)
-    with tqdm(checkpoint.tensors(keep_blocks=options.packed), total=checkpoint.num_tensors, desc="loading GGUF", unit="tensor",
-              disable=not options.progress) as tensors:
+    with tqdm(checkpoint.tensors(keep_blocks=options.packed), total=checkpoint.num_tensors, desc="loading GGUF",
+              unit="tensor", disable=not options.progress) as tensors:
         model.load_weights(tensors)
     if options.packed:
         _log_resident_bytes(model)

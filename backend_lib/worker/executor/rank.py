@@ -48,10 +48,10 @@ def num_state_slots(config: EngineConfig, model: torch.nn.Module) -> int:
 
 def kv_cache_blocks(config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype, world_size: int = 1,
                     kv_dtype: torch.dtype | None = None) -> int:
-    """Blocks of the KV pool for this rank's shard (backend_lib/worker/kv_sizing.py: ``num_blocks``, ``kv_cache_memory_gb``,
-    or a fraction of the free memory, which the ranks of one host share); a hybrid model's state slots (and the
-    scratch slot) come off the budget first. ``kv_dtype``: the paged cache's element type (uint8 for fp8 records;
-    default ``dtype``); the state slots keep the model ``dtype``."""
+    """Blocks of the KV pool for this rank's shard (backend_lib/worker/kv_sizing.py: ``num_blocks``,
+    ``kv_cache_memory_gb``, or a fraction of the free memory, which the ranks of one host share); a hybrid model's
+    state slots (and the scratch slot) come off the budget first. ``kv_dtype``: the paged cache's element type (uint8
+    for fp8 records; default ``dtype``); the state slots keep the model ``dtype``."""
     drafts, block_size = max_drafts(config.spec), config.cache.block_size
     per_block = kv_bytes_per_block(model, block_size, kv_dtype or dtype, drafts)
     slots = num_state_slots(config, model)
@@ -118,6 +118,6 @@ def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
     runner = ModelRunner(model, num_blocks, config.cache.block_size, model.arch.vocab_size, device, dtype,
                          spec=config.spec, compile_config=config.compile,
                          max_num_seqs=config.scheduler.max_num_seqs, max_model_len=config.model.max_model_len,
-                         link=link, is_driver=global_rank == 0, num_state_slots=slots, kv_dtype=kv_dtype, context=par.context,
-                         context_min_tokens=parallel.context_parallel_min_tokens)
+                         link=link, is_driver=global_rank == 0, num_state_slots=slots, kv_dtype=kv_dtype,
+                         context=par.context, context_min_tokens=parallel.context_parallel_min_tokens)
     return RankState(model, runner, num_blocks * parallel.context_parallel_size, slots, channel, link)
