@@ -9,7 +9,7 @@ import pytest
 from backend_lib.core.config import EngineConfig
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.offline import LLM
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, hf_greedy_choices
 
 PROMPTS = [
     "The capital of France is",
@@ -20,21 +20,23 @@ PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}],
 ]
-NEW_TOKENS = 32  # 7 prompts x 32 tokens: transformers steps one token at a time here, the suite's costliest oracle
+NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def oracle(hf_smollm2):
-    model, tokenizer = hf_smollm2
-    results = []
+def oracle(hf_smollm2) -> list[list[int]]:
+    """transformers' prompt ids; its greedy choices are checked against each run's tokens (hf_greedy_choices: one
+    forward a prompt instead of 7 x 32 single-token steps, the suite's costliest oracle when stepped)."""
+    _, tokenizer = hf_smollm2
+    prompt_ids = []
     for prompt in PROMPTS:
         if isinstance(prompt, str):
             ids = tokenizer(prompt)["input_ids"]
         else:
             ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
                                                 return_dict=False)
-        results.append((list(ids), *hf_greedy(model, list(ids), NEW_TOKENS)))
-    return results
+        prompt_ids.append(list(ids))
+    return prompt_ids
 
 
 @pytest.fixture(scope="module")
@@ -46,27 +48,28 @@ def smollm2_llm(smollm2_path):
 
 
 def test_prompt_ids_match_transformers(smollm2_llm, oracle):
-    for prompt, (ids, _, _) in zip(PROMPTS, oracle):
+    for prompt, ids in zip(PROMPTS, oracle):
         assert smollm2_llm.engine.tokenize(prompt) == ids
 
 
-def _check(results, oracle):
-    for result, (_, tokens, logprobs) in zip(results, oracle):
+def _check(results, oracle, hf_model):
+    for result, ids in zip(results, oracle):
+        assert len(result.token_ids) == NEW_TOKENS and len(result.logprobs) == NEW_TOKENS
+        tokens, logprobs = hf_greedy_choices(hf_model, ids, result.token_ids)
         assert result.token_ids == tokens
-        assert len(result.logprobs) == NEW_TOKENS
         for ours, theirs in zip(result.logprobs, logprobs):
             assert abs(ours.logprob - theirs) < 1e-3
 
 
-def test_greedy_one_at_a_time_matches_transformers(smollm2_llm, oracle):
+def test_greedy_one_at_a_time_matches_transformers(smollm2_llm, oracle, hf_smollm2):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
-    _check([smollm2_llm.generate([ids], params)[0] for ids, _, _ in oracle], oracle)
+    _check([smollm2_llm.generate([ids], params)[0] for ids in oracle], oracle, hf_smollm2[0])
 
 
-def test_greedy_concurrent_chunked_batch_matches_transformers(smollm2_llm, oracle):
+def test_greedy_concurrent_chunked_batch_matches_transformers(smollm2_llm, oracle, hf_smollm2):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
-    results = smollm2_llm.generate([ids for ids, _, _ in oracle], params)
-    _check(results, oracle)
+    results = smollm2_llm.generate(oracle, params)
+    _check(results, oracle, hf_smollm2[0])
 
 
 def test_chat_answer_mentions_paris(smollm2_llm):

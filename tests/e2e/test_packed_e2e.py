@@ -23,7 +23,7 @@ GREEDY = {"temperature": 0, "max_tokens": 16, "ignore_eos": True}
 def test_packed_server_equals_the_offline_engine(path, tmp_path):
     settings = {k: int(v) for k, v in SETTINGS.items()}
     references = {}
-    for fmt in ("packed", "dequantize"):
+    for fmt in ("packed", "dequantize") if path == "fp32" else ("packed",):  # dequantize: the fp32 path's oracle
         with LLM("", weight_format=fmt, packed_gemm_path=path, **settings) as llm:
             references[fmt] = [llm.generate([p], SamplingParams(**GREEDY))[0] for p in PROMPTS]  # one at a time
     overrides = {**SETTINGS, "weight_format": "packed", "packed_gemm_path": path}
