@@ -50,6 +50,7 @@ class ScreenedHead:
     approx_head: torch.Tensor | None = None  # HeadScreen.approx_head(W)
     int8_screen: Int8HeadScreen | None = None
     int8_head: torch.Tensor | None = None  # Int8HeadScreen.build(W)[1]
+    gather_limit: float = GATHER_LIMIT  # the bf16 copy's (the int8 screen has its own)
 
 
 def _approximate(x: torch.Tensor,  # [B, H]
@@ -64,7 +65,7 @@ def _approximate(x: torch.Tensor,  # [B, H]
     screen = head.head_screen
     if screen is not None and head.approx_head is not None and x.dtype == torch.float32:
         approx = blocked_linear_float(x.to(torch.bfloat16), head.approx_head, screen.vocab_size)
-        return approx, screen.row_norms, screen.coefficient, GATHER_LIMIT
+        return approx, screen.row_norms, screen.coefficient, head.gather_limit
     return None
 
 
