@@ -32,7 +32,7 @@ from benchmarks.plots import paired_bars  # noqa: E402
 from backend_lib.core.config import EngineConfig  # noqa: E402
 from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
 from backend_lib.engine.offline import LLM  # noqa: E402
-from backend_lib.models.loader import default_model_path  # noqa: E402
+from backend_lib.core.model_path import default_model_path  # noqa: E402
 from kernels.onednn_gemm import native_bf16_gemm, onednn_gemm_available  # noqa: E402
 from tests.greedy_agreement import NEAR_TIE_ULPS, Divergence, first_divergence  # noqa: E402
 

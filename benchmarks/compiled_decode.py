@@ -23,7 +23,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backend_lib.models.loader import default_model_path, load_model  # noqa: E402
+from backend_lib.core.model_path import default_model_path  # noqa: E402
+from backend_lib.models.loader import load_model  # noqa: E402
 from backend_lib.worker.compile.buckets import BucketSpec  # noqa: E402
 from backend_lib.worker.compile.regions import CompiledModel  # noqa: E402
 from kernels.attention_metadata import AttentionMetadata  # noqa: E402

@@ -49,7 +49,7 @@ def child(args) -> None:
     from backend_lib.core.config import EngineConfig
     from backend_lib.core.sampling_params import SamplingParams
     from backend_lib.engine.offline import LLM
-    from backend_lib.models.loader import default_model_path
+    from backend_lib.core.model_path import default_model_path
 
     flat = {"model": default_model_path(), "max_num_seqs": 32, "max_num_batched_tokens": 512,
             "enable_prefix_caching": False, "max_model_len": 256, "num_threads": args.threads}

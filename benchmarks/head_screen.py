@@ -27,7 +27,7 @@ from benchmarks.plots import paired_bars  # noqa: E402
 from backend_lib.core.config import EngineConfig  # noqa: E402
 from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
 from backend_lib.engine.offline import LLM  # noqa: E402
-from backend_lib.models.loader import default_model_path  # noqa: E402
+from backend_lib.core.model_path import default_model_path  # noqa: E402
 from kernels.gemv import blocked_linear_float  # noqa: E402
 from kernels.sampling import row_argmax  # noqa: E402
 

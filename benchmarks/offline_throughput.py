@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from backend_lib.core.config import EngineConfig  # noqa: E402
 from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
 from backend_lib.engine.offline import LLM  # noqa: E402
-from backend_lib.models.loader import default_model_path  # noqa: E402
+from backend_lib.core.model_path import default_model_path  # noqa: E402
 from benchmarks.machine import describe, measure_limits  # noqa: E402
 from benchmarks.peers import PeerRun, anchors_missing, run_llama_cpp, run_vllm  # noqa: E402
 

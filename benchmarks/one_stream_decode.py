@@ -20,7 +20,7 @@ from benchmarks.offline_throughput import load_workload, run_engine  # noqa: E40
 from backend_lib.core.config import EngineConfig  # noqa: E402
 from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
 from backend_lib.engine.offline import LLM  # noqa: E402
-from backend_lib.models.loader import default_model_path  # noqa: E402
+from backend_lib.core.model_path import default_model_path  # noqa: E402
 
 
 def main() -> int:

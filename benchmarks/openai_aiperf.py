@@ -43,7 +43,7 @@ def export_tokenizer(directory: Path) -> Path:
     """The bundled model's tokenizer as a Hugging Face directory: AIPerf loads one even when the server counts the
     tokens, and this machine cannot download any (AIPerf's "builtin" tokenizer downloads its encoding)."""
     from backend_lib.engine.tokenizer import Tokenizer
-    from backend_lib.models.loader import default_model_path
+    from backend_lib.core.model_path import default_model_path
 
     Tokenizer.load(default_model_path()).save_pretrained(str(directory))
     return directory

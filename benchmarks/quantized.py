@@ -37,7 +37,7 @@ from backend_lib.core.config import EngineConfig  # noqa: E402
 from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
 from backend_lib.engine.offline import LLM  # noqa: E402
 from backend_lib.models.layers import resident_weight_bytes  # noqa: E402
-from backend_lib.models.loader import default_model_path  # noqa: E402
+from backend_lib.core.model_path import default_model_path  # noqa: E402
 
 MODES = {  # label -> engine settings
     "dequantize (fp32)": {"weight_format": "dequantize"},

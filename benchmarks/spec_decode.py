@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from backend_lib.core.config import EngineConfig  # noqa: E402
 from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
 from backend_lib.engine.llm_engine import LLMEngine  # noqa: E402
-from backend_lib.models.loader import default_model_path  # noqa: E402
+from backend_lib.core.model_path import default_model_path  # noqa: E402
 from backend_lib.tools.tiny import make_tiny  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 

@@ -32,7 +32,8 @@ class StateRows:
 class ContextShare:
     """Context parallelism (backend_lib/worker/context_share.py): what this context rank holds of the step's
     requests, and which of the step's rows it computes. Block tables list only the blocks this rank holds (its
-    local ids, the scratch block padding), each with the position of its first token (padding: past every query)."""
+    local ids, the scratch block padding), each with the position of its first token (padding: past every query);
+    the metadata's own block tables keep their width, with this rank's ids and ``scratch_block`` for the others."""
 
     rank: int
     size: int
@@ -41,6 +42,7 @@ class ContextShare:
     decode_starts: torch.Tensor  # [num_decodes, w] int64
     prefill_tables: torch.Tensor  # [num_prefills, w'] int64
     prefill_starts: torch.Tensor  # [num_prefills, w'] int64
+    scratch_block: int  # this rank's scratch block: where the step's block tables point for blocks it does not hold
     row_counts: list[int] | None = None  # rows per context rank when the step's rows are split, else None
 
     @property

@@ -99,6 +99,15 @@ class ChunkPages:
         return ((index + 1) * rate - 1)[None, :], visible
 
 
+def held_entries(pages: "TokenPages | ChunkPages", rate: int,
+                 scratch_block: int) -> torch.Tensor:  # [G, E] bool
+    """Context parallelism: which of ``pages.entries(rate)``'s entries this rank holds (their block is not the
+    scratch block the tables give for another rank's blocks)."""
+    pos, _ = pages.entries(rate)
+    tables = pages.block_tables if isinstance(pages, TokenPages) else pages.block_table
+    return tables.gather(1, pos // pages.block_size) != scratch_block
+
+
 def entry_rows_per_block(block_size: int, rate: int) -> int:
     """Compressed entries one block holds: windows of ``rate`` closing among its ``block_size`` positions (exact
     when ``rate`` divides ``block_size``; otherwise some rows of a block stay unused)."""
@@ -174,10 +183,18 @@ def indexer_select(q: torch.Tensor,  # [T, Hi, Di] post-rope index queries
         return visible
     if top_k == 0:
         return torch.zeros_like(visible)
+    return top_k_in_order(indexer_scores(q, keys, head_weights, visible), top_k) & visible
+
+
+def indexer_scores(q: torch.Tensor,  # [T, Hi, Di] post-rope index queries
+                   keys: torch.Tensor,  # [T or 1, E, Di]
+                   head_weights: torch.Tensor,  # [T, Hi]
+                   visible: torch.Tensor,  # [T, E] bool
+                   ) -> torch.Tensor:  # [T, E] float32, -inf where not visible
+    """The lightning indexer's score of every visible entry (``indexer_select`` picks the best)."""
     scores = F.relu(torch.matmul(q.float(), keys.float().transpose(1, 2))) * q.shape[-1] ** -0.5
     scores = (scores * head_weights.float()[..., None]).sum(dim=1)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return top_k_in_order(scores, top_k) & visible
+    return scores.masked_fill(~visible, float("-inf"))
 
 
 def top_k_in_order(scores: torch.Tensor,  # [T, E] float, columns in entry order

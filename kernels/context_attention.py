@@ -40,15 +40,14 @@ def _held_attention(
     # Rows (query, group member) inside each KV head, so one mask row per query serves the group (as
     # kernels/attention.py's _grouped_attention); torch's CPU flash kernel returns the log-sum-exp beside the output.
     qg = q.view(b, nq, hkv, group, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, nq * group, d)
-    rows = visible[:, :, None, :].expand(b, nq, group, visible.shape[-1]).reshape(b, 1, nq * group, -1)
-    mask = torch.zeros(rows.shape, dtype=q.dtype, device=q.device).masked_fill_(~rows, float("-inf"))
+    additive = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+    mask = additive[:, :, None, :].expand(b, nq, group, visible.shape[-1]).reshape(b, 1, nq * group, -1)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, k, v, 0.0, False, attn_mask=mask,
                                                                          scale=scale)
-    # The kernel gives a row without any visible key out 0 and lse 0; the merge needs -inf there.
-    lse = lse.float().masked_fill(~rows.any(-1).view(b, 1, nq * group), float("-inf"))
     out = out.view(b, hkv, nq, group, d).permute(0, 2, 1, 3, 4).reshape(b, nq, h, d)
     lse = lse.view(b, hkv, nq, group).permute(0, 2, 1, 3).reshape(b, nq, h)
-    return out.float(), lse
+    # The kernel gives a row without any visible key out 0 and lse 0; the merge needs -inf there.
+    return out.float(), lse.float().masked_fill(~visible.any(-1)[..., None], float("-inf"))
 
 
 def paged_kv_reader(k_cache: torch.Tensor,  # [num_slots, Hkv, D]
@@ -125,3 +124,20 @@ def merge_partials(out: torch.Tensor,  # [R, N, H, D] float32: every context ran
     weight = torch.exp(lse - top)  # [R, N, H]
     total = weight.sum(0).clamp_min(torch.finfo(torch.float32).tiny)
     return (weight[..., None] * out).sum(0) / total[..., None]
+
+
+def partial_sink_attention(q: torch.Tensor,  # [T, H, D] post-rope queries
+                           keys: torch.Tensor,  # [T or 1, K, D] one K = V head
+                           allowed: torch.Tensor,  # [T, K] bool: the keys this rank holds and the query sees
+                           sinks: torch.Tensor | None,  # [H] per-head sink logits (one rank counts them), or None
+                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, H, D], lse [T, H] float32
+    """kernels/compressed_attention.py's ``sink_attention`` over part of the keys, with its log-sum-exp (the sink a
+    key whose value is zero): ``merge_partials`` of every rank's parts gives the whole softmax."""
+    scores = (torch.matmul(q.float(), keys.float().transpose(1, 2)) * scale).masked_fill(~allowed[:, None, :],
+                                                                                        float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.float()[None, :, None].expand(q.shape[0], -1, 1)], dim=-1)
+    lse = torch.logsumexp(scores, dim=-1)  # -inf: no key (and no sink) here
+    probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
+    out = torch.matmul(probs[..., :keys.shape[1]], keys.float())
+    return out, lse

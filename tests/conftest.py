@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
-    from backend_lib.models.loader import default_model_path
+    from backend_lib.core.model_path import default_model_path
     return default_model_path()
 
 
@@ -65,3 +66,13 @@ def hf_greedy(model, input_ids: list[int], max_new_tokens: int) -> tuple[list[in
             logprobs.append(float(logp[token]))
             ids = torch.tensor([[token]])
     return tokens, logprobs
+
+
+@pytest.fixture
+def child_worker_pids():
+    """A function listing this test process's live worker ranks (the engine's child processes)."""
+    def pids() -> list[int]:
+        out = subprocess.run(["pgrep", "-f", "-P", str(os.getpid()), "backend_lib.worker.executor.worker"],
+                             capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+    return pids

@@ -211,6 +211,15 @@ def test_core_imports_no_torch():
     assert int(out.stdout) >= 9
 
 
+
+def test_the_openai_front_imports_no_torch():
+    """The OpenAI front is its own process next to tritonserver: it resolves the model path and renders chat
+    templates without the engine's torch (core/model_path.py)."""
+    code = ("import sys\nimport backend_lib.frontend.openai.app\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
 # ---------------------------------------------------------------------------------------------- the checker fails
 
 def _write(root: Path, files: dict[str, str]) -> None:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from backend_lib.models.gguf_loader import dequantize_tensor, open_gguf, unpermute_rows
-from backend_lib.models.loader import load_model, resolve_model_path, safetensors_files
+from backend_lib.core.model_path import resolve_model_path
+from backend_lib.models.loader import load_model, safetensors_files
 from kernels.attention_metadata import AttentionMetadata
 
 PROMPTS = [
@@ -249,3 +250,17 @@ def test_open_gguf_and_resolve_default(smollm2_path):
     assert json.dumps(checkpoint.config)  # plain JSON-able, like a config.json
     with pytest.raises(FileNotFoundError, match="does not exist"):
         resolve_model_path("/nonexistent/model.gguf")
+
+
+def test_positions_past_max_position_embeddings_match_transformers(tmp_path):
+    """max_model_len past the checkpoint's max_position_embeddings (256 here): the RoPE table is extended at load
+    (transformers computes any position too), so a 300-token prompt's logits still match."""
+    from transformers import AutoModelForCausalLM
+    _write_tiny_llama(tmp_path, tie=False, rope_parameters=None, shard=False)
+    ours = load_model(str(tmp_path), progress=False)
+    assert not ours.cover_positions(200) and ours.cover_positions(320)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (300, 8, 40)]  # 96 blocks of 4 hold them
+    for ids, got in zip(prompts, paged_logits(ours, prompts)):
+        assert (got - hf_logits(hf, ids)).abs().max().item() <= 1e-4

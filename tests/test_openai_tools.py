@@ -15,7 +15,7 @@ from backend_lib.frontend.openai import tools, translate
 from backend_lib.frontend.openai.errors import OpenAIError, from_model_error
 from backend_lib.frontend.openai.schema import ChatCompletionRequest
 from backend_lib.frontend.openai.translate import ModelDelta, Session, Totals
-from backend_lib.models.loader import default_model_path
+from backend_lib.core.model_path import default_model_path
 from backend_lib.structured_output.constraints import ConstraintKind
 from backend_lib.structured_output.tool_calls import (DeepSeekDSMLToolParser, DeepSeekV3ToolParser,
                                                       HermesToolParser)

@@ -91,22 +91,16 @@ def test_smollm2_uneven_heads_match_one_rank():
     ("llama", 4, "tensor_parallel_size=4 exceeds num_key_value_heads (2)"),
     ("deepseek", 3, "tensor_parallel_size=3 does not divide vocab_size (320)"),
 ])
-def test_bad_rank_count_fails_the_load_and_leaves_no_worker(tiny_dirs, model, size, message):
+def test_bad_rank_count_fails_the_load_and_leaves_no_worker(tiny_dirs, model, size, message, child_worker_pids):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         LLM(str(tiny_dirs[model]), num_blocks=64, tensor_parallel_size=size)
-    assert _worker_pids() == []
+    assert child_worker_pids() == []
 
 
-def _worker_pids() -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "-P", str(os.getpid()), "backend_lib.worker.executor.worker"],
-                         capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
-def test_killed_worker_fails_the_step_naming_the_rank(tiny_dirs):
+def test_killed_worker_fails_the_step_naming_the_rank(tiny_dirs, child_worker_pids):
     llm = LLM(str(tiny_dirs["llama"]), num_blocks=64, tensor_parallel_size=2, distributed_timeout_s=20)
     try:
-        (pid,) = _worker_pids()
+        (pid,) = child_worker_pids()
         os.kill(pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(RankFailure, match="rank 1"):
@@ -116,7 +110,7 @@ def test_killed_worker_fails_the_step_naming_the_rank(tiny_dirs):
             llm.engine.step()
     finally:
         llm.close()
-    assert _worker_pids() == []
+    assert child_worker_pids() == []
 
 
 def test_workers_die_with_the_driver(tiny_dirs, tmp_path):

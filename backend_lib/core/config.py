@@ -133,7 +133,8 @@ class SpecConfig:
         _require(0 <= self.num_speculative_tokens <= 16,
                  f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
         _require(self.method == "none" or self.num_speculative_tokens >= 1,
-                 f"spec method {self.method!r} needs num_speculative_tokens in [1, 16], got {self.num_speculative_tokens}")
+                 f"spec method {self.method!r} needs num_speculative_tokens in [1, 16], "
+                 f"got {self.num_speculative_tokens}")
         _require(1 <= self.ngram_min <= self.ngram_max,
                  f"ngram range must satisfy 1 <= ngram_min <= ngram_max, got [{self.ngram_min}, {self.ngram_max}]")
 
@@ -303,9 +304,6 @@ class EngineConfig:
         _require(not context_parallel or self.compile.compile_backend == "none",
                  f"context_parallel_size={self.parallel.context_parallel_size} runs eager steps: set compile_backend "
                  f"'none' (got {self.compile.compile_backend!r})")
-        _require(not context_parallel or self.spec.method != "mtp",
-                 f"context_parallel_size={self.parallel.context_parallel_size} does not run MTP drafts yet: use "
-                 f"spec_method 'ngram' or 'none'")
         self.max_waiting_requests = self.max_waiting_requests or WAITING_PER_SEQ * self.scheduler.max_num_seqs
         self.max_sessions = self.max_sessions or SESSIONS_PER_SEQ * self.scheduler.max_num_seqs
 

@@ -57,7 +57,7 @@ class Scheduler:
         self.config = scheduler_config
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
-        # num_state_slots > 0: the model keeps fixed per-request state next to its blocks (backend_lib/core/hybrid_kv.py)
+        # num_state_slots > 0: the model keeps fixed per-request state next to its blocks (core/hybrid_kv.py)
         self.kv_cache = (HybridKVManager(num_blocks, cache_config.block_size, num_state_slots) if num_state_slots
                          else KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching))
         # Every running request must always get its decode token, so seats never exceed the token budget.
@@ -337,7 +337,8 @@ class Scheduler:
             if n is None:
                 return None
             extra = self._lookahead(request)
-            while self.kv_cache.blocks_needed(computed + n + extra) - len(session.block_ids) > self.kv_cache.num_free_blocks:
+            needed = self.kv_cache.blocks_needed(computed + n + extra) - len(session.block_ids)
+            while needed > self.kv_cache.num_free_blocks:
                 if not self.sessions.evict_kv(exclude=exclude):
                     return None
             request.block_ids, session.block_ids = session.block_ids, []

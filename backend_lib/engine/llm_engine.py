@@ -34,7 +34,7 @@ from backend_lib.engine.detokenizer import IncrementalDetokenizer, StopStringMat
 from backend_lib.engine.intake import (check_context, check_ids, check_params, check_prompt, check_session_room,
                                        check_turn, parse_input_ids, parse_text)
 from backend_lib.engine.tokenizer import Tokenizer
-from backend_lib.models.loader import resolve_model_path
+from backend_lib.core.model_path import resolve_model_path
 from backend_lib.structured_output.grammar_compiler import GrammarCompiler
 from backend_lib.structured_output.matcher import GrammarMatcher
 from backend_lib.worker.executor.executor import Executor
@@ -138,8 +138,8 @@ class LLMEngine:
         on first use: a 49k vocabulary takes a while), compiles on its own threads."""
         with self._grammar_lock:
             if self._grammar_compiler is None:
-                self._grammar_compiler = GrammarCompiler.from_tokenizer(self.tokenizer, self.vocab_size,
-                                                                        limits=self.config.limits.structured_output_limits())
+                limits = self.config.limits.structured_output_limits()
+                self._grammar_compiler = GrammarCompiler.from_tokenizer(self.tokenizer, self.vocab_size, limits=limits)
             return self._grammar_compiler
 
     def _submit_grammar(self, params: SamplingParams) -> RequestGrammar | None:

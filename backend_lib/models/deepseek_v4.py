@@ -173,6 +173,11 @@ class DeepseekV4ForCausalLM(nn.Module):
                 module.cpp = True
 
     # ---- the model-runner contract -------------------------------------------------------------------
+    # Context parallelism (models/deepseek_v4_attention.py ``_attend_held``): the compressed entries are split across
+    # the context ranks by block; the rings and every row stay on every rank (the compressors read all of them).
+    supports_context_parallel = True
+    splits_context_rows = False
+
     def hybrid_cache_shapes(self, num_blocks: int, block_size: int, num_state_slots: int,
                             max_drafts: int = 0) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
         """(paged tensors for ``num_blocks`` blocks, fixed tensors for ``num_state_slots`` slots); the runner adds
@@ -296,7 +301,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         chunks = ([meta.decode_query_len] if meta.num_decodes else []) + list(meta.prefill_query_lens)
         return StepContext(pages, meta.slot_mapping, meta.state, self.main_rope.at(positions, dtype),
                            self.compress_rope.at(positions, dtype), self._groups(pages, meta),
-                           meta.decode_query_len, max(chunks, default=None))
+                           meta.decode_query_len, max(chunks, default=None), context=meta.context)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
         return self.par.all_gather_last(self.head(hidden)).float()

@@ -24,11 +24,12 @@ from torch import nn
 
 from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm, fuse_blocked, fused_linear
 from backend_lib.models.parallel import ParallelContext, Shard
-from kernels.attention_metadata import StateRows
+from kernels.attention_metadata import ContextShare, StateRows
 from kernels.compressed_attention import (
-    ChunkPages, TokenPages, cpu_ring_sink_attention, cpu_sink_attention, entry_write_rows, gather_rows,
-    indexer_select, pool_heavily_compressed, pool_overlapping, sink_attention,
+    ChunkPages, TokenPages, cpu_ring_sink_attention, cpu_sink_attention, entry_write_rows, gather_rows, held_entries,
+    indexer_scores, indexer_select, pool_heavily_compressed, pool_overlapping, sink_attention, top_k_in_order,
 )
+from kernels.context_attention import merge_partials, partial_sink_attention
 from kernels.gemv import TILE, blocked_linear
 from kernels.hyper_connections import unweighted_rms_norm
 from kernels.interleaved_rope import apply_tail_rope, rope_cos_sin
@@ -100,6 +101,7 @@ class StepContext:
     longest_chunk: int | None = None  # the step's longest chunk (None: unknown); bounds a token's fresh positions
     # index arithmetic every layer of the step would redo (``shared``): ring write rows, closing tokens, entry rows
     memo: dict = field(default_factory=dict, compare=False, repr=False)
+    context: ContextShare | None = None  # context parallelism: the compressed entries are split across the ranks
 
     def shared(self, key: tuple, make: Callable[[], Any]) -> Any:
         """``make()`` once per step for all layers asking for ``key`` (what it depends on beyond this context);
@@ -318,6 +320,8 @@ class V4Attention(nn.Module):
                 cache: LayerCache) -> torch.Tensor:  # [L, H, D]
         """Sliding window plus (CSA: the indexer's picks among) the visible compressed entries."""
         d = self.d
+        if ctx.context is not None and self.compressor is not None:
+            return self._attend_held(q, index_q, kv, ctx, start, end, pages, cache)
         entry_keys, visible = None, None  # sliding layers: no second key set
         if self.compressor is not None:
             entry_slots, visible = ctx.shared(("entries", start, d.compress_rate),
@@ -345,6 +349,38 @@ class V4Attention(nn.Module):
         keys = torch.cat([keys, entry_keys.to(keys.dtype)], dim=1)
         allowed = torch.cat([allowed, visible], dim=1)
         return sink_attention(q, keys.to(q.dtype), allowed, self.attn_sink, self.scale)
+
+    def _attend_held(self, q: torch.Tensor,  # [L, H, D] one group's queries (every context rank has every row)
+                     index_q: tuple[torch.Tensor, torch.Tensor] | None,  # [L, Hi, Di], [L, Hi]
+                     kv: torch.Tensor,  # [T, D]
+                     ctx: StepContext, start: int, end: int, pages: TokenPages | ChunkPages,
+                     cache: LayerCache) -> torch.Tensor:  # [L, H, D]
+        """Context parallelism: the compressed entries this rank holds (the indexer's top-k chosen over every
+        rank's scores, so each rank keeps exactly its share of the one-rank picks); context rank 0 adds the sliding
+        window (every rank's rings hold it) and the sinks; the parts are merged by log-sum-exp."""
+        d, share, group = self.d, ctx.context, self.par.context
+        entry_slots, visible = ctx.shared(("entries", start, d.compress_rate),
+                                          lambda: entry_rows_visible(pages, d.compress_rate))
+        held = ctx.shared(("held", start, d.compress_rate),
+                          lambda: held_entries(pages, d.compress_rate, share.scratch_block))  # [L or 1, E]
+        if index_q is not None and d.index_topk < visible.shape[1]:
+            keys = entry_values(gather_rows(cache.index_entries, entry_slots), self.indexer.compressor.record,
+                                q.dtype)
+            scores = indexer_scores(*index_q[:1], keys.to(q.dtype), index_q[1], visible & held)
+            visible = top_k_in_order(group.all_gather(scores).max(dim=0).values, d.index_topk) & visible
+        entry_keys = entry_values(gather_rows(cache.entries, entry_slots), self.compressor.record, q.dtype)
+        allowed = visible & held
+        if share.rank == 0:
+            window, window_allowed = self._window(kv, ctx, start, end, pages, cache.window)
+            entry_keys = torch.cat([window.to(entry_keys.dtype), entry_keys.expand(window.shape[0], -1, -1)
+                                    if window.shape[0] != entry_keys.shape[0] else entry_keys], dim=1)
+            allowed = torch.cat([window_allowed, allowed], dim=1)
+        out, lse = partial_sink_attention(q, entry_keys, allowed, self.attn_sink if share.rank == 0 else None,
+                                          self.scale)
+        parts = group.all_gather(torch.cat([out.flatten(1), lse], dim=1))  # [R, L, H * D + H]
+        heads, dim = out.shape[1:]
+        return merge_partials(parts[..., :heads * dim].unflatten(-1, (heads, dim)), parts[..., heads * dim:]).to(
+            q.dtype)
 
     def _grouped_output(self, out: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [T, G * R]
         """Block-diagonal ``wo_a``: each group of heads has its own projection to ``o_lora_rank``."""

@@ -91,7 +91,8 @@ class GGUFFile:
         alignment = int(self.fields.get("general.alignment", DEFAULT_ALIGNMENT))
         data_start = -(-cursor.pos // alignment) * alignment
         everything = np.frombuffer(self._map, dtype=np.uint8)
-        self.tensors = [GGUFTensor(name, shape, qtype, self._tensor_bytes(everything, data_start + offset, shape, qtype))
+        self.tensors = [GGUFTensor(name, shape, qtype,
+                                   self._tensor_bytes(everything, data_start + offset, shape, qtype))
                         for name, shape, qtype, offset in table]
 
     @staticmethod

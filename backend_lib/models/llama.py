@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from backend_lib.models.context_parallel import context_attention
 from backend_lib.models.layers import (HostGemmPlan, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding, copy_into,
                                        linear, silu_and_mul)
+from backend_lib.models.llama_config import LlamaArchConfig
 from backend_lib.models.parallel import ParallelContext, Shard, read_shard, vocab_parallel_lookup
 from backend_lib.models.quantized_blocks import GGUFBlocks, install_gguf_parts
 from kernels import fused_layer_ops as fused
-from backend_lib.models.context_parallel import context_attention
 from kernels.attention import paged_attention, write_kv
 from kernels.attention_metadata import AttentionMetadata
 from kernels.context_attention import paged_kv_reader
@@ -29,95 +29,10 @@ from kernels.masked_head_screen import ScreenedHead, masked_greedy_tokens
 from kernels.kv_fp8 import KVQuant
 from kernels.onednn_gemm import PackedWeight
 from kernels.packed_gemm import packed_linear_buffers
-from kernels.rope import RopeScaling, rope_at, rotate
+from kernels.rope import rope_at, rotate
 
 if TYPE_CHECKING:
     from backend_lib.models.load_options import LoadOptions
-
-
-def _positive(name: str, value: int | float) -> None:
-    if not value > 0:
-        raise ValueError(f"llama config {name} must be > 0, got {value}")
-
-
-def _parse_rope(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, scaling) from transformers 5's ``rope_parameters`` or the older ``rope_theta`` + ``rope_scaling``."""
-    params = config.get("rope_parameters") or {}
-    legacy = config.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
-    merged = {**legacy, **params}
-    rope_type = merged.get("rope_type", merged.get("type", "default"))
-    if rope_type == "default":
-        return theta, None
-    llama3 = {key: merged[key] for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-              if key in merged}
-    return theta, RopeScaling(rope_type=rope_type, factor=float(merged.get("factor", 1.0)), **llama3)
-
-
-def _token_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
-
-
-@dataclass(frozen=True)
-class LlamaArchConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: RopeScaling | None
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    attention_bias: bool = False
-    mlp_bias: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings"):
-            _positive(name, getattr(self, name))
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"llama config num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                             f"({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"llama config head_dim must be even for RoPE, got {self.head_dim}")
-
-    @classmethod
-    def from_hf_config(cls, config: dict[str, Any]) -> "LlamaArchConfig":
-        act = config.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"llama config hidden_act must be 'silu', got {act!r}")
-        if config.get("sliding_window") is not None and config.get("use_sliding_window", True):
-            # Exact only while every sequence fits in the window; refusing beats a silent mismatch later.
-            raise ValueError(f"llama config sliding_window={config['sliding_window']} is not supported "
-                             "(full attention only)")
-        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-        theta, scaling = _parse_rope(config)
-        return cls(
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
-            num_layers=int(config["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-            bos_token_id=config.get("bos_token_id"),
-            eos_token_ids=_token_ids(config.get("eos_token_id")),
-            attention_bias=bool(config.get("attention_bias", False)),
-            mlp_bias=bool(config.get("mlp_bias", False)),
-        )
 
 
 class LlamaAttention(nn.Module):
@@ -290,6 +205,17 @@ class LlamaForCausalLM(nn.Module):
 
     supports_context_parallel = True  # attention over held blocks + log-sum-exp merge (models/context_parallel.py)
 
+    def cover_positions(self, max_model_len: int) -> bool:
+        """Extend the RoPE table to ``max_model_len`` positions when that is past the checkpoint's
+        ``max_position_embeddings`` (RoPE computes any position; quality past the trained length is the model's).
+        True when it extended."""
+        if max_model_len <= self.rotary.cos.shape[0]:
+            return False
+        arch = self.arch
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, max_model_len).to(
+            self.rotary.cos.device)
+        return True
+
     def kv_cache_shapes(self, num_slots: int) -> list[tuple[int, ...]]:
         shape = (self.arch.num_layers, num_slots, self.layers[0].self_attn.num_kv_heads, self.arch.head_dim)
         return [shape, shape]  # K, V
@@ -329,10 +255,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _host_decode_weights(self, num_tokens: int,
                              meta: AttentionMetadata) -> tuple[list[torch.Tensor], list[torch.Tensor], int] | None:
-        """(norms, projections, GEMM path[, packed format, packed path]) for ``deepinfer::llama_decode_layers`` (kernels/csrc/llama_decode.cpp:
-        the eager host path's ops from one C++ loop, same results) when this step is in its scope: decode tokens
-        only, one rank, no biases, every projection on the GEMM that ``linear`` picks at this row count (the
-        blocked kernel needs SiLU's width a multiple of its tile). Else None: the module path."""
+        """(norms, projections, GEMM path[, packed format, packed path]) for ``deepinfer::llama_decode_layers``
+        (kernels/csrc/llama_decode.cpp: the eager host path's ops from one C++ loop, same results) when this step is
+        in its scope: decode tokens only, one rank, no biases, every projection on the GEMM that ``linear`` picks at
+        this row count (the blocked kernel needs SiLU's width a multiple of its tile). Else None: the module path."""
         if meta.num_prefills or meta.num_decode_tokens != num_tokens or self.par.world_size > 1 or self.kv_fp8:
             return None
         if self._decode_weight_lists is None:

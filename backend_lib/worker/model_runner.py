@@ -16,14 +16,15 @@ request's mask from its matcher (a verification's rows: the masks after each of 
 ``SamplingMetadata.bitmask``; the sampling core applies it, or, for greedy rows, the screened greedy head does
 (each row's argmax over the tokens its mask allows, without the logits).
 
-Tensor parallelism: the driver (rank 0) prepares the inputs and publishes them on its ``StepChannel``; every
-other rank runs ``follow`` in a loop: it receives the same tensors and runs the same forward (the collectives
-inside the model pair up rank by rank), takes part in the logits all-gather, and for MTP receives the verified
-tokens to run the same draft pass. Only the driver samples.
+Tensor / context parallelism: the driver (rank 0) prepares the inputs and sends them through its ``StepLink``
+(worker/step_messages.py); every other rank's loop (executor/worker.py) receives them and calls ``follow_step``: the
+same forward (the collectives inside the model pair up rank by rank), the same head calls, and for MTP the same
+draft passes once the driver's verified tokens arrive. Only the driver samples. With context ranks, every rank
+first turns the global step into its share (worker/context_share.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -32,17 +33,18 @@ from backend_lib.core.outputs import RunnerOutput, ScheduledChunk, SchedulerOutp
 from backend_lib.core.request import Request
 from backend_lib.models.parallel import ContextGroup
 from backend_lib.worker.compile.platform import detect_platform
-from backend_lib.worker.context_share import share_step
 from backend_lib.worker.compile.regions import build_regions, resolve_backend
+from backend_lib.worker.context_share import share_step
 from backend_lib.worker.kv_sizing import is_hybrid
 from backend_lib.worker.grammar_bitmask import StepBitmask
-from backend_lib.worker.prompt_logprobs import PromptRows, head_slices, prompt_rows
+from backend_lib.worker.model_inputs import ModelInputs
+from backend_lib.worker.prompt_logprobs import head_slices, prompt_rows
 from backend_lib.worker.prompt_logprobs import compute as compute_prompt_logprobs
 from backend_lib.worker.sampler import Sampler, SamplingMetadata, SamplingRow
 from backend_lib.worker.spec_decode import make_mtp_proposer
 from backend_lib.worker.spec_decode.ngram import NgramProposer
 from backend_lib.worker.spec_decode.rejection import DraftLayout, greedy_verify, num_accepted, rejection_sample
-from backend_lib.worker.step_channel import StepChannel, StepOp
+from backend_lib.worker.step_messages import StepLink
 from backend_lib.worker.token_history import chunk_history, padding_history, step_history
 from kernels import sampling as sampling_ops
 from kernels.attention_metadata import AttentionMetadata, StateRows
@@ -51,18 +53,6 @@ from kernels.attention_metadata import AttentionMetadata, StateRows
 def max_drafts(spec: SpecConfig | None) -> int:
     """Draft positions a verification may roll back (hybrid rings keep that many extra positions)."""
     return spec.num_speculative_tokens if spec is not None and spec.method != "none" else 0
-
-
-@dataclass
-class ModelInputs:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [S + drafts] int64: per sampling chunk, its draft rows then its last token
-    order: list[int]  # chunk indices in token order (decode-like chunks first)
-    sampling_chunks: list[int]  # chunk indices that sample, aligned with logits_indices
-    row_starts: list[int]  # per chunk index: its first row in the flattened tokens
-    prompt_rows: PromptRows | None = None  # rows that predict prompt tokens of prompt_logprobs requests
 
 
 def _matcher(request: Request):
@@ -88,16 +78,19 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, vocab_size: int,
                  device: torch.device, dtype: torch.dtype, spec: SpecConfig | None = None,
                  compile_config: CompileConfig | None = None, max_num_seqs: int = 32,
-                 max_model_len: int | None = None, channel: StepChannel | None = None,
+                 max_model_len: int | None = None, link: StepLink | None = None, is_driver: bool = True,
                  num_state_slots: int = 0, kv_dtype: torch.dtype | None = None,
                  context: ContextGroup = ContextGroup(), context_min_tokens: int = 1) -> None:
         if context.size > 1 and not getattr(model, "supports_context_parallel", False):
             raise ValueError(f"context_parallel_size={context.size}: {type(model).__name__} has no context-parallel "
-                             f"attention (Llama-family models have)")
+                             f"attention here (Llama, DeepSeek-V3 without Engram and DeepSeek-V4 have)")
         self.model = model
-        self.context, self.context_min_tokens = context, context_min_tokens
+        self.context = context
+        # Models whose every layer needs every row (DeepSeek-V4: its compressors and rings) split only the KV.
+        self.context_min_tokens = (context_min_tokens if getattr(model, "splits_context_rows", True)
+                                   else torch.iinfo(torch.int64).max)
         self.token_history = getattr(model, "token_history", 0)  # ids before each token the model reads (Engram)
-        self.channel = channel
+        self.link = link  # the driver's messages to its worker ranks (None: one rank, or this is a worker)
         self.block_size = block_size
         self.num_blocks = num_blocks
         # One block past the pool: padded rows write here. The step's block ids are global (the scheduler's pool is
@@ -116,13 +109,14 @@ class ModelRunner:
         else:
             shapes = [(shape, kv_dtype or dtype) for shape in model.kv_cache_shapes(num_slots)]
         self.kv_caches = [torch.zeros(shape, dtype=kind, device=device) for shape, kind in shapes]
-        self.sampler = Sampler() if channel is None or channel.is_driver else None  # only the driver samples
+        self.sampler = Sampler() if is_driver else None  # only the driver samples
         self.bitmask = StepBitmask(vocab_size)  # structured output's masks (filled on the driver only)
         spec = spec or SpecConfig()
         k = spec.num_speculative_tokens
         self.spec_method = spec.method if k > 0 else "none"
         self.ngram = NgramProposer(spec.ngram_min, spec.ngram_max, k) if self.spec_method == "ngram" else None
-        self.mtp = (make_mtp_proposer(model, self.kv_caches, num_slots, k, device, kv_dtype or dtype)
+        self.mtp = (make_mtp_proposer(model, self.kv_caches, num_slots, k, device, kv_dtype or dtype,
+                                      self._share_meta if context.size > 1 else None)
                     if self.spec_method == "mtp" else None)
         if getattr(self.mtp, "needs_eager_model", False) and resolve_backend(compile_config, detect_platform()):
             raise ValueError("spec_method 'mtp' drafts for this model need the eager forward (it keeps the "
@@ -224,77 +218,43 @@ class ModelRunner:
             prompt_rows=prompt_rows(chunks, row_starts),
         )
 
-    # ---- tensor parallelism: what the driver sends, what the workers run ------------------------------
-    def _publish(self, inputs: ModelInputs, extra: dict[str, torch.Tensor]) -> None:
-        meta = inputs.meta
-        self.channel.publish(StepOp.STEP, {
-            "input_ids": inputs.input_ids, "positions": inputs.positions, "slot_mapping": meta.slot_mapping,
-            "decode_block_tables": meta.decode_block_tables, "decode_seq_lens": meta.decode_seq_lens,
-            "prefill_block_tables": meta.prefill_block_tables,
-            "prefill_query_lens": torch.tensor(meta.prefill_query_lens, dtype=torch.int64),
-            "prefill_seq_lens": torch.tensor(meta.prefill_seq_lens, dtype=torch.int64),
-            "logits_indices": inputs.logits_indices,
-            "scalars": torch.tensor([meta.num_decodes, meta.decode_query_len], dtype=torch.int64), **extra,
-            **({} if inputs.prompt_rows is None else
-               {"prompt_logits_indices": torch.tensor(inputs.prompt_rows.indices, dtype=torch.int64)}),
-            **({} if meta.state is None else {"state_slots": meta.state.slots, "chunk_starts": meta.state.chunk_starts,
-                                              "chunk_ends": meta.state.chunk_ends}),
-            **({} if meta.token_history is None else {"token_history": meta.token_history})})
-
-    def _received_inputs(self, t: dict[str, torch.Tensor]) -> ModelInputs:
-        num_decodes, decode_query_len = t["scalars"].tolist()
-        prefill_query_lens = t["prefill_query_lens"].tolist()
-        meta = AttentionMetadata(
-            block_size=self.block_size, slot_mapping=t["slot_mapping"], num_decodes=num_decodes,
-            decode_query_len=decode_query_len, decode_block_tables=t["decode_block_tables"],
-            decode_seq_lens=t["decode_seq_lens"], num_prefills=len(prefill_query_lens),
-            prefill_query_lens=prefill_query_lens, prefill_seq_lens=t["prefill_seq_lens"].tolist(),
-            prefill_block_tables=t["prefill_block_tables"],
-            state=StateRows(t["state_slots"], t["chunk_starts"], t["chunk_ends"]) if "state_slots" in t else None,
-            token_history=t.get("token_history"))
-        return ModelInputs(input_ids=t["input_ids"], positions=t["positions"], meta=meta,
-                           logits_indices=t["logits_indices"], order=[], sampling_chunks=[], row_starts=[])
-
     @torch.inference_mode()
-    def follow(self) -> bool:
-        """One step on a worker rank, mirroring the driver's ``execute``; False when the driver shuts down."""
-        message = self.channel.receive()
-        if message.op == StepOp.SHUTDOWN:
-            return False
-        t = message.tensors
-        inputs = self._received_inputs(t)
+    def follow_step(self, inputs: ModelInputs, extra: dict[str, torch.Tensor],
+                    next_verified: Callable[[], torch.Tensor]) -> None:
+        """A worker rank's step, mirroring the driver's ``execute`` (the collectives inside pair up rank by rank):
+        the same forward, the head calls the driver makes, and MTP's passes (``next_verified``: the driver's
+        verified tokens, which it sends after sampling)."""
         self._share(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        if self.context.rank:  # another context rank's tensor-parallel group computes (and samples) the logits
-            return True
-        if inputs.logits_indices.numel():
+        # Context ranks past the first: their tensor-parallel group does not compute the sampled logits (the first
+        # one's does), but runs the MTP passes (their attention spans every context rank).
+        if inputs.logits_indices.numel() and not self.context.rank:
             self.model.compute_logits(hidden[inputs.logits_indices])  # the driver samples from the gathered rows
-        if "mtp_first_rows" in t:
-            verified = self.channel.receive().tensors["verified"]
-            self._mtp_drafts(hidden, inputs, t["mtp_next_ids"], t["mtp_first_rows"], t["mtp_tables"], verified)
-        elif "mtp_next_ids" in t:
-            self.mtp.first_pass(t["mtp_next_ids"], hidden, inputs.positions, inputs.meta)
-        if "prompt_logits_indices" in t:  # the driver's prompt logprobs: the same head calls, in the same order
-            for _ in head_slices(self.model, hidden, t["prompt_logits_indices"]):
+        if "mtp_first_rows" in extra:
+            self._mtp_drafts(hidden, inputs, extra["mtp_next_ids"], extra["mtp_first_rows"], extra["mtp_tables"],
+                             next_verified())
+        elif "mtp_next_ids" in extra:
+            self.mtp.first_pass(extra["mtp_next_ids"], hidden, inputs.positions, inputs.meta)
+        if "prompt_logits_indices" in extra and not self.context.rank:  # the driver's prompt logprobs' head calls
+            for _ in head_slices(self.model, hidden, extra["prompt_logits_indices"]):
                 pass
-        return True
 
     def _share(self, inputs: ModelInputs) -> None:
         """Context parallelism: the global step becomes this rank's share (after the driver published it)."""
         if self.context.size > 1:
-            share_step(inputs.meta, inputs.positions, self.context, self.num_blocks, self.context_min_tokens)
+            self._share_meta(inputs.meta, inputs.positions)
 
-    def shutdown_workers(self) -> None:
-        if self.channel is not None:
-            self.channel.publish(StepOp.SHUTDOWN)
+    def _share_meta(self, meta: AttentionMetadata,
+                    positions: torch.Tensor) -> AttentionMetadata:  # positions [T] int64 of the queries
+        return share_step(meta, positions, self.context, self.num_blocks, self.context_min_tokens)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         chunks = scheduler_output.chunks
         inputs = self.prepare(scheduler_output)
         mtp_host = self._mtp_host_inputs(chunks, inputs)
-        if self.channel is not None:
-            self._publish(inputs, mtp_host)
+        if self.link is not None:
+            self.link.send_step(inputs, mtp_host)
         self._share(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if self.spec_method != "none" or any(c.draft_token_ids for c in chunks):
@@ -385,8 +345,8 @@ class ModelRunner:
                     else rejection_sample(logits, layout, meta, sampler=self.sampler))
         to_read = [verified.token_ids.flatten()]
         if self.mtp is not None:
-            if self.channel is not None:
-                self.channel.publish(StepOp.RESULT, {"verified": verified.token_ids})
+            if self.link is not None:
+                self.link.send_verified(verified.token_ids)
             drafts = self._mtp_drafts(hidden, inputs, mtp_host["mtp_next_ids"], mtp_host["mtp_first_rows"],
                                       mtp_host["mtp_tables"], verified.token_ids)
             to_read.append(drafts.flatten())

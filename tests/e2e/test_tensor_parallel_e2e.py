@@ -4,13 +4,10 @@ behave as with one rank, greedy output equals the one-rank offline engine, and n
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import time
 
 import pytest
-from triton_helpers import StreamClient, http_generate, metric, metrics, new_server, server_ready
+from triton_helpers import StreamClient, http_generate, lose_a_rank, metric, metrics, new_server, worker_pids
 
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.offline import LLM
@@ -36,13 +33,6 @@ def reference(model_dir):
         return llm.generate(PROMPTS, SamplingParams(**GREEDY))
 
 
-def _worker_pids(session: int | None = None) -> set[int]:
-    """Live worker ranks, or only those in one tritonserver's session (its pid: it starts its own, and ranks keep
-    it even when orphaned): the suite runs on two pytest workers, so another test's ranks may be alive."""
-    session_filter = ["-s", str(session)] if session is not None else []
-    out = subprocess.run(["pgrep", *session_filter, "-f", "backend_lib.worker.executor.worker"], capture_output=True,
-                         text=True).stdout
-    return {int(p) for p in out.split()}
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +86,7 @@ def test_session_turns_and_cancellation(tp_server, reference):
 def test_no_worker_outlives_the_server(model_dir, tmp_path):
     overrides = {**SETTINGS, "model": str(model_dir), "tensor_parallel_size": "2"}
     with new_server(tmp_path, overrides) as server:
-        started = _worker_pids(session=server.process.pid)
+        started = worker_pids(session=server.process.pid)
         assert len(started) == 1
         client = StreamClient(server.grpc_url)
         try:
@@ -104,7 +94,7 @@ def test_no_worker_outlives_the_server(model_dir, tmp_path):
         finally:
             client.close()
     deadline = time.monotonic() + 15
-    while started & _worker_pids():
+    while started & worker_pids():
         assert time.monotonic() < deadline, "a worker rank outlived tritonserver"
         time.sleep(0.2)
 
@@ -112,28 +102,8 @@ def test_no_worker_outlives_the_server(model_dir, tmp_path):
 def test_killed_worker_fails_the_request_and_the_model_goes_not_ready(model_dir, tmp_path):
     overrides = {**SETTINGS, "model": str(model_dir), "tensor_parallel_size": "2", "distributed_timeout_s": "30"}
     with new_server(tmp_path, overrides) as server:
-        (worker,) = _worker_pids(session=server.process.pid)
-        client = StreamClient(server.grpc_url)
-        try:
-            client.send(_request("Count to one thousand:", sampling_parameters=json.dumps(
-                {"temperature": 0, "max_tokens": 200, "ignore_eos": True})))
-            _, error = client.next_response()  # running: the first token came back
-            assert error is None
-            os.kill(worker, signal.SIGKILL)
-            killed = time.monotonic()
-            while True:
-                response, error = client.next_response(timeout_s=30)
-                if error is not None:
-                    break
-            assert time.monotonic() - killed < 10
-            assert "tensor-parallel rank 1" in str(error)
-        finally:
-            client.close()
-        deadline = time.monotonic() + 10
-        while server_ready(server.http_url):
-            assert time.monotonic() < deadline, "the model still reports ready after losing a rank"
-            time.sleep(0.2)
-        status, body = http_generate(server.http_url, {"text_input": "hi", "max_tokens": 2}, timeout_s=10)
-        assert status != 200, body
-        ranks = _worker_pids(session=server.process.pid) | {worker}
-    assert not ranks & _worker_pids()
+        started = worker_pids(session=server.process.pid)
+        lose_a_rank(server, _request("Count to one thousand:", sampling_parameters=json.dumps(
+            {"temperature": 0, "max_tokens": 200, "ignore_eos": True})), "tensor-parallel rank 1")
+        ranks = worker_pids(session=server.process.pid) | started
+    assert not ranks & worker_pids()

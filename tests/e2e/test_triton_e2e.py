@@ -27,7 +27,7 @@ FAMILIES = ["deepinfer_prompt_tokens_total", "deepinfer_generation_tokens_total"
 @pytest.fixture(scope="module")
 def tokenizer():
     from backend_lib.engine.tokenizer import Tokenizer
-    from backend_lib.models.loader import default_model_path
+    from backend_lib.core.model_path import default_model_path
     return Tokenizer.load(default_model_path())
 
 

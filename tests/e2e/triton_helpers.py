@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
+import signal
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -217,3 +220,40 @@ def wait_for(condition, timeout_s: float = 30.0, what: str = "condition", poll_s
             return time.monotonic() - start
         time.sleep(poll_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def worker_pids(session: int | None = None) -> set[int]:
+    """Live worker ranks, or only those in one tritonserver's session (its pid: it starts its own, and ranks keep
+    it even when orphaned): the suite runs on two pytest workers, so another test's ranks may be alive."""
+    session_filter = ["-s", str(session)] if session is not None else []
+    out = subprocess.run(["pgrep", *session_filter, "-f", "backend_lib.worker.executor.worker"], capture_output=True,
+                         text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+def lose_a_rank(server: Any, request: dict[str, Any], rank_name: str) -> None:
+    """Kill the server's one worker rank while ``request`` streams: the stream ends with an error naming
+    ``rank_name`` within 10 s, the model goes not ready, and no rank outlives the server (checked after it stops:
+    call inside the ``new_server`` block, then ``assert_no_rank_left``)."""
+    (worker,) = worker_pids(session=server.process.pid)
+    client = StreamClient(server.grpc_url)
+    try:
+        client.send(request)
+        _, error = client.next_response()  # running: the first token came back
+        assert error is None
+        os.kill(worker, signal.SIGKILL)
+        killed = time.monotonic()
+        while True:
+            _, error = client.next_response(timeout_s=30)
+            if error is not None:
+                break
+        assert time.monotonic() - killed < 10
+        assert rank_name in str(error)
+    finally:
+        client.close()
+    deadline = time.monotonic() + 10
+    while server_ready(server.http_url):
+        assert time.monotonic() < deadline, "the model still reports ready after losing a rank"
+        time.sleep(0.2)
+    status, body = http_generate(server.http_url, {"text_input": "hi", "max_tokens": 2}, timeout_s=10)
+    assert status != 200, body

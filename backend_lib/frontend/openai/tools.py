@@ -15,8 +15,8 @@ a session's conversation as messages): the client sends the whole conversation.
 JSON array of ``{"name", "arguments"}`` objects, read by the JSON call parser; a named function writes its arguments
 object, which is that call's ``arguments`` as generated. ``"auto"`` (the default with tools) constrains nothing: the
 template's parser reads the model's own format; DeepSeek's tool tokens are special tokens, so for its parsers the
-text keeps them (``skip_special_tokens`` false unless the client set it) and its EOS text is cut from the end. ``"none"``: plain text, the tools still shown
-to the template (vLLM's default).
+text keeps them (``skip_special_tokens`` false unless the client set it) and its EOS text is cut from the end.
+``"none"``: plain text, the tools still shown to the template (vLLM's default).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from backend_lib.core.errors import RequestError
 from backend_lib.engine.tokenizer import Tokenizer
 from backend_lib.frontend.openai.errors import bad_request
 from backend_lib.frontend.openai.schema import ChatCompletionRequest, ChatMessage
-from backend_lib.models.loader import resolve_model_path
+from backend_lib.core.model_path import resolve_model_path
 from backend_lib.structured_output.constraints import StructuredOutputError
 from backend_lib.structured_output.tool_calls import HermesToolParser, parser_for_template
 from backend_lib.structured_output.tool_choice import (FunctionTool, ToolCall, new_call_id, parse_tools,

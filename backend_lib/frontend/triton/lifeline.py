@@ -76,7 +76,8 @@ class StubGuard:
 
     def __init__(self, region: str | None, poll_s: float = 0.1) -> None:
         command = [python_executable(), "-m", "backend_lib.frontend.triton.lifeline", "--stub-pid",
-                   str(os.getpid()), "--server-pid", str(os.getppid()), "--region", region or "", "--poll-s", str(poll_s)]
+                   str(os.getpid()), "--server-pid", str(os.getppid()), "--region", region or "",
+                   "--poll-s", str(poll_s)]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p))
         self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)

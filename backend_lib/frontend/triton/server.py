@@ -304,7 +304,8 @@ def banner(server: TritonServer) -> str:
         f"  HTTP     http://{server.http_url}   (/v2/models/{MODEL_NAME}/generate, /generate_stream)",
         f"  gRPC     {server.grpc_url}        (streaming: tritonclient.grpc, `deepinfer chat --url {server.grpc_url}`)",
         f"  metrics  {server.metrics_url}",
-        *([f"  OpenAI   {server.openai_url}   (/models, /completions, /chat/completions)"] if server.openai_url else []),
+        *([f"  OpenAI   {server.openai_url}   (/models, /completions, /chat/completions)"]
+          if server.openai_url else []),
         "Try:",
         f"  curl -s http://{server.http_url}/v2/models/{MODEL_NAME}/generate -d '{chat}'",
         f"  curl -sN http://{server.http_url}/v2/models/{MODEL_NAME}/generate_stream -d '{stream}'",

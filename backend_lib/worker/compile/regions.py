@@ -343,8 +343,8 @@ def build_regions(model: torch.nn.Module, sampler: Sampler | None, kv_caches: li
                   max_num_seqs: int = 32, max_model_len: int | None = None,
                   platform: Platform | None = None) -> tuple[torch.nn.Module, Sampler | CompiledSampler | None]:
     """The runner's model and sampler, wrapped in compiled regions (and warmed up) when compiling is on;
-    unchanged otherwise. A worker rank has no sampler (the driver samples): None stays None. Bucket defaults: powers of two up to ``max_num_seqs`` rows and up to the blocks of
-    ``max_model_len`` (default: the pool) from 8."""
+    unchanged otherwise. A worker rank has no sampler (the driver samples): None stays None. Bucket defaults: powers
+    of two up to ``max_num_seqs`` rows and up to the blocks of ``max_model_len`` (default: the pool) from 8."""
     platform = platform or detect_platform()
     backend = resolve_backend(config, platform)
     if backend is None:

@@ -1,10 +1,11 @@
 """The engine's handle on its ranks: builds this process's rank (the driver, rank 0), starts and joins the others,
 runs steps, turns a lost rank into one clear error, and stops every worker.
 
-With one rank (``tensor_parallel_size x context_parallel_size == 1``) there is no group and no worker: the model runner runs in this process as
-before. Otherwise the driver hosts the rendezvous, starts the ranks of its own node, waits until every rank
-(including those ``deepinfer worker`` starts on other nodes) has joined, and builds its own shard; every step's
-inputs then go to the workers over the step channel inside ``ModelRunner.execute``.
+With one rank (``tensor_parallel_size x context_parallel_size == 1``) there is no group and no worker: the model
+runner runs in this process as before. Otherwise the driver hosts the rendezvous, starts the ranks of its own node,
+waits until every rank (including those ``deepinfer worker`` starts on other nodes) has joined, and builds its own
+shard; every step's inputs then go to the workers over the step channel (worker/step_messages.py: the runner sends
+through its ``StepLink``; each worker's loop hands its runner the received inputs).
 """
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ class Executor:
         pool, self.pool = self.pool, None
         if not self.failed and self.state is not None:
             try:
-                self.state.runner.shutdown_workers()
+                self.state.link.shutdown()
             except RuntimeError as exc:
                 log.warning("workers did not take the shutdown message: %s", exc)
         pool.stop(grace_s=5.0 if not self.failed else 0.0)

@@ -90,8 +90,12 @@ def _subgroups(parallel: ParallelConfig, rank: int) -> tuple[Any, ContextGroup]:
     tp, cp = parallel.tensor_parallel_size, parallel.context_parallel_size
     if cp == 1:
         return dist.group.WORLD, ContextGroup()
-    tp_groups = [dist.new_group([c * tp + t for t in range(tp)]) for c in range(cp)] if tp > 1 else None
-    cp_groups = [dist.new_group([c * tp + t for c in range(cp)]) for t in range(tp)]
+    # A subgroup's own timeout (its default is gloo's 30 minutes, not the world's): a hung peer fails a step in
+    # distributed_timeout_s here too.
+    timeout = datetime.timedelta(seconds=parallel.distributed_timeout_s)
+    tp_groups = ([dist.new_group([c * tp + t for t in range(tp)], timeout=timeout) for c in range(cp)]
+                 if tp > 1 else None)
+    cp_groups = [dist.new_group([c * tp + t for c in range(cp)], timeout=timeout) for t in range(tp)]
     return (tp_groups[rank // tp] if tp_groups else None,
             ContextGroup(rank=rank // tp, size=cp, group=cp_groups[rank % tp]))
 

@@ -3,6 +3,7 @@ and a model runner. One function, so that every rank makes the same decisions (t
 pair up only if every rank runs the same code)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -10,17 +11,21 @@ import torch.distributed as dist
 
 from backend_lib.core.config import EngineConfig
 from backend_lib.models.layers import HostGemmPlan
-from backend_lib.models.loader import load_model, resolve_model_path
+from backend_lib.core.model_path import resolve_model_path
+from backend_lib.models.loader import load_model
 from backend_lib.models.parallel import ParallelContext
 from backend_lib.worker.kv_dtype import kv_storage_dtype
 from backend_lib.worker.kv_sizing import kv_cache_num_blocks
 from backend_lib.worker.kv_sizing import is_hybrid, kv_bytes_per_block, state_bytes_per_slot
 from backend_lib.worker.model_runner import ModelRunner, max_drafts
 from backend_lib.worker.step_channel import StepChannel
+from backend_lib.worker.step_messages import StepLink
 from kernels.cpu_kernels import cpu_kernels_supported, load_cpu_kernels
 from kernels.gemv import GemvPolicy, gemv_available
 from kernels.host_memory import move_buffers_to_huge_pages
 from kernels.onednn_gemm import onednn_gemm_available
+
+log = logging.getLogger("deepinfer.rank")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,6 +36,8 @@ class RankState:
     runner: ModelRunner
     num_blocks: int  # the scheduler's: this rank's pool times the context-parallel ranks (each holds its share)
     num_state_slots: int = 0  # fixed per-request state slots (hybrid-cache models; 0 otherwise)
+    channel: StepChannel | None = None  # the step messages between the ranks (None: one rank)
+    link: StepLink | None = None  # the driver's sending side of it
 
 
 def num_state_slots(config: EngineConfig, model: torch.nn.Module) -> int:
@@ -41,10 +48,10 @@ def num_state_slots(config: EngineConfig, model: torch.nn.Module) -> int:
 
 def kv_cache_blocks(config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype, world_size: int = 1,
                     kv_dtype: torch.dtype | None = None) -> int:
-    """Blocks of the KV pool for this rank's shard (backend_lib/worker/kv_sizing.py: ``num_blocks``, ``kv_cache_memory_gb``,
-    or a fraction of the free memory, which the ranks of one host share); a hybrid model's state slots (and the
-    scratch slot) come off the budget first. ``kv_dtype``: the paged cache's element type (uint8 for fp8 records;
-    default ``dtype``); the state slots keep the model ``dtype``."""
+    """Blocks of the KV pool for this rank's shard (backend_lib/worker/kv_sizing.py: ``num_blocks``,
+    ``kv_cache_memory_gb``, or a fraction of the free memory, which the ranks of one host share); a hybrid model's
+    state slots (and the scratch slot) come off the budget first. ``kv_dtype``: the paged cache's element type (uint8
+    for fp8 records; default ``dtype``); the state slots keep the model ``dtype``."""
     drafts, block_size = max_drafts(config.spec), config.cache.block_size
     per_block = kv_bytes_per_block(model, block_size, kv_dtype or dtype, drafts)
     slots = num_state_slots(config, model)
@@ -79,6 +86,9 @@ def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
     model = load_model(resolve_model_path(config.model.model), dtype=dtype, progress=par.is_driver,
                        par=par, weight_format=config.model.weight_format,
                        packed_gemm_path=config.model.packed_gemm_path).to(device).eval()
+    if hasattr(model, "cover_positions") and model.cover_positions(config.model.max_model_len) and par.is_driver:
+        log.warning("max_model_len %d is past the checkpoint's max_position_embeddings %d: RoPE extrapolates there",
+                    config.model.max_model_len, model.arch.max_position_embeddings)
     # Before the runner: compiled regions trace the packed GEMMs (opaque custom ops) that eager steps call. Before
     # the KV cache's sizing: the packed and blocked copies and the screened heads take memory the cache must not.
     plan = host_gemm_plan(config.model.host_gemm, device, dtype, config.model.greedy_head_screen)
@@ -103,10 +113,11 @@ def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
         model.use_cpu_attention()
     global_rank = par.context.rank * par.world_size + par.rank
     channel = StepChannel(global_rank, parallel.world_size) if parallel.world_size > 1 else None
+    link = StepLink(channel) if channel is not None and channel.is_driver else None
     slots = num_state_slots(config, model)
     runner = ModelRunner(model, num_blocks, config.cache.block_size, model.arch.vocab_size, device, dtype,
                          spec=config.spec, compile_config=config.compile,
                          max_num_seqs=config.scheduler.max_num_seqs, max_model_len=config.model.max_model_len,
-                         channel=channel, num_state_slots=slots, kv_dtype=kv_dtype, context=par.context,
-                         context_min_tokens=parallel.context_parallel_min_tokens)
-    return RankState(model, runner, num_blocks * parallel.context_parallel_size, slots)
+                         link=link, is_driver=global_rank == 0, num_state_slots=slots, kv_dtype=kv_dtype,
+                         context=par.context, context_min_tokens=parallel.context_parallel_min_tokens)
+    return RankState(model, runner, num_blocks * parallel.context_parallel_size, slots, channel, link)

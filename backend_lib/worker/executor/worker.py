@@ -16,8 +16,21 @@ from backend_lib.core.config import EngineConfig
 from backend_lib.worker.executor.process_group import (die_with_parent, error_key, init_group, join_rendezvous,
                                                        leave_group, pin_rank_threads)
 from backend_lib.worker.executor.rank import build_rank
+from backend_lib.worker.model_runner import ModelRunner
+from backend_lib.worker.step_channel import StepChannel, StepOp
+from backend_lib.worker.step_messages import received_inputs
 
 log = logging.getLogger("deepinfer.worker")
+
+
+def follow(runner: ModelRunner, channel: StepChannel) -> bool:
+    """One of the driver's steps on this rank; False when the driver shuts the ranks down."""
+    message = channel.receive()
+    if message.op == StepOp.SHUTDOWN:
+        return False
+    inputs = received_inputs(message.tensors, runner.block_size)
+    runner.follow_step(inputs, message.tensors, lambda: channel.receive().tensors["verified"])
+    return True
 
 
 def run_worker(rank: int, master_addr: str, master_port: int, timeout_s: float) -> int:
@@ -27,7 +40,7 @@ def run_worker(rank: int, master_addr: str, master_port: int, timeout_s: float) 
         pin_rank_threads(config, rank)
         par = init_group(rendezvous, config, rank)
         state = build_rank(config, par)
-        while state.runner.follow():
+        while follow(state.runner, state.channel):
             pass
     except Exception as exc:  # the driver reads the reason from the store and names this rank
         rendezvous.store.set(error_key(rank), f"{type(exc).__name__}: {exc}")

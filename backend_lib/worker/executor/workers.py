@@ -21,6 +21,15 @@ class RankFailure(FatalEngineError):
     rank cannot run another step, so the engine ends every request and the model goes not ready."""
 
 
+def _process_state(pid: int) -> str:
+    """The state letter of /proc/PID/stat (R, S, D, T, Z...); "" when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def rank_name(rank: int, tensor_parallel_size: int, context_parallel_size: int) -> str:
     """How errors name a rank: its global number, and its place in both groups when there are context ranks."""
     if context_parallel_size == 1:
@@ -66,6 +75,9 @@ class WorkerPool:
             code = proc.poll()
             if code is not None:
                 return f"{rank_name(rank, *self.sizes)} (pid {proc.pid}) exited with code {code}"
+        for rank, proc in sorted(self.procs.items()):
+            if _process_state(proc.pid) == "T":  # alive but stopped (SIGSTOP, a debugger): it hangs every step
+                return f"{rank_name(rank, *self.sizes)} (pid {proc.pid}) is stopped and does not answer"
         return None
 
     def wait_failure(self, grace_s: float) -> str | None:

@@ -10,8 +10,8 @@ from backend_lib.worker.spec_decode.mtp_v4 import V4MTPProposer
 
 def make_mtp_proposer(model: torch.nn.Module, kv_caches: list[torch.Tensor], num_slots: int,
                       num_speculative_tokens: int, device: torch.device,
-                      dtype: torch.dtype) -> MTPProposer | V4MTPProposer:
+                      dtype: torch.dtype, share=None) -> MTPProposer | V4MTPProposer:
     """V4 (its MTP ring is part of the hybrid cache) or V3 (the proposer owns a latent cache of ``num_slots``)."""
     if hasattr(model, "mtp_window"):
         return V4MTPProposer(model, kv_caches, num_speculative_tokens)
-    return MTPProposer(model, num_slots, num_speculative_tokens, device, dtype)
+    return MTPProposer(model, num_slots, num_speculative_tokens, device, dtype, share)

@@ -23,6 +23,8 @@ computed with that request's next token, which may differ. That only affects dra
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from backend_lib.models.deepseek_layers import rope_cos_sin
@@ -31,7 +33,8 @@ from kernels.attention_metadata import AttentionMetadata
 
 class MTPProposer:
     def __init__(self, model: torch.nn.Module, num_slots: int, num_speculative_tokens: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype,
+                 share: Callable[[AttentionMetadata, torch.Tensor], AttentionMetadata] | None = None) -> None:
         if not getattr(model, "has_mtp_weights", False):
             raise ValueError("spec method 'mtp' needs a DeepSeek-V3 checkpoint with MTP weights "
                              "(num_nextn_predict_layers >= 1); this model has none")
@@ -40,6 +43,9 @@ class MTPProposer:
         self.model = model
         self.layer = model.mtp[0]
         self.k = num_speculative_tokens
+        # Context parallelism: the chain's metadata (global block ids) as this context rank runs it
+        # (worker/context_share.py: meta, query positions -> meta); None with one context rank.
+        self.share = share
         # dtype: the main cache's (uint8 for fp8 latent records, whose width latent_width gives)
         self.cache = torch.zeros(num_slots, model.latent_width, dtype=dtype, device=device)
 
@@ -51,12 +57,14 @@ class MTPProposer:
              hidden: torch.Tensor,  # [T, H]: the previous position's hidden (main final-norm, or MTP normed)
              positions: torch.Tensor,  # [T] int64: MTP positions (rope)
              meta: AttentionMetadata) -> torch.Tensor:  # [T, H] shared_head-normed MTP hidden
-        layer = self.layer
+        layer, share = self.layer, meta.context
+        cos, sin = rope_cos_sin(self.model.rope, positions, hidden.dtype)
+        if share is not None:  # context parallelism: this rank's rows through the block, every row at the end
+            token_ids, hidden = token_ids[share.rows], hidden[share.rows]
         embeds = layer.enorm(self.model.embed(token_ids))
         x = layer.eh_proj(torch.cat([embeds, layer.hnorm(hidden)], dim=-1))
-        cos, sin = rope_cos_sin(self.model.rope, positions, x.dtype)
-        x = layer(x, cos, sin, self.cache, meta)
-        return layer.shared_head.norm(x)
+        x = layer.shared_head.norm(layer(x, cos, sin, self.cache, meta))
+        return x if share is None else self.model.par.context.gather_rows(x, share.row_counts)
 
     def first_pass(self, next_token_ids: torch.Tensor,  # [T] int64: the token after each main row
                    hidden: torch.Tensor,  # [T, H] main final-norm hidden
@@ -89,6 +97,8 @@ class MTPProposer:
                 block_size=bs, slot_mapping=blocks * bs + index % bs, num_decodes=int(select_rows.shape[0]),
                 decode_query_len=1, decode_block_tables=block_tables, decode_seq_lens=(index + 1).to(torch.int32),
                 num_prefills=0, prefill_query_lens=[], prefill_seq_lens=[], prefill_block_tables=empty)
+            if self.share is not None:
+                chain_meta = self.share(chain_meta, index)
             normed = self.step(drafts[-1], normed, mtp_positions, chain_meta)
             drafts.append(self._draft(normed))
         return torch.stack(drafts, dim=1)
