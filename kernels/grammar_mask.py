@@ -126,33 +126,39 @@ def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor,
     return logits
 
 
+def allowed_columns(bitmask: torch.Tensor,  # [rows, W] int32 host
+                    vocab_size: int) -> torch.Tensor:  # [rows, vocab_size] bool, True = allowed
+    """The host form of ``unpack_bitmask``: numpy's ``unpackbits`` (SIMD) turns the words into one byte per token,
+    read as bool; columns past 32 * W are False."""
+    bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, bitorder="little")  # [rows, 32 W]
+    allowed = torch.from_numpy(bits).view(torch.bool)
+    covered = allowed.shape[1]
+    if covered >= vocab_size:
+        return allowed[:, :vocab_size]
+    return torch.nn.functional.pad(allowed, (0, vocab_size - covered), value=False)
+
+
 def apply_bitmask_inplace(logits: torch.Tensor, bitmask: torch.Tensor,
                           rows: torch.Tensor | list[int] | None = None) -> torch.Tensor:
-    """The host fast path (the reference's result): numpy unpacks the listed rows' words (one byte per token, read
-    as bool), ``torch.where`` writes each row in place. Non-host tensors take ``apply_bitmask_torch``. Returns
-    ``logits``."""
+    """The host fast path (the reference's result): numpy unpacks the listed rows' words (``allowed_columns``), one
+    ``torch.where`` writes them in place (every row of a contiguous batch at once; else row by row, so the others
+    are never touched). Non-host tensors take ``apply_bitmask_torch``. Returns ``logits``."""
     _check(logits, bitmask)
     if logits.device.type != "cpu" or bitmask.device.type != "cpu":
         return apply_bitmask_torch(logits, bitmask, rows)
     index = _index(rows, logits, bitmask)
     if index is not None and not index:
         return logits
+    if index == list(range(logits.shape[0])):  # every row (a fully constrained step): the one-call form
+        index = None
     words = bitmask[: logits.shape[0]] if index is None else bitmask[index]
-    bits = np.unpackbits(words.contiguous().numpy().view(np.uint8), axis=1, bitorder="little")  # [k, 32 W]
-    allowed = torch.from_numpy(bits).view(torch.bool)
-    vocab = logits.shape[1]
-    covered = allowed.shape[1]
-    allowed = allowed[:, :vocab]
+    allowed = allowed_columns(words, logits.shape[1])
     neg_inf = _neg_inf(logits)
-    targets = range(logits.shape[0]) if index is None else index
-    if index is None and covered >= vocab and logits.is_contiguous():
+    if index is None and logits.is_contiguous():
         torch.where(allowed, logits, neg_inf, out=logits)
         return logits
-    for position, row in enumerate(targets):
-        out = logits[row, :covered] if covered < vocab else logits[row]
-        torch.where(allowed[position], out, neg_inf, out=out)
-        if covered < vocab:  # columns the mask does not cover are never allowed
-            logits[row, covered:] = float("-inf")
+    for position, row in enumerate(range(logits.shape[0]) if index is None else index):
+        torch.where(allowed[position], logits[row], neg_inf, out=logits[row])
     return logits
 
 

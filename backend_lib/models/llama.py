@@ -25,6 +25,7 @@ from kernels.context_attention import paged_kv_reader
 from kernels.gemv import TILE, GemvPolicy, block_weight, blocked_linear_argmax, blocked_linear_float
 from kernels.head_screen import HeadScreen
 from kernels.int8_head_screen import Int8HeadScreen
+from kernels.masked_head_screen import ScreenedHead, masked_greedy_tokens
 from kernels.kv_fp8 import KVQuant
 from kernels.onednn_gemm import PackedWeight
 from kernels.packed_gemm import packed_linear_buffers
@@ -310,15 +311,24 @@ class LlamaForCausalLM(nn.Module):
             logits = linear(hidden, self._head_weight(), None, self.packed_head, None, self.gemv_policy).float()
         return self.par.all_gather_last(logits)
 
-    def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N] int64, or None
+    def greedy_token_ids(self, hidden: torch.Tensor,  # [N, hidden]
+                         bitmask: torch.Tensor | None = None,  # [N, ceil(V/32)] int32 grammar masks, host
+                         ) -> torch.Tensor | None:  # [N] int64, or None
         """``compute_logits(hidden)``'s argmax to the index, from a screened head where ``compute_logits`` would
         take the blocked kernel: the int8 copy (kernels/int8_head_screen.py) for a few rows (4 bf16, 6 fp32), the
         bf16 copy of an fp32 head (kernels/head_screen.py) for more, else the head's argmax without storing its
         logits (a bf16 head past 4 rows, or rows a screen gives up on: a value not finite, too many candidates);
-        None: compute the logits."""
+        None: compute the logits. With ``bitmask`` (structured output), each row's argmax over the tokens its mask
+        allows, from the same screens (kernels/masked_head_screen.py), else None."""
         rows = hidden.shape[0]
         if torch.compiler.is_compiling() or not self.gemv_policy.use_blocked(rows):
             return None
+        if bitmask is not None:
+            if not self.greedy_argmax:
+                return None
+            return masked_greedy_tokens(hidden, bitmask, ScreenedHead(
+                self.blocked_head, self._head_weight().shape[0], self.head_screen, self.screen_blocked_head,
+                self.int8_screen, self.screen_int8_blocked_head))
         screened = None
         if self.int8_screen is not None and rows <= self.int8_screen.max_rows:
             screened = self.int8_screen.argmax(hidden, self.screen_int8_blocked_head, self.blocked_head)

@@ -13,7 +13,8 @@ after the one sync, MTP on device before it.
 
 Structured output: before sampling, the driver's ``StepBitmask`` (worker/grammar_bitmask.py) takes each constrained
 request's mask from its matcher (a verification's rows: the masks after each of its drafts) into
-``SamplingMetadata.bitmask``; the sampling core applies it, and such a step skips the screened greedy heads.
+``SamplingMetadata.bitmask``; the sampling core applies it, or, for greedy rows, the screened greedy head does
+(each row's argmax over the tokens its mask allows, without the logits).
 
 Tensor / context parallelism: the driver (rank 0) prepares the inputs and sends them through its ``StepLink``
 (worker/step_messages.py); every other rank's loop (executor/worker.py) receives them and calls ``follow_step``: the
@@ -300,9 +301,14 @@ class ModelRunner:
     def _screened_greedy(self, head_input: torch.Tensor,  # [N, hidden]
                          meta: SamplingMetadata) -> torch.Tensor | None:  # [N] int64
         """Plain greedy rows' tokens without the logits, where the model screens its head
-        (kernels/int8_head_screen.py, kernels/head_screen.py); None: compute the logits."""
-        screen = getattr(self.model, "greedy_token_ids", None) if meta.plain_greedy else None
-        return screen(head_input) if screen is not None else None
+        (kernels/int8_head_screen.py, kernels/head_screen.py), under their grammar masks when some row is
+        constrained (kernels/masked_head_screen.py); None: compute the logits."""
+        screen = getattr(self.model, "greedy_token_ids", None)
+        if screen is None:
+            return None
+        if meta.plain_greedy:
+            return screen(head_input)
+        return screen(head_input, meta.bitmask) if meta.masked_greedy else None
 
     # ---- speculative decoding -------------------------------------------------------------------------
     def _verify_rows(self, chunks: list[ScheduledChunk], inputs: ModelInputs) -> list[SamplingRow]:

@@ -88,6 +88,12 @@ class SamplingMetadata:
         return self.raw_greedy and self.max_num_logprobs is None and self.bitmask is None
 
     @property
+    def masked_greedy(self) -> bool:
+        """Every row's token is the argmax of its raw logits under its grammar mask, and nothing else is asked of
+        them: a screened greedy head that honours the mask may give the tokens without the logits."""
+        return self.raw_greedy and self.max_num_logprobs is None and self.bitmask is not None
+
+    @property
     def batch_size(self) -> int:
         return int(self.temperature.shape[0])
 
