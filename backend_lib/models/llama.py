@@ -5,7 +5,6 @@ each; checkpoint names are Hugging Face's (the GGUF loader renames llama.cpp ten
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +15,7 @@ from backend_lib.models.context_parallel import context_attention
 from backend_lib.models.layers import (HostGemmPlan, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding, copy_into,
                                        linear, silu_and_mul)
 from backend_lib.models.llama_config import LlamaArchConfig
+from backend_lib.models.llama_weights import KV_SCALE, expected_keys, quantized_target, weight_target
 from backend_lib.models.parallel import ParallelContext, Shard, read_shard, vocab_parallel_lookup
 from backend_lib.models.quantized_blocks import GGUFBlocks, install_gguf_parts
 from kernels import fused_layer_ops as fused
@@ -160,14 +160,6 @@ class LlamaDecoderLayer(nn.Module):
             return self.mlp.forward_add(normed, hidden)
         hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), k_cache, v_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-
-# Checkpoint name inside "model.layers.N." -> (module path inside the layer, shard of a fused matrix or None).
-_LAYER_WEIGHTS = re.compile(
-    r"(?P<module>self_attn\.(?P<attn>q|k|v|o)_proj|mlp\.(?P<mlp>gate|up|down)_proj|input_layernorm"
-    r"|post_attention_layernorm)\.(?P<kind>weight|bias)")
-# Per-tensor KV scales of fp8-KV checkpoints (llm-compressor: self_attn.k_scale; older: k_proj.output_scale).
-_KV_SCALE = re.compile(r"model\.layers\.(?P<index>\d+)\.self_attn\.(?:(?P<a>k|v)_scale|(?P<b>k|v)_proj\.output_scale)")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -392,92 +384,13 @@ class LlamaForCausalLM(nn.Module):
             return "k_scale = v_scale = 1.0 (the checkpoint has none)"
         return f"k_scale / v_scale from the checkpoint ({found} of {len(layers)} layers; 1.0 elsewhere)"
 
-    def _target(self, name: str) -> tuple[str, torch.Tensor, Shard | None] | None:
-        """(loaded-key, destination view, this rank's part of the checkpoint tensor or None for all of it) for a
-        checkpoint name; None for names that carry nothing to load."""
-        if name == "model.embed_tokens.weight":
-            return name, self.embed_tokens.weight, self.vocab_rows
-        if name == "model.norm.weight":
-            return name, self.norm.weight, None
-        if name == "lm_head.weight":
-            # Tied checkpoints sometimes store the head too; it is the embedding again.
-            return None if self.lm_head is None else (name, self.lm_head.weight, self.vocab_rows)
-        match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-        if match is None:
-            raise ValueError(f"unexpected weight {name!r} for LlamaForCausalLM")
-        index, rest = int(match.group(1)), match.group(2)
-        if rest.endswith("rotary_emb.inv_freq"):
-            return None  # old checkpoints store the RoPE table; it is recomputed
-        parts = _LAYER_WEIGHTS.fullmatch(rest)
-        if parts is None or index >= len(self.layers):
-            raise ValueError(f"unexpected weight {name!r} for LlamaForCausalLM with {len(self.layers)} layers")
-        layer = self.layers[index]
-        kind = parts.group("kind")
-        attn, mlp = layer.self_attn, layer.mlp
-        shard: Shard | None = None
-        if parts.group("attn") in ("q", "k", "v"):
-            param = getattr(attn.qkv_proj, kind)
-            view = None if param is None else param[attn.shard_rows(parts.group("attn"))]
-            shard = attn.checkpoint_rows[parts.group("attn")]
-        elif parts.group("mlp") in ("gate", "up"):
-            param = getattr(mlp.gate_up_proj, kind)
-            view = None if param is None else param[mlp.shard_rows(parts.group("mlp"))]
-            shard = mlp.checkpoint_rows
-        elif parts.group("attn") == "o" or parts.group("mlp") == "down":
-            if kind == "bias":  # row-parallel bias: whole, on the driver only
-                if not self.par.is_driver:
-                    return None
-            else:
-                shard = attn.o_columns if parts.group("attn") == "o" else mlp.down_columns
-            view = getattr(layer.get_submodule(parts.group("module")), kind, None)
-        else:
-            view = getattr(layer.get_submodule(parts.group("module")), kind, None)
-        if view is None:
-            raise ValueError(f"weight {name!r} is a bias but the config has no bias for that projection")
-        return name, view, shard
-
-    def _expected_keys(self) -> set[str]:
-        keys = {"model.embed_tokens.weight", "model.norm.weight"} | (set() if self.lm_head is None
-                                                                      else {"lm_head.weight"})
-        for i in range(len(self.layers)):
-            for kind, with_bias in (("weight", True), ("bias", self.arch.attention_bias)):
-                if with_bias:
-                    keys |= {f"model.layers.{i}.self_attn.{p}_proj.{kind}" for p in "qkv"}
-                    if kind == "weight" or self.par.is_driver:
-                        keys.add(f"model.layers.{i}.self_attn.o_proj.{kind}")
-            for kind, with_bias in (("weight", True), ("bias", self.arch.mlp_bias)):
-                if with_bias:
-                    keys |= {f"model.layers.{i}.mlp.{p}_proj.{kind}" for p in ("gate", "up")}
-                    if kind == "weight" or self.par.is_driver:
-                        keys.add(f"model.layers.{i}.mlp.down_proj.{kind}")
-            keys |= {f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}.post_attention_layernorm.weight"}
-        return keys
-
-    def _quantized_target(self, name: str) -> tuple[Linear | VocabEmbedding, int]:
-        """(module, first row inside its fused weight) of a checkpoint weight kept in GGUF blocks."""
-        if name == "model.embed_tokens.weight":
-            return self.embed_tokens, 0
-        if name == "lm_head.weight" and self.lm_head is not None:
-            return self.lm_head, 0
-        match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name)
-        parts = _LAYER_WEIGHTS.fullmatch(f"{match.group(2)}.weight") if match else None
-        if parts is None or parts.group("module").endswith("layernorm"):
-            raise ValueError(f"weight_format=packed: {name!r} is not a projection or embedding")
-        layer = self.layers[int(match.group(1))]
-        attn, mlp = layer.self_attn, layer.mlp
-        if parts.group("attn") in ("q", "k", "v"):
-            return attn.qkv_proj, attn.shard_rows(parts.group("attn")).start
-        if parts.group("mlp") in ("gate", "up"):
-            return mlp.gate_up_proj, mlp.shard_rows(parts.group("mlp")).start
-        return layer.get_submodule(parts.group("module")), 0
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GGUFBlocks]]) -> None:
         """Fill every parameter from Hugging Face-named tensors; a missing or unknown weight is an error. GGUF blocks
         (weight_format=packed) become each projection's packed weight once all its parts arrived."""
         loaded: set[str] = set()
         quantized: dict[nn.Module, list[tuple[int, GGUFBlocks, torch.Tensor, str]]] = {}
         for name, tensor in weights:
-            scale = _KV_SCALE.fullmatch(name)
+            scale = KV_SCALE.fullmatch(name)
             if scale is not None:  # optional: used only with kv_cache_dtype=fp8_e4m3
                 index, value = int(scale.group("index")), read_shard(tensor, None)
                 if index >= len(self.layers) or value.numel() != 1 or not float(value.float()) > 0:
@@ -486,7 +399,7 @@ class LlamaForCausalLM(nn.Module):
                 which = scale.group("a") or scale.group("b")
                 self.layers[index].self_attn.checkpoint_kv_scales[which] = float(value.float().reshape(()))
                 continue
-            target = self._target(name)
+            target = weight_target(self, name)
             if target is None:
                 continue
             key, view, shard = target
@@ -495,12 +408,12 @@ class LlamaForCausalLM(nn.Module):
                 if tuple(part.shape) != tuple(view.shape):
                     raise ValueError(f"weight {name!r}: checkpoint shape {tuple(part.shape)} does not match the "
                                      f"model's {tuple(view.shape)}")
-                module, row = self._quantized_target(name)
+                module, row = quantized_target(self, name)
                 quantized.setdefault(module, []).append((row, part, view, name))
             else:
                 copy_into(view, part, name)
             loaded.add(key)
-        missing = sorted(self._expected_keys() - loaded)
+        missing = sorted(expected_keys(self) - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[:5]}")
         for module, parts in quantized.items():
