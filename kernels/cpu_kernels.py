@@ -12,10 +12,10 @@ weights (grouped_experts.cpp), mHC's mixes with their Sinkhorn loop and its stre
 (sink_attention.cpp), interleaved tail RoPE (interleaved_rope.cpp) and its RMS norms (rms_norm.cpp), a Llama
 layer's norms, SiLU gate and RoPE + KV-cache write (fused_layer_ops.cpp, kernels/fused_layer_ops.py), the GEMM's
 AMX tile passes (gemm_amx.cpp), a Llama decode step's layers as one op over the others (llama_decode.cpp), greedy
-sampling's row argmax (row_argmax.cpp) and the screened greedy heads' passes (head_screen.cpp, head_int8.cpp). The
-ops are registered with the dispatcher (``torch.ops.deepinfer.*``); those compiled regions can meet have fake
-kernels, so regions keep each as one opaque call, as they do the packed GEMM (the screened heads' ops run in eager
-steps only and have none).
+sampling's row argmax (row_argmax.cpp), the screened greedy heads' passes (head_screen.cpp, head_int8.cpp) and the
+fp8 KV cache's RoPE + e4m3 store (kv_fp8_store.cpp). The ops are registered with the dispatcher
+(``torch.ops.deepinfer.*``); those compiled regions can meet have fake kernels, so regions keep each as one opaque
+call, as they do the packed GEMM (the screened heads' ops run in eager steps only and have none).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = ("paged_decode_attention.cpp", "shm_all_reduce.cpp", "gemv.cpp", "grouped_experts.cpp",
             "hyper_connections.cpp", "sink_attention.cpp", "interleaved_rope.cpp", "rms_norm.cpp",
             "fused_layer_ops.cpp", "llama_decode.cpp", "gemm_amx.cpp", "row_argmax.cpp",
-            "head_screen.cpp", "head_int8.cpp")
+            "head_screen.cpp", "head_int8.cpp", "kv_fp8_store.cpp")
 # torch.backends.cpu.get_cpu_capability() -> compiler flags (x86-64; anything else builds for the baseline).
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
@@ -154,7 +154,9 @@ def load_cpu_kernels() -> bool:
     def _(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_caches: torch.Tensor,
           v_caches: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
           query_len: int, block_size: int, scale: float, num_heads: int, num_kv_heads: int, intermediate: int,
-          eps: float, norms: list[torch.Tensor], projections: list[torch.Tensor], gemm_path: int) -> torch.Tensor:
+          eps: float, norms: list[torch.Tensor], projections: list[torch.Tensor], gemm_path: int,
+          packed_fmt: str = "", packed_path: str = "auto", k_scales: list[float] = (), v_scales: list[float] = (),
+          fp8_max: float = 448.0) -> torch.Tensor:
         return torch.empty_like(hidden, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("deepinfer::blocked_grouped_experts")
@@ -216,6 +218,12 @@ def load_cpu_kernels() -> bool:
     @torch.library.register_fake("deepinfer::rope_qkv_to_cache")
     def _(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
           slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+        return qkv.new_empty(qkv.shape[0], num_heads, k_cache.shape[2])
+
+    @torch.library.register_fake("deepinfer::rope_qkv_to_cache_fp8")
+    def _(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+          slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, k_scale: float, v_scale: float,
+          fp8_max: float) -> torch.Tensor:
         return qkv.new_empty(qkv.shape[0], num_heads, k_cache.shape[2])
 
     return True

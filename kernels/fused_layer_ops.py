@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernels.cpu_kernels import cpu_kernels_supported, load_cpu_kernels
+from kernels.kv_fp8 import KVQuant
 
 
 def fused_ops_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -43,3 +44,16 @@ def rope_qkv_to_cache(qkv: torch.Tensor,  # [T, (H + 2 Hkv) * D], the fused proj
                       num_heads: int, num_kv_heads: int) -> torch.Tensor:  # rotated q [T, H, D]
     return torch.ops.deepinfer.rope_qkv_to_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
                                                  num_kv_heads)
+
+
+def rope_qkv_to_cache_fp8(qkv: torch.Tensor,  # [T, (H + 2 Hkv) * D], the fused projection's output
+                          cos: torch.Tensor,  # [T, 1, D/2] (kernels.rope.rope_at), qkv's dtype
+                          sin: torch.Tensor,  # [T, 1, D/2]
+                          k_cache: torch.Tensor,  # [num_slots, Hkv, D] uint8 e4m3 codes, written in place
+                          v_cache: torch.Tensor,  # [num_slots, Hkv, D] uint8 e4m3 codes, written in place
+                          slot_mapping: torch.Tensor,  # [T] int64
+                          num_heads: int, num_kv_heads: int,
+                          quant: KVQuant) -> torch.Tensor:  # rotated q [T, H, D]
+    """rope_qkv_to_cache for an fp8 cache: K and V stored as kernels/kv_fp8.py's quantize_kv codes, bit for bit."""
+    return torch.ops.deepinfer.rope_qkv_to_cache_fp8(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
+                                                     num_kv_heads, quant.k_scale, quant.v_scale, quant.fp8_max)

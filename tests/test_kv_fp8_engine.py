@@ -4,8 +4,9 @@ The reference is the ``auto`` engine whose K/V writes go through e4m3 and back (
 model dtype): its cache holds exactly the values the fp8 cache's codes mean, so fp8 rounding of K/V is the only
 difference from a full-precision run, and any other difference (a code read at the wrong slot, a stale block after
 a rollback, a scale applied twice) shows up as different tokens or log-probabilities. Both engines run the same
-attention kernels (the reference's fused RoPE + KV-write op and one-op decode loop are switched off, as fp8 switches
-them off), so the outputs are equal to the bit, not within a tolerance.
+attention kernels; the reference's writes go through torch (its fused RoPE + KV-write op and one-op decode loop are
+switched off), fp8's through its C++ store and one-op loop, whose codes and results equal the module path's
+(tests/test_kv_fp8_store.py), so the outputs are equal to the bit, not within a tolerance.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def _engine(path, reference: bool, **settings) -> LLMEngine:
     flat = {"model": str(path), "max_model_len": 256, "num_blocks": 256, **settings,
             "kv_cache_dtype": "auto" if reference else "fp8_e4m3"}
     engine = LLMEngine(EngineConfig.from_flat(flat))
-    if reference:  # fp8 takes the module path for every KV write and the layer loop; so does the reference
+    if reference:  # its writes must reach the patched write_kv: the module path for every write and layer
         model = engine.model
         model._decode_weight_lists = ()
         for layer in model.layers:

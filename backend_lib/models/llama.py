@@ -83,9 +83,13 @@ class LlamaAttention(nn.Module):
         share = meta.context
         if share is not None:  # context parallelism: every row's q, k, v (the step's rows may be split)
             qkv = self.par.context.gather_rows(qkv, share.row_counts)
-        if self.host_fused and quant is None and share is None and not torch.compiler.is_compiling():
-            q = fused.rope_qkv_to_cache(qkv, *rope, k_cache, v_cache, meta.slot_mapping, self.num_heads,
-                                        self.num_kv_heads)
+        if self.host_fused and share is None and not torch.compiler.is_compiling():
+            if quant is None:
+                q = fused.rope_qkv_to_cache(qkv, *rope, k_cache, v_cache, meta.slot_mapping, self.num_heads,
+                                            self.num_kv_heads)
+            else:
+                q = fused.rope_qkv_to_cache_fp8(qkv, *rope, k_cache, v_cache, meta.slot_mapping, self.num_heads,
+                                                self.num_kv_heads, quant)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             rows = qkv.shape[0]
@@ -186,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("screen_int8_blocked_head", None, persistent=False)  # Int8HeadScreen.build's
         self.gemv_policy = GemvPolicy()
         self.host_fused = False  # eager host steps on the C++ ops (use_cpu_attention)
-        self.kv_fp8 = False  # use_fp8_kv: e4m3 K/V (the one-op decode loop writes model-dtype K/V, so it is off)
+        self.kv_fp8 = False  # use_fp8_kv: e4m3 K/V (the one-op decode loop then takes each layer's scales)
         self._decode_weight_lists: tuple | None = None  # _host_decode_weights' lists, collected once
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings)
 
@@ -239,7 +243,7 @@ class LlamaForCausalLM(nn.Module):
             hidden = torch.ops.deepinfer.llama_decode_layers(
                 hidden, *rope, k_caches, v_caches, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
                 meta.decode_query_len, meta.block_size, first.scale, first.num_heads, first.num_kv_heads,
-                self.layers[0].mlp.intermediate_size, self.norm.eps, *weights)
+                self.layers[0].mlp.intermediate_size, self.norm.eps, *weights, **self._fp8_decode_scales())
         else:
             for i, layer in enumerate(self.layers):
                 hidden = layer(rope, hidden, k_caches[i], v_caches[i], meta)
@@ -251,7 +255,7 @@ class LlamaForCausalLM(nn.Module):
         (kernels/csrc/llama_decode.cpp: the eager host path's ops from one C++ loop, same results) when this step is
         in its scope: decode tokens only, one rank, no biases, every projection on the GEMM that ``linear`` picks at
         this row count (the blocked kernel needs SiLU's width a multiple of its tile). Else None: the module path."""
-        if meta.num_prefills or meta.num_decode_tokens != num_tokens or self.par.world_size > 1 or self.kv_fp8:
+        if meta.num_prefills or meta.num_decode_tokens != num_tokens or self.par.world_size > 1:
             return None
         if self._decode_weight_lists is None:
             self._decode_weight_lists = self._collect_decode_weights()
@@ -263,6 +267,15 @@ class LlamaForCausalLM(nn.Module):
         if blocked is not None and self.gemv_policy.use_blocked(num_tokens):  # as linear() picks
             return (norms, blocked, 0) if blocked else None
         return (norms, packed, 1) if packed else (norms, plain, 2)
+
+    def _fp8_decode_scales(self) -> dict[str, list[float] | float]:
+        """The one-op decode loop's fp8 arguments (each layer's k_scale / v_scale, the largest code's value); none
+        for a model-dtype cache."""
+        if not self.kv_fp8:
+            return {}
+        quants = [layer.self_attn.kv_quant for layer in self.layers]
+        return {"k_scales": [q.k_scale for q in quants], "v_scales": [q.v_scale for q in quants],
+                "fp8_max": quants[0].fp8_max}
 
     def _collect_decode_weights(self) -> tuple:
         """(norms, blocked, oneDNN-packed, plain, quantized) weight lists, a list None where the projections lack

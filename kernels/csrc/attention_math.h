@@ -157,17 +157,18 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
-// 16 e4m3 codes widened in registers, fp8_to_float's arithmetic a lane each.
+// 16 e4m3 codes widened in registers, exact: each code's bits moved into an fp16's (sign to bit 15, the 4 exponent
+// and 3 mantissa bits to bits 7..13 with fp16's top exponent bit 0) make an fp16 of value * 2^-8, subnormal codes
+// included (e4m3's bias is 7, fp16's 15; fp16's subnormals are e4m3's, scaled the same), which vcvtph2ps widens
+// exactly in hardware, and * 256 (an exact power of two) restores the value. 5 instructions where the integer-and-
+// multiply form took 15 (this VM's Xeon: 1.8x in a dot-product loop). Not the shorter fp32 form (code bits << 20,
+// * 2^120): a subnormal code is then a subnormal fp32 operand, and the multiply takes a microcode assist (60x
+// slower on this Xeon with small K values). The sign-extending widen copies the sign into bits 8..15, so after
+// the shift bit 15 holds it and bit 14 (cleared by the mask) a copy.
 inline __m512 load16(const Fp8E4M3* p) {
-  const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512i exponent = _mm512_and_si512(_mm512_srli_epi32(c, 3), _mm512_set1_epi32(15));
-  const __m512i one = _mm512_set1_epi32(1);
-  const __m512i integer = _mm512_or_si512(_mm512_and_si512(c, _mm512_set1_epi32(7)),
-                                          _mm512_slli_epi32(_mm512_min_epu32(exponent, one), 3));
-  const __m512i pow2 = _mm512_slli_epi32(_mm512_add_epi32(_mm512_max_epu32(exponent, one), _mm512_set1_epi32(117)), 23);
-  const __m512 magnitude = _mm512_mul_ps(_mm512_cvtepi32_ps(integer), _mm512_castsi512_ps(pow2));
-  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(128)), 24);
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(magnitude), sign));
+  const __m256i c = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i half = _mm256_and_si256(_mm256_slli_epi16(c, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+  return _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.f));
 }
 
 // exp_poly's steps 16 at a time (FMA-contracted, so within ~1 ulp of the scalar form): GCC leaves the scalar

@@ -10,6 +10,9 @@
 //
 // Scope (the caller checks it): decode-only steps on one rank, no biases, every projection of the step on one GEMM
 // path (blocked kernel, oneDNN packed, or plain F.linear).
+// fp8 KV caches (uint8 e4m3 codes, kv_cache_dtype=fp8_e4m3) take the same loop with the store and the attention
+// on their fp8 ops (rope_qkv_to_cache_fp8, cpu_paged_decode_attention_fp8) and each layer's k_scale / v_scale:
+// the eager fp8 path's ops again, so its bits.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -43,6 +46,15 @@ struct LayerOps {
                                   int64_t, double)>
       attention = find_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
                                  int64_t, double)>("deepinfer::cpu_paged_decode_attention");
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&, const Tensor&,
+                                  int64_t, int64_t, double, double, double)>
+      rope_to_fp8_cache = find_op<Tensor(const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&, const Tensor&,
+                                         int64_t, int64_t, double, double, double)>("deepinfer::rope_qkv_to_cache_fp8");
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
+                                  int64_t, double, double, double)>
+      attention_fp8 = find_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                     int64_t, int64_t, double, double, double)>(
+          "deepinfer::cpu_paged_decode_attention_fp8");
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t, c10::string_view)> linear =
       find_op<Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t, c10::string_view)>(
           "deepinfer::blocked_linear");
@@ -123,7 +135,9 @@ Tensor llama_decode_layers(const Tensor& hidden_in,     // [T, hidden]
                            at::TensorList projections,  // 4L: layer i's qkv, o, gate_up, down weights
                            int64_t gemm_path,           // GemmPath: the weights blocked, oneDNN-packed, plain or
                            c10::string_view packed_fmt,  // packed GGUF tiles (then packed_fmt: q4_1, ... and
-                           c10::string_view packed_path) {  // packed_path: auto, fp32 or int8)
+                           c10::string_view packed_path,  // packed_path: auto, fp32 or int8)
+                           at::ArrayRef<double> k_scales,  // fp8 caches (uint8): layer i's k_scale / v_scale
+                           at::ArrayRef<double> v_scales, double fp8_max) {
   const int64_t layers = k_caches.dim() == 4 ? k_caches.size(0) : -1;
   TORCH_CHECK(hidden_in.dim() == 2 && layers >= 0 && v_caches.sizes() == k_caches.sizes(),
               "llama_decode_layers: hidden must be [T, hidden] and the caches [L, num_slots, Hkv, D] of one shape, "
@@ -132,6 +146,11 @@ Tensor llama_decode_layers(const Tensor& hidden_in,     // [T, hidden]
                   static_cast<int64_t>(projections.size()) == 4 * layers,
               "llama_decode_layers: norms must hold 2 and projections 4 tensors a layer (", layers, " layers), got ",
               norms.size(), " and ", projections.size());
+  const bool fp8 = k_caches.scalar_type() == at::kByte;
+  TORCH_CHECK(!fp8 || (static_cast<int64_t>(k_scales.size()) == layers &&
+                       static_cast<int64_t>(v_scales.size()) == layers),
+              "llama_decode_layers: fp8 (uint8) caches need one k_scale and one v_scale a layer (", layers,
+              " layers), got ", k_scales.size(), " and ", v_scales.size());
   const LayerOps& ops = layer_ops();
   TORCH_CHECK(gemm_path >= 0 && gemm_path <= 3, "llama_decode_layers: gemm_path must be 0 (blocked), 1 (oneDNN "
               "packed), 2 (plain) or 3 (packed quantized), got ", gemm_path);
@@ -146,10 +165,18 @@ Tensor llama_decode_layers(const Tensor& hidden_in,     // [T, hidden]
     Tensor k_cache = k_caches.select(0, i), v_cache = v_caches.select(0, i);
     const Tensor* w = projections.data() + 4 * i;  // qkv, o, gate_up, down
     const Tensor normed = ops.rms_norm.call(hidden, norms[2 * i], eps);
-    const Tensor q = ops.rope_to_cache.call(project(normed, w[0], qkv_out), cos, sin, k_cache, v_cache,
-                                            slot_mapping, num_heads, num_kv_heads);
-    const Tensor attended = ops.attention.call(q, k_cache, v_cache, block_tables, seq_lens, query_len, block_size,
-                                               scale);
+    const Tensor qkv = project(normed, w[0], qkv_out);
+    Tensor attended;
+    if (fp8) {
+      const Tensor q = ops.rope_to_fp8_cache.call(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
+                                                  num_kv_heads, k_scales[i], v_scales[i], fp8_max);
+      attended = ops.attention_fp8.call(q, k_cache, v_cache, block_tables, seq_lens, query_len, block_size, scale,
+                                        k_scales[i], v_scales[i]);
+    } else {
+      const Tensor q = ops.rope_to_cache.call(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
+                                              num_kv_heads);
+      attended = ops.attention.call(q, k_cache, v_cache, block_tables, seq_lens, query_len, block_size, scale);
+    }
     const Tensor attn = project(attended.reshape({tokens, num_heads * head_dim}), w[1], width);
     auto [mlp_in, residual] = ops.add_rms_norm.call(attn, hidden, norms[2 * i + 1], eps);
     hidden = project.add(project.silu_mul(mlp_in, w[2], intermediate), w[3], width, residual);
@@ -163,7 +190,8 @@ TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
   m.def("llama_decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor(a!) k_caches, Tensor(b!) v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int query_len, int block_size, float scale, "
         "int num_heads, int num_kv_heads, int intermediate, float eps, Tensor[] norms, Tensor[] projections, "
-        "int gemm_path, str packed_fmt=\"\", str packed_path=\"auto\") -> Tensor");
+        "int gemm_path, str packed_fmt=\"\", str packed_path=\"auto\", float[] k_scales=[], float[] v_scales=[], "
+        "float fp8_max=448.) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer, CPU, m) {
