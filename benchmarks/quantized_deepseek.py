@@ -11,7 +11,6 @@ least 2x dequantize. Writes benchmarks/results/quantized_deepseek.md. Run on a q
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -51,11 +50,9 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quantized_deepseek.md"))
     args = parser.parse_args()
     machine = describe()
-    print(machine.line(), "| load average at start:", " ".join(f"{v:.2f}" for v in os.getloadavg()))
+    print(machine.line())
     work = Path(tempfile.mkdtemp(prefix="quantized-deepseek-"))
-    load = " ".join(f"{v:.2f}" for v in os.getloadavg())
-    lines = ["# DeepSeek decode: weight_format=packed vs dequantize", "",
-             f"Machine: {machine.line()}; load average at start {load}.", "",
+    lines = ["# DeepSeek decode: weight_format=packed vs dequantize", "", f"Machine: {machine.line()}.", "",
              "| model | batch | dequantize, ms | packed, ms | packed speed-up |", "|---|---|---|---|---|"]
     chosen = {f"deepseek_{m.strip()}" for m in args.models.split(",")}
     for label, (arch, overrides, fp4) in MODELS.items():
