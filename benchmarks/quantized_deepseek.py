@@ -46,6 +46,7 @@ def main() -> int:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--models", default="v3,v4", help="which of v3, v4 to measure (comma-separated)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quantized_deepseek.md"))
     args = parser.parse_args()
     machine = describe()
@@ -53,7 +54,10 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="quantized-deepseek-"))
     lines = ["# DeepSeek decode: weight_format=packed vs dequantize", "", f"Machine: {machine.line()}.", "",
              "| model | batch | dequantize, ms | packed, ms | packed speed-up |", "|---|---|---|---|---|"]
+    chosen = {f"deepseek_{m.strip()}" for m in args.models.split(",")}
     for label, (arch, overrides, fp4) in MODELS.items():
+        if arch not in chosen:
+            continue
         path = make_tiny(arch, work / arch, seed=5, initializer_range=0.05, overrides=overrides, fp8=True,
                          fp4_experts=fp4)
         for batch in [int(b) for b in args.batches.split(",")]:

@@ -8,14 +8,21 @@
 
 Expert weights are stacked per projection (``[E, out, in]``); when a projection carries a block scale grid
 (``[E, ceil(out/128), ceil(in/128)]``) its weights are float8_e4m3fn and are dequantized block-wise.
+``weight_format=packed`` keeps them as ``PackedExperts`` instead (kernels/packed_weights.py's fp8 tiles, one tile set
+per expert): ``moe_dynamic_packed`` runs each selected expert's tokens through the packed GEMM (fp32 widening in
+registers: ``moe_dynamic``'s function up to summation order); compiled regions' ``moe_static`` takes
+``PackedExperts.dense`` (the same values, dequantized from the tiles).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from kernels.packed_gemm import packed_linear_buffers
+from kernels.packed_weights import PackedFp8
 from kernels.quant import DEFAULT_BLOCK, block_fp8_linear, dequantize_block_fp8
 
 
@@ -95,28 +102,100 @@ def _dense(weight: torch.Tensor, scale: torch.Tensor | None, block_size: tuple[i
     return dequantize_block_fp8(weight, scale, block_size, dtype=dtype)
 
 
+def _dispatch(x: torch.Tensor,  # [T, H]
+              topk_weights: torch.Tensor,  # [T, k]
+              topk_ids: torch.Tensor,  # [T, k] int64
+              num_experts: int,
+              expert: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:  # ([N, H], e) -> [N, H]
+    """Each hit expert over its own tokens, ascending id, accumulated with ``index_add_`` (transformers' order).
+    An id equal to ``num_experts`` is the sink: an expert another rank holds (expert parallelism)."""
+    out = torch.zeros_like(x)
+    # [E + 1, k, T]: which (slot, token) pairs picked each expert; row E is the sink
+    expert_mask = F.one_hot(topk_ids, num_classes=num_experts + 1).permute(2, 1, 0)
+    hit = (expert_mask[:num_experts].sum(dim=(1, 2)) > 0).nonzero().flatten().tolist()
+    for e in hit:
+        slot, token = torch.where(expert_mask[e])
+        y = expert(x[token], e)
+        out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(out.dtype))
+    return out
+
+
 def moe_dynamic(x: torch.Tensor,  # [T, H]
                 topk_weights: torch.Tensor,  # [T, k]
                 topk_ids: torch.Tensor,  # [T, k] int64
                 experts: ExpertWeights) -> torch.Tensor:
-    """Grouped dispatch: each expert runs over its own tokens only. Returns [T, H] in x.dtype.
-
-    An id equal to ``experts.num_experts`` is the sink: an expert another rank holds (expert parallelism)."""
-    out = torch.zeros_like(x)
-    num_experts = experts.num_experts
-    # [E + 1, k, T]: which (slot, token) pairs picked each expert; row E is the sink
-    expert_mask = F.one_hot(topk_ids, num_classes=num_experts + 1).permute(2, 1, 0)
-    hit = (expert_mask[:num_experts].sum(dim=(1, 2)) > 0).nonzero().flatten().tolist()
+    """Grouped dispatch: each expert runs over its own tokens only. Returns [T, H] in x.dtype."""
     bs = experts.block_size
-    for e in hit:
-        slot, token = torch.where(expert_mask[e])
-        h = x[token]
+
+    def expert(h: torch.Tensor, e: int) -> torch.Tensor:
         gate = _linear(h, experts.gate[e], None if experts.gate_scale is None else experts.gate_scale[e], bs)
         up = _linear(h, experts.up[e], None if experts.up_scale is None else experts.up_scale[e], bs)
-        y = _linear(F.silu(gate) * up, experts.down[e],
-                    None if experts.down_scale is None else experts.down_scale[e], bs)
-        out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(out.dtype))
-    return out
+        return _linear(F.silu(gate) * up, experts.down[e],
+                       None if experts.down_scale is None else experts.down_scale[e], bs)
+
+    return _dispatch(x, topk_weights, topk_ids, experts.num_experts, expert)
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """Routed fp8 experts in the packed GEMM's tiles, each projection a ``PackedFp8`` whose ``data`` / ``scales``
+    carry a leading expert dim (one expert's tiles contiguous). ``gate_up`` holds gate's rows then up's (one GEMM
+    for both, as the intermediate size falls on the scale blocks); else ``gate`` and ``up`` are apart."""
+
+    down: PackedFp8  # data [E, tiles(H), I, 16] uint8, scales [E, ceil(H/bn), ceil(I/bk)] fp32
+    gate_up: PackedFp8 | None = None  # data [E, tiles(2I), H, 16], scales [E, 2I/bn, ceil(H/bk)]
+    gate: PackedFp8 | None = None  # data [E, tiles(I), H, 16]
+    up: PackedFp8 | None = None
+    kernel: bool = True  # packed_kernels_available() as found at load; False runs the torch reference
+
+    def __post_init__(self) -> None:
+        if (self.gate_up is None) == (self.gate is None or self.up is None):
+            raise ValueError("PackedExperts: give either gate_up or both gate and up")
+
+    @property
+    def num_experts(self) -> int:
+        return self.down.data.shape[0]
+
+    def dense(self, dtype: torch.dtype) -> ExpertWeights:
+        """Every expert dequantized from its tiles (the values ``dequantize`` holds): the static MoE's weights."""
+        down = dequantize_stack(self.down, dtype)
+        if self.gate_up is not None:
+            gate, up = dequantize_stack(self.gate_up, dtype).chunk(2, dim=1)
+        else:
+            gate, up = dequantize_stack(self.gate, dtype), dequantize_stack(self.up, dtype)
+        return ExpertWeights(gate, up, down, block_size=self.down.block_size)
+
+
+def expert_tiles(stack: PackedFp8, expert: int) -> PackedFp8:
+    """One expert's ``PackedFp8`` out of a stacked one (views, no copy)."""
+    return PackedFp8(stack.data[expert], stack.scales[expert], stack.out_features, stack.in_features,
+                     stack.block_size)
+
+
+def dequantize_stack(stack: PackedFp8, dtype: torch.dtype) -> torch.Tensor:  # -> [E, out, in]
+    num = stack.data.shape[0]
+    codes = stack.data.transpose(-1, -2).reshape(num, -1, stack.in_features)[:, :stack.out_features]
+    return dequantize_block_fp8(codes.view(torch.float8_e4m3fn), stack.scales, stack.block_size, dtype=dtype)
+
+
+def moe_dynamic_packed(x: torch.Tensor,  # [T, H] float32 or bfloat16
+                       topk_weights: torch.Tensor,  # [T, k]
+                       topk_ids: torch.Tensor,  # [T, k] int64
+                       experts: PackedExperts) -> torch.Tensor:  # [T, H]
+    """``moe_dynamic`` on packed experts: each hit expert's tokens through the packed GEMM on its tiles."""
+
+    def linear(h: torch.Tensor, stack: PackedFp8, e: int) -> torch.Tensor:
+        w = expert_tiles(stack, e)
+        return packed_linear_buffers(h, w.data, w.scales, None, w, experts.kernel, "fp32")
+
+    def expert(h: torch.Tensor, e: int) -> torch.Tensor:
+        if experts.gate_up is not None:
+            gate, up = linear(h, experts.gate_up, e).chunk(2, dim=-1)
+        else:
+            gate, up = linear(h, experts.gate, e), linear(h, experts.up, e)
+        return linear(F.silu(gate) * up, experts.down, e)
+
+    return _dispatch(x, topk_weights, topk_ids, experts.num_experts, expert)
 
 
 def routing_matrix(topk_weights: torch.Tensor,  # [T, k]

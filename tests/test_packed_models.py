@@ -14,18 +14,22 @@ from backend_lib.core.config import EngineConfig, ModelConfig
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.offline import LLM
 from backend_lib.frontend.triton.parameters import engine_config_from_parameters
+from backend_lib.models.deepseek_moe import RoutedExperts
 from backend_lib.models.gguf_file import GGUFFile
 from backend_lib.models.gguf_loader import unpermute_rows
 from backend_lib.models.layers import resident_weight_bytes
 from backend_lib.models.loader import load_model
+from backend_lib.models.parallel import ParallelContext
 from backend_lib.models.quantized_blocks import GGUFBlocks
 from backend_lib.tools.lint.graph_lint import lint_region
 from backend_lib.tools.tiny import make_tiny
 from backend_lib.worker.compile.buckets import BucketSpec
 from backend_lib.worker.compile.regions import CompiledModel, layer_views
+from kernels.moe import moe_dynamic, moe_dynamic_packed, moe_static
 from kernels.packed_embedding import packed_embedding
 from kernels.packed_gemm import int8_error_bound
 from kernels.packed_weights import GGUF_LAYOUTS, pack_gguf
+from kernels.quant import dequantize_block_fp8, quantize_block_fp8
 
 
 @pytest.fixture(scope="module")
@@ -211,6 +215,8 @@ def test_deepseek_v3_fp8_projections_packed_give_dequantizes_greedy_ids(tiny_v3_
     packed = load_model(str(tiny_v3_fp8), progress=False, weight_format="packed")
     fp8 = {name: m for name, m in packed.named_modules() if getattr(m, "quantized", None) is not None}
     assert fp8 and all(m.quantized.fmt == "fp8_e4m3" and m.weight.numel() == 0 for m in fp8.values())
+    experts = [m for m in packed.modules() if isinstance(m, RoutedExperts)]  # main layers' and MTP's
+    assert len(experts) == 3 and all(m.packed_experts() is not None and m.gate_proj is None for m in experts)
     assert any(name.startswith("mtp.") for name in fp8) and any("shared_experts" in name for name in fp8)
     dequantized = load_model(str(tiny_v3_fp8), progress=False)
     for name, p in fp8.items():
@@ -223,6 +229,83 @@ def test_deepseek_v3_fp8_projections_packed_give_dequantizes_greedy_ids(tiny_v3_
         with LLM(str(tiny_v3_fp8), weight_format=fmt, num_blocks=64) as llm:
             ids.append([r.token_ids for r in llm.generate(["Hello there", "0123456789", "abc abc"], params)])
     assert ids[0] == ids[1]
+
+
+def _fp8_routed_experts(inter: int, hidden: int = 256, num: int = 6,
+                        par: ParallelContext | None = None) -> dict[bool, RoutedExperts]:
+    """The same random fp8 experts twice: as fp8 stacks (dequantized inside each linear) and packed."""
+    gen = torch.Generator().manual_seed(inter)
+    layers = {packed: RoutedExperts(num, hidden, inter, (128, 128), par or ParallelContext(), packed=packed)
+              for packed in (False, True)}
+    for e in range(num):
+        for proj, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
+                            ("down_proj", (hidden, inter))):
+            q, scale = quantize_block_fp8(torch.randn(*shape, generator=gen) * 0.2)
+            for layer in layers.values():
+                layer.set_expert(e, proj, q, scale, torch.float32, dequantize=False)
+    return layers
+
+
+@pytest.mark.parametrize("inter", [128, 96])  # on the 128-row blocks: gate and up one GEMM; off them: apart
+def test_deepseek_v3_packed_routed_experts_equal_the_fp8_stacks(inter):
+    """Each fp8 expert in packed tiles holds the stack's values (dequantized: equal to the bit); the packed
+    dispatch computes moe_dynamic's function up to summation order, a sink id (another rank's expert) skipped;
+    resident: 1 byte a weight plus the 128x128 scales, no fp8 stack besides."""
+    layers = _fp8_routed_experts(inter)
+    stacks, packed = layers[False].weights(), layers[True]
+    tiles = packed.packed_experts()
+    assert packed.gate_proj is None and packed.missing() == []
+    assert (tiles.gate_up is not None) == (inter % 128 == 0) and tiles.num_experts == 6
+    dense = tiles.dense(torch.float32)
+    for got, want, scale in ((dense.gate, stacks.gate, stacks.gate_scale), (dense.up, stacks.up, stacks.up_scale),
+                             (dense.down, stacks.down, stacks.down_scale)):
+        assert torch.equal(got, dequantize_block_fp8(want, scale))
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(9, 256, generator=gen)
+    ids = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(9)])
+    ids[0, 0] = 6  # the sink
+    weights = torch.rand(9, 2, generator=gen)
+    want = moe_dynamic(x, weights, ids, stacks)
+    got = moe_dynamic_packed(x, weights, ids, tiles)
+    assert float(want.abs().min(dim=-1).values.min()) > 0  # every token, the one with a sink id too, got output
+    atol = 1e-6 * float(want.abs().max())  # fp32 sums in another order: an error relative to the outputs
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=atol)
+    torch.testing.assert_close(moe_static(x, weights, ids, dense), want, rtol=1e-5, atol=atol)
+    weights_count, resident = packed.packed_experts_bytes()
+    assert weights_count == 6 * 3 * inter * 256
+    # fp32 scales: gate_up 2 x 2 blocks (or gate and up 1 x 2 each), down 2 x 1; 96 and 128 rows fill whole tiles
+    scales = 6 * 4 * (2 * 2 + 2 * 1) if inter == 128 else 6 * 4 * (1 * 2 + 1 * 2 + 2 * 1)
+    assert resident == weights_count + scales
+
+
+def test_deepseek_v3_packed_routed_experts_split_off_the_blocks_is_refused_naming_it():
+    """Tensor parallel without expert parallelism cuts each expert's 128 intermediate units at 64: inside a scale
+    block, refused naming the expert; with expert parallelism every rank keeps whole experts."""
+    with pytest.raises(ValueError, match=r"weight_format=packed: the tensor-parallel split \[64, 128\) of dim 0 of "
+                                         r"experts.0.gate_proj"):
+        _fp8_routed_experts(128, par=ParallelContext(rank=1, world_size=2, group=object()))
+    layers = _fp8_routed_experts(128, par=ParallelContext(rank=1, world_size=2, group=object(),
+                                                          expert_parallel=True))
+    assert layers[True].expert_start == 3 and layers[True].packed_experts().num_experts == 3
+
+
+# hidden, heads and intermediate sizes whose two-rank splits fall on the 128x128 fp8 blocks
+V3_TP_OVERRIDES = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_attention_heads=4,
+                       num_key_value_heads=4, kv_lora_rank=128, q_lora_rank=256, qk_rope_head_dim=64,
+                       qk_nope_head_dim=64, v_head_dim=64)
+
+
+def test_deepseek_v3_fp8_experts_packed_on_two_ranks_with_and_without_expert_parallelism(tmp_path):
+    """Tiny V3 fp8 sized for two ranks: packed at TP=2 (each expert cut at its 128-unit blocks) and TP=2 with
+    expert parallelism (whole experts, each rank packing its own) give one-rank dequantize's greedy ids."""
+    path = make_tiny("deepseek_v3", tmp_path / "v3", fp8=True, overrides=V3_TP_OVERRIDES)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    ids = []
+    for settings in ({"weight_format": "dequantize"}, {"weight_format": "packed", "tensor_parallel_size": 2},
+                     {"weight_format": "packed", "tensor_parallel_size": 2, "enable_expert_parallel": True}):
+        with LLM(str(path), num_blocks=64, **settings) as llm:
+            ids.append([r.token_ids for r in llm.generate(["Hello there", "0123456789", "abc abc"], params)])
+    assert ids[0] == ids[1] == ids[2]
 
 
 def test_deepseek_v3_fp8_split_off_the_128_blocks_is_refused_naming_it(tiny_v3_fp8):

@@ -1,5 +1,5 @@
 """Building blocks of the DeepSeek-V3 family: rope (YaRN, interleaved), block-fp8 linear, MLA over the latent
-paged cache, the grouped-router MoE with shared experts, and the decoder layer.
+paged cache, the dense MLP and the decoder layer (the grouped-router MoE: deepseek_moe.py).
 
 Weights are buffers that start as ``None`` and are set by ``load_weights``: a projection becomes plain
 (float weight) or block-fp8 (float8_e4m3fn weight + ``weight_scale_inv``) depending on what the checkpoint
@@ -21,7 +21,6 @@ from kernels.attention_metadata import AttentionMetadata
 from kernels.gemv import TILE, GemvPolicy, block_weight, blocked_linear, gemv_available
 from kernels.mla import mla_decode_absorbed, mla_prefill, split_kv_b, write_latent_cache
 from kernels.mla_fp8 import MLARecord
-from kernels.moe import ExpertWeights, RouterConfig, grouped_topk, moe_dynamic, moe_static
 from kernels.packed_gemm import packed_kernels_available, packed_linear_buffers
 from kernels.packed_weights import PackedFp8, pack_fp8
 from kernels.quant import DEFAULT_BLOCK, block_fp8_linear, dequantize_block_fp8
@@ -276,115 +275,6 @@ class DenseMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return self.par.all_reduce(y) if self.reduce else y
-
-
-class Router(nn.Module):
-    def __init__(self, num_experts: int, hidden: int) -> None:
-        super().__init__()
-        # fp32 whatever the model dtype: the routing decision is precision sensitive
-        self.weight = nn.Parameter(torch.zeros(num_experts, hidden), requires_grad=False)
-        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
-
-
-class RoutedExperts(nn.Module):
-    """Stacked expert projections, filled one checkpoint expert at a time.
-
-    Tensor parallel: every rank holds every expert, each cut to 1/N of its intermediate units. Expert parallel:
-    every rank holds 1/N of the experts whole (``expert_start`` onwards); the others' weights are never read."""
-
-    PROJS = ("gate_proj", "up_proj", "down_proj")
-
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, block_size: tuple[int, int],
-                 par: ParallelContext) -> None:
-        super().__init__()
-        self.total_experts, self.block_size = num_experts, block_size
-        if par.expert_parallel:
-            self.expert_start, self.num_experts = par.even(num_experts, "n_routed_experts")
-            self.shards: dict[str, Shard | None] = dict.fromkeys(self.PROJS)
-        else:
-            self.expert_start, self.num_experts = 0, num_experts
-            start, size = par.even(intermediate, "moe_intermediate_size")
-            self.shards = {"gate_proj": Shard(0, start, size), "up_proj": Shard(0, start, size),
-                           "down_proj": Shard(1, start, size)}
-            intermediate = size
-        self.shapes = {"gate_proj": (intermediate, hidden), "up_proj": (intermediate, hidden),
-                       "down_proj": (hidden, intermediate)}
-        for proj in self.PROJS:
-            self.register_buffer(proj, None)
-            self.register_buffer(proj + "_scale_inv", None)
-
-    def holds(self, expert: int) -> bool:
-        return self.expert_start <= expert < self.expert_start + self.num_experts
-
-    def set_expert(self, expert: int, proj: str, weight: Any, scale_inv: Any,
-                   dtype: torch.dtype, dequantize: bool) -> None:
-        if not 0 <= expert < self.total_experts:
-            raise ValueError(f"expert index must be in [0, {self.total_experts}), got {expert}")
-        if not self.holds(expert):
-            return  # another rank's expert
-        shard = self.shards[proj]
-        if shard is not None and scale_inv is not None:
-            weight, scale_inv = take_block_fp8(weight, scale_inv, shard, self.block_size, dtype)
-        elif shard is not None:
-            weight = shard.take(weight)
-        weight, scale_inv = read_shard(weight, None), None if scale_inv is None else read_shard(scale_inv, None)
-        expert -= self.expert_start
-        if tuple(weight.shape) != self.shapes[proj]:
-            raise ValueError(f"experts.{expert}.{proj} shape {tuple(weight.shape)} != {self.shapes[proj]}")
-        if scale_inv is not None and dequantize:
-            weight, scale_inv = dequantize_block_fp8(weight, scale_inv, self.block_size, dtype=dtype), None
-        keep_fp8 = scale_inv is not None
-        if getattr(self, proj) is None:
-            self.register_buffer(proj, torch.zeros(self.num_experts, *weight.shape,
-                                                   dtype=weight.dtype if keep_fp8 else dtype))
-            if keep_fp8:
-                self.register_buffer(proj + "_scale_inv", torch.zeros(self.num_experts, *scale_inv.shape))
-        stacked, scales = getattr(self, proj), getattr(self, proj + "_scale_inv")
-        if keep_fp8 != (scales is not None):
-            raise ValueError(f"experts.{expert}.{proj}: experts of one layer must all be fp8 or all be plain")
-        stacked[expert] = weight if keep_fp8 else weight.to(dtype)
-        if keep_fp8:
-            scales[expert] = scale_inv.to(torch.float32)
-
-    def weights(self) -> ExpertWeights:
-        return ExpertWeights(self.gate_proj, self.up_proj, self.down_proj, self.gate_proj_scale_inv,
-                             self.up_proj_scale_inv, self.down_proj_scale_inv, self.block_size)
-
-
-class MoE(nn.Module):
-    """Router (replicated, fp32), routed experts (sharded or partitioned) and the shared expert (sharded).
-
-    Every rank holds every token (attention is tensor parallel), so dispatch under expert parallelism is local:
-    each rank runs its own experts over the tokens routed to them (``local_routing``), and the combine is the one
-    all-reduce that also joins the shared expert's partial sums."""
-
-    def __init__(self, hidden: int, moe_intermediate: int, n_shared: int, router: RouterConfig,
-                 block_size: tuple[int, int], par: ParallelContext, impl: str = "dynamic") -> None:
-        super().__init__()
-        self.router_cfg, self.impl, self.par = router, impl, par
-        self.gate = Router(router.num_experts, hidden)
-        self.experts = RoutedExperts(router.num_experts, hidden, moe_intermediate, block_size, par)
-        self.shared_experts = (DenseMLP(hidden, moe_intermediate * n_shared, block_size, par, reduce=False)
-                               if n_shared else None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        logits = F.linear(x.float(), self.gate.weight.float())
-        weights, ids = grouped_topk(logits, self.gate.e_score_correction_bias, self.router_cfg)
-        ids = local_routing(ids, self.experts.expert_start, self.experts.num_experts)
-        run = moe_dynamic if self.impl == "dynamic" else moe_static
-        y = run(x, weights, ids, self.experts.weights())
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return self.par.all_reduce(y)
-
-
-def local_routing(topk_ids: torch.Tensor,  # [T, k] int64 global expert ids
-                  expert_start: int, num_local: int) -> torch.Tensor:  # [T, k] local ids; num_local = elsewhere
-    """Expert-parallel dispatch: ids of this rank's experts become local indices, every other id the sink index
-    ``num_local`` that the MoE kernels skip."""
-    local = topk_ids - expert_start
-    inside = (local >= 0) & (local < num_local)
-    return torch.where(inside, local, torch.full_like(local, num_local))
 
 
 @dataclass(frozen=True)

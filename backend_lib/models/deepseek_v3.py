@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from backend_lib.models.deepseek_layers import (
-    MOE_IMPLS, BlockLinear, DecoderLayer, DenseMLP, MLADims, MLAttention, MoE, MTPLayer, RMSNorm,
-    RoutedExperts, WeightSlot, build_rope, rope_cos_sin,
+    MOE_IMPLS, BlockLinear, DecoderLayer, DenseMLP, MLADims, MLAttention, MTPLayer, RMSNorm, WeightSlot, build_rope,
+    rope_cos_sin,
 )
+from backend_lib.models.deepseek_moe import MoE, RoutedExperts
 from backend_lib.models.engram_config import EngramConfig
 from backend_lib.models.engram_layer import (
     EngramPrefetch, attach_engram_layers, engram_gather, engram_ring_shape, engram_vocabulary_of,
@@ -139,7 +140,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.args, self.dtype, self.dequantize_fp8_at_load = args, dtype, dequantize_fp8_at_load
         self.record: MLARecord | None = None  # fp8 latent records (use_fp8_kv), else None: R + P values a row
         self.par = par = par or ParallelContext()
-        self.packed = packed  # weight_format=packed: fp8 projections stay in packed tiles (BlockLinear.set_weight)
+        # weight_format=packed: fp8 projections (BlockLinear.set_weight) and routed experts (RoutedExperts) stay in
+        # packed tiles
+        self.packed = packed
         self.rope = build_rope(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling,
                                args.max_position_embeddings, args.rope_interleave)
         # Vocabulary-parallel embedding and head: each rank keeps 1/N of the rows.
@@ -169,7 +172,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         attn = MLAttention(dims, self.rope, bs, self.par)
         if index >= a.first_k_dense_replace:
             mlp: nn.Module = MoE(a.hidden_size, a.moe_intermediate_size, a.n_shared_experts, a.router(), bs,
-                                 self.par, moe_impl)
+                                 self.par, moe_impl, packed=self.packed)
         else:
             mlp = DenseMLP(a.hidden_size, a.intermediate_size, bs, self.par)
         if mtp:
@@ -359,7 +362,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         missing = [name for name, m in self.named_modules() if isinstance(m, BlockLinear)
                    and (m.weight is None or (m.has_bias and m.bias is None)) and not name.startswith("mtp.")]
         missing += [f"{name}.{p}" for name, m in self.named_modules() if isinstance(m, RoutedExperts)
-                    and not name.startswith("mtp.") for p in RoutedExperts.PROJS if getattr(m, p) is None]
+                    and not name.startswith("mtp.") for p in m.missing()]
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 

@@ -50,7 +50,8 @@ def _tensor_bytes(name: str, tensor: torch.Tensor) -> int:
 
 def _weight_bytes(model: nn.Module) -> int:
     """This rank's weights: BlockLinears by shard shape, every other parameter / buffer by its (shard) tensor."""
-    from backend_lib.models.deepseek_layers import BlockLinear, RoutedExperts
+    from backend_lib.models.deepseek_layers import BlockLinear
+    from backend_lib.models.deepseek_moe import RoutedExperts
 
     total = 0
     for name, module in model.named_modules():
