@@ -30,7 +30,7 @@ serve: $(STAMP)
 # are built once: much of the suite waits on one core (gcc under inductor, server starts, transformers' loads).
 # Each worker keeps torch's 2 threads (tests/conftest.py); OMP_WAIT_POLICY=PASSIVE keeps an idle OpenMP thread
 # from spinning on the core the other worker needs. Zen 4, 2 cores, 804-854 tests: 8-15 minutes; Intel Xeon, 2 cores,
-# 1,268 tests (2026-12-03): 22.6 minutes.
+# 1,354 tests (2026-12-03, second sitting): 21.1 minutes.
 TEST_WORKERS ?= 2
 PYTEST := OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile
 
