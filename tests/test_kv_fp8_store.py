@@ -1,14 +1,12 @@
 """The fp8 KV cache's C++ store and its one-op decode loop (kernels/csrc/kv_fp8_store.cpp, llama_decode.cpp): codes
 bit-exact with kernels/kv_fp8.py's quantize_kv (ties, saturation at 448 and the device's 224, scales), RoPE equal to
-the model-dtype op's, and a decode step through llama_decode_layers over an fp8 cache equal to the module path."""
+the model-dtype op's, and llama_decode_layers refusing an fp8 cache without its scales (the loop over an fp8 cache
+equal to the module path: tests/test_llama_decode_op.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from backend_lib.core.config import EngineConfig
-from backend_lib.core.sampling_params import SamplingParams
-from backend_lib.engine.offline import LLM
 from kernels.cpu_kernels import load_cpu_kernels
 from kernels.fused_layer_ops import rope_qkv_to_cache, rope_qkv_to_cache_fp8
 from kernels.kv_fp8 import KVQuant, quantize_kv
@@ -81,39 +79,6 @@ def test_store_refuses_a_slot_outside_the_cache_and_writes_nothing():
     with pytest.raises(RuntimeError, match="outside the cache"):
         rope_qkv_to_cache_fp8(qkv, cos, sin, k_codes, v_codes, torch.tensor([3, 16]), HEADS, KV_HEADS, KVQuant())
     assert not k_codes.any() and not v_codes.any()
-
-
-def _generate(llm: LLM, use_op: bool) -> tuple[list, list, int]:
-    """Token ids and logprobs with the one-op decode loop on or off; how many steps it served."""
-    model = llm.engine.model
-    collect = type(model)._host_decode_weights
-    served = []
-
-    def weights(num_tokens, meta):
-        found = collect(model, num_tokens, meta) if use_op else None
-        served.append(found is not None)
-        return found
-
-    model._host_decode_weights = weights
-    try:
-        outs = llm.generate(["The capital of France is", "Count: one two three", "Hello"],
-                            SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2))
-    finally:
-        del model._host_decode_weights
-    return [o.token_ids for o in outs], [o.logprobs for o in outs], sum(served)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_one_op_decode_loop_over_an_fp8_cache_equals_the_module_path(tiny_llama_dir, dtype):
-    flat = {"model": str(tiny_llama_dir), "dtype": dtype, "kv_cache_dtype": "fp8_e4m3", "max_num_seqs": 4,
-            "max_model_len": 256, "enable_prefix_caching": False}
-    with LLM(config=EngineConfig.from_flat(flat)) as llm:
-        assert llm.engine.model.kv_fp8
-        want_ids, want_logprobs, _ = _generate(llm, use_op=False)
-        got_ids, got_logprobs, served = _generate(llm, use_op=True)
-    assert served > 0
-    assert got_ids == want_ids
-    assert got_logprobs == want_logprobs
 
 
 def test_one_op_decode_loop_refuses_an_fp8_cache_without_its_scales():

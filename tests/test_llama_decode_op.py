@@ -1,6 +1,6 @@
 """deepinfer::llama_decode_layers (kernels/csrc/llama_decode.cpp): a decode step's decoder layers from one C++ loop
 give the module path's results to the bit, on each GEMM path the host picks (blocked kernel, oneDNN packed, plain
-F.linear), fp32 and bf16, with n-gram drafts (several query rows a request) and without; steps outside its scope
+F.linear), fp32 and bf16, over an fp8 KV cache too, with n-gram drafts (several query rows a request) and without; steps outside its scope
 (prefill chunks) take the module path."""
 from __future__ import annotations
 
@@ -65,3 +65,16 @@ def test_op_refuses_mismatched_weight_lists():
             torch.zeros(1, 64), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), caches, caches.clone(),
             torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
             1, 16, 0.25, 4, 2, 128, 1e-5, [torch.ones(64)] * 4, [torch.ones(1)] * 8, 7)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_op_decode_loop_over_an_fp8_cache_equals_the_module_path(tiny_llama_dir, dtype):
+    flat = {"model": str(tiny_llama_dir), "dtype": dtype, "kv_cache_dtype": "fp8_e4m3", "max_num_seqs": 4,
+            "max_model_len": 256, "enable_prefix_caching": False}
+    with LLM(config=EngineConfig.from_flat(flat)) as llm:
+        assert llm.engine.model.kv_fp8
+        want_ids, want_logprobs, _ = _run(llm, use_op=False)
+        got_ids, got_logprobs, served = _run(llm, use_op=True)
+    assert served > 0
+    assert got_ids == want_ids
+    assert got_logprobs == want_logprobs
