@@ -14,7 +14,7 @@ left in the slot and which this step computes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +44,8 @@ class ContextShare:
     prefill_starts: torch.Tensor  # [num_prefills, w'] int64
     scratch_block: int  # this rank's scratch block: where the step's block tables point for blocks it does not hold
     row_counts: list[int] | None = None  # rows per context rank when the step's rows are split, else None
+    # what every layer of the step would rebuild (kernels/context_attention.py's masks), built by the first
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def rows(self) -> slice:

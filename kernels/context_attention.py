@@ -27,27 +27,42 @@ QUERY_ROWS = 2048
 HeldReader = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+def _step_mask(share: ContextShare, key: tuple, visible: Callable[[], torch.Tensor],  # -> [B, Q, S] bool
+               group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # [B, 1, Q*G, S], [B, Q, 1]
+    """The flash kernel's additive mask in its (query, group member) row order, and the rows without a held key:
+    the same for every layer of the step, so built once (``share.memo``)."""
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
+        seen = visible()
+        b, nq, s = seen.shape
+        additive = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))
+        mask = additive[:, :, None, :].expand(b, nq, group, s).reshape(b, 1, nq * group, s)
+        return mask, ~seen.any(-1)[..., None]
+    full_key = (*key, group, dtype)
+    if full_key not in share.memo:
+        share.memo[full_key] = make()
+    return share.memo[full_key]
+
+
 def _held_attention(
     q: torch.Tensor,  # [B, Q, H, D]
     k: torch.Tensor,  # [B, Hkv, S, D] held keys
     v: torch.Tensor,  # [B, Hkv, S, D]
-    visible: torch.Tensor,  # [B, Q, S] bool
+    mask: tuple[torch.Tensor, torch.Tensor],  # _step_mask's: additive [B, 1, Q * G, S], unseen rows [B, Q, 1]
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, Q, H, D] float32, lse [B, Q, H] float32
     b, nq, h, d = q.shape
     hkv = k.shape[1]
     group = h // hkv
+    additive, unseen = mask
     # Rows (query, group member) inside each KV head, so one mask row per query serves the group (as
     # kernels/attention.py's _grouped_attention); torch's CPU flash kernel returns the log-sum-exp beside the output.
     qg = q.view(b, nq, hkv, group, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, nq * group, d)
-    additive = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
-    mask = additive[:, :, None, :].expand(b, nq, group, visible.shape[-1]).reshape(b, 1, nq * group, -1)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, k, v, 0.0, False, attn_mask=mask,
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, k, v, 0.0, False, attn_mask=additive,
                                                                          scale=scale)
     out = out.view(b, hkv, nq, group, d).permute(0, 2, 1, 3, 4).reshape(b, nq, h, d)
     lse = lse.view(b, hkv, nq, group).permute(0, 2, 1, 3).reshape(b, nq, h)
     # The kernel gives a row without any visible key out 0 and lse 0; the merge needs -inf there.
-    return out.float(), lse.float().masked_fill(~visible.any(-1)[..., None], float("-inf"))
+    return out.float(), lse.float().masked_fill(unseen, float("-inf"))
 
 
 def paged_kv_reader(k_cache: torch.Tensor,  # [num_slots, Hkv, D]
@@ -95,20 +110,23 @@ def partial_paged_attention(
     if num_decodes:
         rows = num_decodes * decode_query_len
         k, v = read(share.decode_tables)
-        query_pos = positions[:rows].view(num_decodes, decode_query_len)
-        visible = _key_positions(share.decode_starts, block_size)[:, None, :] <= query_pos[:, :, None]
-        out, lse = _held_attention(q[:rows].view(num_decodes, decode_query_len, *q.shape[1:]), k, v, visible, scale)
+        group = q.shape[1] // k.shape[1]
+        mask = _step_mask(share, ("decode",), lambda: _key_positions(share.decode_starts, block_size)[:, None, :]
+                          <= positions[:rows].view(num_decodes, decode_query_len)[:, :, None], group, q.dtype)
+        out, lse = _held_attention(q[:rows].view(num_decodes, decode_query_len, *q.shape[1:]), k, v, mask, scale)
         outs.append(out.flatten(0, 1))
         lses.append(lse.flatten(0, 1))
     start = num_decodes * decode_query_len
     for i, q_len in enumerate(prefill_query_lens):
         k, v = read(share.prefill_tables[i:i + 1])
+        group = q.shape[1] // k.shape[1]
         key_pos = _key_positions(share.prefill_starts[i:i + 1], block_size)  # [1, S]
-        step = max(1, QUERY_ROWS * k.shape[1] // q.shape[1])
+        step = max(1, QUERY_ROWS // group)
         for at in range(start, start + q_len, step):
             end = min(at + step, start + q_len)
-            visible = key_pos[:, None, :] <= positions[at:end][None, :, None]
-            out, lse = _held_attention(q[None, at:end], k, v, visible, scale)
+            mask = _step_mask(share, ("prefill", at), lambda: key_pos[:, None, :] <= positions[at:end][None, :, None],
+                              group, q.dtype)
+            out, lse = _held_attention(q[None, at:end], k, v, mask, scale)
             outs.append(out[0])
             lses.append(lse[0])
         start += q_len
