@@ -105,18 +105,18 @@ def test_required_is_the_calls_grammar_on_the_templates_ids(renderer, tokenizer)
     assert none.tool_mode is None and "structured_outputs" not in none.sampling
 
 
-def test_auto_with_deepseek_tool_tokens_keeps_special_tokens_and_cuts_the_eos_text(tokenizer):
-    """DeepSeek's markers are special tokens: the text must keep them, and then ends with the EOS token's text."""
+def test_auto_with_deepseek_tool_tokens_keeps_special_tokens(tokenizer):
+    """DeepSeek's markers are special tokens: the text must keep them (the EOS token's text is never in the engine's
+    text: tests/test_stop_text.py)."""
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{# <｜tool▁calls▁begin｜> #}"
     renderer = tools.ChatRenderer(tokenizer.with_chat_template(template))
     [auto] = translate.chat_requests(_chat(tools=[WEATHER]), None, renderer)
     assert auto.tool_mode.parser is DeepSeekV3ToolParser and auto.sampling["skip_special_tokens"] is False
-    assert auto.tool_mode.end_texts == ("<|im_end|>",)  # this tokenizer's (SmolLM2's) EOS
     [kept] = translate.chat_requests(_chat(tools=[WEATHER], skip_special_tokens=True), None, renderer)
     assert kept.sampling["skip_special_tokens"] is True
     text = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
-    _check_stream_equals_whole(auto.tool_mode, text, [("get_time", "{}")], end="<|im_end|>")
-    _check_stream_equals_whole(auto.tool_mode, "Plain.", [], "Plain.", end="<|im_end|>")
+    _check_stream_equals_whole(auto.tool_mode, text, [("get_time", "{}")])
+    _check_stream_equals_whole(auto.tool_mode, "Plain.", [], "Plain.")
 
 
 def test_a_named_tool_constrains_to_its_parameters(renderer):
@@ -175,12 +175,10 @@ def _answer(mode: tools.ToolMode, text: str, reason: str = "stop"):
                                    [request]).choices[0]
 
 
-def _streamed(mode: tools.ToolMode, text: str, size: int, reason: str = "stop", end: str = ""):
-    """The chunks of ``text`` sent ``size`` characters a response, ``end`` (an EOS token's text: one token) with the
-    last; (content, calls as dicts, finish reasons)."""
+def _streamed(mode: tools.ToolMode, text: str, size: int, reason: str = "stop"):
+    """The chunks of ``text`` sent ``size`` characters a response; (content, calls as dicts, finish reasons)."""
     stream = tools.ToolStream(mode)
     pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
-    pieces[-1] += end
     content, calls, reasons = "", {}, []
     for number, piece in enumerate(pieces):
         last = number == len(pieces) - 1
@@ -197,14 +195,14 @@ def _streamed(mode: tools.ToolMode, text: str, size: int, reason: str = "stop", 
     return content or None, [calls[i] for i in sorted(calls)], reasons
 
 
-def _check_stream_equals_whole(mode, text, expected_calls, expected_content=None, end=""):
-    whole = _answer(mode, text + end)
+def _check_stream_equals_whole(mode, text, expected_calls, expected_content=None):
+    whole = _answer(mode, text)
     got = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
     assert got == expected_calls and whole.message.content == expected_content
     assert all(c.id.startswith("call_") and c.type == "function" for c in whole.message.tool_calls or [])
     assert whole.finish_reason == ("tool_calls" if expected_calls else "stop")
     for size in (1, 3, 7, len(text)):
-        content, calls, reasons = _streamed(mode, text, size, end=end)
+        content, calls, reasons = _streamed(mode, text, size)
         assert content == expected_content and [(c["name"], c["arguments"]) for c in calls] == expected_calls
         assert reasons[-1] == whole.finish_reason and not any(reasons[:-1])
 

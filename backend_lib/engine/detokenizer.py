@@ -22,18 +22,28 @@ class IncrementalDetokenizer:
     word-boundary space SentencePiece decoders strip from the first token. So each step decodes a short window
     ``ids[prefix_offset:]`` and emits only what it adds past ``ids[prefix_offset:read_offset]``; while the window
     ends in U+FFFD (an incomplete character) the text is held back and the window grows until it completes.
+
+    A request that ends on a stop token (EOS, one of ``stop_token_ids``, the token a grammar ends on) keeps the
+    token's id but not its text, unless ``include_stop_str_in_output``: vLLM's rule (v1
+    ``IncrementalDetokenizer.update(..., stop_terminated)``), which matters with ``skip_special_tokens`` false
+    (the text would end in "<|im_end|>") and for stop ids of plain tokens.
     """
 
-    def __init__(self, tokenizer: "Tokenizer", prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: "Tokenizer", prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                 include_stop_str_in_output: bool = False) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._include_stop = include_stop_str_in_output
         self._ids: list[int] = list(prompt_token_ids)
         self._read_offset = len(self._ids)  # ids before this have been emitted
         self._prefix_offset = max(self._read_offset - _PROMPT_CONTEXT_TOKENS, 0)  # start of the decode window
         self.output_text = ""
 
-    def add(self, token_ids: list[int]) -> str:
-        """Append new tokens; return the text they complete (possibly "")."""
+    def add(self, token_ids: list[int], stop_terminated: bool = False) -> str:
+        """Append new tokens; return the text they complete (possibly ""). ``stop_terminated``: the last of
+        ``token_ids`` is the stop token that ends the request, whose text is left out (see the class)."""
+        if stop_terminated and token_ids and not self._include_stop:
+            token_ids = token_ids[:-1]
         self._ids.extend(token_ids)
         prefix_text, window_text = self._decode_window()
         if len(window_text) <= len(prefix_text) or window_text.endswith(_REPLACEMENT):

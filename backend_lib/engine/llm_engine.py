@@ -48,6 +48,12 @@ GRAMMAR_WAIT_S = 0.01
 Prompt = str | list[int] | list[dict]
 
 
+def _ends_on_stop_token(request: Request) -> bool:
+    """The request ended on a stop token (EOS, one of stop_token_ids, the token its grammar ended on): the
+    scheduler's stop_reason is then that token's id (a stop string's, set later by the engine, is the string)."""
+    return request.status is RequestStatus.FINISHED_STOPPED and isinstance(request.stop_reason, int)
+
+
 @dataclass
 class _TextState:
     """What the engine keeps per live request besides the scheduler's Request."""
@@ -208,7 +214,8 @@ class LLMEngine:
             raise
         self._states[request_id] = _TextState(
             request=request,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
+                                               params.include_stop_str_in_output),
             stops=StopStringMatcher(list(params.stop), params.include_stop_str_in_output),
             metrics=RequestMetrics(arrival_time=request.arrival_time),
             session=session, text_turn=text_turn)
@@ -279,14 +286,23 @@ class LLMEngine:
         state.cumulative_logprob += sum(lp.logprob for lp in new_logprobs)
         if state.metrics.first_token_time is None and new_ids:
             state.metrics.first_token_time = time.monotonic()
-        text, stop = state.stops.feed(state.detokenizer.add(new_ids))
-        if stop is not None and not request.is_finished:
-            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
-            request.stop_reason = stop
+        text, stop = state.stops.feed(state.detokenizer.add(new_ids, stop_terminated=_ends_on_stop_token(request)))
+        self._stop_at_string(request, stop)
         if request.is_finished:
             return self._finish_output(state, new_ids, new_logprobs, text, stopped_by_string=stop is not None)
         state.text.append(text)
         return self._output(state, new_ids, text, new_logprobs, finished=False)
+
+    def _stop_at_string(self, request: Request, stop: str | None) -> None:
+        """A stop string matched in the request's text: it ends the request, and it is the reason even when a stop
+        token or the length ended it in the same step (several tokens a step with drafts; the text ends at the
+        string), as in vLLM."""
+        if stop is None:
+            return
+        if not request.is_finished:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
+        elif request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
 
     def _finish_output(self, state: _TextState, new_ids: list[int], new_logprobs: list[TokenLogprob],
                        text: str = "", stopped_by_string: bool = False) -> RequestOutput:
@@ -296,6 +312,7 @@ class LLMEngine:
         if not stopped_by_string:
             tail, stop = state.stops.feed(state.detokenizer.flush())
             text += tail + (state.stops.flush() if stop is None else "")
+            self._stop_at_string(request, stop)
         state.text.append(text)
         state.metrics.finished_time = time.monotonic()
         del self._states[request.request_id]

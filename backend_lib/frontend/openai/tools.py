@@ -15,7 +15,8 @@ a session's conversation as messages): the client sends the whole conversation.
 JSON array of ``{"name", "arguments"}`` objects, read by the JSON call parser; a named function writes its arguments
 object, which is that call's ``arguments`` as generated. ``"auto"`` (the default with tools) constrains nothing: the
 template's parser reads the model's own format; DeepSeek's tool tokens are special tokens, so for its parsers the
-text keeps them (``skip_special_tokens`` false unless the client set it) and its EOS text is cut from the end.
+text keeps them (``skip_special_tokens`` false unless the client set it); the EOS token's text is never in the
+engine's text (``engine/detokenizer.py``: vLLM's stop-token rule).
 ``"none"``: plain text, the tools still shown to the template (vLLM's default).
 """
 from __future__ import annotations
@@ -49,8 +50,6 @@ class ChatRenderer:
         # DeepSeek's tool-call markers are special tokens, which the default detokenization drops; Hermes' tags are
         # plain text (added, not special, tokens where a vocabulary has them).
         self.keeps_special_tokens = self.parser is not HermesToolParser
-        self.end_texts = tuple(tokenizer.decode([token], skip_special_tokens=False)
-                               for token in sorted(tokenizer.eos_token_ids))
 
     @classmethod
     def load(cls, model_path: str) -> "ChatRenderer":
@@ -71,15 +70,6 @@ class ToolMode:
     kind: Literal["required", "named", "auto"]
     parser: type[ToolCallParser]
     name: str | None = None  # the named function
-    # The model's end-of-sequence texts, cut from the end of the answer: with skip_special_tokens false the engine's
-    # text ends with the EOS token's text (vLLM leaves it out).
-    end_texts: tuple[str, ...] = ()
-
-    def without_end(self, text: str) -> str:
-        for end in self.end_texts:
-            if end and text.endswith(end):
-                return text[:-len(end)]
-        return text
 
 
 @dataclass
@@ -123,8 +113,7 @@ def tool_request(tools: list[Any] | None, tool_choice: Any, messages: list[dict[
     if choice == "auto":
         if not renderer.keeps_special_tokens:
             return ToolRequest(prompt_ids, ToolMode("auto", renderer.parser))
-        return ToolRequest(prompt_ids, ToolMode("auto", renderer.parser, end_texts=renderer.end_texts),
-                           {"skip_special_tokens": False})
+        return ToolRequest(prompt_ids, ToolMode("auto", renderer.parser), {"skip_special_tokens": False})
     assert constraint is not None
     if choice == "required":
         return ToolRequest(prompt_ids, ToolMode("required", HermesToolParser), constraint.to_request(),
@@ -170,7 +159,6 @@ def tool_finish_reason(reason: str | None, called: bool) -> str | None:
 
 def parse_answer(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a whole answer; the same reading as ``ToolStream`` (its deltas concatenate to this)."""
-    text = mode.without_end(text)
     if mode.kind == "named":
         return None, [ToolCall(str(mode.name), text)]
     parsed = mode.parser().parse(text)
@@ -207,8 +195,8 @@ class ToolStream:
         return bool(self._streamer.calls)
 
     def feed(self, text: str, final: bool) -> StreamDelta:
-        """``final``: the choice's last response, which carries its last token (an EOS text is cut from it)."""
-        delta = self._streamer.feed(self._mode.without_end(text) if final else text)
+        """``final``: the choice's last response."""
+        delta = self._streamer.feed(text)
         if final:
             tail = self._streamer.finish()
             delta.content += tail.content
