@@ -205,7 +205,8 @@ def test_fp8_checkpoint_greedy_matches_transformers(scale_fmt, tmp_path):
     dequantized = load_model(str(path), torch.float32, progress=False, dequantize_fp8_at_load=True)
     q_b = kept.layers[0].self_attn.q_b_proj
     assert q_b.weight.dtype == torch.float8_e4m3fn and q_b.weight_scale_inv is not None
-    assert kept.layers[1].mlp.experts.gate_proj.dtype == torch.float8_e4m3fn
+    experts = kept.layers[1].mlp.experts  # routed experts: dequantized at load under weight_format=dequantize
+    assert experts.gate_proj.dtype == torch.float32 and experts.gate_proj_scale_inv is None
     assert dequantized.layers[0].self_attn.q_b_proj.weight.dtype == torch.float32
     hf_w = hf.model.layers[0].self_attn.q_b_proj.weight
     assert torch.equal(q_b.dense_weight(torch.float32), hf_w)

@@ -1,9 +1,12 @@
 """DeepSeek-V3's mixture of experts: the router, the routed experts (stacked per projection, filled one checkpoint
 expert at a time) and the MoE layer around them with its shared expert.
 
-Routed fp8 experts are kept one of three ways: fp8 stacks with their scale grids, dequantized block-wise inside
-each expert's linear (``weight_format=dequantize``'s default); dequantized at load (``dequantize_fp8_at_load``); or,
-with ``weight_format=packed``, each expert's projections repacked as they load into the packed GEMM's fp8 tiles
+Routed fp8 experts are kept one of three ways: dequantized at load into stacks of the model dtype
+(``weight_format=dequantize``: DeepseekV3ForCausalLM passes ``dequantize``, as widening every hit expert at every
+call made its decode steps 9-14x the packed ones in benchmarks/quantized_deepseek.py); fp8 stacks with their scale grids, dequantized block-wise inside each
+expert's linear (``set_expert(..., dequantize=False)`` on a layer built without ``packed``: kept for the kernels'
+comparisons, which the model no longer loads); or, with ``weight_format=packed``, each expert's projections
+repacked as they load into the packed GEMM's fp8 tiles
 (kernels/packed_weights.py: the same bytes, one tile set per expert, gate and up as one GEMM where the intermediate
 size falls on the scale blocks), the only copy; eager steps then run each selected expert's tokens through the
 packed GEMM (kernels/moe.py: ``moe_dynamic_packed``) and compiled regions' static MoE dequantizes from the tiles.
@@ -17,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend_lib.models.deepseek_layers import DenseMLP, take_block_fp8
+from backend_lib.models.layers import PackedExpertsSummary
 from backend_lib.models.parallel import ParallelContext, Shard, read_shard
 from kernels.moe import (
     ExpertWeights, PackedExperts, RouterConfig, grouped_topk, moe_dynamic, moe_dynamic_packed, moe_static,
@@ -171,6 +175,12 @@ class RoutedExperts(nn.Module):
         weights = sum(self.num_experts * self.shapes[p][0] * self.shapes[p][1] for p in self.packed_projs)
         tensors = [getattr(self, f"{n}_{k}") for n in self.TILED for k in ("tiles", "tile_scales")]
         return weights, sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def packed_experts_summary(self) -> PackedExpertsSummary | None:
+        """The load log's entry (layers.describe_weight_formats); None unless the experts arrived fp8 and packed."""
+        if not self.packed_projs:
+            return None
+        return PackedExpertsSummary(PackedFp8.fmt, self.num_experts, *self.packed_experts_bytes())
 
 
 class MoE(nn.Module):

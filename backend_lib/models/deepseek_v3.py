@@ -3,8 +3,9 @@
 One cache tensor, layer-major: ``[num_layers, num_slots, kv_lora_rank + qk_rope_head_dim]`` holding each
 token's normalized latent and post-rope shared key. Decode attends in the absorbed form, prefill expands
 K/V from the cached latents (``kernels/mla.py``). MoE layers use the grouped sigmoid router
-(``kernels/moe.py``); fp8 block-quantized checkpoints keep their weights fp8 and dequantize inside the linear
-op, or dequantize once at load (``LoadOptions.dequantize_fp8_at_load``).
+(``kernels/moe.py``); fp8 block-quantized checkpoints keep their projections fp8 and dequantize inside the
+linear op, or dequantize once at load (``LoadOptions.dequantize_fp8_at_load``); their routed experts are dequantized
+at load under ``weight_format=dequantize`` (``deepseek_moe.py``) and kept in fp8 tiles under ``packed``.
 """
 from __future__ import annotations
 
@@ -351,8 +352,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         if expert:
             experts = self.get_submodule(expert.group(1))
             assert isinstance(experts, RoutedExperts)
+            # weight_format=dequantize widens the routed experts once, here (the values the per-call widening
+            # computed, so the same outputs; resident in the model dtype); packed keeps them in fp8 tiles
             experts.set_expert(int(expert.group(2)), expert.group(3), weight, scale, self.dtype,
-                               self.dequantize_fp8_at_load)
+                               self.dequantize_fp8_at_load or not self.packed)
         else:
             # kv_b_proj is read whole (dense_weight) by MLA's absorbed decode at every step: it keeps the fp8 form
             packed = self.packed and not owner.endswith("kv_b_proj")

@@ -18,6 +18,7 @@ from torch import nn
 
 from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm
 from backend_lib.models.deepseek_v4_attention import LayerCache, StepContext, V4Attention
+from backend_lib.models.layers import PackedExpertsSummary
 from backend_lib.models.parallel import ParallelContext, Shard
 from kernels.fp4 import FP4_GROUP, dequantize_fp4
 from kernels.gemv import gemv_available
@@ -143,6 +144,12 @@ class V4MoE(nn.Module):
         weights = sum(self.num_local_experts * out * inp for out, inp in self.packed_shapes.values())
         tensors = [getattr(self, f"{w}_{k}") for w in self.packed_shapes for k in ("tiles", "tile_scales")]
         return weights, sum(t.numel() * t.element_size() for t in tensors)
+
+    def packed_experts_summary(self) -> PackedExpertsSummary | None:
+        """The load log's entry (layers.describe_weight_formats); None unless the experts are packed fp4 tiles."""
+        if not self.packed_shapes:
+            return None
+        return PackedExpertsSummary(PackedFp4.fmt, self.num_local_experts, *self.packed_experts_bytes())
 
     def _expert_weight(self, which: str, expert: int) -> PackedFp4:
         out, inp = self.packed_shapes[which]

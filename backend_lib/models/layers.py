@@ -34,6 +34,17 @@ class HostGemmPlan:
     screen_head: bool = True  # greedy steps via a screened head (kernels/int8_head_screen.py, head_screen.py)
 
 
+@dataclass(frozen=True)
+class PackedExpertsSummary:
+    """One MoE layer's routed experts held packed (weight_format=packed; DeepSeek-V3's fp8 tiles, V4's fp4 tiles),
+    for the load log (``describe_weight_formats``)."""
+
+    fmt: str  # kernels/packed_weights.py's format name: fp8_e4m3, fp4_e2m1
+    num_experts: int  # this rank's
+    weights: int
+    nbytes: int  # codes and scales resident
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None,
            blocked: torch.Tensor | None = None,
            policy: GemvPolicy = GemvPolicy()) -> torch.Tensor:  # x [T, in], weight [out, in] -> [T, out]
@@ -187,7 +198,7 @@ def resident_weight_bytes(model: nn.Module) -> tuple[int, int]:
         if isinstance(quantized, QuantizedWeight):
             weights += quantized.out_features * quantized.in_features
             resident += quantized.nbytes
-        if hasattr(module, "packed_experts_bytes"):  # DeepSeek-V4's fp4 routed experts (V4MoE.pack_experts)
+        if hasattr(module, "packed_experts_bytes"):  # packed routed experts: V3's fp8 tiles, V4's fp4 tiles
             more_weights, more_bytes = module.packed_experts_bytes()
             weights, resident = weights + more_weights, resident + more_bytes
         tensors = [(name, t) for name, t in module.named_parameters(recurse=False)]
@@ -200,16 +211,27 @@ def resident_weight_bytes(model: nn.Module) -> tuple[int, int]:
 
 
 def describe_weight_formats(model: nn.Module) -> str:
-    """'q4_1 210 tensors 0.625 B/w, q8_0 1 tensor 1.062 B/w': the quantized formats a model holds."""
-    found: dict[str, list[QuantizedWeight]] = {}
+    """Every packed tensor group a model holds, its resident bytes and bytes per weight: 'q4_1 210 projections
+    80.1 MB 0.625 B/w, fp8_e4m3 routed experts 2 layers x 16 experts 25.2 MB 1.004 B/w'."""
+    projections: dict[str, list[QuantizedWeight]] = {}
+    experts: dict[str, list[PackedExpertsSummary]] = {}
     for module in model.modules():
         quantized = getattr(module, "quantized", None)
         if isinstance(quantized, QuantizedWeight):
-            found.setdefault(quantized.fmt, []).append(quantized)
+            projections.setdefault(quantized.fmt, []).append(quantized)
+        summary = module.packed_experts_summary() if hasattr(module, "packed_experts_summary") else None
+        if summary is not None:
+            experts.setdefault(summary.fmt, []).append(summary)
     parts = []
-    for fmt, weights in sorted(found.items()):
-        total = sum(w.out_features * w.in_features for w in weights)
-        parts.append(f"{fmt} {len(weights)} projections {sum(w.nbytes for w in weights) / total:.3f} B/w")
+    for fmt, weights in sorted(projections.items()):
+        total, nbytes = sum(w.out_features * w.in_features for w in weights), sum(w.nbytes for w in weights)
+        parts.append(f"{fmt} {len(weights)} projections {nbytes / 1e6:.1f} MB {nbytes / total:.3f} B/w")
+    for fmt, layers in sorted(experts.items()):
+        counts = sorted({layer.num_experts for layer in layers})
+        per_layer = "/".join(str(n) for n in counts)  # MTP's or a rank's share may differ
+        total, nbytes = sum(layer.weights for layer in layers), sum(layer.nbytes for layer in layers)
+        parts.append(f"{fmt} routed experts {len(layers)} layers x {per_layer} experts {nbytes / 1e6:.1f} MB "
+                     f"{nbytes / total:.3f} B/w")
     return ", ".join(parts) or "no quantized weights"
 
 
