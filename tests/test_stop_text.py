@@ -30,7 +30,10 @@ GREEDY = dict(max_tokens=96, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path):
-    return LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 256, "max_num_seqs": 4}))
+    """With n-gram drafts (greedy output is the same; a step may emit several tokens, which one test needs)."""
+    with LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 256, "max_num_seqs": 4,
+                                            "method": "ngram", "num_speculative_tokens": 4})) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")
@@ -166,28 +169,26 @@ def _steps(engine, request_id: str, prompt, params: SamplingParams) -> list:
     return outputs
 
 
-def test_a_stop_string_in_the_step_that_hit_max_tokens_is_the_reason(smollm2_path):
+def test_a_stop_string_in_the_step_that_hit_max_tokens_is_the_reason(smollm2):
     """With n-gram drafts a step emits several tokens: when a stop string is in a step's text before the token that
     reached max_tokens, the text ends at the string and the string is the reason (vLLM), not "length"."""
     text = "The keeper climbed the spiral stairs every evening, lit the lamp, and wrote the ships in a book."
     prompt = [{"role": "user", "content": f"Repeat the following text exactly.\n\n{text}"}]
-    with LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 128, "method": "ngram",
-                                            "num_speculative_tokens": 4})) as llm:
-        engine, decode = llm.engine, llm.tokenizer.decode
-        free = _steps(engine, "free", prompt, SamplingParams(max_tokens=48, temperature=0.0))
-        ids = [t for out in free for t in out.new_token_ids]
-        # A step of several tokens whose first token's text is new to the output: it is the stop string.
-        emitted, chosen = 0, None
-        for out in free:
-            n = len(out.new_token_ids)
-            piece = decode(ids[:emitted + 1])[len(decode(ids[:emitted])):]
-            if n >= 2 and len(piece.strip()) >= 3 and piece not in decode(ids[:emitted]) + piece[:-1]:
-                chosen = (emitted, piece, emitted + n)
-                break
-            emitted += n
-        assert chosen is not None, [len(out.new_token_ids) for out in free]
-        start, stop, end = chosen
-        cut = _steps(engine, "cut", prompt, SamplingParams(max_tokens=end, temperature=0.0, stop=[stop]))
+    engine, decode = smollm2.engine, smollm2.tokenizer.decode
+    free = _steps(engine, "free", prompt, SamplingParams(max_tokens=48, temperature=0.0))
+    ids = [t for out in free for t in out.new_token_ids]
+    # A step of several tokens whose first token's text is new to the output: it is the stop string.
+    emitted, chosen = 0, None
+    for out in free:
+        n = len(out.new_token_ids)
+        piece = decode(ids[:emitted + 1])[len(decode(ids[:emitted])):]
+        if n >= 2 and len(piece.strip()) >= 3 and piece not in decode(ids[:emitted]) + piece[:-1]:
+            chosen = (emitted, piece, emitted + n)
+            break
+        emitted += n
+    assert chosen is not None, [len(out.new_token_ids) for out in free]
+    start, stop, end = chosen
+    cut = _steps(engine, "cut", prompt, SamplingParams(max_tokens=end, temperature=0.0, stop=[stop]))
     final = cut[-1]
     assert final.finished and (final.finish_reason, final.stop_reason) == ("stop", stop)
     assert "".join(out.new_text for out in cut) == decode(ids[:start])
