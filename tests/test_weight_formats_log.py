@@ -35,8 +35,8 @@ def test_v3_fp8_experts_kept_packed_are_named_with_their_bytes(tmp_path, caplog)
     counts = [m.packed_experts_bytes() for m in experts]
     weights, nbytes = sum(c[0] for c in counts), sum(c[1] for c in counts)
     per_layer = experts[0].num_experts
-    assert f"fp8_e4m3 routed experts {len(experts)} layers x {per_layer} experts {_mb(nbytes)} {nbytes / weights:.3f} B/w" \
-        in line, line
+    group = f"fp8_e4m3 routed experts {len(experts)} layers x {per_layer} experts {_mb(nbytes)}"
+    assert f"{group} {nbytes / weights:.3f} B/w" in line, line
     # The projections' group too, with its own bytes; the two groups are all the packed bytes there are.
     projections = [m.quantized for m in model.modules() if getattr(m, "quantized", None) is not None]
     proj_bytes = sum(q.nbytes for q in projections)

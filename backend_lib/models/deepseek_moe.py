@@ -2,11 +2,12 @@
 expert at a time) and the MoE layer around them with its shared expert.
 
 Routed fp8 experts are kept one of three ways: dequantized at load into stacks of the model dtype
-(``weight_format=dequantize``: DeepseekV3ForCausalLM passes ``dequantize``, as widening every hit expert at every
-call made its decode steps 9-14x the packed ones in benchmarks/quantized_deepseek.py); fp8 stacks with their scale grids, dequantized block-wise inside each
-expert's linear (``set_expert(..., dequantize=False)`` on a layer built without ``packed``: kept for the kernels'
-comparisons, which the model no longer loads); or, with ``weight_format=packed``, each expert's projections
-repacked as they load into the packed GEMM's fp8 tiles
+(``weight_format=dequantize``: DeepseekV3ForCausalLM passes ``dequantize``; widening every hit expert at every call
+instead took a decode step of benchmarks/quantized_deepseek.py's V3 from 80 / 74 / 95 ms to 122 / 225 / 253 ms at
+batch 1 / 8 / 32); fp8 stacks with their scale
+grids, dequantized block-wise inside each expert's linear (``set_expert(..., dequantize=False)`` on a layer built
+without ``packed``: kept for the kernels' comparisons, which the model no longer loads); or, with
+``weight_format=packed``, each expert's projections repacked as they load into the packed GEMM's fp8 tiles
 (kernels/packed_weights.py: the same bytes, one tile set per expert, gate and up as one GEMM where the intermediate
 size falls on the scale blocks), the only copy; eager steps then run each selected expert's tokens through the
 packed GEMM (kernels/moe.py: ``moe_dynamic_packed``) and compiled regions' static MoE dequantizes from the tiles.
