@@ -1,6 +1,6 @@
-"""``weight_format=dequantize`` on a DeepSeek-V3 fp8 checkpoint: the routed experts are widened once at load (stacks
-in the model dtype, no fp8 copy, no scales) and give what the per-call widening of the fp8 stacks gave, to the bit:
-the same MoE outputs, the same greedy ids and logprobs through the engine. The wider bytes are resident (and so
+"""``weight_format=dequantize`` on a DeepSeek-V3 fp8 checkpoint: on the host the routed experts are widened once at
+load (stacks in the model dtype, no fp8 copy, no scales) and give what the per-call widening of the fp8 stacks gave,
+to the bit: the same MoE outputs, the same greedy ids and logprobs through the engine. The wider bytes are resident (and so
 counted by the KV sizing, which measures the memory free after loading)."""
 from __future__ import annotations
 
@@ -87,3 +87,15 @@ def test_engine_greedy_ids_and_logprobs_equal_the_fp8_stacks_and_the_wider_bytes
     scales = sum(m.experts.num_experts * 4 * sum(-(-a // 128) * -(-b // 128) for a, b in m.experts.shapes.values())
                  for m in moes.values())
     assert weights == old_weights and resident - old_resident == 3 * expert_weights - scales
+
+
+def test_loads_for_neuron_graphs_keep_the_fp8_stacks(tiny_v3_fp8):
+    """On the device the routed experts stay fp8 (the TP=64 memory plan counts a byte a weight; the static MoE widens
+    inside the graph): ``host_steps=False``, which the worker passes when the regions compile for neuron."""
+    model = load_model(str(tiny_v3_fp8), dtype=torch.bfloat16, progress=False, host_steps=False)
+    stacks = [m.experts for m in model.modules() if isinstance(m, MoE)]
+    assert stacks
+    for experts in stacks:
+        for proj in RoutedExperts.PROJS:
+            assert getattr(experts, proj).dtype == torch.float8_e4m3fn
+            assert getattr(experts, proj + "_scale_inv") is not None

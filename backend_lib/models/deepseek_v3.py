@@ -5,7 +5,8 @@ token's normalized latent and post-rope shared key. Decode attends in the absorb
 K/V from the cached latents (``kernels/mla.py``). MoE layers use the grouped sigmoid router
 (``kernels/moe.py``); fp8 block-quantized checkpoints keep their projections fp8 and dequantize inside the
 linear op, or dequantize once at load (``LoadOptions.dequantize_fp8_at_load``); their routed experts are dequantized
-at load under ``weight_format=dequantize`` (``deepseek_moe.py``) and kept in fp8 tiles under ``packed``.
+at load under ``weight_format=dequantize`` on the host (``deepseek_moe.py``), kept in fp8 tiles under ``packed``
+and in fp8 stacks for Neuron graphs (``LoadOptions.host_steps``).
 """
 from __future__ import annotations
 
@@ -134,7 +135,8 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def __init__(self, args: DeepseekV3Args, dtype: torch.dtype = torch.float32,
                  dequantize_fp8_at_load: bool = False, moe_impl: str = "dynamic",
-                 par: ParallelContext | None = None, packed: bool = False, engram_vocab: Any = None) -> None:
+                 par: ParallelContext | None = None, packed: bool = False, engram_vocab: Any = None,
+                 host_steps: bool = True) -> None:
         super().__init__()
         if moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
@@ -144,6 +146,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         # weight_format=packed: fp8 projections (BlockLinear.set_weight) and routed experts (RoutedExperts) stay in
         # packed tiles
         self.packed = packed
+        # LoadOptions.host_steps: on the host, weight_format=dequantize widens the routed experts once at load
+        self.widen_experts_at_load = dequantize_fp8_at_load or (host_steps and not packed)
         self.rope = build_rope(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling,
                                args.max_position_embeddings, args.rope_interleave)
         # Vocabulary-parallel embedding and head: each rank keeps 1/N of the rows.
@@ -187,7 +191,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         args = DeepseekV3Args.from_hf_config(config)
         vocab = None if args.engram is None else engram_vocabulary_of(getattr(options, "checkpoint_dir", ""))
         return cls(args, dtype=dtype, dequantize_fp8_at_load=dequantize, par=getattr(options, "par", None),
-                   packed=bool(getattr(options, "packed", False)), engram_vocab=vocab)
+                   packed=bool(getattr(options, "packed", False)), engram_vocab=vocab,
+                   host_steps=bool(getattr(options, "host_steps", True)))
 
     def set_moe_impl(self, impl: str) -> None:
         """"dynamic" (grouped dispatch, eager) or "static" (fixed shapes, for compiled regions)."""
@@ -352,10 +357,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         if expert:
             experts = self.get_submodule(expert.group(1))
             assert isinstance(experts, RoutedExperts)
-            # weight_format=dequantize widens the routed experts once, here (the values the per-call widening
-            # computed, so the same outputs; resident in the model dtype); packed keeps them in fp8 tiles
+            # Widened once, here, on the host (the values the per-call widening computed, so the same outputs;
+            # resident in the model dtype); packed keeps them in fp8 tiles, Neuron graphs in fp8 stacks
             experts.set_expert(int(expert.group(2)), expert.group(3), weight, scale, self.dtype,
-                               self.dequantize_fp8_at_load or not self.packed)
+                               self.widen_experts_at_load)
         else:
             # kv_b_proj is read whole (dense_weight) by MLA's absorbed decode at every step: it keeps the fp8 form
             packed = self.packed and not owner.endswith("kv_b_proj")

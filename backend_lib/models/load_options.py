@@ -21,6 +21,10 @@ class LoadOptions:
     dtype: torch.dtype = torch.float32
     progress: bool = True
     dequantize_fp8_at_load: bool = False  # float8 checkpoints: dequantize to ``dtype`` instead of keeping fp8
+    # The steps run on the host (not in Neuron graphs): DeepSeek-V3's fp8 routed experts are then widened once at
+    # load under weight_format=dequantize; on the device they stay fp8 (a TP=64 rank's memory plan counts 1 byte a
+    # weight, and the static MoE widens inside the graph)
+    host_steps: bool = True
     par: ParallelContext = field(default_factory=ParallelContext)  # which shard this rank loads
     # "packed": quantized checkpoint tensors stay in their blocks (ModelConfig.weight_format)
     weight_format: str = "dequantize"

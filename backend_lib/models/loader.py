@@ -139,12 +139,13 @@ def _log_resident_bytes(model: nn.Module) -> None:
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, progress: bool = True, *,
                dequantize_fp8_at_load: bool = False, par: ParallelContext | None = None,
-               weight_format: str = "dequantize", packed_gemm_path: str = "auto") -> nn.Module:
+               weight_format: str = "dequantize", packed_gemm_path: str = "auto",
+               host_steps: bool = True) -> nn.Module:
     """A ready model (eval mode) from a .gguf file or a Hugging Face directory; "" loads the bundled default.
     With ``par`` the model holds only that rank's shard; ``weight_format="packed"`` keeps GGUF blocks in memory."""
     options = LoadOptions(dtype=dtype, progress=progress, dequantize_fp8_at_load=dequantize_fp8_at_load,
                           par=par or ParallelContext(), weight_format=weight_format,
-                          packed_gemm_path=packed_gemm_path)
+                          packed_gemm_path=packed_gemm_path, host_steps=host_steps)
     resolved = resolve_model_path(path)
     if os.path.isdir(resolved):
         model = _load_hf_directory(resolved, options)

@@ -14,6 +14,8 @@ from backend_lib.models.layers import HostGemmPlan
 from backend_lib.core.model_path import resolve_model_path
 from backend_lib.models.loader import load_model
 from backend_lib.models.parallel import ParallelContext
+from backend_lib.worker.compile.platform import detect_platform
+from backend_lib.worker.compile.regions import resolve_backend
 from backend_lib.worker.kv_dtype import kv_storage_dtype
 from backend_lib.worker.kv_sizing import kv_cache_num_blocks
 from backend_lib.worker.kv_sizing import is_hybrid, kv_bytes_per_block, state_bytes_per_slot
@@ -85,7 +87,8 @@ def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
     device, dtype = torch.device(config.model.device), DTYPES[config.model.dtype]
     model = load_model(resolve_model_path(config.model.model), dtype=dtype, progress=par.is_driver,
                        par=par, weight_format=config.model.weight_format,
-                       packed_gemm_path=config.model.packed_gemm_path).to(device).eval()
+                       packed_gemm_path=config.model.packed_gemm_path,
+                       host_steps=resolve_backend(config.compile, detect_platform()) != "neuron").to(device).eval()
     if hasattr(model, "cover_positions") and model.cover_positions(config.model.max_model_len) and par.is_driver:
         log.warning("max_model_len %d is past the checkpoint's max_position_embeddings %d: RoPE extrapolates there",
                     config.model.max_model_len, model.arch.max_position_embeddings)
