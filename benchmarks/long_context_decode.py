@@ -30,6 +30,7 @@ from benchmarks.decode_attention import build_baseline  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from kernels.attention import paged_decode_attention  # noqa: E402
 from kernels.cpu_kernels import load_cpu_kernels  # noqa: E402
+from kernels.host_memory import HUGE_PAGE_BYTES, _advise_huge_pages  # noqa: E402
 from kernels.kv_fp8 import KVQuant  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -53,11 +54,24 @@ class Case:
         return 2 * self.batch * self.context * KV_HEADS * HEAD_DIM * DTYPES[self.dtype][1] / self.ms[name] / 1e6
 
 
-def make_pool(dtype: str, slots: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def empty_cache(slots: int, dtype: torch.dtype, huge_pages: bool) -> torch.Tensor:  # [slots, Hkv, D]
+    """A cache as torch allocates it (4 KiB pages: the engine's KV caches), or advised onto 2 MiB pages before its
+    first touch (kernels/host_memory.py's way for the weights)."""
+    if not huge_pages:
+        return torch.empty(slots, KV_HEADS, HEAD_DIM, dtype=dtype)
+    nbytes = slots * KV_HEADS * HEAD_DIM * dtype.itemsize
+    length = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    buffer = torch.empty(length + HUGE_PAGE_BYTES, dtype=torch.uint8)
+    start = -buffer.data_ptr() % HUGE_PAGE_BYTES
+    assert _advise_huge_pages(buffer.data_ptr() + start, length), "madvise(MADV_HUGEPAGE) refused"
+    return buffer[start:start + nbytes].view(dtype).view(slots, KV_HEADS, HEAD_DIM)
+
+
+def make_pool(dtype: str, slots: int, gen: torch.Generator, huge_pages: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V caches [slots, Hkv, D]: N(0, 1) values (fp8: codes of value / FP8_SCALE), filled a slice at a time."""
     caches = []
     for _ in range(2):
-        cache = torch.empty(slots, KV_HEADS, HEAD_DIM, dtype=torch.uint8 if dtype == "fp8" else DTYPES[dtype][0])
+        cache = empty_cache(slots, torch.uint8 if dtype == "fp8" else DTYPES[dtype][0], huge_pages)
         for start in range(0, slots, 1 << 16):
             part = torch.randn(min(1 << 16, slots - start), KV_HEADS, HEAD_DIM, generator=gen)
             if dtype == "fp8":
@@ -78,13 +92,23 @@ def torch_reference(dtype: str, q, k, v, table, lens) -> torch.Tensor:
     return paged_decode_attention(q, k, v, table, lens, 1, BLOCK, SCALE, cpu_kernel=False, kv_quant=quant)
 
 
+def block_tables(pool_blocks: int, batch: int, width: int, calls: int, adjacent: bool,
+                 gen: torch.Generator) -> list[torch.Tensor]:  # each [batch, width] int32
+    """A table per call: blocks scattered over the pool at random, or each request's consecutive (a lone long
+    request in a fresh engine), the calls walking the pool."""
+    if adjacent:
+        return [(torch.arange(batch * width) + (c * batch * width) % max(pool_blocks - batch * width, 1))
+                .view(batch, width).to(torch.int32) for c in range(calls)]
+    return [torch.randperm(pool_blocks, generator=gen)[: batch * width].view(batch, width).to(torch.int32)
+            for _ in range(calls)]
+
+
 def time_case(ops: dict, dtype: str, batch: int, context: int, k, v, reps: int, gen: torch.Generator,
-              with_torch: bool) -> Case:
+              with_torch: bool, adjacent: bool) -> Case:
     pool_blocks = k.shape[0] // BLOCK
     width = context // BLOCK
     calls = max(2, min(MAX_CALLS, pool_blocks // (batch * width)))
-    tables = [torch.randperm(pool_blocks, generator=gen)[: batch * width].view(batch, width).to(torch.int32)
-              for _ in range(calls)]
+    tables = block_tables(pool_blocks, batch, width, calls, adjacent, gen)
     lens = torch.full((batch,), context, dtype=torch.int32)
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(DTYPES[dtype][0])
     best = {name: float("inf") for name in ops}
@@ -163,6 +187,8 @@ def main() -> None:
     parser.add_argument("--contexts", default="512,2048,8192,16384,32768")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--adjacent", action="store_true", help="each request's blocks consecutive (else scattered)")
+    parser.add_argument("--huge-pages", action="store_true", help="pools on 2 MiB pages (else 4 KiB, as the engine)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "long_context_decode.md"))
     args = parser.parse_args()
     assert load_cpu_kernels(), "the C++ host kernels did not build"
@@ -179,13 +205,13 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         row_bytes = KV_HEADS * HEAD_DIM * DTYPES[dtype][1]
         slots = max(args.pool_mib * 2 ** 20 // row_bytes, max(batches) * max(contexts) * 5 // 4)
-        k, v = make_pool(dtype, -(-slots // BLOCK) * BLOCK, gen)
+        k, v = make_pool(dtype, -(-slots // BLOCK) * BLOCK, gen, args.huge_pages)
         for threads in [int(x) for x in args.threads.split(",")]:
             torch.set_num_threads(threads)
             for batch in batches:
                 for context in contexts:
                     case = time_case(ops, dtype, batch, context, k, v, args.reps, gen,
-                                     with_torch=batch == 1 and threads == 1)
+                                     with_torch=batch == 1 and threads == 1, adjacent=args.adjacent)
                     cases.append(case)
                     print(f"{dtype} t{threads} b{batch} {context}: "
                           + ", ".join(f"{n} {case.ms[n]:.3f} ms {case.gbs(n):.1f} GB/s" for n in ops)
@@ -195,7 +221,8 @@ def main() -> None:
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     header = (f"# Host paged decode attention at long contexts, SmolLM2-135M heads (9 q, 3 KV, head_dim 64)\n\n"
               f"{machine}; load average {load} at the end; {args.reps} reps, best rep's median call; pools of "
-              f">= {args.pool_mib} MiB per cache, blocks scattered; GB/s = K + V bytes of the visible rows / time"
+              f">= {args.pool_mib} MiB per cache on {'2 MiB' if args.huge_pages else '4 KiB'} pages, each request's blocks "
+              f"{'adjacent' if args.adjacent else 'scattered'}; GB/s = K + V bytes of the visible rows / time"
               + (f"; base = {args.baseline}'s kernel, new = this tree's" if args.baseline else "")
               + "; torch = gather + SDPA (kernels/attention.py's eager form), batch 1, one thread")
     write_report(cases, list(ops), Path(args.out), header)
