@@ -38,6 +38,7 @@ SCALE = HEAD_DIM ** -0.5
 FP8_SCALE = 1 / 16  # K / 16 and V / 16 as codes: values of N(0, 1) * 16 keep e4m3's normal range
 DTYPES = {"fp32": (torch.float32, 4), "bf16": (torch.bfloat16, 2), "fp8": (torch.float32, 1)}  # q dtype, cache B
 MAX_CALLS = 16  # per timed sweep
+COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red")  # one per (batch, threads); base dashed, new solid
 
 
 @dataclass
@@ -164,10 +165,10 @@ def plot(cases: list[Case], names: list[str], path: Path) -> None:
     dtypes = sorted({c.dtype for c in cases}, key=list(DTYPES).index)
     fig, axes = plt.subplots(1, len(dtypes), figsize=(5 * len(dtypes), 3.6), squeeze=False)
     for ax, dtype in zip(axes[0], dtypes):
-        for name, style in zip(names, ("--", "-")):
-            for batch, threads in sorted({(c.batch, c.threads) for c in cases}):
+        for name, style in zip(names, ("--", "-") if len(names) == 2 else ("-",)):
+            for (batch, threads), color in zip(sorted({(c.batch, c.threads) for c in cases}), COLORS):
                 sel = [c for c in cases if (c.dtype, c.batch, c.threads) == (dtype, batch, threads)]
-                ax.plot([c.context for c in sel], [c.gbs(name) for c in sel], style, marker="o",
+                ax.plot([c.context for c in sel], [c.gbs(name) for c in sel], style, marker="o", color=color,
                         label=f"{name} b{batch} t{threads}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (tokens)")
