@@ -34,6 +34,14 @@
 // limited to its first chunk it gains 1.05-1.08x on Zen 4), K prefetched two chunks ahead (no change, both
 // machines), and a one-pass online softmax (K and V of a chunk read together: +9% with blocks scattered, -9% on
 // adjacent bf16 blocks, within the noise otherwise).
+// Long contexts (512-32k keys, batch 1 and 8, benchmarks/results/long_context_decode*.md, this VM's Xeon, whose
+// x.sum() reads 12 GB/s on one core and 22-24 on two): the kernel is bound by memory, not by its math. fp32 on one
+// thread reads 9 GB/s of K + V with blocks scattered over a 4 KiB-page pool and 12 GB/s (x.sum()'s) with each
+// request's blocks adjacent on 2 MiB pages; two threads twice that; the same at 8k as at 32k. In L2 the math takes
+// 17 ns a key and KV head (fp32), 12 (bf16), 16 (fp8), against 57 / 30 / 22 ns from DRAM with blocks scattered:
+// prefetch hints T0 / T1 / T2 and K two chunks ahead change nothing there (the core's outstanding misses are the
+// limit), and prefetching the next segment's K during the V pass made it 1.1-1.2x slower. fp8 alone comes near
+// its math (7 GB/s of codes at best), about half of which is the e4m3 widening, hence load16_over256.
 //
 // Semantics are those of kernels/attention.py's paged_decode_attention: query i of a request sits at position
 // max(seq_len - Q + i, 0) and sees keys 0..position; query head h reads KV head h / (H / Hkv).
