@@ -222,8 +222,8 @@ def main() -> None:
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     header = (f"# Host paged decode attention at long contexts, SmolLM2-135M heads (9 q, 3 KV, head_dim 64)\n\n"
               f"{machine}; load average {load} at the end; {args.reps} reps, best rep's median call; pools of "
-              f">= {args.pool_mib} MiB per cache on {'2 MiB' if args.huge_pages else '4 KiB'} pages, each request's blocks "
-              f"{'adjacent' if args.adjacent else 'scattered'}; GB/s = K + V bytes of the visible rows / time"
+              f">= {args.pool_mib} MiB per cache on {'2 MiB' if args.huge_pages else '4 KiB'} pages, each request's "
+              f"blocks {'adjacent' if args.adjacent else 'scattered'}; GB/s = K + V bytes of the visible rows / time"
               + (f"; base = {args.baseline}'s kernel, new = this tree's" if args.baseline else "")
               + "; torch = gather + SDPA (kernels/attention.py's eager form), batch 1, one thread")
     write_report(cases, list(ops), Path(args.out), header)
