@@ -6,6 +6,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "attention_math.h"
 
@@ -68,6 +69,8 @@ struct PortableRows {
   template <typename T>  // the chunk's rows as fp32: bf16 widened into scratch once for all its query rows
   static const float* chunk_rows(const T* chunk, float* scratch, int64_t n) { return as_float(chunk, scratch, n); }
   static constexpr int64_t kMaxRows = 1;
+  template <typename T>  // chunk_rows widens to the values themselves
+  static constexpr float unit() { return 1.f; }
   static constexpr int64_t kPrefetchSlices = 1;  // prefetch.issue() calls per scores() call
   void scores(const float* q, int64_t /*count*/, const float* keys, int64_t stride, int64_t n, float scale,
               float* out, int64_t /*score_stride*/, PacedPrefetch& prefetch) const {
@@ -94,6 +97,18 @@ struct Avx512Rows {
 
   template <typename T>  // float, bf16 or e4m3 rows, widened in registers as they are loaded
   static const T* chunk_rows(const T* chunk, float* /*scratch*/, int64_t /*n*/) { return chunk; }
+  // What a widened value is short of the cache's: e4m3 codes load as value * 2^-8 (load16_over256), so the
+  // caller multiplies its score and output scales by this.
+  template <typename T>
+  static constexpr float unit() { return std::is_same_v<T, Fp8E4M3> ? 256.f : 1.f; }
+  template <typename T>
+  static __m512 widen16(const T* p) {
+    if constexpr (std::is_same_v<T, Fp8E4M3>) {
+      return load16_over256(p);
+    } else {
+      return load16(p);
+    }
+  }
 
   template <typename T>
   void scores(const float* q, int64_t count, const T* keys, int64_t stride, int64_t n, float scale, float* out,
@@ -135,10 +150,10 @@ struct Avx512Rows {
       for (int j = 0; j < 4; ++j) {
         // Lanes past n repeat key 0 (no branch, no read past the chunk); the masked store drops them.
         const T* key = keys + (4 * c + j < n ? 4 * c + j : 0) * stride;
-        const __m512 k0 = load16(key);
+        const __m512 k0 = widen16(key);
         for (int g = 0; g < kRows; ++g) partial[g][j] = _mm512_mul_ps(qv[g][0], k0);
         for (int v = 1; v < kVecs; ++v) {
-          const __m512 kv = load16(key + 16 * v);
+          const __m512 kv = widen16(key + 16 * v);
           for (int g = 0; g < kRows; ++g) partial[g][j] = _mm512_fmadd_ps(qv[g][v], kv, partial[g][j]);
         }
       }
@@ -162,7 +177,7 @@ struct Avx512Rows {
       __m512 p[kRows];
       for (int g = 0; g < kRows; ++g) p[g] = _mm512_set1_ps(probs[g * score_stride + j]);
       for (int v = 0; v < kVecs; ++v) {
-        const __m512 x = load16(value + 16 * v);
+        const __m512 x = widen16(value + 16 * v);
         for (int g = 0; g < kRows; ++g) a[g][v] = _mm512_fmadd_ps(p[g], x, a[g][v]);
       }
     }

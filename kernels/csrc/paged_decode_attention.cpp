@@ -34,6 +34,14 @@
 // limited to its first chunk it gains 1.05-1.08x on Zen 4), K prefetched two chunks ahead (no change, both
 // machines), and a one-pass online softmax (K and V of a chunk read together: +9% with blocks scattered, -9% on
 // adjacent bf16 blocks, within the noise otherwise).
+// Long contexts (512-32k keys, batch 1 and 8, benchmarks/results/long_context_decode*.md, this VM's Xeon, whose
+// x.sum() reads 12 GB/s on one core and 22-24 on two): the kernel is bound by memory, not by its math. fp32 on one
+// thread reads 9 GB/s of K + V with blocks scattered over a 4 KiB-page pool and 12 GB/s (x.sum()'s) with each
+// request's blocks adjacent on 2 MiB pages; two threads twice that; the same at 8k as at 32k. In L2 the math takes
+// 17 ns a key and KV head (fp32), 12 (bf16), 16 (fp8), against 57 / 30 / 22 ns from DRAM with blocks scattered:
+// prefetch hints T0 / T1 / T2 and K two chunks ahead change nothing there (the core's outstanding misses are the
+// limit), and prefetching the next segment's K during the V pass made it 1.1-1.2x slower. fp8 alone comes near
+// its math (7 GB/s of codes at best), about half of which is the e4m3 widening, hence load16_over256.
 //
 // Semantics are those of kernels/attention.py's paged_decode_attention: query i of a request sits at position
 // max(seq_len - Q + i, 0) and sees keys 0..position; query head h reads KV head h / (H / Hkv).
@@ -58,6 +66,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -84,6 +93,8 @@ template <typename scalar_t, typename cache_t, typename Rows>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, QueryLayout layout,
                       int64_t block_size, float scale_f, float out_scale, Rows math) {
+  scale_f *= Rows::template unit<cache_t>();  // the rows' widened values are the cache's / unit (exact)
+  out_scale *= Rows::template unit<cache_t>();
   const int64_t num_reqs = tables.size(0), width = tables.size(1);
   const int64_t heads = q.size(1), head_dim = q.size(2), kv_heads = k_cache.size(1);
   const int64_t num_blocks = k_cache.size(0) / block_size;
@@ -92,6 +103,10 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   for (int64_t b = 0; b < num_reqs; ++b) max_queries = std::max(max_queries, layout.count(b));
   const int64_t max_rows = max_queries * heads;  // one row per (query, head) of a request
   const int64_t max_keys = width * block_size;
+  // A task's scores cover its part only, a row's kPart keys padded by a line: 36 KB for SmolLM2's 9 rows, reused
+  // part after part from L1 / L2. Sized by the whole context (and zeroed, as a std::vector is) they were 590 KB
+  // a thread at 16k tokens, freshly written lines each part, and rows 64 KB apart that alias in L1.
+  const int64_t score_stride = std::min(max_keys, kPart) + 16;
   const int64_t slot_stride = kv_heads * head_dim;
   const int64_t chunk_keys = std::min(kChunk, block_size);  // a chunk never crosses a block
   auto lines_of = [&](int64_t slots) { return (slots * slot_stride * int64_t(sizeof(cache_t)) + 63) / 64; };
@@ -123,7 +138,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int64_t kv_split = part_tasks < at::get_num_threads() ? kv_heads : 1;
   const int64_t num_tasks = part_tasks * kv_split;
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(max_rows * max_keys);  // row r = i * heads + h
+    std::unique_ptr<float[]> scores(new float[max_rows * score_stride]);  // row r = i * heads + h; no zeroing
     std::vector<float> acc(max_rows * head_dim);
     std::vector<float> top(max_rows), denominators(max_rows);  // running maximum and softmax denominator per row
     std::vector<float> q_scratch(max_rows * head_dim), chunk_scratch(kChunk * slot_stride);  // widened bf16
@@ -193,12 +208,12 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
                                  lines_of(n), row_groups * Rows::kPrefetchSlices};
           for_each_row_group([&](int64_t /*query*/, int64_t kv, int64_t r, int64_t count) {
             math.scores(q_req + r * head_dim, count, keys + kv * head_dim, slot_stride, n, scale_f,
-                        scores.data() + r * max_keys + s0, max_keys, prefetch);
+                        scores.get() + r * score_stride + (s0 - part_first), score_stride, prefetch);
           });
         });
         for (int64_t r = 0; r < rows; ++r) {  // softmax numerators; the division comes last, on the output
           if (!in_slice(r)) continue;
-          float* row = scores.data() + r * max_keys + first;
+          float* row = scores.get() + r * score_stride + (first - part_first);
           const int64_t n = std::min(visible[r / heads], last) - first;
           if (n <= 0) continue;
           const float old_top = top[r], new_top = std::max(old_top, max_of(row, n));
@@ -228,8 +243,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           for_each_row_group([&](int64_t query, int64_t kv, int64_t r, int64_t count) {
             const int64_t seen = std::min(n, visible[query] - s0);  // this query's keys in the chunk
             if (seen <= 0) return;
-            math.accumulate(acc.data() + r * head_dim, count, scores.data() + r * max_keys + s0, max_keys,
-                            values + kv * head_dim, slot_stride, seen);
+            math.accumulate(acc.data() + r * head_dim, count, scores.get() + r * score_stride + (s0 - part_first),
+                            score_stride, values + kv * head_dim, slot_stride, seen);
           });
         });
       }
