@@ -25,6 +25,9 @@ QUERY_ROWS = 2048
 
 # Held blocks [B, w] -> (keys [B, Hkv, S, D], values [B, Hkv, S, D]) in the queries' dtype, S = w * block_size.
 HeldReader = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# Decode rows' attention read in place (one query a request): (q [B, H, D], held blocks [B, w], visible held keys
+# [B], scale) -> (out [B, H, D] float32, lse [B, H] float32).
+HeldDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _step_mask(share: ContextShare, key: tuple, visible: Callable[[], torch.Tensor],  # -> [B, Q, S] bool
@@ -77,6 +80,25 @@ def paged_kv_reader(k_cache: torch.Tensor,  # [num_slots, Hkv, D]
     return read
 
 
+def cpp_held_decode(k_cache: torch.Tensor,  # [num_slots, Hkv, D] (fp8: e4m3 codes)
+                    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+                    block_size: int, kv_quant: KVQuant | None = None) -> HeldDecode:
+    """The C++ decode kernel over the held blocks in place, with its log-sum-exp (kernels/csrc): no gathered copy
+    of the keys and values, which the flash path needs."""
+    quant = kv_quant or KVQuant()
+    fp8 = k_cache.dtype == torch.uint8
+
+    def decode(q: torch.Tensor, tables: torch.Tensor, seen: torch.Tensor,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        # A request none of whose keys this rank holds reads one slot of its (padding) scratch block, then drops it.
+        out, lse = torch.ops.deepinfer.cpu_paged_decode_attention_lse(
+            q, k_cache, v_cache, tables.to(torch.int32), seen.clamp_min(1).to(torch.int32), block_size, scale,
+            quant.k_scale, quant.v_scale, fp8)
+        unseen = (seen == 0)[:, None]  # [B, 1]
+        return out.float().masked_fill(unseen[..., None], 0.0), lse.masked_fill(unseen, float("-inf"))
+    return decode
+
+
 def latent_reader(cache_blocks: torch.Tensor,  # [num_blocks + 1, block_size, R + P] one MLA layer (fp8: records)
                   record: MLARecord | None, rank: int, dtype: torch.dtype) -> HeldReader:
     """MLA's held latents as one shared key head (latent + RoPE key) and its value (the latent; the RoPE columns
@@ -103,11 +125,19 @@ def partial_paged_attention(
     prefill_query_lens: list[int],
     block_size: int,
     scale: float,
+    held_decode: HeldDecode | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, H, D] float32, lse [T, H] float32
     """Attention of the step's queries over the keys this rank holds, with each row's log-sum-exp."""
     positions = share.query_positions
     outs, lses = [], []
-    if num_decodes:
+    if num_decodes and held_decode is not None and decode_query_len == 1:
+        # A decode query sees every held key written so far, and those are a prefix of its held blocks in order
+        # (only a request's last block is partly filled): their count is all the in-place kernel needs.
+        seen = (positions[:num_decodes, None] + 1 - share.decode_starts).clamp(0, block_size).sum(1)
+        out, lse = held_decode(q[:num_decodes], share.decode_tables, seen, scale)
+        outs.append(out)
+        lses.append(lse)
+    elif num_decodes:
         rows = num_decodes * decode_query_len
         k, v = read(share.decode_tables)
         group = q.shape[1] // k.shape[1]

@@ -118,6 +118,12 @@ def load_cpu_kernels() -> bool:
           v_scale: float) -> torch.Tensor:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake("deepinfer::cpu_paged_decode_attention_lse")
+    def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+          seq_lens: torch.Tensor, block_size: int, scale: float, k_scale: float, v_scale: float,
+          fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:2], dtype=torch.float32)
+
     @torch.library.register_fake("deepinfer::cpu_paged_prefill_attention_fp8")
     def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
           seq_lens: torch.Tensor, query_starts: torch.Tensor, block_size: int, scale: float, k_scale: float,

@@ -10,7 +10,10 @@ from backend_lib.models.parallel import ContextGroup
 from backend_lib.worker.context_share import local_slots, share_step
 from kernels.attention import reference_attention
 from kernels.attention_metadata import AttentionMetadata
-from kernels.context_attention import latent_reader, merge_partials, paged_kv_reader, partial_paged_attention
+from kernels.context_attention import (cpp_held_decode, latent_reader, merge_partials, paged_kv_reader,
+                                       partial_paged_attention)
+from kernels.cpu_kernels import load_cpu_kernels
+from kernels.kv_fp8 import KVQuant, e4m3_codes
 from kernels.mla import mla_decode_absorbed
 
 BS = 4  # block size
@@ -99,6 +102,66 @@ def test_merged_partials_equal_attention_over_every_key(size, split):
     assert (rows is not None) == split
     merged = merge_partials(torch.stack(outs), torch.stack(lses))
     torch.testing.assert_close(merged, expected, atol=2e-6, rtol=1e-5)
+
+
+def _decode_step(size: int, generator: torch.Generator) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Decode rows only, one query each: lengths from one partial block (held by one rank alone) to several."""
+    lengths = [3, BS, BS + 1, 3 * BS + 2, 5 * BS]
+    blocks = torch.randperm(size * LOCAL, generator=generator).tolist()
+    scratch, tables, at = size * LOCAL, [], 0
+    for length in lengths:
+        count = -(-length // BS)
+        tables.append(blocks[at:at + count])
+        at += count
+    width = max(map(len, tables))
+    positions = [length - 1 for length in lengths]
+    meta = AttentionMetadata(
+        block_size=BS, slot_mapping=torch.tensor([t[p // BS] * BS + p % BS for t, p in zip(tables, positions)]),
+        num_decodes=len(lengths), decode_query_len=1,
+        decode_block_tables=torch.tensor([t + [scratch] * (width - len(t)) for t in tables]),
+        decode_seq_lens=torch.tensor(lengths), num_prefills=0, prefill_query_lens=[], prefill_seq_lens=[],
+        prefill_block_tables=torch.zeros(0, 1, dtype=torch.long))
+    return meta, torch.tensor(positions)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("dim", [64, 12])  # the AVX-512 form and the portable loops
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "fp8"])
+def test_the_cpp_decode_over_held_blocks_gives_the_gathered_partials_and_merges_to_every_key(size, dim, cache):
+    if not load_cpu_kernels():
+        pytest.skip("the C++ kernels do not build here")
+    generator = torch.Generator().manual_seed(dim + size)
+    meta, positions = _decode_step(size, generator)
+    heads, kv_heads = 6, 2
+    slots = (size * LOCAL + 1) * BS
+    dtype = torch.bfloat16 if cache == "bfloat16" else torch.float32
+    k_cache = torch.randn(slots, kv_heads, dim, generator=generator).to(dtype)
+    v_cache = torch.randn(slots, kv_heads, dim, generator=generator).to(dtype)
+    quant = KVQuant(0.5, 0.25) if cache == "fp8" else None
+    if quant is not None:  # the codes, and the values they stand for as the reference's cache
+        k_cache = e4m3_codes(k_cache / quant.k_scale).to(torch.uint8)
+        v_cache = e4m3_codes(v_cache / quant.v_scale).to(torch.uint8)
+    q = torch.randn(positions.shape[0], heads, dim, generator=generator).to(dtype)
+    outs, lses = [], []
+    for rank in range(size):
+        local = share_step(AttentionMetadata(**{**meta.__dict__}), positions, _rank(rank, size), LOCAL, 1000)
+        k_local, v_local = _local(k_cache, rank, size), _local(v_cache, rank, size)
+        read = paged_kv_reader(k_local, v_local, BS, q.dtype, quant)
+        gathered = partial_paged_attention(q, read, local.context, meta.num_decodes, 1, [], BS, 0.3)
+        in_place = partial_paged_attention(q, read, local.context, meta.num_decodes, 1, [], BS, 0.3,
+                                           cpp_held_decode(k_local, v_local, BS, quant))
+        tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {"atol": 2e-6, "rtol": 1e-5}
+        assert torch.equal(torch.isinf(in_place[1]), torch.isinf(gathered[1]))  # the ranks holding none of a request
+        torch.testing.assert_close(in_place[0], gathered[0], **tolerance)
+        lse_tolerance = 2e-4 if dtype == torch.bfloat16 else 1e-5  # the flash kernel's bf16 products round apart
+        torch.testing.assert_close(in_place[1], gathered[1], atol=lse_tolerance, rtol=lse_tolerance)
+        outs.append(in_place[0])
+        lses.append(in_place[1])
+    assert torch.isinf(torch.stack(lses)).any()  # the premise: some rank holds nothing of the shortest request
+    if dtype == torch.float32 and quant is None:
+        expected = reference_attention(q, k_cache, v_cache, meta, 0.3)
+        torch.testing.assert_close(merge_partials(torch.stack(outs), torch.stack(lses)), expected,
+                                   atol=2e-6, rtol=1e-5)
 
 
 def test_mla_held_latents_merge_to_the_absorbed_decode():

@@ -8,17 +8,18 @@ import torch
 
 from backend_lib.models.parallel import ContextGroup
 from kernels.attention_metadata import AttentionMetadata
-from kernels.context_attention import HeldReader, latent_reader, merge_partials, partial_paged_attention
+from kernels.context_attention import HeldDecode, HeldReader, latent_reader, merge_partials, partial_paged_attention
 from kernels.mla_fp8 import MLARecord
 
 
 def context_attention(q: torch.Tensor,  # [T, H, D] every row's queries
                       read: HeldReader,  # this rank's cache (the step's K / V written)
                       meta: AttentionMetadata, scale: float,
-                      group: ContextGroup) -> torch.Tensor:  # [rows, H, D] float32: this rank's rows
+                      group: ContextGroup,
+                      held_decode: HeldDecode | None = None) -> torch.Tensor:  # [rows, H, D] float32: this rank's
     share = meta.context
     out, lse = partial_paged_attention(q, read, share, meta.num_decodes, meta.decode_query_len,
-                                       meta.prefill_query_lens, meta.block_size, scale)
+                                       meta.prefill_query_lens, meta.block_size, scale, held_decode)
     heads, dim = out.shape[1:]
     parts = group.all_gather(torch.cat([out.flatten(1), lse], dim=1))[:, share.rows]  # [R, rows, H * D + H]
     return merge_partials(parts[..., :heads * dim].unflatten(-1, (heads, dim)), parts[..., heads * dim:])

@@ -21,7 +21,7 @@ from backend_lib.models.quantized_blocks import GGUFBlocks, install_gguf_parts
 from kernels import fused_layer_ops as fused
 from kernels.attention import paged_attention, write_kv
 from kernels.attention_metadata import AttentionMetadata
-from kernels.context_attention import paged_kv_reader
+from kernels.context_attention import cpp_held_decode, paged_kv_reader
 from kernels.gemv import TILE, GemvPolicy, block_weight, blocked_linear_argmax, blocked_linear_float
 from kernels.head_screen import HeadScreen
 from kernels.int8_head_screen import Int8HeadScreen
@@ -104,7 +104,8 @@ class LlamaAttention(nn.Module):
                 write_kv(v_cache, v, meta.slot_mapping, quant.v_scale, quant.fp8_max)
         if share is not None:
             read = paged_kv_reader(k_cache, v_cache, meta.block_size, q.dtype, quant)
-            out = context_attention(q, read, meta, self.scale, self.par.context).to(q.dtype)
+            held_decode = cpp_held_decode(k_cache, v_cache, meta.block_size, quant) if self.cpu_decode_kernel else None
+            out = context_attention(q, read, meta, self.scale, self.par.context, held_decode).to(q.dtype)
         else:
             out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.cpu_decode_kernel, quant)
         return self.par.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))

@@ -67,6 +67,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -92,7 +93,7 @@ struct QueryLayout {
 template <typename scalar_t, typename cache_t, typename Rows>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, QueryLayout layout,
-                      int64_t block_size, float scale_f, float out_scale, Rows math) {
+                      int64_t block_size, float scale_f, float out_scale, Rows math, float* lse_ptr) {
   scale_f *= Rows::template unit<cache_t>();  // the rows' widened values are the cache's / unit (exact)
   out_scale *= Rows::template unit<cache_t>();
   const int64_t num_reqs = tables.size(0), width = tables.size(1);
@@ -261,6 +262,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       scalar_t* out_req = out_ptr + q_offset;
       for (int64_t r = 0; r < rows; ++r) {
         if (!in_slice(r)) continue;
+        if (lse_ptr) lse_ptr[layout.start(b) * heads + r] = top[r] + std::log(denominators[r]);
         const float inv = out_scale / denominators[r];
         for (int64_t d = 0; d < head_dim; ++d) {
           out_req[r * head_dim + d] = static_cast<scalar_t>(acc[r * head_dim + d] * inv);
@@ -290,6 +292,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           denominator += partial[rows * (head_dim + 1) + r] * factor;
           for (int64_t d = 0; d < head_dim; ++d) sums[d] += partial[r * head_dim + d] * factor;
         }
+        if (lse_ptr) lse_ptr[layout.start(b) * heads + r] = top + std::log(denominator);
         const float inv = out_scale / denominator;
         for (int64_t d = 0; d < head_dim; ++d) out_req[r * head_dim + d] = static_cast<scalar_t>(sums[d] * inv);
       }
@@ -301,23 +304,23 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 template <typename scalar_t, typename cache_t>
 void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, QueryLayout layout,
-                       int64_t block_size, float scale, float out_scale) {
+                       int64_t block_size, float scale, float out_scale, float* lse) {
   const int64_t head_dim = q.size(2);
 #ifdef __AVX512F__
   switch (head_dim) {
     case 16: return decode_attention<scalar_t, cache_t>(q, k_cache, v_cache, tables, lens, out, layout, block_size,
-                                               scale, out_scale, Avx512Rows<1>{});
+                                               scale, out_scale, Avx512Rows<1>{}, lse);
     case 32: return decode_attention<scalar_t, cache_t>(q, k_cache, v_cache, tables, lens, out, layout, block_size,
-                                               scale, out_scale, Avx512Rows<2>{});
+                                               scale, out_scale, Avx512Rows<2>{}, lse);
     case 64: return decode_attention<scalar_t, cache_t>(q, k_cache, v_cache, tables, lens, out, layout, block_size,
-                                               scale, out_scale, Avx512Rows<4>{});
+                                               scale, out_scale, Avx512Rows<4>{}, lse);
     case 128: return decode_attention<scalar_t, cache_t>(q, k_cache, v_cache, tables, lens, out, layout, block_size,
-                                                scale, out_scale, Avx512Rows<8>{});
+                                                scale, out_scale, Avx512Rows<8>{}, lse);
     default: break;
   }
 #endif
   decode_attention<scalar_t, cache_t>(q, k_cache, v_cache, tables, lens, out, layout, block_size, scale,
-                                      out_scale, PortableRows{head_dim});
+                                      out_scale, PortableRows{head_dim}, lse);
 }
 
 // Both ops: q [rows, H, D] with each request's queries the last positions of its context (causal among them).
@@ -329,7 +332,7 @@ struct CacheCodes {
 
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens, QueryLayout layout,
-                           int64_t block_size, double scale, CacheCodes codes = {}) {
+                           int64_t block_size, double scale, CacheCodes codes = {}, at::Tensor* lse = nullptr) {
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and the caches must be 3-D");
   TORCH_CHECK(q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16,
               "q must be float32 or bfloat16, got ", q_in.scalar_type());
@@ -350,21 +353,27 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   TORCH_CHECK(seq_lens.size(0) == num_reqs && width >= 1, "seq_lens must have one entry per block-table row");
   const at::Tensor q = q_in.contiguous();
   at::Tensor out = at::empty_like(q);
+  float* lse_ptr = nullptr;  // [rows, H] each row's log-sum-exp, when asked for
+  if (lse != nullptr) {
+    *lse = at::empty({q.size(0), heads}, q.options().dtype(at::kFloat));
+    lse_ptr = lse->data_ptr<float>();
+  }
   const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
   const float score_scale = static_cast<float>(scale * codes.k_scale), out_scale = static_cast<float>(codes.v_scale);
   if (q.scalar_type() == at::kBFloat16) {
     if (codes.fp8) {
       dispatch_head_dim<at::BFloat16, Fp8E4M3>(q, k_cache, v_cache, tables, lens, out, layout, block_size,
-                                               score_scale, out_scale);
+                                               score_scale, out_scale, lse_ptr);
     } else {
       dispatch_head_dim<at::BFloat16, at::BFloat16>(q, k_cache, v_cache, tables, lens, out, layout, block_size,
-                                                    score_scale, 1.f);
+                                                    score_scale, 1.f, lse_ptr);
     }
   } else if (codes.fp8) {
     dispatch_head_dim<float, Fp8E4M3>(q, k_cache, v_cache, tables, lens, out, layout, block_size, score_scale,
-                                      out_scale);
+                                      out_scale, lse_ptr);
   } else {
-    dispatch_head_dim<float, float>(q, k_cache, v_cache, tables, lens, out, layout, block_size, score_scale, 1.f);
+    dispatch_head_dim<float, float>(q, k_cache, v_cache, tables, lens, out, layout, block_size, score_scale,
+                                    1.f, lse_ptr);
   }
   return out;
 }
@@ -389,6 +398,21 @@ at::Tensor cpu_paged_decode_attention_fp8(const at::Tensor& q,             // [B
   TORCH_CHECK(query_len >= 1, "query_len must be >= 1, got ", query_len);
   return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, QueryLayout{query_len}, block_size, scale,
                          CacheCodes{true, k_scale, v_scale});
+}
+
+// One query a request (decode), with each row's log-sum-exp of its scaled scores beside the output: context
+// parallelism's partial attention over the blocks a rank holds (kernels/context_attention.py merges the ranks').
+std::tuple<at::Tensor, at::Tensor> cpu_paged_decode_attention_lse(
+    const at::Tensor& q,             // [B, H, D] float32 or bfloat16
+    const at::Tensor& k_cache,       // [num_slots, Hkv, D] q's dtype, or uint8 e4m3 codes when fp8
+    const at::Tensor& v_cache,       // [num_slots, Hkv, D]
+    const at::Tensor& block_tables,  // [B, nb] int32
+    const at::Tensor& seq_lens,      // [B] int32, each >= 1
+    int64_t block_size, double scale, double k_scale, double v_scale, bool fp8) {
+  at::Tensor lse;
+  at::Tensor out = paged_attention(q, k_cache, v_cache, block_tables, seq_lens, QueryLayout{1}, block_size, scale,
+                                   CacheCodes{fp8, fp8 ? k_scale : 1.0, fp8 ? v_scale : 1.0}, &lse);
+  return {out, lse};
 }
 
 // Prefill chunks of different lengths in one call (threads over requests): request b's queries are rows
@@ -442,6 +466,8 @@ TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
         "Tensor seq_lens, int query_len, int block_size, float scale, float k_scale, float v_scale) -> Tensor");
   m.def("cpu_paged_prefill_attention_fp8(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_starts, int block_size, float scale, float k_scale, float v_scale) -> Tensor");
+  m.def("cpu_paged_decode_attention_lse(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, int block_size, float scale, float k_scale, float v_scale, bool fp8) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer, CPU, m) {
@@ -449,4 +475,5 @@ TORCH_LIBRARY_IMPL(deepinfer, CPU, m) {
   m.impl("cpu_paged_prefill_attention", &cpu_paged_prefill_attention);
   m.impl("cpu_paged_decode_attention_fp8", &cpu_paged_decode_attention_fp8);
   m.impl("cpu_paged_prefill_attention_fp8", &cpu_paged_prefill_attention_fp8);
+  m.impl("cpu_paged_decode_attention_lse", &cpu_paged_decode_attention_lse);
 }
