@@ -1,6 +1,10 @@
-"""The screened greedy head (kernels/head_screen.py): its tokens are the full fp32 head's argmax, to the index."""
+"""The screened greedy head (kernels/head_screen.py): its tokens are the full fp32 head's argmax, to the index. And
+the engine end to end (SmolLM2 with and without the screens, fp32 and bf16): the same tokens, also under grammar
+masks (kernels/masked_head_screen.py) and for the int8 copy's rows (kernels/int8_head_screen.py)."""
 import dataclasses
+import json
 
+import jsonschema
 import pytest
 import torch
 
@@ -158,3 +162,31 @@ def test_rows_a_screen_gives_up_on_take_the_whole_heads_argmax(screen_pair):
         assert torch.equal(model.greedy_token_ids(hidden), row_argmax(model.compute_logits(hidden)))
     finally:
         model.int8_screen = kept  # the engine is shared with the other tests of this dtype
+
+
+@pytest.mark.parametrize("screen_pair", ["float32"], indirect=True)  # the fp32 pair of the fixture's two
+def test_a_smollm2_batch_mixing_json_and_free_rows_gives_the_unscreened_tokens(screen_pair):
+    """Greedy rows under a JSON schema beside free greedy rows, 8 and 3 streams (the bf16 copy's and the int8 copy's
+    row counts), with the screens and without them (every logit, masked, argmax): the same tokens, every
+    constrained output valid."""
+    from backend_lib.core.sampling_params import SamplingParams
+    from backend_lib.structured_output.constraints import parse_constraint
+
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    constraint = parse_constraint({"structured_outputs": {"json": person}})
+    topics = ["a sailor", "a baker", "a pilot", "a painter", "a doctor", "a farmer", "a poet", "a chef"]
+    prompts = [[{"role": "user", "content": f"Describe {t} as JSON with a name and an age."}] for t in topics]
+    params = [SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=constraint if i % 4 else None,
+                             ignore_eos=not i % 4) for i in range(len(prompts))]
+    _, llms = screen_pair
+    tokens = {}
+    for screened, llm in llms.items():
+        assert (llm.engine.model.head_screen is not None) == screened
+        tokens[screened] = [r.token_ids for r in llm.generate(prompts, params)]
+        tokens[screened] += [r.token_ids for r in llm.generate(prompts[:3], params[:3])]
+        if screened:
+            for result, p in zip(llm.generate(prompts[1:4], params[1:4]), params[1:4]):
+                jsonschema.validate(json.loads(result.text), person)
+    assert tokens[True] == tokens[False]
