@@ -3,12 +3,48 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# Rough seconds of the slowest files in `make test` (2-core Xeon, 2026-12-03, both workers busy: the slowest tests
+# of that run plus each file's setup and other tests, standalone runs x ~1.5). xdist hands out whole files
+# (--dist loadfile) in collection order; these go first, so that the last files a worker picks up are short ones
+# (longest first): a slow file handed out last keeps one worker busy while the other idles. A file not listed goes
+# after them; a stale number only moves a file in the queue.
+HEAVY_FILES = {
+    "tests/test_deepseek_v4.py": 200, "tests/test_context_parallel.py": 180, "tests/test_tensor_parallel.py": 170,
+    "tests/test_neuron_graph_lint.py": 160, "tests/e2e/test_spec_e2e.py": 150, "tests/test_packed_models.py": 140,
+    "tests/test_engine_oracle.py": 130, "tests/test_neuron_engine.py": 130, "tests/e2e/test_reliability.py": 110,
+    "tests/e2e/test_openai_e2e.py": 100, "tests/e2e/test_triton_e2e.py": 100, "tests/test_head_screen.py": 90,
+    "tests/test_neuron_regions.py": 90, "tests/test_kv_fp8_engine.py": 90, "tests/e2e/test_deepseek_e2e.py": 90,
+    "tests/test_v4_fp8.py": 70, "tests/e2e/test_tensor_parallel_e2e.py": 60, "tests/test_engine.py": 60,
+    "tests/e2e/test_soak.py": 60, "tests/test_llama_model.py": 60, "tests/e2e/test_packed_e2e.py": 60,
+    "tests/e2e/test_model_load_errors.py": 60, "tests/test_engram.py": 60, "tests/test_compile_cache.py": 50,
+    "tests/e2e/test_kv_fp8_e2e.py": 50, "tests/e2e/test_context_parallel_e2e.py": 40,
+    "tests/e2e/test_limits_e2e.py": 40,
+}
+
+
+def pytest_configure(config):
+    # xdist re-sorts the files by their number of tests (most first) unless told not to, which hands the slow
+    # few-test files (servers, compiled engines) out last: keep the order pytest_collection_modifyitems gives.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The listed heavy files first (slowest first), then the rest by number of tests (xdist's own order)."""
+    counts = Counter(item.nodeid.split("::")[0] for item in items)
+
+    def key(item) -> tuple[int, int]:
+        path = item.nodeid.split("::")[0]
+        return -HEAVY_FILES.get(path, 0), -counts[path]
+    items.sort(key=key)  # stable: a file's tests stay together and in their own order
 
 
 @pytest.fixture(scope="session")

@@ -54,14 +54,16 @@ def test_stop_string_spanning_tokens_is_cut_and_deltas_concatenate(smollm2):
     assert stop not in text
 
 
-def test_prefix_cache_computes_only_new_tokens(smollm2_path):
-    llm = LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 256}))
+def test_prefix_cache_computes_only_new_tokens(smollm2, smollm2_path):
+    llm = smollm2  # prefix caching on (the default); its earlier requests share no prefix with these prompts
     engine = llm.engine
     shared = " ".join(f"word{i}" for i in range(120))  # well over 200 tokens
     first, second = shared + " The end.", shared + " Another ending here."
     params = SamplingParams(max_tokens=8, temperature=0.0)
-    cold = LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 256,
-                                              "enable_prefix_caching": False})).generate([second], params)[0]
+    with LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 256,
+                                            "enable_prefix_caching": False})) as uncached:
+        cold = uncached.generate([second], params)[0]
+    assert engine.config.cache.enable_prefix_caching
     llm.generate([first], params)
     before = engine.stats()
     warm = llm.generate([second], params)[0]

@@ -93,7 +93,7 @@ def test_tiny_hf_llama_matches_transformers(tiny_llama_dir):
 
 @pytest.mark.slow
 def test_cli_generate_chat_prints_paris():
-    out = subprocess.run([sys.executable, "-m", "backend_lib.frontend.cli.main", "generate", "--chat", "--max-tokens", "32",
+    out = subprocess.run([sys.executable, "-m", "backend_lib.frontend.cli.main", "generate", "--chat", "--max-tokens", "10",
                           "What is the capital of France?"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout

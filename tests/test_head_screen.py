@@ -1,6 +1,10 @@
-"""The screened greedy head (kernels/head_screen.py): its tokens are the full fp32 head's argmax, to the index."""
+"""The screened greedy head (kernels/head_screen.py): its tokens are the full fp32 head's argmax, to the index. And
+the engine end to end (SmolLM2 with and without the screens, fp32 and bf16): the same tokens, also under grammar
+masks (kernels/masked_head_screen.py) and for the int8 copy's rows (kernels/int8_head_screen.py)."""
 import dataclasses
+import json
 
+import jsonschema
 import pytest
 import torch
 
@@ -78,48 +82,111 @@ def test_the_bound_holds():
     assert 0 < ratio.max() <= screen.screen.coefficient
 
 
-def test_the_engine_s_greedy_tokens_are_the_same_with_and_without_the_screen(smollm2_path):
-    """SmolLM2 fp32, a batch of 8 (the bf16 copy) and one stream (the int8 copy where the CPU has VNNI): the
-    screened engine's tokens are the full head's; a row asking for logprobs takes the full logits (and gets them)
-    beside screened ones. Then bf16 at 8 rows (the fused argmax)."""
+PROMPTS = [[{"role": "user", "content": text}] for text in (
+    "Name three prime numbers.", "What is the capital of France?", "Write a haiku about rain.",
+    "Explain recursion briefly.", "Count from one to ten.", "Say hello in Spanish.", "What is 12 times 12?",
+    "List the planets.")]
+# (prompts, max_tokens) run on both engines of a dtype. fp32: 8 rows take the bf16 copy, one stream the int8 copy
+# (where the CPU has VNNI). bf16: 8 rows (past the int8 copy's 4) the head's fused argmax (blocked_linear_argmax),
+# 3 rows and one stream the int8 copy.
+WORKLOADS = {"float32": [(PROMPTS, 24), (PROMPTS[:1], 24)],
+             "bfloat16": [(PROMPTS, 8), ([PROMPTS[0], PROMPTS[2], PROMPTS[3]], 24), (PROMPTS[:1], 24)]}
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def screen_pair(request, smollm2_path):
+    """(dtype, {screened: LLM}): SmolLM2 with the greedy head screen and without, up to 8 rows. One dtype's pair at a
+    time (pytest closes it before the next param's), shared by the tests below instead of an engine pair each."""
+    from backend_lib.core.config import EngineConfig
+    from backend_lib.engine.offline import LLM
+
+    llms = {screened: LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 256, "max_num_seqs": 8,
+                                                          "dtype": request.param, "greedy_head_screen": screened}))
+            for screened in (True, False)}
+    yield request.param, llms
+    for llm in llms.values():
+        llm.close()
+
+
+def test_the_engine_s_greedy_tokens_are_the_same_with_and_without_the_screen(screen_pair, smollm2_path):
+    """The screened engine's tokens are the full head's, for each dtype's row counts (WORKLOADS). fp32: a row asking
+    for logprobs takes the full logits (and gets them) beside screened ones, and n-gram speculation verifies its
+    drafts from the screened tokens (greedy_verify): the same continuations."""
     from backend_lib.core.config import EngineConfig
     from backend_lib.core.sampling_params import SamplingParams
     from backend_lib.engine.offline import LLM
     from kernels.int8_head_screen import Int8HeadScreen
 
-    prompts = [[{"role": "user", "content": text}] for text in (
-        "Name three prime numbers.", "What is the capital of France?", "Write a haiku about rain.",
-        "Explain recursion briefly.", "Count from one to ten.", "Say hello in Spanish.", "What is 12 times 12?",
-        "List the planets.")]
-    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    dtype, llms = screen_pair
     tokens = {}
-    for screened in (True, False):
-        llm = LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 256, "max_num_seqs": 8,
-                                                 "greedy_head_screen": screened}))
-        assert (llm.engine.model.head_screen is not None) == screened
-        assert (llm.engine.model.int8_screen is not None) == (screened and Int8HeadScreen.supported())
-        tokens[screened] = [r.token_ids for r in llm.generate(prompts, greedy)]
-        tokens[screened].append(llm.generate(prompts[:1], greedy)[0].token_ids)
-        if screened:
-            with_logprobs = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
-            results = llm.generate(prompts[:2], [with_logprobs, greedy])
-            assert len(results[0].logprobs) == 8 and not results[1].logprobs
-            assert results[0].token_ids == tokens[True][0][:8] and results[1].token_ids == tokens[True][1]
-        llm.close()
+    for screened, llm in llms.items():
+        model = llm.engine.model
+        if dtype == "float32":
+            assert (model.head_screen is not None) == screened
+        else:
+            assert model.greedy_argmax == screened
+        assert (model.int8_screen is not None) == (screened and Int8HeadScreen.supported())
+        tokens[screened] = [[r.token_ids for r in llm.generate(prompts, SamplingParams(
+            max_tokens=n, temperature=0.0, ignore_eos=True))] for prompts, n in WORKLOADS[dtype]]
     assert tokens[True] == tokens[False]
-    # n-gram speculation verifies its drafts from the screened tokens too (greedy_verify): the same continuations
+    if dtype != "float32":
+        return
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with_logprobs = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    results = llms[True].generate(PROMPTS[:2], [with_logprobs, greedy])
+    assert len(results[0].logprobs) == 8 and not results[1].logprobs
+    assert results[0].token_ids == tokens[True][0][0][:8] and results[1].token_ids == tokens[True][0][1]
     ngram = LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 256, "max_num_seqs": 8,
                                                "method": "ngram", "num_speculative_tokens": 4}))
     assert ngram.engine.model.head_screen is not None
-    assert [r.token_ids for r in ngram.generate(prompts, greedy)] == tokens[False][:-1]
+    assert [r.token_ids for r in ngram.generate(PROMPTS, greedy)] == tokens[False][0]
     ngram.close()
-    # bf16, 8 rows: past the int8 copy's 4, the head's fused argmax (blocked_linear_argmax) gives the tokens
-    short = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    bf16_tokens = {}
-    for screened in (True, False):
-        llm = LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 256, "max_num_seqs": 8,
-                                                 "dtype": "bfloat16", "greedy_head_screen": screened}))
-        assert llm.engine.model.greedy_argmax == screened
-        bf16_tokens[screened] = [r.token_ids for r in llm.generate(prompts, short)]
-        llm.close()
-    assert bf16_tokens[True] == bf16_tokens[False]
+
+
+def test_rows_a_screen_gives_up_on_take_the_whole_heads_argmax(screen_pair):
+    """A screen that returns None (here: no candidate tile allowed; in use: a value not finite, too many candidates)
+    hands its rows to the fused head argmax, not to the logits and the sampler: the same tokens."""
+    from kernels.int8_head_screen import Int8HeadScreen
+
+    if not Int8HeadScreen.supported():
+        pytest.skip("the int8 screen needs AVX-512 VNNI")
+    _, llms = screen_pair
+    model = llms[True].engine.model
+    kept = model.int8_screen
+    model.int8_screen = dataclasses.replace(kept, gather_limit=0.0)
+    try:
+        torch.manual_seed(3)
+        hidden = (3 * torch.randn(2, model.norm.weight.shape[0])).to(model.norm.weight.dtype)  # [2, hidden]
+        assert model.int8_screen.argmax(hidden, model.screen_int8_blocked_head, model.blocked_head) is None
+        hidden[1, 0] = float("nan")  # a NaN row's argmax is its first NaN logit, as row_argmax gives
+        assert torch.equal(model.greedy_token_ids(hidden), row_argmax(model.compute_logits(hidden)))
+    finally:
+        model.int8_screen = kept  # the engine is shared with the other tests of this dtype
+
+
+@pytest.mark.parametrize("screen_pair", ["float32"], indirect=True)  # the fp32 pair of the fixture's two
+def test_a_smollm2_batch_mixing_json_and_free_rows_gives_the_unscreened_tokens(screen_pair):
+    """Greedy rows under a JSON schema beside free greedy rows, 8 and 3 streams (the bf16 copy's and the int8 copy's
+    row counts), with the screens and without them (every logit, masked, argmax): the same tokens, every
+    constrained output valid."""
+    from backend_lib.core.sampling_params import SamplingParams
+    from backend_lib.structured_output.constraints import parse_constraint
+
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    constraint = parse_constraint({"structured_outputs": {"json": person}})
+    topics = ["a sailor", "a baker", "a pilot", "a painter", "a doctor", "a farmer", "a poet", "a chef"]
+    prompts = [[{"role": "user", "content": f"Describe {t} as JSON with a name and an age."}] for t in topics]
+    params = [SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=constraint if i % 4 else None,
+                             ignore_eos=not i % 4) for i in range(len(prompts))]
+    _, llms = screen_pair
+    tokens = {}
+    for screened, llm in llms.items():
+        assert (llm.engine.model.head_screen is not None) == screened
+        tokens[screened] = [r.token_ids for r in llm.generate(prompts, params)]
+        tokens[screened] += [r.token_ids for r in llm.generate(prompts[:3], params[:3])]
+        if screened:
+            for result, p in zip(llm.generate(prompts[1:4], params[1:4]), params[1:4]):
+                jsonschema.validate(json.loads(result.text), person)
+    assert tokens[True] == tokens[False]

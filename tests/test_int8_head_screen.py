@@ -1,5 +1,5 @@
 """The int8-screened greedy head (kernels/int8_head_screen.py): its tokens are the full head's argmax, to the index,
-for fp32 and bf16 heads."""
+for fp32 and bf16 heads. The engine runs through it (fp32 and bf16 SmolLM2): tests/test_head_screen.py."""
 import dataclasses
 
 import pytest
@@ -127,46 +127,6 @@ def test_the_bound_holds(dtype):
     approx = torch.ops.deepinfer.int8_head_logits(x, screen.int8_head, s.scales, vocab, s.levels)
     ratio = (exact - approx).abs() / (x.float().norm(dim=1)[:, None] * s.column_bounds[None, :])
     assert 0 < ratio.max() <= 1
-
-
-def test_the_bf16_engine_s_greedy_tokens_are_the_same_with_and_without_the_screen(smollm2_path):
-    """SmolLM2 bf16, one stream and a batch of 3 (both through the int8 screen): the full head's tokens. (fp32:
-    tests/test_head_screen.py's engine test, whose one-stream run takes the int8 screen.)"""
-    from backend_lib.core.config import EngineConfig
-    from backend_lib.core.sampling_params import SamplingParams
-    from backend_lib.engine.offline import LLM
-
-    prompts = [[{"role": "user", "content": text}] for text in (
-        "Name three prime numbers.", "Write a haiku about rain.", "Explain recursion briefly.")]
-    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    tokens = {}
-    for screened in (True, False):
-        llm = LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 256, "max_num_seqs": 4,
-                                                 "dtype": "bfloat16", "greedy_head_screen": screened}))
-        assert (llm.engine.model.int8_screen is not None) == screened
-        tokens[screened] = [r.token_ids for r in llm.generate(prompts, greedy)]
-        tokens[screened].append(llm.generate(prompts[:1], greedy)[0].token_ids)
-        llm.close()
-    assert tokens[True] == tokens[False]
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_rows_a_screen_gives_up_on_take_the_whole_heads_argmax(smollm2_path, dtype):
-    """A screen that returns None (here: no candidate tile allowed; in use: a value not finite, too many candidates)
-    hands its rows to the fused head argmax, not to the logits and the sampler: the same tokens."""
-    from backend_lib.core.config import EngineConfig
-    from backend_lib.engine.offline import LLM
-
-    llm = LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 16, "max_num_seqs": 2,
-                                             "dtype": dtype}))
-    model = llm.engine.model
-    model.int8_screen = dataclasses.replace(model.int8_screen, gather_limit=0.0)
-    torch.manual_seed(3)
-    hidden = (3 * torch.randn(2, model.norm.weight.shape[0])).to(model.norm.weight.dtype)  # [2, hidden]
-    assert model.int8_screen.argmax(hidden, model.screen_int8_blocked_head, model.blocked_head) is None
-    hidden[1, 0] = float("nan")  # a NaN row's argmax is its first NaN logit, as row_argmax gives
-    assert torch.equal(model.greedy_token_ids(hidden), row_argmax(model.compute_logits(hidden)))
-    llm.close()
 
 
 def test_rows_screened_by_dtype():

@@ -2,14 +2,12 @@
 full head's logits masked by its bitmask (the structured-output path it replaces), to the index: both screens (the
 int8 copy for a few rows, the bf16 copy of an fp32 head past them), sparse and dense masks, free rows (all ones),
 near-ties the cheap copies get wrong, ties, a mask that hides the unmasked winner; None where the full path must
-run. And end to end: a SmolLM2 batch mixing JSON-schema and free rows gives the same tokens with and without the
-screens."""
+run. End to end (a SmolLM2 batch mixing JSON-schema and free rows gives the same tokens with and without the
+screens): tests/test_head_screen.py, on its engine pair."""
 from __future__ import annotations
 
 import dataclasses
-import json
 
-import jsonschema
 import pytest
 import torch
 
@@ -149,33 +147,3 @@ def test_rows_the_full_path_must_take_give_none(screens):
     narrow = (dataclasses.replace(head, int8_screen=dataclasses.replace(head.int8_screen, gather_limit=0.0))
               if screens == "int8" else dataclasses.replace(head, gather_limit=0.0))
     assert masked_greedy_tokens(x, bitmask, narrow) is None  # too many candidate tiles
-
-
-def test_a_smollm2_batch_mixing_json_and_free_rows_gives_the_unscreened_tokens(smollm2_path):
-    """The engine end to end: greedy rows under a JSON schema beside free greedy rows, 8 and 3 streams (the bf16
-    copy's and the int8 copy's row counts), with the screens and without them (every logit, masked, argmax): the
-    same tokens, every constrained output valid."""
-    from backend_lib.core.config import EngineConfig
-    from backend_lib.core.sampling_params import SamplingParams
-    from backend_lib.engine.offline import LLM
-    from backend_lib.structured_output.constraints import parse_constraint
-
-    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-              "required": ["name", "age"], "additionalProperties": False}
-    constraint = parse_constraint({"structured_outputs": {"json": person}})
-    topics = ["a sailor", "a baker", "a pilot", "a painter", "a doctor", "a farmer", "a poet", "a chef"]
-    prompts = [[{"role": "user", "content": f"Describe {t} as JSON with a name and an age."}] for t in topics]
-    params = [SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=constraint if i % 4 else None,
-                             ignore_eos=not i % 4) for i in range(len(prompts))]
-    tokens = {}
-    for screened in (True, False):
-        with LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 128, "max_num_seqs": 8,
-                                                 "greedy_head_screen": screened})) as llm:
-            assert (llm.engine.model.head_screen is not None) == screened
-            tokens[screened] = [r.token_ids for r in llm.generate(prompts, params)]
-            tokens[screened] += [r.token_ids for r in llm.generate(prompts[:3], params[:3])]
-            if screened:
-                for result, p in zip(llm.generate(prompts[1:4], params[1:4]), params[1:4]):
-                    jsonschema.validate(json.loads(result.text), person)
-    assert tokens[True] == tokens[False]

@@ -136,18 +136,28 @@ def _workload_prompts() -> list:
     return module.prompts()[:WORKLOAD_PROMPTS]
 
 
-def test_greedy_on_the_workload_prompts_equals_dequantize_or_parts_only_at_near_ties():
+@pytest.fixture(scope="module")
+def packed_smollm2():
+    """One-rank packed SmolLM2 engines by packed_gemm_path ("auto": int8 activations where the CPU has VNNI, the
+    default; "fp32": weights widened in registers), shared by the engine tests below instead of one start each."""
+    llms = {path: LLM("", weight_format="packed", packed_gemm_path=path, num_blocks=256,
+                      max_num_seqs=WORKLOAD_PROMPTS) for path in ("auto", "fp32")}
+    yield llms
+    for llm in llms.values():
+        llm.close()
+
+
+def test_greedy_on_the_workload_prompts_equals_dequantize_or_parts_only_at_near_ties(packed_smollm2):
     """packed_gemm_path=fp32 (weights widened in registers) computes dequantize's function up to summation order:
     the same greedy ids. The default int8 path rounds each activation row (llama.cpp's Q8 activations), so a
     continuation may part from dequantize's where two tokens are nearly tied; there the packed token must be among
     dequantize's top 3, within 0.5 nats of its pick. Prints the count of differing continuations (pytest -s)."""
     prompts = _workload_prompts()
     params = SamplingParams(temperature=0.0, max_tokens=WORKLOAD_TOKENS, ignore_eos=True, logprobs=3)
-    results = {}
-    for name, settings in [("dequantize", {}), ("fp32", {"weight_format": "packed", "packed_gemm_path": "fp32"}),
-                           ("int8", {"weight_format": "packed"})]:
-        with LLM(max_num_seqs=WORKLOAD_PROMPTS, **settings) as llm:
-            results[name] = llm.generate(prompts, params)
+    with LLM(max_num_seqs=WORKLOAD_PROMPTS, num_blocks=256) as dequantize:
+        results = {"dequantize": dequantize.generate(prompts, params)}
+    results["fp32"] = packed_smollm2["fp32"].generate(prompts, params)
+    results["int8"] = packed_smollm2["auto"].generate(prompts, params)
     assert [r.token_ids for r in results["fp32"]] == [r.token_ids for r in results["dequantize"]]
     differing = []
     for want, got in zip(results["dequantize"], results["int8"]):
@@ -188,17 +198,16 @@ def test_compiled_regions_trace_the_packed_ops_and_pass_the_graph_lint(smollm2_p
     lint_region(packed.compute_logits, x[:2], region="packed head")
 
 
-def test_two_ranks_hold_block_aligned_shards_and_match_one():
+def test_two_ranks_hold_block_aligned_shards_and_match_one(packed_smollm2):
     """SmolLM2 on two ranks (2 + 1 KV-head groups): o_proj's columns split at input 384 and down_proj's at 768, on
     Q4_1's 32-input blocks. On the fp32 path greedy ids match one rank's (as dequantize's do); the int8 path runs
     too (its ids may part at a near tie: the all-reduce's summation order moves an activation across a rounding
     edge)."""
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = ["What is the capital of France?", "Once upon a time there was", "0123456789 + - * / ="]
-    outputs = []
-    for size, path in ((1, "fp32"), (2, "fp32"), (2, "int8")):
-        with LLM("", weight_format="packed", packed_gemm_path=path, tensor_parallel_size=size,
-                 num_blocks=128) as llm:
+    outputs = [[r.token_ids for r in packed_smollm2["fp32"].generate(prompts, params)]]  # one rank
+    for path in ("fp32", "int8"):
+        with LLM("", weight_format="packed", packed_gemm_path=path, tensor_parallel_size=2, num_blocks=128) as llm:
             outputs.append([r.token_ids for r in llm.generate(prompts, params)])
     assert outputs[0] == outputs[1]
     assert all(len(ids) == 8 for ids in outputs[2])
@@ -381,24 +390,23 @@ def test_deepseek_packed_regions_trace_and_pass_the_graph_lint(arch, tmp_path):
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
 
 
-def test_one_op_decode_loop_on_packed_weights_equals_the_module_path():
+def test_one_op_decode_loop_on_packed_weights_equals_the_module_path(packed_smollm2):
     """Eager host decode steps of a packed SmolLM2 run ``deepinfer::llama_decode_layers`` with its packed-GEMM path
     (kernels/csrc/llama_decode.cpp): the module path's ids and logprobs to the bit, on both GEMM paths."""
     prompts = ["The cat sat on the mat. The cat", "Count: one two three", "Hello"]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
-    for path in ("auto", "fp32"):
-        with LLM("", weight_format="packed", packed_gemm_path=path, num_blocks=64) as llm:
-            model = llm.engine.model
-            collect, results, served = type(model)._host_decode_weights, [], []
-            for use_op in (False, True):
-                def weights(num_tokens, meta, use_op=use_op):
-                    found = collect(model, num_tokens, meta) if use_op else None
-                    served.append(found is not None)
-                    return found
-                model._host_decode_weights = weights
-                try:
-                    outs = llm.generate(prompts, params)
-                finally:
-                    del model._host_decode_weights
-                results.append(([o.token_ids for o in outs], [o.logprobs for o in outs]))
+    for path, llm in packed_smollm2.items():
+        model = llm.engine.model
+        collect, results, served = type(model)._host_decode_weights, [], []
+        for use_op in (False, True):
+            def weights(num_tokens, meta, use_op=use_op):
+                found = collect(model, num_tokens, meta) if use_op else None
+                served.append(found is not None)
+                return found
+            model._host_decode_weights = weights
+            try:
+                outs = llm.generate(prompts, params)
+            finally:
+                del model._host_decode_weights
+            results.append(([o.token_ids for o in outs], [o.logprobs for o in outs]))
         assert any(served) and results[0] == results[1], path

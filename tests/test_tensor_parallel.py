@@ -37,6 +37,20 @@ def _generate(model: str, params: SamplingParams = GREEDY, **settings):
         return llm.generate(PROMPTS, params)
 
 
+@pytest.fixture(scope="module")
+def one_rank(tiny_dirs):
+    """(model name, params) -> one rank's results: the reference the multi-rank runs are checked against, computed
+    once for the module (several tests and params compare against the same one)."""
+    done: dict[tuple[str, str], list] = {}
+
+    def reference(name: str, params: SamplingParams = GREEDY) -> list:
+        key = (name, repr(params))
+        if key not in done:
+            done[key] = _generate(str(tiny_dirs[name]), params)
+        return done[key]
+    return reference
+
+
 def _assert_same(reference, results) -> None:
     for ref, got in zip(reference, results):
         assert got.error is None and got.token_ids == ref.token_ids
@@ -58,26 +72,25 @@ def _assert_same(reference, results) -> None:
     ("deepseek_v4", {}),
     ("deepseek_v4", {"enable_expert_parallel": True}),
 ])
-def test_two_ranks_match_one(tiny_dirs, model, settings):
-    reference = _generate(str(tiny_dirs[model]))
-    _assert_same(reference, _generate(str(tiny_dirs[model]), tensor_parallel_size=2, **settings))
+def test_two_ranks_match_one(tiny_dirs, one_rank, model, settings):
+    _assert_same(one_rank(model), _generate(str(tiny_dirs[model]), tensor_parallel_size=2, **settings))
 
 
 @pytest.mark.parametrize("name, method", [("deepseek_fp8", "mtp"), ("deepseek_fp8", "ngram"), ("deepseek_v4", "mtp")])
-def test_speculative_decoding_across_ranks(tiny_dirs, name, method):
+def test_speculative_decoding_across_ranks(tiny_dirs, one_rank, name, method):
     model = str(tiny_dirs[name])
     spec = {"method": method, "num_speculative_tokens": 2}
-    reference = _generate(model, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    reference = one_rank(name, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     results = _generate(model, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
                         tensor_parallel_size=2, enable_expert_parallel=True, **spec)
     assert [r.token_ids for r in results] == [r.token_ids for r in reference]
 
 
-def test_seeded_sampling_across_ranks(tiny_dirs):
+def test_seeded_sampling_across_ranks(tiny_dirs, one_rank):
     params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
     model = str(tiny_dirs["llama"])
     assert ([r.token_ids for r in _generate(model, params, tensor_parallel_size=2)]
-            == [r.token_ids for r in _generate(model, params)])
+            == [r.token_ids for r in one_rank("llama", params)])
 
 
 @pytest.mark.slow
@@ -163,13 +176,13 @@ def test_neuron_layout_reads_the_sharding_code():
     assert split.kv_bytes_per_token == whole.kv_bytes_per_token  # the latent is not split by heads
 
 
-def test_compiled_regions_per_rank_match_eager(tiny_dirs):
+def test_compiled_regions_per_rank_match_eager(tiny_dirs, one_rank):
     """Each rank compiles its own regions with the all-reduces inside the graphs (fullgraph: a collective that broke
     the graph would fail the build); greedy ids equal the one-rank eager engine."""
     model = str(tiny_dirs["llama"])
     compiled = _generate(model, tensor_parallel_size=2, compile_backend="aot_eager", batch_buckets="1,2,4",
                          width_buckets="8", max_model_len=128)
-    _assert_same(_generate(model), compiled)
+    _assert_same(one_rank("llama"), compiled)
 
 
 def test_graph_lint_accepts_static_collectives_and_names_others():

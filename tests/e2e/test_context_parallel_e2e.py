@@ -36,11 +36,10 @@ def reference(model_dir):
         return llm.generate(PROMPTS, SamplingParams(**GREEDY))
 
 
-
-
 @pytest.fixture(scope="module")
 def cp_server(model_dir, tmp_path_factory):
-    overrides = {**SETTINGS, "model": str(model_dir), "context_parallel_size": "2"}
+    # distributed_timeout_s: the last test kills a rank, and the step fails within it at most
+    overrides = {**SETTINGS, "model": str(model_dir), "context_parallel_size": "2", "distributed_timeout_s": "30"}
     with new_server(tmp_path_factory.mktemp("triton_cp"), overrides) as server:
         yield server
 
@@ -82,11 +81,11 @@ def test_session_turns_keep_their_split_kv(cp_server, reference):
         time.sleep(0.3)
 
 
-def test_killed_context_rank_fails_the_model_naming_it(model_dir, tmp_path):
-    overrides = {**SETTINGS, "model": str(model_dir), "context_parallel_size": "2", "distributed_timeout_s": "30"}
-    with new_server(tmp_path, overrides) as server:
-        started = worker_pids(session=server.process.pid)
-        lose_a_rank(server, _request("Count to one thousand:", sampling_parameters=json.dumps(
-            {"temperature": 0, "max_tokens": 400, "ignore_eos": True})), "context-parallel rank 1")
-        ranks = worker_pids(session=server.process.pid) | started
+def test_killed_context_rank_fails_the_model_naming_it(cp_server):
+    """Runs last, on the server the tests above share (one start fewer): it kills a rank, then stops the server."""
+    started = worker_pids(session=cp_server.process.pid)
+    lose_a_rank(cp_server, _request("Count to one thousand:", sampling_parameters=json.dumps(
+        {"temperature": 0, "max_tokens": 400, "ignore_eos": True})), "context-parallel rank 1")
+    ranks = worker_pids(session=cp_server.process.pid) | started
+    cp_server.stop()
     assert not ranks & worker_pids()

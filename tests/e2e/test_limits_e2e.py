@@ -1,17 +1,20 @@
 """Limits through a real tritonserver: max_tokens beyond the context is a 400 naming it; a burst past
 max_waiting_requests and a session START past max_sessions are refused at once ("server busy", Triton's
-UNAVAILABLE) while the admitted requests complete; /metrics counts both refusals.
+UNAVAILABLE) while the admitted requests complete; /metrics counts both refusals. The same server (one start) has
+stream_interval 4: the first token streams alone, later deltas come 4 tokens at a time (the last may be shorter), and
+the streamed text equals the same greedy request sent non-streaming.
 
 Triton 2.51's /generate answers 400 for every model error whatever its Triton code (measured here with
 INVALID_ARG, INTERNAL and UNAVAILABLE); newer servers map UNAVAILABLE to 503. So a refusal is told apart by its
 message here, and 503 is accepted for when the server is upgraded."""
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import SERVER_PARAMETERS
-from triton_helpers import http_generate, metric, metrics, new_server, server_ready, wait_for
+from triton_helpers import StreamClient, http_generate, metric, metrics, new_server, server_ready, wait_for
 
 from backend_lib.frontend.triton.server import TritonServer
 
@@ -21,13 +24,16 @@ MAX_MODEL_LEN = 256
 BURST = 12
 NEW_TOKENS = 24
 BUSY = (400, 503)  # 503 where the server maps UNAVAILABLE to it (see above)
+INTERVAL = 4
+MAX_TOKENS = 21
 
 
 @pytest.fixture(scope="module")
 def small_triton(tmp_path_factory) -> TritonServer:
-    # 2 running + 2 waiting at most: a burst of 12 must be partly refused.
+    # 2 running + 2 waiting at most: a burst of 12 must be partly refused. stream_interval changes only how the
+    # streamed deltas are grouped (the limits test's requests are not streamed).
     overrides = {**SERVER_PARAMETERS, "max_model_len": str(MAX_MODEL_LEN), "max_num_seqs": "2",
-                 "max_waiting_requests": "2", "max_sessions": "1"}
+                 "max_waiting_requests": "2", "max_sessions": "1", "stream_interval": str(INTERVAL)}
     with new_server(tmp_path_factory.mktemp("triton_limits"), overrides) as server:
         yield server
 
@@ -68,3 +74,21 @@ def test_limits_refuse_clearly_and_the_admitted_requests_complete(small_triton):
     assert server_ready(url)
     status, [ok] = http_generate(url, {"text_input": "Hello", "max_tokens": 2})
     assert status == 200 and ok["text_output"].startswith("Hello")
+
+
+def test_stream_interval_groups_tokens_after_the_first(small_triton):
+    client = StreamClient(small_triton.grpc_url)
+    try:
+        request = {"text_input": "Count from one to twenty:", "exclude_input_in_output": True,
+                   "sampling_parameters": json.dumps({"temperature": 0, "max_tokens": MAX_TOKENS,
+                                                      "ignore_eos": True})}
+        streamed = client.generate({**request, "stream": True})
+        whole = client.generate({**request, "stream": False})
+    finally:
+        client.close()
+    assert streamed.error is None and whole.error is None
+    sizes = [len(ids) for ids in streamed.ids if ids]
+    assert sizes[0] == 1 and sum(sizes) == MAX_TOKENS
+    assert all(size >= INTERVAL for size in sizes[1:-1]), sizes  # held until INTERVAL tokens wait
+    assert len(sizes) <= 2 + MAX_TOKENS // INTERVAL, sizes
+    assert streamed.text == whole.text and [t for ids in streamed.ids for t in ids] == whole.ids[0]

@@ -33,8 +33,6 @@ def reference(model_dir):
         return llm.generate(PROMPTS, SamplingParams(**GREEDY))
 
 
-
-
 @pytest.fixture(scope="module")
 def tp_server(model_dir, tmp_path_factory):
     overrides = {**SETTINGS, "model": str(model_dir), "tensor_parallel_size": "2", "enable_expert_parallel": "true"}
@@ -83,16 +81,16 @@ def test_session_turns_and_cancellation(tp_server, reference):
         time.sleep(0.3)
 
 
-def test_no_worker_outlives_the_server(model_dir, tmp_path):
-    overrides = {**SETTINGS, "model": str(model_dir), "tensor_parallel_size": "2"}
-    with new_server(tmp_path, overrides) as server:
-        started = worker_pids(session=server.process.pid)
-        assert len(started) == 1
-        client = StreamClient(server.grpc_url)
-        try:
-            assert client.generate(_request(PROMPTS[2])).error is None
-        finally:
-            client.close()
+def test_no_worker_outlives_the_server(tp_server):
+    """Runs after the tests above, on their server (one start fewer): it stops it."""
+    started = worker_pids(session=tp_server.process.pid)
+    assert len(started) == 1
+    client = StreamClient(tp_server.grpc_url)
+    try:
+        assert client.generate(_request(PROMPTS[2])).error is None
+    finally:
+        client.close()
+    tp_server.stop()
     deadline = time.monotonic() + 15
     while started & worker_pids():
         assert time.monotonic() < deadline, "a worker rank outlived tritonserver"

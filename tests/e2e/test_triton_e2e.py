@@ -1,9 +1,15 @@
-"""A real tritonserver (from the nvidia-pytriton wheel) serving the DeepInfer model with the bundled SmolLM2."""
+"""A real tritonserver (from the nvidia-pytriton wheel) serving the DeepInfer model with the bundled SmolLM2; then
+perf_analyzer (tritonclient 2.41.0) drives it over gRPC streaming at concurrency 4, and stopping it ends the streams
+in flight (one server start for all of it)."""
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from triton_helpers import StreamClient, http_generate, metric, metrics, server_ready, wait_for
@@ -243,9 +249,6 @@ def test_concurrent_http_and_grpc_do_not_interfere(triton, grpc):
 
 def test_deepinfer_chat_keeps_the_conversation(triton):
     """`deepinfer chat` (stdin piped): the second turn only makes sense with the first one's history."""
-    import subprocess
-    import sys
-
     run = subprocess.run([sys.executable, "-m", "backend_lib.frontend.cli.main", "chat", "--url", triton.grpc_url,
                           "--temperature", "0", "--max-tokens", "40"],
                          input="What is the capital of France?\nAnd of Italy?\n", capture_output=True, text=True,
@@ -254,3 +257,66 @@ def test_deepinfer_chat_keeps_the_conversation(triton):
     replies = [line for line in run.stdout.splitlines() if line.startswith("assistant> ")]
     assert len(replies) == 2, run.stdout
     assert "Paris" in replies[0] and "Rome" in replies[1], run.stdout
+
+
+# ---- perf_analyzer, then the server's stop (last: it ends the module's server) ----------------------------------
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "perf_analyzer.sh"
+
+
+@pytest.fixture(scope="module")
+def perf_analyzer() -> str:
+    install = subprocess.run(["bash", str(SCRIPT), "--install-only"], capture_output=True, text=True, timeout=600)
+    if install.returncode == 3:  # the script's "could not install" code: nothing else may skip
+        pytest.skip(f"perf_analyzer could not be installed: {install.stderr.strip().splitlines()[-1]}")
+    assert install.returncode == 0, install.stderr
+    return install.stdout.strip().splitlines()[-1]
+
+
+def test_perf_analyzer_streaming_concurrency_4(perf_analyzer, triton):
+    run = subprocess.run(["bash", str(SCRIPT), "-u", triton.grpc_url, "-c", "4", "-n", "8"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = run.stdout
+    assert re.search(r"Concurrency: 4, throughput: [0-9.]+ infer/sec", out), out[-3000:]
+    assert int(re.search(r"Request count: (\d+)", out).group(1)) >= 8
+    # Every request streamed (max_tokens 8, ignore_eos): several responses, at most one per token (deltas that
+    # wait while the machine is busy go out as one response).
+    requests = float(re.search(r"\n\s+Throughput: ([0-9.]+) infer/sec", out).group(1))
+    responses = float(re.search(r"Response Throughput: ([0-9.]+) infer/sec", out).group(1))
+    assert 2 <= responses / requests <= 8 * 1.1, out[-3000:]
+
+
+def test_stopping_the_server_ends_in_flight_streams(triton):
+    """Runs last in this module (it stops the server the tests above share): stop() makes the model abort in-flight
+    requests (FINAL with "abort"), then Triton unloads the model (finalize) and exits cleanly."""
+    client = StreamClient(triton.grpc_url)
+    closed = False
+    try:
+        client.send({"text_input": "Count from one to one thousand:", "stream": True, "return_finish_reason": True,
+                     "sampling_parameters": json.dumps({"max_tokens": 480, "ignore_eos": True, "temperature": 0})})
+        response, error = client.next_response()
+        assert error is None  # streaming has begun
+        started = time.monotonic()
+        outcome = {}
+        stopper = threading.Thread(target=lambda: outcome.update(rc=triton.stop(timeout_s=90)))
+        stopper.start()
+        reasons = []
+        while True:  # the stream ends with a final response, never silence
+            response, error = client.next_response(timeout_s=30)
+            assert error is None, error
+            reason = response.as_numpy("finish_reason")
+            reasons.append(reason.reshape(-1)[0].decode() if reason is not None else None)
+            if response.get_response().parameters["triton_final_response"].bool_param:
+                break
+        assert reasons[-1] == "abort"
+        # Triton 2.51 keeps a model loaded while a client's gRPC stream stays open, so the client goes now.
+        client.close()
+        closed = True
+        stopper.join(timeout=120)
+        assert outcome.get("rc") == 0, triton.log_tail()
+        assert time.monotonic() - started < 30, "shutdown took too long"
+        assert "[deepinfer] finalize: done" in triton.log_path.read_text()
+    finally:
+        if not closed:
+            client.close()
