@@ -133,7 +133,10 @@ def partial_paged_attention(
     if num_decodes and held_decode is not None and decode_query_len == 1:
         # A decode query sees every held key written so far, and those are a prefix of its held blocks in order
         # (only a request's last block is partly filled): their count is all the in-place kernel needs.
-        seen = (positions[:num_decodes, None] + 1 - share.decode_starts).clamp(0, block_size).sum(1)
+        if "decode_seen" not in share.memo:  # the same for every layer of the step
+            share.memo["decode_seen"] = (positions[:num_decodes, None] + 1 - share.decode_starts).clamp(
+                0, block_size).sum(1)
+        seen = share.memo["decode_seen"]
         out, lse = held_decode(q[:num_decodes], share.decode_tables, seen, scale)
         outs.append(out)
         lses.append(lse)

@@ -9,7 +9,8 @@ import json
 import time
 
 import pytest
-from triton_helpers import StreamClient, http_generate, lose_a_rank, metric, metrics, new_server, worker_pids
+from triton_helpers import (StreamClient, http_generate, lose_a_rank, metric, metrics, new_server, stream_request,
+                             worker_pids)
 
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.offline import LLM
@@ -45,8 +46,7 @@ def cp_server(model_dir, tmp_path_factory):
 
 
 def _request(prompt: str, **extra) -> dict:
-    return {"text_input": prompt, "sampling_parameters": json.dumps(GREEDY), "stream": True,
-            "exclude_input_in_output": True, **extra}
+    return stream_request(prompt, GREEDY, **extra)
 
 
 def test_streams_equal_the_one_rank_engine(cp_server, reference):

@@ -157,6 +157,12 @@ class StreamClient:
         self.client.close()
 
 
+def stream_request(prompt: str, sampling: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """A streamed text request's inputs (the prompt left out of the output), with ``extra`` inputs over them."""
+    return {"text_input": prompt, "sampling_parameters": json.dumps(sampling), "stream": True,
+            "exclude_input_in_output": True, **extra}
+
+
 def http_generate(http_url: str, body: dict[str, Any], stream: bool = False,
                   timeout_s: float = 300.0) -> tuple[int, list[dict[str, Any]]]:
     """POST /generate (or /generate_stream): (status, list of JSON responses)."""
