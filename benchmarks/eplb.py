@@ -154,11 +154,12 @@ def write_report(results: list[Result], args, out: Path) -> None:
         lines.append(f"| {r.mode} | {statistics.mean(a.imbalance):.2f} | {statistics.mean(b.imbalance):.2f} | "
                      f"{1e3 * statistics.median(a.step_s):.1f} | {1e3 * statistics.median(b.step_s):.1f} | "
                      f"{r.rebalances} | {pauses} |")
-    base = results[0]
+    def speedup(r: Result, phase: str) -> float:
+        return statistics.median(results[0].phases[phase].step_s) / statistics.median(r.phases[phase].step_s)
+
     for r in results[1:]:
-        lines.append("")
-        lines.append(f"{r.mode}: step time {statistics.median(base.phases['B'].step_s) / statistics.median(r.phases['B'].step_s):.2f}x "
-                     f"contiguous's in phase B, {statistics.median(base.phases['A'].step_s) / statistics.median(r.phases['A'].step_s):.2f}x in phase A.")
+        lines += ["", f"{r.mode}: steps {speedup(r, 'A'):.2f}x as fast as {results[0].mode}'s in phase A, "
+                      f"{speedup(r, 'B'):.2f}x in phase B."]
     text = "\n".join(lines) + "\n"
     print(text)
     out.mkdir(parents=True, exist_ok=True)

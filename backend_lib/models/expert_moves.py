@@ -56,6 +56,8 @@ def plan_moves(layer: int, old: ExpertPlacement, new: ExpertPlacement) -> list[S
 
 
 def _slot_bytes(tensors: dict[str, torch.Tensor], slot: int) -> torch.Tensor:  # [n] uint8
+    if not tensors:  # a layer the checkpoint left empty (MTP depths it does not carry): only the tables switch
+        return torch.empty(0, dtype=torch.uint8)
     return torch.cat([t[slot].contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()])
 
 

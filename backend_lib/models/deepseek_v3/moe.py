@@ -83,9 +83,6 @@ class RoutedExperts(nn.Module):
             self.register_buffer(name + "_tiles", None, persistent=False)
             self.register_buffer(name + "_tile_scales", None, persistent=False)
 
-    def holds(self, expert: int) -> bool:
-        return bool(self.local_slots(expert))
-
     def local_slots(self, expert: int) -> list[int]:
         """The stack indices that hold checkpoint expert ``expert`` on this rank (none: another rank's)."""
         if self.slots is not None:
