@@ -270,7 +270,8 @@ def chat_requests(request: ChatCompletionRequest, session: Session | None,
                               "conversation", param="tools" if request.tools else "messages")
         if renderer is None:
             raise OpenAIError(500, "the chat template renderer is not loaded", "server_error")
-        extra = tools.tool_request(request.tools, request.tool_choice, messages, renderer)
+        extra = tools.tool_request(request.tools, request.tool_choice, request.parallel_tool_calls is not False,
+                                   messages, renderer)
         given = [name for name in _CONSTRAINT_FIELDS if name in sampling]
         if extra.sampling.get("structured_outputs") is not None and given:
             raise bad_request(f"tool_choice {json.dumps(request.tool_choice)} and {given[0]} both constrain the "
