@@ -18,6 +18,10 @@ template's parser reads the model's own format; DeepSeek's tool tokens are speci
 text keeps them (``skip_special_tokens`` false unless the client set it); the EOS token's text is never in the
 engine's text (``engine/detokenizer.py``: vLLM's stop-token rule).
 ``"none"``: plain text, the tools still shown to the template (vLLM's default).
+
+A template that drops ``tools`` (``template_renders_tools``, probed once when the tokenizer loads; the bundled
+SmolLM2's) gets the generic format instead, whatever the ``tool_choice``: the front's own description of the tools
+and the envelope-or-text grammar (``tool_calls/generic.py``), read by ``GenericToolParser``.
 """
 from __future__ import annotations
 
