@@ -576,7 +576,7 @@ def test_a_tool_result_round_trip_in_the_generic_format(client):
     calls = first.choices[0].message.tool_calls  # (greedy SmolLM2 may ask more than once: each gets its result)
     messages = question + [{"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]}] + [
         {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 degrees."} for call in calls]
-    second = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40,
+    second = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=60,
                                             tools=[WEATHER_TOOL])
     _check_calls_or_text(second.choices[0].message, second.choices[0].finish_reason)
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + 20  # the call and its result reached the model

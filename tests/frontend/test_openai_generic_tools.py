@@ -112,6 +112,7 @@ def test_the_grammar_takes_calls_or_text_as_tool_choice_and_parallel_say(rendere
     # Text cannot start as a call does (or with whitespace): half an envelope is never read as text.
     assert not _accepts(compiler, tokenizer, auto, '{"answer": 1}') and not _accepts(compiler, tokenizer, auto, " x")
     assert not _accepts(compiler, tokenizer, auto, '{"tool_calls": [{"name": "get_weather", "arguments": {}}]}')
+    assert not _accepts(compiler, tokenizer, auto, ONE_CALL.replace('{"name"', '{\n    "name"'))  # no padding
     single = _model_request(renderer, tools=[WEATHER, TIME], parallel_tool_calls=False)
     assert _accepts(compiler, tokenizer, single, ONE_CALL) and not _accepts(compiler, tokenizer, single, TWO_CALLS)
     required = _model_request(renderer, tools=[WEATHER, TIME], tool_choice="required")

@@ -31,6 +31,9 @@ RESULTS_KEY = "tool_results"
 # A text answer's first character: not "{" (the envelope's) and not whitespace (which would let the model put
 # off the choice between a call and text, and a bare envelope after it would read as text).
 _TEXT_ANSWER = r"[^{\s][\s\S]*"
+# Whitespace between the calls' JSON tokens: a small model left free pads pretty-printed JSON with newlines until
+# max_tokens cuts the call (SmolLM2 did, on a second turn); one character still allows ": " and ", ".
+_MAX_WHITESPACE = 1
 
 
 def tools_system_text(tools: Sequence[FunctionTool], tool_choice: Any, parallel: bool) -> str:
@@ -64,7 +67,7 @@ def generic_constraint(tools: Sequence[FunctionTool], tool_choice: Any, parallel
     calls = required_calls_schema(tools, parallel)
     envelope = {"type": "sequence", "elements": [
         {"type": "const_string", "value": '{"' + ENVELOPE_KEY + '": '},
-        {"type": "json_schema", "json_schema": calls},
+        {"type": "json_schema", "json_schema": calls, "max_whitespace_cnt": _MAX_WHITESPACE},
         {"type": "const_string", "value": "}"}]}
     answer = envelope if tool_choice != "auto" else \
         {"type": "or", "elements": [envelope, {"type": "regex", "pattern": _TEXT_ANSWER}]}
