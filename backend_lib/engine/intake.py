@@ -81,8 +81,12 @@ class IntakeRequest:
     priority: int | None = None  # None: not given (0, or a session's own: LLMEngine.submit)
 
     @property
+    def is_chat(self) -> bool:
+        return _is_chat(self.prompt)
+
+    @property
     def is_token_ids(self) -> bool:
-        return not isinstance(self.prompt, str) and not _is_chat(self.prompt)
+        return not isinstance(self.prompt, str) and not self.is_chat
 
 
 def take_in(rules: RequestRules, prompt: Any, sampling: Mapping[str, Any] | SamplingParams | None = None,

@@ -186,7 +186,7 @@ class LLMEngine:
         if session.start and sessions.get(sid) is None:
             self._check_session_room()
         previous = None if session.start else sessions.get(sid)  # START begins a fresh conversation
-        chat = not isinstance(prompt, str) and not request.is_token_ids
+        chat = request.is_chat
         history: list[int] = []
         if chat:
             prompt = (previous.messages if previous is not None else []) + list(prompt)
