@@ -2,9 +2,9 @@
 
 A request's life (vLLM v1's one invariant: ``num_computed_tokens`` catches up with ``num_tokens``):
   1. ``add_request`` queues it (WAITING).
-  2. ``schedule`` admits it (FCFS, or by priority: core/scheduling_policy.py) when its first chunk's blocks fit; prefix-cache
-     hits (or a session's
-     pinned blocks) start it at ``num_computed_tokens > 0``. Long prompts run in chunks.
+  2. ``schedule`` admits it (FCFS, or by priority: core/scheduling_policy.py) when its first chunk's blocks fit;
+     prefix-cache hits (or a session's pinned blocks) start it at ``num_computed_tokens > 0``. Long prompts run in
+     chunks.
   3. Each step: decodes first (1 token each, never starved), then prefill chunks, then admissions.
   4. ``update_from_output`` advances ``num_computed_tokens``, appends sampled tokens, hashes newly full
      blocks, checks stops; finished requests give their blocks back (a session turn pins them instead).
@@ -39,8 +39,8 @@ from backend_lib.core.errors import RequestError
 from backend_lib.core.hybrid_kv import HybridKVManager
 from backend_lib.core.kv_cache import KVCacheManager
 from backend_lib.core.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput
-from backend_lib.core.scheduling_policy import scheduling_order
 from backend_lib.core.request import Request, RequestStatus, check_unused
+from backend_lib.core.scheduling_policy import scheduling_order
 from backend_lib.core.sessions import SessionTable
 from backend_lib.core.spec_counters import SpecCounters
 

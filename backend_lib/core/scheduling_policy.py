@@ -3,10 +3,11 @@ which order running requests take their blocks, which one is preempted when the 
 
 ``fcfs`` (``FcfsOrder``): the head of the queue; admission order; the newest.
 
-``priority`` (``PriorityOrder``, vLLM's ``--scheduling-policy priority``), vLLM's convention: a lower priority value runs earlier (default 0; negative values are allowed). Aging keeps a low
-priority from starving under a steady stream of higher ones: a request's effective priority is its value minus one
-for every ``priority_aging_s`` seconds since it arrived, so after ``(p_low - p_high) * priority_aging_s`` seconds it
-goes before any newly arrived request of the higher priority. The same effective priority orders both decisions:
+``priority`` (``PriorityOrder``, vLLM's ``--scheduling-policy priority``), vLLM's convention: a lower priority value
+runs earlier (default 0; negative values are allowed). Aging keeps a low priority from starving under a steady
+stream of higher ones: a request's effective priority is its value minus one for every ``priority_aging_s`` seconds
+since it arrived, so after ``(p_low - p_high) * priority_aging_s`` seconds it goes before any newly arrived request
+of the higher priority. The same effective priority orders both decisions:
 
 - admission: the waiting request with the lowest effective priority is next (a tie: the one first in the queue,
   i.e. first come, first served, a preempted request ahead of the requests it was admitted before);
