@@ -15,6 +15,7 @@ _SPEC_METHODS = ("none", "ngram", "mtp")
 _HOST_GEMMS = ("auto", "gemv", "onednn", "mkl")
 WEIGHT_FORMATS = ("dequantize", "packed")
 _COMPILE_BACKENDS = ("none", "auto", "inductor", "aot_eager", "neuron")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 # KV cache element types: "auto" = the model dtype; "fp8_e4m3" = e4m3 codes with per-layer scales (kernels/kv_fp8.py).
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 _KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
@@ -112,9 +113,17 @@ class SchedulerConfig:
     max_num_seqs: int = 32  # running requests at once
     max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
     enable_chunked_prefill: bool = True
+    # "fcfs": admission in arrival order, the newest running request preempted first. "priority" (vLLM's
+    # --scheduling-policy priority): the lowest request priority value first, the highest preempted first
+    # (core/priority.py), each request's value lowered by one per priority_aging_s seconds since it arrived.
+    scheduling_policy: str = "fcfs"
+    priority_aging_s: float = 10.0
 
     def __post_init__(self) -> None:
         _require(1 <= self.max_num_seqs <= 1024, f"max_num_seqs must be in [1, 1024], got {self.max_num_seqs}")
+        _require(self.scheduling_policy in SCHEDULING_POLICIES,
+                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        _require(self.priority_aging_s > 0, f"priority_aging_s must be > 0 (seconds), got {self.priority_aging_s}")
         _require(self.max_num_batched_tokens >= 1,
                  f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 

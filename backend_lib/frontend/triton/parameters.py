@@ -32,6 +32,8 @@ _ENGINE_PARAMETERS: dict[str, tuple[str, type]] = {
     "packed_gemm_path": ("packed_gemm_path", str),
     "max_num_batched_tokens": ("max_num_batched_tokens", int),
     "enable_chunked_prefill": ("enable_chunked_prefill", bool),
+    "scheduling_policy": ("scheduling_policy", str),
+    "priority_aging_s": ("priority_aging_s", float),
     "session_idle_timeout_s": ("session_idle_timeout_s", float),
     "spec_method": ("method", str),
     "num_speculative_tokens": ("num_speculative_tokens", int),
