@@ -38,6 +38,7 @@ from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
 from backend_lib.engine.offline import LLM  # noqa: E402
 from backend_lib.models.layers import resident_weight_bytes  # noqa: E402
 from backend_lib.core.model_path import default_model_path  # noqa: E402
+from benchmarks.workload import WORKLOAD_FILE  # noqa: E402
 
 MODES = {  # label -> engine settings
     "dequantize (fp32)": {"weight_format": "dequantize"},
@@ -121,7 +122,7 @@ def llama_cpp_runs(quant: str, new_tokens: int) -> tuple[list[PeerRun], list[str
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", default=str(ROOT.parent / "shared" / "bench" / "workload.py"))
+    parser.add_argument("--workload", default=str(WORKLOAD_FILE))
     parser.add_argument("--formats", default="Q4_1,Q8_0")
     parser.add_argument("--single", type=int, default=4, help="prompts for the one-stream runs")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quantized.md"))
