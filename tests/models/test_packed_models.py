@@ -34,7 +34,7 @@ from kernels.quant import dequantize_block_fp8, quantize_block_fp8
 def smollm2_pair(smollm2_path):
     """(packed, dequantized) SmolLM2 models, fp32."""
     return (load_model(smollm2_path, progress=False, weight_format="packed"),
-            load_model(smollm2_path, progress=False))
+            load_model(smollm2_path, progress=False, weight_format="dequantize"))
 
 
 def test_setting_is_validated_and_refused_where_it_cannot_run():
