@@ -52,7 +52,8 @@ def _tensor(qtype: Q) -> GGUFTensor:
 
 
 @pytest.mark.parametrize(("options", "device", "reason"), [
-    (LoadOptions(dtype=torch.float16), "cpu", "dtype torch.float16: the packed GEMMs take float32 or bfloat16"),
+    (LoadOptions(dtype=torch.float16), "cpu",
+     "dtype torch.float16: the packed GEMMs take float32 or bfloat16 activations"),
     (LoadOptions(), "neuron", "device 'neuron': the packed GEMMs are host C++ kernels"),
     (LoadOptions(host_steps=False), "cpu", "compile_backend=neuron: the packed GEMMs are host C++ kernels"),
 ])
