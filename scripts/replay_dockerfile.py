@@ -9,7 +9,10 @@ machine), and pip's ``--index-url`` to download.pytorch.org (this machine reache
 installs too). Takes minutes: the torch install and a kernel build from scratch (TORCH_EXTENSIONS_DIR is the
 image's, under the scratch directory).
 
-    python scripts/replay_dockerfile.py [--keep] [--scratch DIR]
+    python scripts/replay_dockerfile.py [--keep] [--scratch DIR] [--reuse-kernel-cache]
+
+``--reuse-kernel-cache`` leaves TORCH_EXTENSIONS_DIR as this machine has it, so the kernel step finds the libraries
+a ``make install`` built (the same names: they follow the sources, not the checkout) instead of compiling again.
 """
 from __future__ import annotations
 
@@ -52,8 +55,9 @@ def instructions(dockerfile: Path) -> list[Instruction]:
 
 
 class Replay:
-    def __init__(self, scratch: Path) -> None:
+    def __init__(self, scratch: Path, reuse_kernel_cache: bool) -> None:
         self.scratch = scratch
+        self.reuse_kernel_cache = reuse_kernel_cache
         self.venv = scratch / "venv"
         self.env = {**os.environ, "TARGET": "cpu"}
         self.env.pop("VIRTUAL_ENV", None)
@@ -78,6 +82,9 @@ class Replay:
                 self.env.setdefault(name, default)
         elif inst.keyword == "ENV":
             for name, value in re.findall(r"(\w+)=(\S+)", inst.text):
+                if name == "TORCH_EXTENSIONS_DIR" and self.reuse_kernel_cache:
+                    print(f"kept this machine's TORCH_EXTENSIONS_DIR (not the image's {value})", flush=True)
+                    continue
                 self.env[name] = self.relocate(self.expand(value))
             self.env["PATH"] = f"{self.venv / 'bin'}{os.pathsep}{self.env['PATH']}"
         elif inst.keyword == "WORKDIR":
@@ -116,11 +123,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scratch", type=Path, help="scratch directory (default: a new temporary one)")
     parser.add_argument("--keep", action="store_true", help="leave the scratch directory for a look")
+    parser.add_argument("--reuse-kernel-cache", action="store_true",
+                        help="find the C++ kernels this machine built instead of building them in the scratch")
     args = parser.parse_args()
     scratch = args.scratch or Path(tempfile.mkdtemp(prefix="deepinfer-replay-"))
     started = time.perf_counter()
     try:
-        replay = Replay(scratch.resolve())
+        replay = Replay(scratch.resolve(), args.reuse_kernel_cache)
         (scratch / "tmp").mkdir(parents=True, exist_ok=True)  # the image's /tmp, relocated with its files
         for inst in instructions(ROOT / "Dockerfile"):
             replay.run_step(inst)
