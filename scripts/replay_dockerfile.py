@@ -44,8 +44,8 @@ def instructions(dockerfile: Path) -> list[Instruction]:
     for line in dockerfile.read_text().splitlines():
         if not pending and (not line.strip() or line.lstrip().startswith("#")):
             continue
-        if line.endswith("\\"):
-            pending += line[:-1] + "\n"
+        if line.endswith("\\"):  # Docker drops the backslash and the newline: a redirect on the next line still applies
+            pending += line[:-1]
             continue
         whole = (pending + line).strip()
         pending = ""
@@ -113,7 +113,7 @@ class Replay:
             print("skipped a RUN with apt-get (root on the image's Ubuntu): " + script.split("\n")[0][:80], flush=True)
             return
         script = TORCH_INDEX.sub("", self.relocate(script))
-        print(f"RUN {script.splitlines()[0][:100]}{' ...' if script.count(chr(10)) else ''}", flush=True)
+        print(f"RUN {script[:100]} ...", flush=True)
         started = time.perf_counter()
         subprocess.run(["bash", "-o", "pipefail", "-c", script], cwd=self.workdir, env=self.env, check=True)
         print(f"    ok ({time.perf_counter() - started:.0f} s)", flush=True)
