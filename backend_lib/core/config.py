@@ -13,7 +13,7 @@ from backend_lib.structured_output.constraints import StructuredOutputLimits
 _DTYPES = ("float32", "bfloat16", "float16")
 _SPEC_METHODS = ("none", "ngram", "mtp")
 _HOST_GEMMS = ("auto", "gemv", "onednn", "mkl")
-WEIGHT_FORMATS = ("dequantize", "packed")
+WEIGHT_FORMATS = ("auto", "dequantize", "packed")
 _COMPILE_BACKENDS = ("none", "auto", "inductor", "aot_eager", "neuron")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # KV cache element types: "auto" = the model dtype; "fp8_e4m3" = e4m3 codes with per-layer scales (kernels/kv_fp8.py).
@@ -55,8 +55,9 @@ class ModelConfig:
     # Quantized checkpoints: "dequantize" widens the weights to ``dtype`` at load; "packed" keeps them in the
     # checkpoint's blocks in memory (GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K: ~0.6 bytes a weight for Q4_1, not 4) and runs
     # the host GEMMs on those bytes (kernels/packed_gemm.py), and DeepSeek-V3 / V4 fp8 projections likewise. Host
-    # (cpu) only.
-    weight_format: str = "dequantize"
+    # (cpu) only. "auto": packed for quantized checkpoints where it can run, else dequantize, chosen at load
+    # (models/loading/weight_format.py).
+    weight_format: str = "auto"
     # weight_format=packed's GEMM path (kernels/packed_gemm.py): "auto" = "int8" for GGUF (each activation row
     # rounded to int8 per 32 inputs as llama.cpp does, integer dot products: ~1.7x faster, within a documented
     # bound of dequantize) and "fp32" for fp8 / fp4; "fp32" widens the weights in registers: dequantize's function
@@ -70,9 +71,9 @@ class ModelConfig:
         _require(self.packed_gemm_path in ("auto", "fp32", "int8"),
                  f"packed_gemm_path must be 'auto', 'fp32' or 'int8', got {self.packed_gemm_path!r}")
         # The packed GEMMs are host C++ kernels: Neuron (and CUDA) have none.
-        _require(self.weight_format == "dequantize" or self.device == "cpu",
+        _require(self.weight_format != "packed" or self.device == "cpu",
                  f"weight_format=packed runs on the host only (device 'cpu'), not device {self.device!r}")
-        _require(self.weight_format == "dequantize" or self.dtype in ("float32", "bfloat16"),
+        _require(self.weight_format != "packed" or self.dtype in ("float32", "bfloat16"),
                  f"weight_format=packed takes float32 or bfloat16 activations, not dtype {self.dtype!r}")
         _require(self.host_gemm in _HOST_GEMMS, f"host_gemm must be one of {_HOST_GEMMS}, got {self.host_gemm!r}")
         _require(self.host_attention in ("cpp", "torch"),
@@ -343,7 +344,7 @@ class EngineConfig:
                  f"got {self.max_waiting_requests}")
         _require(self.max_sessions >= 0,
                  f"max_sessions must be >= 0 (0 = {SESSIONS_PER_SEQ} x max_num_seqs), got {self.max_sessions}")
-        _require(self.model.weight_format == "dequantize" or self.compile.compile_backend != "neuron",
+        _require(self.model.weight_format != "packed" or self.compile.compile_backend != "neuron",
                  "weight_format=packed cannot run with compile_backend=neuron (its GEMMs are host C++ kernels)")
         context_parallel = self.parallel.context_parallel_size > 1
         _require(not context_parallel or self.compile.compile_backend == "none",
