@@ -9,7 +9,7 @@ import pytest
 from backend_lib.core.config import EngineConfig
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.offline import LLM
-from tests.conftest import hf_greedy, hf_greedy_choices
+from tests.helpers.greedy_agreement import hf_greedy, hf_greedy_choices
 
 PROMPTS = [
     "The capital of France is",

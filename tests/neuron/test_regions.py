@@ -34,11 +34,6 @@ from kernels.gemv import GemvPolicy
 BS = 4
 
 
-def compiled_engine(config: EngineConfig) -> LLMEngine:
-    """An engine with the config's compiled regions (the engine hands config.compile to its ModelRunner)."""
-    return LLMEngine(config)
-
-
 def _paged_decode_inputs(num_blocks: int, lens: list[int], width: int, vocab: int, seed: int):
     """A decode step for len(lens) requests whose contexts (lens[i] tokens) live in disjoint random blocks."""
     gen = torch.Generator().manual_seed(seed)
@@ -218,7 +213,7 @@ def test_graph_count_is_bounded_and_a_200_request_run_does_not_recompile(tiny_ll
         "max_model_len": 64, "max_num_batched_tokens": 64, "compile_backend": "aot_eager",
         "batch_buckets": "1,2,4,8", "width_buckets": "4,16", "prefill_buckets": "8,16",
         "compile_sampler_variants": "all", "compile_progress": False})
-    engine = compiled_engine(config)
+    engine = LLMEngine(config)  # it hands config.compile to its ModelRunner
     model, sampler = engine.runner.model, engine.runner.sampler
     assert isinstance(model, CompiledModel) and isinstance(sampler, CompiledSampler)
     spec = model.buckets
