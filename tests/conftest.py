@@ -1,4 +1,8 @@
-"""Shared fixtures: the real SmolLM2 GGUF, transformers as the oracle, a tiny random Llama written by transformers."""
+"""Shared fixtures: the real SmolLM2 GGUF, transformers as the oracle, a tiny random Llama written by transformers.
+
+The `slow` mark keeps a test out of `make test-fast` (the inner loop, <= 5 minutes) and in `make test`: multi-rank
+engines, SmolLM2 against transformers or compiled, the V4 oracles per config, inductor's codegen, the full graph lint.
+Shared code (engine builder, drive loop, oracles, server) is in tests/helpers/; no test imports another."""
 from __future__ import annotations
 
 import os

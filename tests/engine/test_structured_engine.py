@@ -270,6 +270,7 @@ def test_compiled_sampler_region_gives_the_eager_tokens(tiny_llama):
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
 
 
+@pytest.mark.slow
 def test_two_ranks_give_one_ranks_tokens(tiny_llama):
     prompts, params, kinds = _workload()
     with _llm(tiny_llama) as llm:

@@ -167,6 +167,7 @@ def test_bf16_deepseek_v4_is_as_close_to_fp32_as_transformers_bf16(tmp_path):
     assert median(ours - truth) <= 1.25 * median(theirs - truth) + 0.02
 
 
+@pytest.mark.slow
 def test_two_ranks_bf16_match_one(tmp_path):
     """The shared-memory all-reduce sums bf16 partials in fp32 and rounds once, but each rank's partial is
     already rounded: two ranks equal one up to near-ties, judged on one rank's top-5 log-probabilities, and each

@@ -18,6 +18,9 @@ from backend_lib.tools.tiny import make_tiny
 from tests.helpers.paged_runner import HybridPagedRunner
 from tests.helpers.engines import drive, make_engine, new_tokens
 
+# `make test` only (not test-fast): the tiny V4 against transformers per config, through the model and the engine.
+pytestmark = pytest.mark.slow
+
 NEW_TOKENS = 24
 CONFIGS = {
     # make-tiny's defaults: window 8, CSA rate 4 (top-3 of the indexer), HCA rate 8, sqrtsoftplus routing

@@ -135,8 +135,8 @@ def test_preemption_and_session_turns_keep_the_reference_greedy_ids(release_smal
 
 
 @pytest.mark.parametrize("settings", [
-    {"tensor_parallel_size": 2},
-    {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+    pytest.param({"tensor_parallel_size": 2}, marks=pytest.mark.slow),
+    pytest.param({"tensor_parallel_size": 2, "enable_expert_parallel": True}, marks=pytest.mark.slow),
     {"method": "ngram", "num_speculative_tokens": 3},
     {"method": "mtp", "num_speculative_tokens": 2},
 ])

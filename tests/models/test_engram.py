@@ -148,8 +148,8 @@ def test_preemption_and_session_turns_keep_the_reference_greedy_ids(with_mtp):
 
 
 @pytest.mark.parametrize("settings", [
-    {"tensor_parallel_size": 2},
-    {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+    pytest.param({"tensor_parallel_size": 2}, marks=pytest.mark.slow),
+    pytest.param({"tensor_parallel_size": 2, "enable_expert_parallel": True}, marks=pytest.mark.slow),
     {"method": "ngram", "num_speculative_tokens": 3},
     {"method": "mtp", "num_speculative_tokens": 2},
 ])
@@ -252,7 +252,7 @@ def test_v3_greedy_equals_transformers_with_the_reference_engram(v3):
 
 
 @pytest.mark.parametrize("settings", [
-    {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+    pytest.param({"tensor_parallel_size": 2, "enable_expert_parallel": True}, marks=pytest.mark.slow),
     {"method": "mtp", "num_speculative_tokens": 2},
     {"method": "ngram", "num_speculative_tokens": 3},
 ])

@@ -16,6 +16,10 @@ from backend_lib.tools.tiny import make_tiny
 from kernels.v4_fp8 import EntryRecord, IndexKeyRecord, store_entries
 from tests.helpers.engines import drive
 
+# `make test` only (not test-fast): the tiny V4 through the engine with and without fp8 KV, on one and two ranks,
+# compiled.
+pytestmark = pytest.mark.slow
+
 
 def _pow2_scale(values: torch.Tensor, fp8_max: float) -> torch.Tensor:
     return torch.exp2(torch.log2(values.abs().amax() / fp8_max).ceil()).clamp_min(2.0**-14)

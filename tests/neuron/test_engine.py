@@ -11,6 +11,9 @@ from backend_lib.engine.offline import LLM
 from backend_lib.tools.tiny import make_tiny
 from tests.helpers.greedy_agreement import hf_greedy, hf_greedy_choices
 
+# `make test` only (not test-fast): compiles SmolLM2's regions (aot_eager) and runs them against the eager engine.
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3, 4, 5,",
            [{"role": "user", "content": "What is the capital of France?"}]]
 NEW_TOKENS = 24

@@ -19,6 +19,10 @@ from backend_lib.tools.tiny import make_tiny
 from backend_lib.worker.executor.workers import RankFailure
 from tests.helpers.engines import drive, make_engine, new_tokens
 
+# `make test` only (not test-fast): each test starts two-rank engines (processes, gloo groups, the model loaded per
+# rank).
+pytestmark = pytest.mark.slow
+
 STORY = "Once upon a time there was a lighthouse keeper who counted the ships. "
 PROMPTS = ["What is the capital of France?", STORY * 10, "0123456789 + - * / =", "Hi"]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)

@@ -29,6 +29,9 @@ from kernels.attention import write_kv
 from kernels.kv_fp8 import dequantize_kv, quantize_kv
 from tests.helpers.engines import drive, make_engine
 
+# `make test` only (not test-fast): fp8 KV engines against a reference engine (SmolLM2 among them), compiled too.
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
 
 
