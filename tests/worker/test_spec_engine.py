@@ -119,12 +119,13 @@ def test_mtp_abort_mid_request_frees_blocks(tiny_mtp):
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     engine.add_request("a", [5, 6, 7, 8, 9], params)
     engine.add_request("b", [9, 8, 7], params)
-    seen = []
+    tokens_of_a = []
 
     def abort_a_after_four(out) -> None:
-        seen.extend(out.new_token_ids if out.request_id == "a" else [])
-        if out.request_id == "a" and len(seen) >= 4:
-            engine.abort("a")
+        if out.request_id == "a":
+            tokens_of_a.extend(out.new_token_ids)
+            if len(tokens_of_a) >= 4:
+                engine.abort("a")
     out = new_tokens(drive(engine, on_output=abort_a_after_four))
     assert 4 <= len(out["a"]) < 30 and len(out["b"]) == 30
     engine.scheduler.check_integrity()
