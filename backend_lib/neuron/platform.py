@@ -13,11 +13,12 @@ from __future__ import annotations
 import glob
 import importlib
 import importlib.util
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+
+from backend_lib.core import envs
 
 DEVICES = ("cpu", "neuron", "cuda")
 COMPILE_BACKENDS = ("eager", "aot_eager", "inductor", "neuron")
@@ -49,17 +50,6 @@ class Platform:
         return torch.device("neuron", 0) if self.is_neuron else torch.device(self.device_type)
 
 
-def _truthy(value: str | None, name: str) -> bool:
-    if value is None or value == "":
-        return False
-    lowered = value.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name} must be 0/1 (or true/false), got {value!r}")
-
-
 def parse_core_list(spec: str) -> tuple[int, ...]:
     """``NEURON_RT_VISIBLE_CORES`` syntax: ``"0"``, ``"0-3"``, ``"0,2,5-6"`` -> sorted core ids."""
     cores: set[int] = set()
@@ -85,16 +75,16 @@ def torch_neuronx_available() -> bool:
     return True
 
 
-def _visible_cores(env: Mapping[str, str]) -> tuple[int, ...]:
-    spec = env.get("NEURON_RT_VISIBLE_CORES", "")
-    if spec.strip():
+def _visible_cores(env: Mapping[str, str] | None) -> tuple[int, ...]:
+    spec = envs.read("NEURON_RT_VISIBLE_CORES", env)
+    if spec:
         return parse_core_list(spec)
     # No explicit binding: every device node the driver exposes (core count per device is not known here).
     return tuple(range(len(glob.glob("/dev/neuron[0-9]*"))))
 
 
-def _device_type(env: Mapping[str, str], neuron_importable: bool, cores: tuple[int, ...]) -> str:
-    forced = env.get("DEEPINFER_DEVICE", "").strip().lower()
+def _device_type(env: Mapping[str, str] | None, neuron_importable: bool, cores: tuple[int, ...]) -> str:
+    forced = envs.read("DEEPINFER_DEVICE", env).lower()
     if forced:
         if forced not in DEVICES:
             raise ValueError(f"DEEPINFER_DEVICE must be one of {DEVICES}, got {forced!r}")
@@ -108,12 +98,11 @@ def _device_type(env: Mapping[str, str], neuron_importable: bool, cores: tuple[i
 
 def detect_platform(env: Mapping[str, str] | None = None, neuron_importable: bool | None = None) -> Platform:
     """Resolve the platform from ``env`` (default: ``os.environ``); ``neuron_importable`` overrides the import probe."""
-    env = os.environ if env is None else env
     if neuron_importable is None:
         neuron_importable = torch_neuronx_available()
     cores = _visible_cores(env) if neuron_importable else ()
     device = _device_type(env, neuron_importable, cores)
-    backend_env = env.get("DEEPINFER_COMPILE_BACKEND", "").strip().lower()
+    backend_env = envs.read("DEEPINFER_COMPILE_BACKEND", env).lower()
     backend = backend_env or ("neuron" if device == "neuron"
                                                                              else "inductor")
     if backend not in COMPILE_BACKENDS:
@@ -121,14 +110,14 @@ def detect_platform(env: Mapping[str, str] | None = None, neuron_importable: boo
     if backend == "neuron" and device != "neuron":
         raise ValueError(f"DEEPINFER_COMPILE_BACKEND=neuron needs the neuron device, the platform is {device!r}")
     fp8_default = FP8_MAX_NEURON if device == "neuron" else FP8_MAX_E4M3FN
-    fp8_text = env.get("DEEPINFER_NEURON_FP8_MAX", "").strip()
-    fp8_max = float(fp8_text) if fp8_text else fp8_default
+    fp8_override = envs.read("DEEPINFER_NEURON_FP8_MAX", env)
+    fp8_max = fp8_default if fp8_override is None else fp8_override
     if not 0.0 < fp8_max <= FP8_MAX_E4M3FN:
-        raise ValueError(f"DEEPINFER_NEURON_FP8_MAX must be in (0, {FP8_MAX_E4M3FN}], got {fp8_text!r}")
+        raise ValueError(f"DEEPINFER_NEURON_FP8_MAX must be in (0, {FP8_MAX_E4M3FN}], got {fp8_max:g}")
     return Platform(
         device_type=device,
         compile_backend=backend,
-        enforce_eager=_truthy(env.get("DEEPINFER_ENFORCE_EAGER"), "DEEPINFER_ENFORCE_EAGER"),
+        enforce_eager=envs.read("DEEPINFER_ENFORCE_EAGER", env),
         visible_cores=cores if device == "neuron" else (),
         fp8_max=fp8_max,
         backend_from_env=bool(backend_env),

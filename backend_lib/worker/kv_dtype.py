@@ -10,11 +10,11 @@ and activations to 224); ``DEEPINFER_NEURON_FP8_MAX`` overrides it on either.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 
 import torch
 
+from backend_lib.core import envs
 from backend_lib.core.config import EngineConfig
 from kernels.kv_fp8 import FP8_E4M3_MAX
 
@@ -25,11 +25,10 @@ KV_FP8_MAX_NEURON = 224.0
 
 def kv_fp8_max(device_type: str, env: Mapping[str, str] | None = None) -> float:
     """The e4m3 saturation bound for this device (see the module docstring)."""
-    text = (os.environ if env is None else env).get("DEEPINFER_NEURON_FP8_MAX", "").strip()
-    if text:
-        value = float(text)
+    value = envs.read("DEEPINFER_NEURON_FP8_MAX", env)
+    if value is not None:
         if not 0.0 < value <= FP8_E4M3_MAX:
-            raise ValueError(f"DEEPINFER_NEURON_FP8_MAX must be in (0, {FP8_E4M3_MAX}], got {text!r}")
+            raise ValueError(f"DEEPINFER_NEURON_FP8_MAX must be in (0, {FP8_E4M3_MAX}], got {value:g}")
         return value
     return KV_FP8_MAX_NEURON if device_type == "neuron" else FP8_E4M3_MAX
 
