@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.quant import FP8_MAX
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = ("paged_decode_attention.cpp", "shm_all_reduce.cpp", "gemv.cpp", "grouped_experts.cpp",
@@ -162,7 +164,7 @@ def load_cpu_kernels() -> bool:
           query_len: int, block_size: int, scale: float, num_heads: int, num_kv_heads: int, intermediate: int,
           eps: float, norms: list[torch.Tensor], projections: list[torch.Tensor], gemm_path: int,
           packed_fmt: str = "", packed_path: str = "auto", k_scales: list[float] = (), v_scales: list[float] = (),
-          fp8_max: float = 448.0) -> torch.Tensor:
+          fp8_max: float = FP8_MAX) -> torch.Tensor:
         return torch.empty_like(hidden, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("deepinfer::blocked_grouped_experts")

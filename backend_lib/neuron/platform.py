@@ -1,12 +1,18 @@
 """Which device the engine runs on and how its regions compile: the one place that knows about Neuron.
 
-Device choice: ``DEEPINFER_DEVICE=cpu|neuron|cuda`` wins; otherwise ``neuron`` when torch_neuronx imports and a
-NeuronCore is visible (``NEURON_RT_VISIBLE_CORES`` or a ``/dev/neuron*`` node), else host mode (``cpu``).
+Device choice, first that applies: ``DEEPINFER_DEVICE=cpu|neuron|cuda`` (a deployment's override); the ``device``
+setting (``ModelConfig.device``, which the engine always passes); without either (tools), ``neuron`` when
+torch_neuronx imports and a NeuronCore is visible (``NEURON_RT_VISIBLE_CORES`` or a ``/dev/neuron*`` node), else
+host mode (``cpu``). The rank's tensors live on that device.
 Compile backend: ``DEEPINFER_COMPILE_BACKEND`` wins; otherwise ``neuron`` on Trainium and ``inductor`` on the
-host. ``DEEPINFER_ENFORCE_EAGER=1`` keeps every region eager (debugging). ``DEEPINFER_NEURON_FP8_MAX`` is the
-largest fp8 activation magnitude: 240 on Neuron (trn2 reads e4m3 as IEEE e4m3), 448 (float8_e4m3fn) elsewhere.
+host. ``DEEPINFER_ENFORCE_EAGER=1`` keeps every region eager (debugging).
+fp8 limits, two: the largest activation magnitude the device represents (``fp8_max``: 240 on Neuron, where trn2
+reads e4m3 as IEEE e4m3; 448, float8_e4m3fn, elsewhere) and the bound KV records and quantized activations are
+saturated at (``kv_fp8_max``: 224 on Neuron, as the port quantizes; 448 elsewhere). ``DEEPINFER_NEURON_FP8_MAX``
+sets both.
 
-Environment variables are read once, here, before anything is traced: a region never reads them.
+Built once per rank (worker/executor/rank.py) and passed down: environment variables are read here, before
+anything is traced; a region never reads them.
 """
 from __future__ import annotations
 
@@ -19,12 +25,13 @@ from dataclasses import dataclass
 import torch
 
 from backend_lib.core import envs
+from kernels.quant import FP8_MAX
 
 DEVICES = ("cpu", "neuron", "cuda")
 COMPILE_BACKENDS = ("eager", "aot_eager", "inductor", "neuron")
 HOST_BACKENDS = ("eager", "aot_eager", "inductor")
 FP8_MAX_NEURON = 240.0  # IEEE e4m3 on trn2 (exponent 15 is inf / nan)
-FP8_MAX_E4M3FN = 448.0  # float8_e4m3fn (OCP)
+KV_FP8_MAX_NEURON = 224.0  # the port's quantization bound on trn2, one e4m3 step below 240
 
 
 @dataclass(frozen=True)
@@ -33,7 +40,8 @@ class Platform:
     compile_backend: str  # one of COMPILE_BACKENDS; "eager" = no compile
     enforce_eager: bool  # DEEPINFER_ENFORCE_EAGER=1
     visible_cores: tuple[int, ...]  # NeuronCores this process may use (empty off Neuron)
-    fp8_max: float  # activation quantization range
+    fp8_max: float  # the largest fp8 activation magnitude
+    kv_fp8_max: float  # KV records and quantized activations saturate here
     backend_from_env: bool = False  # DEEPINFER_COMPILE_BACKEND was set: compiled regions were asked for
 
     @property
@@ -83,25 +91,29 @@ def _visible_cores(env: Mapping[str, str] | None) -> tuple[int, ...]:
     return tuple(range(len(glob.glob("/dev/neuron[0-9]*"))))
 
 
-def _device_type(env: Mapping[str, str] | None, neuron_importable: bool, cores: tuple[int, ...]) -> str:
+def _device_type(env: Mapping[str, str] | None, setting: str, neuron_importable: bool,
+                 cores: tuple[int, ...]) -> str:
     forced = envs.read("DEEPINFER_DEVICE", env).lower()
-    if forced:
-        if forced not in DEVICES:
-            raise ValueError(f"DEEPINFER_DEVICE must be one of {DEVICES}, got {forced!r}")
-        if forced == "neuron" and not neuron_importable:
-            raise ValueError("DEEPINFER_DEVICE=neuron but torch_neuronx is not installed (see docs/NEURON.md)")
-        if forced == "cuda" and not torch.cuda.is_available():
-            raise ValueError("DEEPINFER_DEVICE=cuda but torch sees no CUDA device")
-        return forced
-    return "neuron" if neuron_importable and cores else "cpu"
+    chosen, source = (forced, "DEEPINFER_DEVICE") if forced else (setting.strip().lower(), "device")
+    if not chosen:
+        return "neuron" if neuron_importable and cores else "cpu"
+    if chosen not in DEVICES:
+        raise ValueError(f"{source} must be one of {DEVICES}, got {chosen!r}")
+    if chosen == "neuron" and not neuron_importable:
+        raise ValueError(f"{source}=neuron but torch_neuronx is not installed (see docs/NEURON.md)")
+    if chosen == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{source}=cuda but torch sees no CUDA device")
+    return chosen
 
 
-def detect_platform(env: Mapping[str, str] | None = None, neuron_importable: bool | None = None) -> Platform:
-    """Resolve the platform from ``env`` (default: ``os.environ``); ``neuron_importable`` overrides the import probe."""
+def detect_platform(env: Mapping[str, str] | None = None, neuron_importable: bool | None = None,
+                    device: str = "") -> Platform:
+    """Resolve the platform from ``env`` (default: this process's environment) and the ``device`` setting ("" =
+    none); ``neuron_importable`` overrides the import probe."""
     if neuron_importable is None:
         neuron_importable = torch_neuronx_available()
     cores = _visible_cores(env) if neuron_importable else ()
-    device = _device_type(env, neuron_importable, cores)
+    device = _device_type(env, device, neuron_importable, cores)
     backend_env = envs.read("DEEPINFER_COMPILE_BACKEND", env).lower()
     backend = backend_env or ("neuron" if device == "neuron"
                                                                              else "inductor")
@@ -109,16 +121,16 @@ def detect_platform(env: Mapping[str, str] | None = None, neuron_importable: boo
         raise ValueError(f"DEEPINFER_COMPILE_BACKEND must be one of {COMPILE_BACKENDS}, got {backend!r}")
     if backend == "neuron" and device != "neuron":
         raise ValueError(f"DEEPINFER_COMPILE_BACKEND=neuron needs the neuron device, the platform is {device!r}")
-    fp8_default = FP8_MAX_NEURON if device == "neuron" else FP8_MAX_E4M3FN
     fp8_override = envs.read("DEEPINFER_NEURON_FP8_MAX", env)
-    fp8_max = fp8_default if fp8_override is None else fp8_override
-    if not 0.0 < fp8_max <= FP8_MAX_E4M3FN:
-        raise ValueError(f"DEEPINFER_NEURON_FP8_MAX must be in (0, {FP8_MAX_E4M3FN}], got {fp8_max:g}")
+    if fp8_override is not None and not 0.0 < fp8_override <= FP8_MAX:
+        raise ValueError(f"DEEPINFER_NEURON_FP8_MAX must be in (0, {FP8_MAX:g}], got {fp8_override:g}")
+    neuron = device == "neuron"
     return Platform(
         device_type=device,
         compile_backend=backend,
         enforce_eager=envs.read("DEEPINFER_ENFORCE_EAGER", env),
         visible_cores=cores if device == "neuron" else (),
-        fp8_max=fp8_max,
+        fp8_max=fp8_override or (FP8_MAX_NEURON if neuron else FP8_MAX),
+        kv_fp8_max=fp8_override or (KV_FP8_MAX_NEURON if neuron else FP8_MAX),
         backend_from_env=bool(backend_env),
     )

@@ -32,7 +32,7 @@ from backend_lib.core.config import CompileConfig, SpecConfig
 from backend_lib.core.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput, TokenLogprob
 from backend_lib.core.request import Request
 from backend_lib.models.parallel import ContextGroup
-from backend_lib.neuron.platform import detect_platform
+from backend_lib.neuron.platform import Platform
 from backend_lib.neuron.regions import resolve_backend
 from backend_lib.worker.compiled_sampler import build_regions
 from backend_lib.worker.context_share import share_step
@@ -77,7 +77,7 @@ def chunk_token_ids(chunk: ScheduledChunk) -> list[int]:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, vocab_size: int,
-                 device: torch.device, dtype: torch.dtype, spec: SpecConfig | None = None,
+                 platform: Platform, dtype: torch.dtype, spec: SpecConfig | None = None,
                  compile_config: CompileConfig | None = None, max_num_seqs: int = 32,
                  max_model_len: int | None = None, link: StepLink | None = None, is_driver: bool = True,
                  num_state_slots: int = 0, kv_dtype: torch.dtype | None = None,
@@ -98,7 +98,8 @@ class ModelRunner:
         # every context rank's blocks together; worker/context_share.py maps them onto this rank's).
         self.scratch_block = num_blocks * context.size
         self.vocab_size = vocab_size
-        self.device = device
+        self.platform = platform  # the rank's, built once (worker/executor/rank.py)
+        self.device = device = platform.torch_device
         num_slots = (num_blocks + 1) * block_size
         self.num_state_slots = num_state_slots if is_hybrid(model) else 0
         # kv_dtype: the paged cache's element type (default the model's; uint8 for kv_cache_dtype=fp8_e4m3); a
@@ -119,14 +120,15 @@ class ModelRunner:
         self.mtp = (make_mtp_proposer(model, self.kv_caches, num_slots, k, device, kv_dtype or dtype,
                                       self._share_meta if context.size > 1 else None)
                     if self.spec_method == "mtp" else None)
-        if getattr(self.mtp, "needs_eager_model", False) and resolve_backend(compile_config, detect_platform()):
+        if getattr(self.mtp, "needs_eager_model", False) and resolve_backend(compile_config, platform):
             raise ValueError("spec_method 'mtp' drafts for this model need the eager forward (it keeps the "
                              "pre-hc_head streams): set compile_backend 'none' (and no DEEPINFER_COMPILE_BACKEND) "
                              "or DEEPINFER_ENFORCE_EAGER=1")
-        # Compiled regions (backend_lib/worker/compile): same contracts, eager unless compile_config or
+        # Compiled regions (backend_lib/neuron/regions.py): same contracts, eager unless compile_config or
         # DEEPINFER_COMPILE_BACKEND ask for graphs; DEEPINFER_ENFORCE_EAGER=1 keeps everything eager.
         self.model, self.sampler = build_regions(model, self.sampler, self.kv_caches, num_blocks, block_size,
-                                                 vocab_size, compile_config, max_num_seqs, max_model_len)
+                                                 vocab_size, platform, compile_config, max_num_seqs,
+                                                 max_model_len)
 
     @property
     def num_lookahead_slots(self) -> int:

@@ -21,7 +21,7 @@ from backend_lib.tools.tiny import make_tiny
 from backend_lib.neuron.buckets import BucketSpec
 from backend_lib.neuron.regions import CompiledModel, layer_views
 from backend_lib.worker.compiled_sampler import SAMPLER_VARIANTS, warm_up_meta
-from backend_lib.worker.kv_dtype import KV_FP8_MAX_NEURON
+from backend_lib.neuron.platform import KV_FP8_MAX_NEURON
 from backend_lib.worker.sampler import SamplingMetadata, SamplingRow, masked_sample
 from backend_lib.worker.spec_decode.rejection import DraftLayout, rejection_sample
 
