@@ -13,6 +13,7 @@ import logging
 import torch
 
 from backend_lib.core.config import EngineConfig
+from backend_lib.models.interfaces import capabilities_of
 from backend_lib.neuron.platform import Platform
 
 logger = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ def kv_storage_dtype(config: EngineConfig, model: torch.nn.Module, dtype: torch.
     setting = config.cache.kv_cache_dtype
     if setting == "auto":
         return dtype
-    if not hasattr(model, "use_fp8_kv"):
+    if not capabilities_of(model).fp8_kv:
         raise ValueError(f"kv_cache_dtype={setting!r} is not supported for {type(model).__name__} yet (supported: "
                          f"Llama-family models, DeepSeek-V3 and V4); set kv_cache_dtype='auto'")
     source = model.use_fp8_kv(platform.kv_fp8_max)

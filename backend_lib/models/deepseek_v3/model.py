@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from backend_lib.models.interfaces import ModelCapabilities, ServedModel
 from backend_lib.models.deepseek_v3.layers import (
     MOE_IMPLS, BlockLinear, DecoderLayer, DenseMLP, MLADims, MLAttention, MTPLayer, RMSNorm, WeightSlot, build_rope,
     rope_cos_sin,
@@ -130,8 +131,10 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
 
 
-class DeepseekV3ForCausalLM(nn.Module):
-    accepts_packed_weights = True  # weight_format=packed: the fp8 projections (loader.py)
+class DeepseekV3ForCausalLM(ServedModel):
+    # packed_weights: the fp8 projections; context_parallel: MLA attends held latents (not with Engram, below)
+    capabilities = ModelCapabilities(fp8_kv=True, mtp="latent", engram=True, packed_weights=True,
+                                     context_parallel=True, static_moe=True)
 
     def __init__(self, args: DeepseekV3Args, dtype: torch.dtype = torch.float32,
                  dequantize_fp8_at_load: bool = False, moe_impl: str = "dynamic",

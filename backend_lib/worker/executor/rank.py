@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from backend_lib.core.config import EngineConfig
+from backend_lib.models.interfaces import capabilities_of
 from backend_lib.models.layers import HostGemmPlan
 from backend_lib.core.model_path import resolve_model_path
 from backend_lib.models.loading.loader import load_model
@@ -93,13 +94,14 @@ def build_rank(config: EngineConfig, par: ParallelContext,
                        par=par, weight_format=config.model.weight_format,
                        packed_gemm_path=config.model.packed_gemm_path,
                        host_steps=resolve_backend(config.compile, platform) != "neuron").to(device).eval()
-    if hasattr(model, "cover_positions") and model.cover_positions(config.model.max_model_len) and par.is_driver:
+    capabilities = capabilities_of(model)
+    if capabilities.rope_extension and model.cover_positions(config.model.max_model_len) and par.is_driver:
         log.warning("max_model_len %d is past the checkpoint's max_position_embeddings %d: RoPE extrapolates there",
                     config.model.max_model_len, model.arch.max_position_embeddings)
     # Before the runner: compiled regions trace the packed GEMMs (opaque custom ops) that eager steps call. Before
     # the KV cache's sizing: the packed and blocked copies and the screened heads take memory the cache must not.
     plan = host_gemm_plan(config.model.host_gemm, device, dtype, config.model.greedy_head_screen)
-    if hasattr(model, "pack_for_cpu") and (plan.onednn or plan.blocked):
+    if capabilities.host_packing and (plan.onednn or plan.blocked):
         model.pack_for_cpu(plan)
         if plan.blocked:  # the layouts every decode step streams, in the model's order, on huge pages
             move_buffers_to_huge_pages([(module, name) for module in model.modules()
@@ -115,7 +117,7 @@ def build_rank(config: EngineConfig, par: ParallelContext,
     parallel = config.parallel
     num_blocks = _agree_on_blocks(kv_cache_blocks(config, model, dtype, parallel.ranks_per_node, kv_dtype, device),
                                   parallel.world_size)
-    if (config.model.host_attention == "cpp" and hasattr(model, "use_cpu_attention")
+    if (config.model.host_attention == "cpp" and capabilities.cpu_attention
             and cpu_kernels_supported(device, dtype) and load_cpu_kernels()):
         model.use_cpu_attention()
     global_rank = par.context.rank * par.world_size + par.rank
