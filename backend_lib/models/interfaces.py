@@ -3,7 +3,7 @@ reads ``capabilities_of(model)`` instead of probing the model object for attribu
 
 A capability names the methods and attributes the model then brings. Some also depend on the checkpoint, which the
 instance says: ``has_mtp_weights`` (the nextn depths are there), ``token_history`` (> 0 with Engram layers),
-``supports_context_parallel`` (DeepSeek-V3: not with Engram). A setting that asks for a capability a model lacks is
+``has_hybrid_state`` and ``supports_context_parallel`` (DeepSeek-V3: hybrid only with Engram, and then no CP). A setting that asks for a capability a model lacks is
 refused where the setting is applied, naming the setting (kv_dtype.py, model_runner.py, spec_decode, loader.py).
 """
 from __future__ import annotations
@@ -48,6 +48,10 @@ class ServedModel(nn.Module):
     has_mtp_weights: bool = False
 
     @property
+    def has_hybrid_state(self) -> bool:
+        return self.capabilities.hybrid_cache
+
+    @property
     def supports_context_parallel(self) -> bool:
         return self.capabilities.context_parallel
 
@@ -56,3 +60,9 @@ def capabilities_of(model: nn.Module | type) -> ModelCapabilities:
     """A model's (or model class's) declared capabilities; none for a module that is not a ServedModel."""
     cls = model if isinstance(model, type) else type(model)
     return cls.capabilities if issubclass(cls, ServedModel) else ModelCapabilities()
+
+
+def keeps_hybrid_state(model: nn.Module) -> bool:
+    """Whether this model (instance: the checkpoint decides for DeepSeek-V3) keeps fixed per-request state next to
+    its paged blocks (backend_lib/core/hybrid_kv.py)."""
+    return capabilities_of(model).hybrid_cache and model.has_hybrid_state

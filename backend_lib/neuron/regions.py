@@ -210,7 +210,7 @@ class CompiledModel(torch.nn.Module):
             prefill_block_tables=torch.zeros((0, width), dtype=torch.int32, device=device),
         )
         zeros = torch.zeros(tokens, dtype=torch.int64, device=device)
-        if self.capabilities.hybrid_cache:  # no state slot: every row writes the scratch slot
+        if self.capabilities.hybrid_cache and self.model.has_hybrid_state:  # no state slot: every row writes the scratch slot
             meta.state = StateRows(torch.full_like(zeros, -1), zeros.clone(), zeros.clone())
         if self.engram_history:
             history = torch.full((tokens, self.engram_history), -1, dtype=torch.int64, device=device)

@@ -133,8 +133,9 @@ _EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)
 
 class DeepseekV3ForCausalLM(ServedModel):
     # packed_weights: the fp8 projections; context_parallel: MLA attends held latents (not with Engram, below)
-    capabilities = ModelCapabilities(fp8_kv=True, mtp="latent", engram=True, packed_weights=True,
-                                     context_parallel=True, static_moe=True)
+    # hybrid_cache: with Engram only (has_hybrid_state), its ShortConv history in state slots
+    capabilities = ModelCapabilities(fp8_kv=True, hybrid_cache=True, mtp="latent", engram=True,
+                                     packed_weights=True, context_parallel=True, static_moe=True)
 
     def __init__(self, args: DeepseekV3Args, dtype: torch.dtype = torch.float32,
                  dequantize_fp8_at_load: bool = False, moe_impl: str = "dynamic",
@@ -166,8 +167,6 @@ class DeepseekV3ForCausalLM(ServedModel):
         self.token_history = attach_engram_layers(self.layers, args.engram, engram_vocab, args.hidden_size, 1,
                                                   dtype, par)
         self.engram_prefetch = EngramPrefetch(overlap=par.world_size == 1)
-        if self.token_history:
-            self.hybrid_cache_shapes = self._engram_cache_shapes
         self.to(dtype)
         for module in self.modules():  # routing stays fp32 in every dtype
             if isinstance(module, MoE):
@@ -225,7 +224,11 @@ class DeepseekV3ForCausalLM(ServedModel):
         return (f"MLA records of {self.record.num_bytes} B a token and layer (e4m3 latent, a power-of-two scale "
                 f"per 128 values from each token's amax, bf16 RoPE)")
 
-    def _engram_cache_shapes(self, num_blocks: int, block_size: int, num_state_slots: int,
+    @property
+    def has_hybrid_state(self) -> bool:
+        return bool(self.token_history)
+
+    def hybrid_cache_shapes(self, num_blocks: int, block_size: int, num_state_slots: int,
                              max_drafts: int = 0) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
         """With Engram the cache is hybrid: the latent cache's blocks, and the ShortConv history in state slots."""
         return (self.kv_cache_shapes(num_blocks * block_size),

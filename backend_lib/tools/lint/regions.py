@@ -15,7 +15,7 @@ import torch
 
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.models.loading.loader import load_model
-from backend_lib.models.interfaces import capabilities_of
+from backend_lib.models.interfaces import keeps_hybrid_state
 from backend_lib.models.parallel import ParallelContext
 from backend_lib.neuron.graph_lint import GraphLintError, lint_region
 from backend_lib.tools.tiny import make_tiny
@@ -47,7 +47,7 @@ def _tiny_model(arch: str, directory: str, par: ParallelContext | None = None) -
 
 
 def _model_regions(arch: str, model: torch.nn.Module) -> Iterator[tuple[str, object]]:
-    if capabilities_of(model).hybrid_cache:
+    if keeps_hybrid_state(model):
         paged, state = model.hybrid_cache_shapes(NUM_BLOCKS + 1, BLOCK_SIZE, NUM_STATE_SLOTS + 1)
         paged_dtype = torch.uint8 if getattr(model, "records", None) is not None else torch.float32  # fp8 records
         caches = [torch.zeros(s, dtype=paged_dtype) for s in paged] + [torch.zeros(s) for s in state]
