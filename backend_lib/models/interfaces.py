@@ -3,8 +3,9 @@ reads ``capabilities_of(model)`` instead of probing the model object for attribu
 
 A capability names the methods and attributes the model then brings. Some also depend on the checkpoint, which the
 instance says: ``has_mtp_weights`` (the nextn depths are there), ``token_history`` (> 0 with Engram layers),
-``has_hybrid_state`` and ``supports_context_parallel`` (DeepSeek-V3: hybrid only with Engram, and then no CP). A setting that asks for a capability a model lacks is
-refused where the setting is applied, naming the setting (kv_dtype.py, model_runner.py, spec_decode, loader.py).
+``has_hybrid_state`` and ``supports_context_parallel`` (DeepSeek-V3: hybrid only with Engram, and then no CP). A
+setting that asks for a capability a model lacks is refused where the setting is applied, naming the setting
+(kv_dtype.py, model_runner.py, spec_decode, loader.py).
 """
 from __future__ import annotations
 

@@ -96,10 +96,9 @@ class CompiledModel(torch.nn.Module):
         super().__init__()
         if scope not in COMPILE_SCOPES:
             raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {scope!r}")
-        # The model's declared capabilities (backend_lib/models/interfaces.py; that layer sits above this one).
-        self.capabilities = capabilities = model.capabilities
-        self.engram_history = model.token_history if capabilities.engram else 0  # ids before each token (Engram)
-        if capabilities.static_moe:
+        # The ServedModel interface (backend_lib/models/interfaces.py: that layer sits above this one, so no import).
+        self.engram_history = model.token_history  # ids before each token (Engram)
+        if model.capabilities.static_moe:
             # The grouped-dispatch MoE has data-dependent shapes; the eager fallback shares the module, and
             # switching per call would fail dynamo's guards, so the whole model takes the fixed-shape MoE.
             model.set_moe_impl("static")
@@ -149,7 +148,7 @@ class CompiledModel(torch.nn.Module):
             return
         # A model whose eager host steps run all layers from one C++ op (Llama's host_fused) must call each
         # layer's forward here, the region, instead.
-        fused = self.capabilities.cpu_attention and self.model.host_fused
+        fused = self.model.host_fused
         for layer in self.model.layers:
             layer.forward = partial(self._layer, layer)
         if fused:
@@ -210,7 +209,7 @@ class CompiledModel(torch.nn.Module):
             prefill_block_tables=torch.zeros((0, width), dtype=torch.int32, device=device),
         )
         zeros = torch.zeros(tokens, dtype=torch.int64, device=device)
-        if self.capabilities.hybrid_cache and self.model.has_hybrid_state:  # no state slot: every row writes the scratch slot
+        if self.model.has_hybrid_state:  # no state slot: every row writes the scratch slot
             meta.state = StateRows(torch.full_like(zeros, -1), zeros.clone(), zeros.clone())
         if self.engram_history:
             history = torch.full((tokens, self.engram_history), -1, dtype=torch.int64, device=device)
