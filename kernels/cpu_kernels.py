@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from kernels.extension_build import ExtensionSpec, load_extension
+from kernels.quant import FP8_MAX
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ def load_cpu_kernels() -> bool:
           query_len: int, block_size: int, scale: float, num_heads: int, num_kv_heads: int, intermediate: int,
           eps: float, norms: list[torch.Tensor], projections: list[torch.Tensor], gemm_path: int,
           packed_fmt: str = "", packed_path: str = "auto", k_scales: list[float] = (), v_scales: list[float] = (),
-          fp8_max: float = 448.0) -> torch.Tensor:
+          fp8_max: float = FP8_MAX) -> torch.Tensor:
         return torch.empty_like(hidden, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("deepinfer::blocked_grouped_experts")

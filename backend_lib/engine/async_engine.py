@@ -32,7 +32,6 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -99,7 +98,7 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, idle_poll_s: float = 1.0,
                  faults: FaultConfig | None = None) -> None:
         self._idle_poll_s = idle_poll_s
-        self._faults = FaultConfig.from_env(os.environ) if faults is None else faults  # read once, here
+        self._faults = FaultConfig.from_env() if faults is None else faults  # read once, here
         self._failed_steps = 0  # consecutive
         self.failure: str | None = None  # why the engine is dead; None while it serves
         # Called once (on the engine thread) when the engine dies, with the reason.

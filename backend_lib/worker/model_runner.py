@@ -31,8 +31,9 @@ import torch
 from backend_lib.core.config import CompileConfig, SpecConfig
 from backend_lib.core.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput, TokenLogprob
 from backend_lib.core.request import Request
+from backend_lib.models.interfaces import capabilities_of
 from backend_lib.models.parallel import ContextGroup
-from backend_lib.neuron.platform import detect_platform
+from backend_lib.neuron.platform import Platform
 from backend_lib.neuron.regions import resolve_backend
 from backend_lib.worker.compiled_sampler import build_regions
 from backend_lib.worker.context_share import share_step
@@ -77,20 +78,21 @@ def chunk_token_ids(chunk: ScheduledChunk) -> list[int]:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, vocab_size: int,
-                 device: torch.device, dtype: torch.dtype, spec: SpecConfig | None = None,
+                 platform: Platform, dtype: torch.dtype, spec: SpecConfig | None = None,
                  compile_config: CompileConfig | None = None, max_num_seqs: int = 32,
                  max_model_len: int | None = None, link: StepLink | None = None, is_driver: bool = True,
                  num_state_slots: int = 0, kv_dtype: torch.dtype | None = None,
                  context: ContextGroup = ContextGroup(), context_min_tokens: int = 1) -> None:
-        if context.size > 1 and not getattr(model, "supports_context_parallel", False):
+        capabilities = capabilities_of(model)
+        if context.size > 1 and not (capabilities.context_parallel and model.supports_context_parallel):
             raise ValueError(f"context_parallel_size={context.size}: {type(model).__name__} has no context-parallel "
                              f"attention here (Llama, DeepSeek-V3 without Engram and DeepSeek-V4 have)")
         self.model = model
         self.context = context
         # Models whose every layer needs every row (DeepSeek-V4: its compressors and rings) split only the KV.
-        self.context_min_tokens = (context_min_tokens if getattr(model, "splits_context_rows", True)
+        self.context_min_tokens = (context_min_tokens if capabilities.splits_context_rows
                                    else torch.iinfo(torch.int64).max)
-        self.token_history = getattr(model, "token_history", 0)  # ids before each token the model reads (Engram)
+        self.token_history = model.token_history if capabilities.engram else 0  # ids before each token (Engram)
         self.link = link  # the driver's messages to its worker ranks (None: one rank, or this is a worker)
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -98,7 +100,8 @@ class ModelRunner:
         # every context rank's blocks together; worker/context_share.py maps them onto this rank's).
         self.scratch_block = num_blocks * context.size
         self.vocab_size = vocab_size
-        self.device = device
+        self.platform = platform  # the rank's, built once (worker/executor/rank.py)
+        self.device = device = platform.torch_device
         num_slots = (num_blocks + 1) * block_size
         self.num_state_slots = num_state_slots if is_hybrid(model) else 0
         # kv_dtype: the paged cache's element type (default the model's; uint8 for kv_cache_dtype=fp8_e4m3); a
@@ -119,14 +122,18 @@ class ModelRunner:
         self.mtp = (make_mtp_proposer(model, self.kv_caches, num_slots, k, device, kv_dtype or dtype,
                                       self._share_meta if context.size > 1 else None)
                     if self.spec_method == "mtp" else None)
-        if getattr(self.mtp, "needs_eager_model", False) and resolve_backend(compile_config, detect_platform()):
+        if getattr(self.mtp, "needs_eager_model", False) and resolve_backend(compile_config, platform):
             raise ValueError("spec_method 'mtp' drafts for this model need the eager forward (it keeps the "
                              "pre-hc_head streams): set compile_backend 'none' (and no DEEPINFER_COMPILE_BACKEND) "
                              "or DEEPINFER_ENFORCE_EAGER=1")
-        # Compiled regions (backend_lib/worker/compile): same contracts, eager unless compile_config or
+        # Compiled regions (backend_lib/neuron/regions.py): same contracts, eager unless compile_config or
         # DEEPINFER_COMPILE_BACKEND ask for graphs; DEEPINFER_ENFORCE_EAGER=1 keeps everything eager.
         self.model, self.sampler = build_regions(model, self.sampler, self.kv_caches, num_blocks, block_size,
-                                                 vocab_size, compile_config, max_num_seqs, max_model_len)
+                                                 vocab_size, platform, compile_config, max_num_seqs,
+                                                 max_model_len)
+        # The compiled regions run the full head: only the eager model screens it.
+        self.greedy_screen = (model.greedy_token_ids if capabilities.greedy_head_screen and self.model is model
+                              else None)
 
     @property
     def num_lookahead_slots(self) -> int:
@@ -304,7 +311,7 @@ class ModelRunner:
         """Plain greedy rows' tokens without the logits, where the model screens its head
         (kernels/int8_head_screen.py, kernels/head_screen.py), under their grammar masks when some row is
         constrained (kernels/masked_head_screen.py); None: compute the logits."""
-        screen = getattr(self.model, "greedy_token_ids", None)
+        screen = self.greedy_screen
         if screen is None:
             return None
         if meta.plain_greedy:

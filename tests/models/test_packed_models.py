@@ -14,6 +14,7 @@ from backend_lib.frontend.triton.parameters import engine_config_from_parameters
 from backend_lib.models.deepseek_v3.moe import RoutedExperts
 from backend_lib.models.loading.gguf_file import GGUFFile
 from backend_lib.models.loading.gguf_loader import unpermute_rows
+from backend_lib.models.interfaces import keeps_hybrid_state
 from backend_lib.models.layers import resident_weight_bytes
 from backend_lib.models.loading.loader import load_model
 from backend_lib.models.parallel import ParallelContext
@@ -376,7 +377,7 @@ def test_deepseek_packed_regions_trace_and_pass_the_graph_lint(arch, tmp_path):
         step = wrapper._dummy_step(rows, queries, width, torch.device("cpu"))
         caches = []
         for _ in range(2):
-            if hasattr(model, "hybrid_cache_shapes"):
+            if keeps_hybrid_state(model):
                 paged, state = model.hybrid_cache_shapes(17, 4, 5)
                 caches.append([torch.zeros(s) for s in paged + state])
             else:

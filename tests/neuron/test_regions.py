@@ -260,5 +260,5 @@ def test_enforce_eager_keeps_the_plain_model(tiny_llama, monkeypatch):
     caches = [torch.zeros(s) for s in tiny_llama.kv_cache_shapes(8 * BS)]
     sampler = Sampler()
     model, got_sampler = build_regions(tiny_llama, sampler, caches, 7, BS, tiny_llama.arch.vocab_size,
-                                       CompileConfig(compile_backend="inductor"))
+                                       detect_platform(), CompileConfig(compile_backend="inductor"))
     assert model is tiny_llama and got_sampler is sampler

@@ -24,6 +24,7 @@ from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.llm_engine import LLMEngine
 from backend_lib.engine.offline import LLM
 from backend_lib.frontend.triton.parameters import engine_config_from_parameters
+from backend_lib.neuron.platform import detect_platform
 from backend_lib.worker.kv_dtype import kv_storage_dtype
 from kernels.attention import write_kv
 from kernels.kv_fp8 import dequantize_kv, quantize_kv
@@ -165,10 +166,11 @@ def test_fp8_pool_holds_twice_bf16_and_four_times_fp32_in_the_same_memory(tiny_l
 
 
 def test_models_without_fp8_kv_refuse_it_naming_the_setting():
+    host = detect_platform({}, neuron_importable=False)
     config = EngineConfig.from_flat({"kv_cache_dtype": "fp8"})
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_e4m3' is not supported for Linear yet"):
-        kv_storage_dtype(config, torch.nn.Linear(2, 2), torch.float32)  # a model class without use_fp8_kv
-    assert kv_storage_dtype(EngineConfig(), torch.nn.Linear(2, 2), torch.bfloat16) == torch.bfloat16  # auto
+        kv_storage_dtype(config, torch.nn.Linear(2, 2), torch.float32, host)  # a model class without use_fp8_kv
+    assert kv_storage_dtype(EngineConfig(), torch.nn.Linear(2, 2), torch.bfloat16, host) == torch.bfloat16  # auto
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig.from_flat({"kv_cache_dtype": "int8"})
     assert EngineConfig.from_flat({"kv_cache_dtype": "fp8"}).cache.kv_cache_dtype == "fp8_e4m3"

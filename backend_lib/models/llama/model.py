@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from backend_lib.models.context_parallel import context_attention
+from backend_lib.models.interfaces import ModelCapabilities, ServedModel
 from backend_lib.models.layers import (HostGemmPlan, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding, copy_into,
                                        linear, silu_and_mul)
 from backend_lib.models.llama.config import LlamaArchConfig
@@ -167,7 +168,10 @@ class LlamaDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(ServedModel):
+    capabilities = ModelCapabilities(fp8_kv=True, context_parallel=True, host_packing=True, cpu_attention=True,
+                                     greedy_head_screen=True, rope_extension=True)
+
     def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype = torch.float32,
                  options: "LoadOptions | None" = None) -> None:
         super().__init__()
@@ -199,8 +203,6 @@ class LlamaForCausalLM(nn.Module):
     def from_hf_config(cls, config: dict[str, Any], dtype: torch.dtype,
                        options: "LoadOptions | None" = None) -> "LlamaForCausalLM":
         return cls(LlamaArchConfig.from_hf_config(config), dtype, options)
-
-    supports_context_parallel = True  # attention over held blocks + log-sum-exp merge (models/context_parallel.py)
 
     def cover_positions(self, max_model_len: int) -> bool:
         """Extend the RoPE table to ``max_model_len`` positions when that is past the checkpoint's

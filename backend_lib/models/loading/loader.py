@@ -20,6 +20,7 @@ from tqdm import tqdm
 from backend_lib.core.model_path import resolve_model_path
 from backend_lib.models.loading.gguf_loader import open_gguf
 from backend_lib.models.layers import describe_weight_formats, resident_weight_bytes
+from backend_lib.models.interfaces import capabilities_of
 from backend_lib.models.loading.options import LoadOptions
 from backend_lib.models.loading.weight_format import WeightFormatChoice, choose_for_gguf, choose_for_hf
 from backend_lib.models.parallel import ParallelContext
@@ -113,10 +114,11 @@ def _load_hf_directory(directory: str, options: LoadOptions, device: str) -> nn.
     if not architectures:
         raise ValueError(f"{config_path}: 'architectures' is missing or empty")
     cls = get_model_class(architectures[0])
-    choice = choose_for_hf(options, device, config, getattr(cls, "accepts_packed_weights", False))
+    packable = capabilities_of(cls).packed_weights
+    choice = choose_for_hf(options, device, config, packable)
     _log_choice(directory, choice)
     options = replace(options, weight_format=choice.weight_format)
-    if options.packed and not getattr(cls, "accepts_packed_weights", False):
+    if options.packed and not packable:
         raise ValueError(f"weight_format=packed: {directory} is a {architectures[0]} Hugging Face directory; packed "
                          "weights are wired for GGUF checkpoints (Q8_0 / Q4_0 / Q4_1 / Q4_K) and DeepSeek-V3 / V4 fp8 "
                          "projections only so far: use weight_format=dequantize")
