@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import shutil
 import sys
 import time
@@ -74,7 +73,7 @@ def missing_build_tools() -> list[str]:
     from torch.utils import cpp_extension
 
     missing = []
-    compiler = os.environ.get("CXX", "c++")  # what torch's cpp_extension calls
+    compiler = cpp_extension.get_cxx_compiler()  # torch's own choice (CXX, else c++): the one its build calls
     if shutil.which(compiler) is None:
         missing.append(f"a C++ compiler ({compiler!r} is not on PATH; set CXX, or e.g. `apt-get install g++`)")
     if not cpp_extension.is_ninja_available():
