@@ -4,12 +4,13 @@ Preparation turns the scheduler's chunks into one tensor per input (one host->de
 forward and the sampler consume only tensors, so the same step can later run as compiled regions with static
 shapes. The step syncs with the host once, when it reads the sampled ids.
 
-Speculative decoding (``SpecConfig.method`` ngram | mtp): a decode chunk carries its drafts. The decode group runs
+Speculative decoding (``SpecConfig.method`` ngram | mtp | dspark | dflash): a decode chunk carries its drafts. The decode group runs
 with ``decode_query_len = 1 + max drafts`` of the step; a request with fewer drafts is padded with rows that write
 into the scratch block and whose logits are never read, so padding cannot change its output (its real queries see
 exactly its own positions). ``_execute_spec`` verifies every sampling chunk's drafts with the rejection sampler
 (a chunk without drafts is plain sampling: the same seeded draw) and proposes the next drafts: n-gram on the host
-after the one sync, MTP on device before it.
+after the one sync, MTP and the DSpark / DFlash block drafters on device before it (the block drafters' lengths are
+then chosen on the host: worker/spec_decode/verify_schedule.py).
 
 Structured output: before sampling, the driver's ``StepBitmask`` (worker/grammar_bitmask.py) takes each constrained
 request's mask from its matcher (a verification's rows: the masks after each of its drafts) into
@@ -43,6 +44,7 @@ from backend_lib.worker.prompt_logprobs import head_slices, prompt_rows
 from backend_lib.worker.prompt_logprobs import compute as compute_prompt_logprobs
 from backend_lib.worker.sampler import Sampler, SamplingMetadata, SamplingRow
 from backend_lib.worker.spec_decode import make_mtp_proposer
+from backend_lib.worker.spec_decode.dspark import BlockDrafts, BlockDraftProposer
 from backend_lib.worker.spec_decode.ngram import NgramProposer
 from backend_lib.worker.spec_decode.rejection import DraftLayout, greedy_verify, num_accepted, rejection_sample
 from backend_lib.worker.step_messages import StepLink
@@ -119,10 +121,16 @@ class ModelRunner:
         self.mtp = (make_mtp_proposer(model, self.kv_caches, num_slots, k, device, kv_dtype or dtype,
                                       self._share_meta if context.size > 1 else None)
                     if self.spec_method == "mtp" else None)
-        if getattr(self.mtp, "needs_eager_model", False) and resolve_backend(compile_config, detect_platform()):
-            raise ValueError("spec_method 'mtp' drafts for this model need the eager forward (it keeps the "
-                             "pre-hc_head streams): set compile_backend 'none' (and no DEEPINFER_COMPILE_BACKEND) "
-                             "or DEEPINFER_ENFORCE_EAGER=1")
+        self.block_drafter = (BlockDraftProposer(model, spec, num_slots, max_model_len or num_slots, device, dtype)
+                              if self.spec_method in ("dspark", "dflash") else None)
+        if context.size > 1 and self.block_drafter is not None:
+            raise ValueError(f"spec_method {self.spec_method!r} runs without context parallelism: set "
+                             f"context_parallel_size 1")
+        eager_drafter = self.mtp if self.mtp is not None else self.block_drafter
+        if getattr(eager_drafter, "needs_eager_model", False) and resolve_backend(compile_config, detect_platform()):
+            raise ValueError(f"spec_method {self.spec_method!r} drafts for this model need the eager forward (it "
+                             "keeps intermediate hidden states): set compile_backend 'none' (and no "
+                             "DEEPINFER_COMPILE_BACKEND) or DEEPINFER_ENFORCE_EAGER=1")
         # Compiled regions (backend_lib/worker/compile): same contracts, eager unless compile_config or
         # DEEPINFER_COMPILE_BACKEND ask for graphs; DEEPINFER_ENFORCE_EAGER=1 keeps everything eager.
         self.model, self.sampler = build_regions(model, self.sampler, self.kv_caches, num_blocks, block_size,
@@ -258,6 +266,8 @@ class ModelRunner:
             self.link.send_step(inputs, mtp_host)
         self._share(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if self.block_drafter is not None:
+            self.block_drafter.write_context(inputs.positions, inputs.meta.slot_mapping)
         if self.spec_method != "none" or any(c.draft_token_ids for c in chunks):
             output = self._execute_spec(chunks, inputs, hidden, mtp_host)
         else:
@@ -351,6 +361,9 @@ class ModelRunner:
             drafts = self._mtp_drafts(hidden, inputs, mtp_host["mtp_next_ids"], mtp_host["mtp_first_rows"],
                                       mtp_host["mtp_tables"], verified.token_ids)
             to_read.append(drafts.flatten())
+        block = self._block_drafts(chunks, sampling, verified.token_ids)
+        if block is not None:
+            to_read.append(block.token_ids.flatten())
         # The one host sync of the step: verified tokens (and MTP drafts) together.
         flat = torch.cat(to_read).tolist()
         width = verified.token_ids.shape[1]
@@ -363,12 +376,16 @@ class ModelRunner:
         # n-gram drafts per request: the next step's verification rows stay within what the few-row GEMM reads
         # the weights once for (NgramProposer.batch_limit).
         ngram_limit = self.ngram.batch_limit(len(sampling)) if self.ngram is not None else 0
+        if self.block_drafter is not None:
+            block_proposals = self._block_proposals(chunks, sampling, sampled, block, flat[drafts_at:])
         for b, i in enumerate(sampling):
             request = chunks[i].request
             if not request.sampling_params.speculative:
                 continue
             if self.mtp is not None:
                 proposals[i] = flat[drafts_at + b * self.mtp.k:drafts_at + (b + 1) * self.mtp.k]
+            elif self.block_drafter is not None:
+                proposals[i] = block_proposals[b]
             elif ngram_limit:
                 proposals[i] = self.ngram.propose(request.all_token_ids + sampled[i], ngram_limit)
         logprobs = None
@@ -395,6 +412,31 @@ class ModelRunner:
                 top = list(zip(top_ids[row][:wanted], top_lp[row][:wanted])) if top_ids and wanted else []
                 out[i].append(TokenLogprob(token, lp[row], top))
         return out
+
+    def _block_drafts(self, chunks: list[ScheduledChunk], sampling: list[int],
+                      verified: torch.Tensor) -> BlockDrafts | None:  # verified [S, W] rejection output
+        """The block drafter's pass from each sampling request's emitted anchor (None: no block drafter, or the
+        schedule says drafting cannot pay at this batch)."""
+        drafter = self.block_drafter
+        speculating = sum(chunks[i].request.sampling_params.speculative for i in sampling)
+        if drafter is None or not drafter.worth_drafting(len(sampling), speculating):
+            return None
+        last = [chunks[i].start + chunks[i].num_tokens - chunks[i].num_draft_tokens - 1 for i in sampling]
+        bound = max(p + chunks[i].num_draft_tokens + 1 for p, i in zip(last, sampling))
+        tables = self._block_table([chunks[i].block_ids for i in sampling])
+        return drafter.draft(verified, last, bound, tables, self.block_size)
+
+    def _block_proposals(self, chunks: list[ScheduledChunk], sampling: list[int], sampled: list[list[int]],
+                         block: BlockDrafts | None, flat_drafts: list[int]) -> list[list[int]]:
+        """Host part: the drafts read with the step's sync, cut to the verify schedule's length."""
+        drafts = confidence = None
+        if block is not None:
+            width = block.token_ids.shape[1]
+            drafts = [flat_drafts[b * width:(b + 1) * width] for b in range(len(sampling))]
+            # read after the sync (the tensor is already computed): a copy, no second wait
+            confidence = block.confidence.tolist() if block.confidence is not None else None
+        return self.block_drafter.proposals([chunks[i] for i in sampling], [sampled[i] for i in sampling], drafts,
+                                            confidence)
 
     def _next_token_ids(self, chunks: list[ScheduledChunk], inputs: ModelInputs) -> list[int]:
         """Host part of the MTP input: for every row, the token at the next position when already known

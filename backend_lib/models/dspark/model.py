@@ -157,11 +157,12 @@ def init_random(drafter: DSparkDrafter, generator: torch.Generator, std: float =
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
 
 
-def load_drafter(directory: str, max_positions: int, dtype: torch.dtype = torch.float32) -> DSparkDrafter:
+def load_drafter(directory: str, max_model_len: int, dtype: torch.dtype = torch.float32) -> DSparkDrafter:
     """A drafter directory (config.json + safetensors) in DeepSpec's names; every drafter tensor must be there and
-    nothing unknown may be (a checkpoint for another layout fails here, naming the tensors)."""
+    nothing unknown may be (a checkpoint for another layout fails here, naming the tensors). RoPE covers a block
+    anchored at the last position (``max_model_len + block_size``)."""
     config = DrafterConfig.from_directory(directory)
-    drafter = DSparkDrafter(config, max_positions)
+    drafter = DSparkDrafter(config, max_model_len + config.block_size)
     state: dict[str, torch.Tensor] = {}
     for path in safetensors_files(directory):
         state.update({k: v for k, v in load_file(path).items() if not k.startswith(SHARED_WITH_TARGET)})
