@@ -16,8 +16,9 @@ _SPEC_METHODS = ("none", "ngram", "mtp", "dspark", "dflash")
 BLOCK_DRAFT_METHODS = ("dspark", "dflash")
 SPEC_SCHEDULES = ("fixed", "confidence")
 _HOST_GEMMS = ("auto", "gemv", "onednn", "mkl")
-WEIGHT_FORMATS = ("dequantize", "packed")
+WEIGHT_FORMATS = ("auto", "dequantize", "packed")
 _COMPILE_BACKENDS = ("none", "auto", "inductor", "aot_eager", "neuron")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 # KV cache element types: "auto" = the model dtype; "fp8_e4m3" = e4m3 codes with per-layer scales (kernels/kv_fp8.py).
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 _KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
@@ -57,8 +58,9 @@ class ModelConfig:
     # Quantized checkpoints: "dequantize" widens the weights to ``dtype`` at load; "packed" keeps them in the
     # checkpoint's blocks in memory (GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K: ~0.6 bytes a weight for Q4_1, not 4) and runs
     # the host GEMMs on those bytes (kernels/packed_gemm.py), and DeepSeek-V3 / V4 fp8 projections likewise. Host
-    # (cpu) only.
-    weight_format: str = "dequantize"
+    # (cpu) only. "auto": packed for quantized checkpoints where it can run, else dequantize, chosen at load
+    # (models/loading/weight_format.py).
+    weight_format: str = "auto"
     # weight_format=packed's GEMM path (kernels/packed_gemm.py): "auto" = "int8" for GGUF (each activation row
     # rounded to int8 per 32 inputs as llama.cpp does, integer dot products: ~1.7x faster, within a documented
     # bound of dequantize) and "fp32" for fp8 / fp4; "fp32" widens the weights in registers: dequantize's function
@@ -72,9 +74,9 @@ class ModelConfig:
         _require(self.packed_gemm_path in ("auto", "fp32", "int8"),
                  f"packed_gemm_path must be 'auto', 'fp32' or 'int8', got {self.packed_gemm_path!r}")
         # The packed GEMMs are host C++ kernels: Neuron (and CUDA) have none.
-        _require(self.weight_format == "dequantize" or self.device == "cpu",
+        _require(self.weight_format != "packed" or self.device == "cpu",
                  f"weight_format=packed runs on the host only (device 'cpu'), not device {self.device!r}")
-        _require(self.weight_format == "dequantize" or self.dtype in ("float32", "bfloat16"),
+        _require(self.weight_format != "packed" or self.dtype in ("float32", "bfloat16"),
                  f"weight_format=packed takes float32 or bfloat16 activations, not dtype {self.dtype!r}")
         _require(self.host_gemm in _HOST_GEMMS, f"host_gemm must be one of {_HOST_GEMMS}, got {self.host_gemm!r}")
         _require(self.host_attention in ("cpp", "torch"),
@@ -115,9 +117,17 @@ class SchedulerConfig:
     max_num_seqs: int = 32  # running requests at once
     max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
     enable_chunked_prefill: bool = True
+    # "fcfs": admission in arrival order, the newest running request preempted first. "priority" (vLLM's
+    # --scheduling-policy priority): the lowest request priority value first, the highest preempted first
+    # (core/priority.py), each request's value lowered by one per priority_aging_s seconds since it arrived.
+    scheduling_policy: str = "fcfs"
+    priority_aging_s: float = 10.0
 
     def __post_init__(self) -> None:
         _require(1 <= self.max_num_seqs <= 1024, f"max_num_seqs must be in [1, 1024], got {self.max_num_seqs}")
+        _require(self.scheduling_policy in SCHEDULING_POLICIES,
+                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        _require(self.priority_aging_s > 0, f"priority_aging_s must be > 0 (seconds), got {self.priority_aging_s}")
         _require(self.max_num_batched_tokens >= 1,
                  f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
@@ -250,6 +260,41 @@ class ParallelConfig:
 
 
 @dataclass
+class EplbConfig:
+    """Expert-parallel load balancing (names as vLLM's): each MoE layer's experts in physical slots, the heaviest
+    with ``num_redundant_experts`` extra copies, re-placed from the measured loads while serving (core/eplb.py)."""
+
+    enable_eplb: bool = False
+    num_redundant_experts: int = 0  # extra slots over the ranks (experts + these must divide over the EP ranks)
+    eplb_window_steps: int = 1000  # the loads a new placement balances: the router's counts of the last steps
+    eplb_interval_steps: int = 3000  # steps between two re-placements (and weight moves)
+
+    def __post_init__(self) -> None:
+        _require(self.num_redundant_experts >= 0,
+                 f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
+        _require(self.enable_eplb or self.num_redundant_experts == 0,
+                 f"num_redundant_experts={self.num_redundant_experts} needs enable_eplb")
+        _require(self.eplb_window_steps >= 1, f"eplb_window_steps must be >= 1, got {self.eplb_window_steps}")
+        _require(self.eplb_interval_steps >= 1, f"eplb_interval_steps must be >= 1, got {self.eplb_interval_steps}")
+
+    def check_parallel(self, parallel: ParallelConfig, compile_backend: str) -> None:
+        """EPLB places whole experts on expert-parallel ranks; the model checks its own MoE at load (a top-k
+        routed one whose experts + redundant slots divide over the ranks)."""
+        if not self.enable_eplb:
+            return
+        _require(parallel.enable_expert_parallel and parallel.tensor_parallel_size >= 2,
+                 "enable_eplb needs expert parallelism: enable_expert_parallel with tensor_parallel_size >= 2 "
+                 f"(got enable_expert_parallel={parallel.enable_expert_parallel}, "
+                 f"tensor_parallel_size={parallel.tensor_parallel_size})")
+        # The driver counts the loads from its own router output: context groups would each see other rows.
+        _require(parallel.context_parallel_size == 1,
+                 f"enable_eplb does not run with context_parallel_size={parallel.context_parallel_size} (set 1)")
+        # Placements change buffers in place between steps; compiled regions are not yet checked against that.
+        _require(compile_backend == "none",
+                 f"enable_eplb runs eager steps: set compile_backend 'none' (got {compile_backend!r})")
+
+
+@dataclass
 class RequestLimits:
     """Caps on what one request can make the server hold; beyond one, the request is refused with a RequestError
     (INVALID_ARG) naming the field and the limit. Each bounds memory or per-token work that grows with the
@@ -296,6 +341,7 @@ class EngineConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     limits: RequestLimits = field(default_factory=RequestLimits)
+    eplb: EplbConfig = field(default_factory=EplbConfig)
     session_idle_timeout_s: float = 600.0
     seed: int = 0  # seeds the per-request seeds of unseeded sampled requests
     num_threads: int = 0  # torch intra-op threads; 0 = all cores
@@ -314,12 +360,13 @@ class EngineConfig:
                  f"got {self.max_waiting_requests}")
         _require(self.max_sessions >= 0,
                  f"max_sessions must be >= 0 (0 = {SESSIONS_PER_SEQ} x max_num_seqs), got {self.max_sessions}")
-        _require(self.model.weight_format == "dequantize" or self.compile.compile_backend != "neuron",
+        _require(self.model.weight_format != "packed" or self.compile.compile_backend != "neuron",
                  "weight_format=packed cannot run with compile_backend=neuron (its GEMMs are host C++ kernels)")
         context_parallel = self.parallel.context_parallel_size > 1
         _require(not context_parallel or self.compile.compile_backend == "none",
                  f"context_parallel_size={self.parallel.context_parallel_size} runs eager steps: set compile_backend "
                  f"'none' (got {self.compile.compile_backend!r})")
+        self.eplb.check_parallel(self.parallel, self.compile.compile_backend)
         self.max_waiting_requests = self.max_waiting_requests or WAITING_PER_SEQ * self.scheduler.max_num_seqs
         self.max_sessions = self.max_sessions or SESSIONS_PER_SEQ * self.scheduler.max_num_seqs
 
@@ -332,7 +379,7 @@ class EngineConfig:
     def from_flat(cls, values: dict[str, Any]) -> "EngineConfig":
         """Build from flat ``name -> value`` pairs (Triton parameters, CLI flags); unknown names are errors."""
         sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig,
-                    "compile": CompileConfig, "parallel": ParallelConfig, "limits": RequestLimits}
+                    "compile": CompileConfig, "parallel": ParallelConfig, "limits": RequestLimits, "eplb": EplbConfig}
         owner = {f.name: section for section, klass in sections.items() for f in fields(klass)}
         top = {f.name for f in fields(cls)} - set(sections)
         grouped: dict[str, dict[str, Any]] = {name: {} for name in sections}

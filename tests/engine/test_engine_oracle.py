@@ -41,9 +41,10 @@ def oracle(hf_smollm2) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def smollm2_llm(smollm2_path):
-    # A small token budget forces chunked prefill in the concurrent run.
-    return LLM(config=EngineConfig.from_flat({"model": smollm2_path, "max_num_batched_tokens": 32,
-                                              "max_num_seqs": 8, "num_blocks": 256,
+    # A small token budget forces chunked prefill in the concurrent run; weight_format=dequantize: transformers'
+    # weights (auto would run the Q4_1 file packed).
+    return LLM(config=EngineConfig.from_flat({"model": smollm2_path, "weight_format": "dequantize",
+                                              "max_num_batched_tokens": 32, "max_num_seqs": 8, "num_blocks": 256,
                                               "enable_prefix_caching": False}))
 
 

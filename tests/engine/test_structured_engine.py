@@ -251,8 +251,8 @@ def test_a_grammar_past_its_time_limit_is_refused_and_others_run(tiny_llama):
 
 def test_a_request_waits_for_its_grammar_while_others_run(tiny_llama):
     engine = _engine(tiny_llama)
-    constrained = engine.prepare_request("c", [5, 6], SamplingParams(max_tokens=30, temperature=0.0,
-                                                                     structured_outputs=TINY_CONSTRAINTS["regex"]))
+    constrained = engine.prepare_request("c", engine.take_in([5, 6], SamplingParams(
+        max_tokens=30, temperature=0.0, structured_outputs=TINY_CONSTRAINTS["regex"])))
     compiled = constrained.grammar.future.result(timeout=60)
     constrained.grammar.future = Future()  # the compile is held back until the test releases it
     engine.add_prepared(constrained)

@@ -8,6 +8,8 @@ Bounded (max_examples, no deadline) so the file runs in well under a minute on 2
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 
@@ -138,10 +140,13 @@ def engine(tiny_llama_dir):
 @given(requests())
 def test_decoded_requests_are_prepared_or_refused_with_a_value_error(engine, request):
     inputs, parameters, correlation, flags, outputs = request
-    decoded = accepts_or_request_error(lambda: codec.decode_request(inputs, parameters, correlation, flags, outputs))
+    decoded = accepts_or_request_error(lambda: codec.decode_request(inputs, parameters, correlation, flags, outputs,
+                                                                         engine.rules))
     if decoded is None:
         return
-    prepared = accepts_or_request_error(lambda: engine.prepare_request("fuzz", decoded.prompt, decoded.params))
+    # A session turn is tokenized against its history; here its prompt alone.
+    request = dataclasses.replace(decoded.request, session=None)
+    prepared = accepts_or_request_error(lambda: engine.prepare_request("fuzz", request))
     if prepared is not None:
         assert all(0 <= t < engine.vocab_size for t in prepared.prompt_ids)
         assert len(prepared.prompt_ids) < engine.config.model.max_model_len
@@ -160,7 +165,7 @@ def test_chat_template_path_is_valid_or_a_value_error(engine, messages):
     ids = accepts_or_request_error(lambda: engine.tokenizer.apply_chat_template(messages))
     if ids is not None:
         assert all(isinstance(t, int) for t in ids)
-    accepts_or_request_error(lambda: engine.prepare_request("fuzz", messages, SamplingParams()))
+    accepts_or_request_error(lambda: engine.prepare_request("fuzz", engine.take_in(messages)))
 
 
 # ---- session turns: any sequence of START / END / turns leaves the engine consistent ---------------------

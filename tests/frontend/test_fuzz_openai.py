@@ -7,6 +7,8 @@ its tensors as the Python backend hands them to codec.decode_request -> LLMEngin
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pydantic
 import pytest
@@ -85,7 +87,7 @@ def test_openai_calls_are_prepared_or_refused_with_a_client_error(engine, call):
     kind, body, headers = call
     try:
         request = (ChatCompletionRequest if kind == "chat" else CompletionRequest).model_validate(body)
-    except pydantic.ValidationError:  # the app answers 400 naming the field (app.py: _validation_error)
+    except pydantic.ValidationError:  # the app answers 400 naming the field (errors.py: body_error)
         return
     try:
         session = translate.session_from_headers(headers)
@@ -105,8 +107,8 @@ def _prepared_or_refused(engine, model_request: translate.ModelRequest, session:
     flags = (codec.FLAG_SEQUENCE_START * session.start + codec.FLAG_SEQUENCE_END * session.end) if session else 0
     try:
         decoded = codec.decode_request(_backend_inputs(infer), "{}", correlation, flags,
-                                       [o.name for o in infer.outputs])
-        prepared = engine.prepare_request("fuzz", decoded.prompt, decoded.params)
+                                       [o.name for o in infer.outputs], engine.rules)
+        prepared = engine.prepare_request("fuzz", dataclasses.replace(decoded.request, session=None))
     except RequestError as exc:  # the model's refusal on the wire, as the front turns it into an answer
         error = from_model_error(to_wire(exc), model_request.field_names)
         _refused_as_a_client_error(error)

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from backend_lib.core.outputs import EngineStats
+from backend_lib.core.outputs import EngineStats, RequestMetrics, RequestOutput
 from backend_lib.frontend.triton.metrics import TritonMetrics
 
 LABELS = {"model": "deepinfer", "version": "1"}
@@ -154,3 +154,27 @@ def test_kv_cache_dtype_is_named_by_an_info_gauge(pb):
     other = _PbUtils()
     TritonMetrics(other, LABELS)  # no dtype given (older callers): no such family
     assert not [f for f in other.MetricFamily.created if f.name == "deepinfer_kv_cache_dtype_info"]
+
+
+def test_queue_time_is_observed_by_priority_with_the_label_clamped(pb):
+    metrics = TritonMetrics(pb, LABELS)
+    for priority, queued in ((0, 0.5), (0, 1.5), (-3, 0.25), (1000, 2.0)):
+        timing = RequestMetrics(arrival_time=10.0, priority=priority, first_scheduled_time=10.0 + queued)
+        metrics.on_finished(RequestOutput("r", [], "", finished=True, finish_reason="stop", num_prompt_tokens=1,
+                                          num_output_tokens=1, metrics=timing))
+    observed = {m.labels["priority"]: m.observed for f in pb.MetricFamily.created
+                if f.name == "deepinfer_request_queue_time_seconds" for m in f.metrics}
+    assert observed == {"0": [0.5, 1.5], "-3": [0.25], "10": [2.0]}
+
+
+def test_eplb_imbalance_gauges_per_layer_and_worst(pb):
+    from backend_lib.core.outputs import EplbStats
+
+    metrics = TritonMetrics(pb, LABELS)
+    metrics.refresh(_stats())  # EPLB off: the families exist, no per-layer series
+    assert not [f for f in pb.MetricFamily.created if f.name == "deepinfer_expert_load_imbalance" and f.metrics]
+    metrics.refresh(_stats(eplb=EplbStats([1.5, 2.25], rebalances=2, last_pause_s=0.01, moved_slots=6)))
+    assert pb.value("deepinfer_expert_load_imbalance", layer="1") == 2.25
+    assert pb.value("deepinfer_expert_load_imbalance_worst") == 2.25
+    assert pb.value("deepinfer_eplb_rebalances_total") == 2
+    assert pb.value("deepinfer_eplb_last_pause_seconds") == 0.01

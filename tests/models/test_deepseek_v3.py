@@ -201,7 +201,7 @@ def test_fp8_checkpoint_greedy_matches_transformers(scale_fmt, tmp_path):
     assert config["quantization_config"]["weight_block_size"] == [128, 128]
     # transformers dequantizes fp8 on CPU at load (FineGrainedFP8, dequantize=True)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    kept = load_model(str(path), torch.float32, progress=False)
+    kept = load_model(str(path), torch.float32, progress=False, weight_format="dequantize")  # fp8 widened per linear
     dequantized = load_model(str(path), torch.float32, progress=False, dequantize_fp8_at_load=True)
     q_b = kept.layers[0].self_attn.q_b_proj
     assert q_b.weight.dtype == torch.float8_e4m3fn and q_b.weight_scale_inv is not None
@@ -296,7 +296,7 @@ def test_real_deepseek_v3_config_parses_with_transformers_yarn():
 def test_decode_step_compiles_fullgraph_with_static_moe(tmp_path):
     """The decode path (absorbed MLA, static MoE, kept-fp8 linears) has no graph breaks or host syncs."""
     path = make_tiny("deepseek_v3", tmp_path, fp8=True, seed=2)
-    model = load_model(str(path), torch.float32, progress=False)
+    model = load_model(str(path), torch.float32, progress=False, weight_format="dequantize")
     model.set_moe_impl("static")
     run = PagedRunner(model)
     for rid in "ab":

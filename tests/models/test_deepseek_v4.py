@@ -244,7 +244,7 @@ def test_fp8_attention_and_fp4_experts_match_transformers_over_the_dequantized_w
     assert (PagedRunner(kept).step([], [("r", ids)]) - _hf_logits(hf, ids)).abs().max() <= 1e-4
     kept.set_moe_impl("dynamic")
     if fp4_experts:
-        engine = _engine(path, max_num_batched_tokens=9, num_blocks=48)
+        engine = _engine(path, max_num_batched_tokens=9, num_blocks=48, weight_format="dequantize")
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         prompts = {f"r{n}": _tokens(n, 91 + n) for n in (7, 26)}
         for rid, prompt in prompts.items():

@@ -81,7 +81,7 @@ def tiny_llama_onednn(tiny_llama_dir):
 @pytest.fixture(scope="module")
 def tiny_deepseek(tmp_path_factory):
     path = make_tiny("deepseek_v3", tmp_path_factory.mktemp("ds"), fp8=True, seed=3)
-    model = load_model(str(path), torch.float32, progress=False).eval()
+    model = load_model(str(path), torch.float32, progress=False, weight_format="dequantize").eval()
     model.set_moe_impl("static")
     return model
 

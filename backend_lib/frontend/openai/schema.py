@@ -50,6 +50,8 @@ class _SamplingFields(_Request):
     guided_choice: Any = None
     guided_grammar: Any = None
     guided_json_object: Any = None
+    # vLLM's scheduling priority (lower runs earlier; engine setting scheduling_policy "priority")
+    priority: int | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -107,6 +109,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[Any] | None = None  # checked by structured_output/tool_choice.py: parse_tools (naming the place)
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (OpenAI's default: true)
     response_format: ResponseFormat | None = None
 
 

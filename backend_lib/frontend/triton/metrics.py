@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from backend_lib.core.outputs import EngineStats, RequestOutput
+from backend_lib.core.outputs import EngineStats, EplbStats, RequestOutput
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# The priority label's values: a request's priority, clamped into this range so the label set stays bounded.
+PRIORITY_LABEL_RANGE = (-10, 10)
 _LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 _TOKEN_BUCKETS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
 
@@ -72,6 +74,11 @@ class TritonMetrics:
                          "Mean time between output tokens after the first", buckets=_LATENCY_BUCKETS)
         self.e2e = make(histogram, "deepinfer_e2e_request_latency_seconds", "Arrival to finish",
                         buckets=_LATENCY_BUCKETS)
+        self._queue_time_family = family(
+            name="deepinfer_request_queue_time_seconds", kind=histogram,
+            description=f"Arrival to first scheduled, by request priority (clamped into {PRIORITY_LABEL_RANGE})")
+        self._families.append(self._queue_time_family)
+        self.queue_time_by_priority: dict[int, Any] = {}  # created when a priority first finishes
         self.prompt_len = make(histogram, "deepinfer_request_prompt_tokens", "Prompt length per request",
                                buckets=_TOKEN_BUCKETS)
         self.output_len = make(histogram, "deepinfer_request_generation_tokens", "Output length per request",
@@ -108,6 +115,18 @@ class TritonMetrics:
         self._families.append(self._position_family)
         # One gauge per draft position, created when the engine first reports that position.
         self.spec_acceptance_per_position: list[Any] = []
+        # EPLB (enable_eplb): the window's busiest expert-parallel rank's tokens / the mean, per MoE layer (label
+        # "layer": its index among the EPLB layers, created when first reported) and of the worst layer.
+        self._imbalance_family = family(name="deepinfer_expert_load_imbalance",
+                                        description="EPLB: busiest rank's routed tokens / mean over the window, "
+                                                    "per MoE layer", kind=gauge)
+        self._families.append(self._imbalance_family)
+        self.expert_imbalance_per_layer: list[Any] = []
+        self.expert_imbalance_worst = make(gauge, "deepinfer_expert_load_imbalance_worst",
+                                           "EPLB: the worst MoE layer's busiest rank's tokens / mean over the window")
+        self.eplb_rebalances = cumulative("deepinfer_eplb_rebalances_total", "EPLB re-placements of the experts")
+        self.eplb_pause = make(gauge, "deepinfer_eplb_last_pause_seconds",
+                               "EPLB: the last re-placement's pause between two steps")
 
     def on_finished(self, output: RequestOutput) -> None:
         """Per-request counters and histograms, once, from the request's final output."""
@@ -120,10 +139,20 @@ class TritonMetrics:
             return
         if m.finished_time is not None:
             self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+        if m.first_scheduled_time is not None:
+            self._queue_time(m.priority).observe(max(0.0, m.first_scheduled_time - m.arrival_time))
         if m.first_token_time is not None:
             self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
             if m.finished_time is not None and output.num_output_tokens > 1:
                 self.tpot.observe(max(0.0, m.finished_time - m.first_token_time) / (output.num_output_tokens - 1))
+
+    def _queue_time(self, priority: int) -> Any:
+        low, high = PRIORITY_LABEL_RANGE
+        label = min(max(priority, low), high)
+        if label not in self.queue_time_by_priority:
+            self.queue_time_by_priority[label] = self._queue_time_family.Metric(
+                labels={**self._labels, "priority": str(label)}, buckets=_LATENCY_BUCKETS)
+        return self.queue_time_by_priority[label]
 
     def refresh(self, stats: EngineStats) -> None:
         """Gauges from a stats snapshot; counters advance by the change of the engine's cumulative totals."""
@@ -151,3 +180,16 @@ class TritonMetrics:
                 self._position_family.Metric(labels={**self._labels, "position": str(position)}))
         for gauge, rate in zip(self.spec_acceptance_per_position, rates):
             gauge.set(rate)
+        if stats.eplb is not None:
+            self._refresh_eplb(stats.eplb)
+
+    def _refresh_eplb(self, eplb: EplbStats) -> None:
+        while len(self.expert_imbalance_per_layer) < len(eplb.layer_imbalance):
+            layer = len(self.expert_imbalance_per_layer)
+            self.expert_imbalance_per_layer.append(
+                self._imbalance_family.Metric(labels={**self._labels, "layer": str(layer)}))
+        for gauge, value in zip(self.expert_imbalance_per_layer, eplb.layer_imbalance):
+            gauge.set(value)
+        self.expert_imbalance_worst.set(eplb.worst_imbalance)
+        self.eplb_rebalances.advance_to(eplb.rebalances)
+        self.eplb_pause.set(eplb.last_pause_s)

@@ -88,7 +88,8 @@ def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
     model = load_model(resolve_model_path(config.model.model), dtype=dtype, progress=par.is_driver,
                        par=par, weight_format=config.model.weight_format,
                        packed_gemm_path=config.model.packed_gemm_path,
-                       host_steps=resolve_backend(config.compile, detect_platform()) != "neuron").to(device).eval()
+                       host_steps=resolve_backend(config.compile, detect_platform()) != "neuron",
+                       device=config.model.device).to(device).eval()
     if hasattr(model, "cover_positions") and model.cover_positions(config.model.max_model_len) and par.is_driver:
         log.warning("max_model_len %d is past the checkpoint's max_position_embeddings %d: RoPE extrapolates there",
                     config.model.max_model_len, model.arch.max_position_embeddings)
