@@ -4,10 +4,10 @@ Preparation turns the scheduler's chunks into one tensor per input (one host->de
 forward and the sampler consume only tensors, so the same step can later run as compiled regions with static
 shapes. The step syncs with the host once, when it reads the sampled ids.
 
-Speculative decoding (``SpecConfig.method`` ngram | mtp | dspark | dflash): a decode chunk carries its drafts. The decode group runs
-with ``decode_query_len = 1 + max drafts`` of the step; a request with fewer drafts is padded with rows that write
-into the scratch block and whose logits are never read, so padding cannot change its output (its real queries see
-exactly its own positions). ``_execute_spec`` verifies every sampling chunk's drafts with the rejection sampler
+Speculative decoding (``SpecConfig.method`` ngram | mtp | dspark | dflash): a decode chunk carries its drafts. The
+decode group runs with ``decode_query_len = 1 + max drafts`` of the step; a request with fewer drafts is padded with
+rows that write into the scratch block and whose logits are never read, so padding cannot change its output (its
+real queries see exactly its own positions). ``_execute_spec`` verifies every sampling chunk's drafts with the rejection sampler
 (a chunk without drafts is plain sampling: the same seeded draw) and proposes the next drafts: n-gram on the host
 after the one sync, MTP and the DSpark / DFlash block drafters on device before it (the block drafters' lengths are
 then chosen on the host: worker/spec_decode/verify_schedule.py).
@@ -44,7 +44,7 @@ from backend_lib.worker.prompt_logprobs import head_slices, prompt_rows
 from backend_lib.worker.prompt_logprobs import compute as compute_prompt_logprobs
 from backend_lib.worker.sampler import Sampler, SamplingMetadata, SamplingRow
 from backend_lib.worker.spec_decode import make_mtp_proposer
-from backend_lib.worker.spec_decode.dspark import BlockDrafts, BlockDraftProposer
+from backend_lib.worker.spec_decode.dspark import BlockDraftProposer
 from backend_lib.worker.spec_decode.ngram import NgramProposer
 from backend_lib.worker.spec_decode.rejection import DraftLayout, greedy_verify, num_accepted, rejection_sample
 from backend_lib.worker.step_messages import StepLink
@@ -361,7 +361,11 @@ class ModelRunner:
             drafts = self._mtp_drafts(hidden, inputs, mtp_host["mtp_next_ids"], mtp_host["mtp_first_rows"],
                                       mtp_host["mtp_tables"], verified.token_ids)
             to_read.append(drafts.flatten())
-        block = self._block_drafts(chunks, sampling, verified.token_ids)
+        block = None
+        if self.block_drafter is not None:
+            block = self.block_drafter.draft_for([chunks[i] for i in sampling], verified.token_ids,
+                                                 self._block_table([chunks[i].block_ids for i in sampling]),
+                                                 self.block_size)
         if block is not None:
             to_read.append(block.token_ids.flatten())
         # The one host sync of the step: verified tokens (and MTP drafts) together.
@@ -377,7 +381,8 @@ class ModelRunner:
         # the weights once for (NgramProposer.batch_limit).
         ngram_limit = self.ngram.batch_limit(len(sampling)) if self.ngram is not None else 0
         if self.block_drafter is not None:
-            block_proposals = self._block_proposals(chunks, sampling, sampled, block, flat[drafts_at:])
+            block_proposals = self.block_drafter.proposals([chunks[i] for i in sampling],
+                                                           [sampled[i] for i in sampling], block, flat[drafts_at:])
         for b, i in enumerate(sampling):
             request = chunks[i].request
             if not request.sampling_params.speculative:
@@ -412,31 +417,6 @@ class ModelRunner:
                 top = list(zip(top_ids[row][:wanted], top_lp[row][:wanted])) if top_ids and wanted else []
                 out[i].append(TokenLogprob(token, lp[row], top))
         return out
-
-    def _block_drafts(self, chunks: list[ScheduledChunk], sampling: list[int],
-                      verified: torch.Tensor) -> BlockDrafts | None:  # verified [S, W] rejection output
-        """The block drafter's pass from each sampling request's emitted anchor (None: no block drafter, or the
-        schedule says drafting cannot pay at this batch)."""
-        drafter = self.block_drafter
-        speculating = sum(chunks[i].request.sampling_params.speculative for i in sampling)
-        if drafter is None or not drafter.worth_drafting(len(sampling), speculating):
-            return None
-        last = [chunks[i].start + chunks[i].num_tokens - chunks[i].num_draft_tokens - 1 for i in sampling]
-        bound = max(p + chunks[i].num_draft_tokens + 1 for p, i in zip(last, sampling))
-        tables = self._block_table([chunks[i].block_ids for i in sampling])
-        return drafter.draft(verified, last, bound, tables, self.block_size)
-
-    def _block_proposals(self, chunks: list[ScheduledChunk], sampling: list[int], sampled: list[list[int]],
-                         block: BlockDrafts | None, flat_drafts: list[int]) -> list[list[int]]:
-        """Host part: the drafts read with the step's sync, cut to the verify schedule's length."""
-        drafts = confidence = None
-        if block is not None:
-            width = block.token_ids.shape[1]
-            drafts = [flat_drafts[b * width:(b + 1) * width] for b in range(len(sampling))]
-            # read after the sync (the tensor is already computed): a copy, no second wait
-            confidence = block.confidence.tolist() if block.confidence is not None else None
-        return self.block_drafter.proposals([chunks[i] for i in sampling], [sampled[i] for i in sampling], drafts,
-                                            confidence)
 
     def _next_token_ids(self, chunks: list[ScheduledChunk], inputs: ModelInputs) -> list[int]:
         """Host part of the MTP input: for every row, the token at the next position when already known

@@ -25,7 +25,7 @@ def test_free_verification_drafts_the_whole_block_and_linear_cost_none():
     assert _schedule(FLAT).choose(1, 1, [0.9, 0.5, 0.2, 0.1]) == 4
     linear = _schedule(LINEAR)
     assert not linear.worth_drafting(1, 1)
-    assert linear.choose(1, 1, [1.0, 1.0, 1.0, 1.0]) == 0
+    assert not linear.wants_drafts(1, 1) and linear.previous == 0  # the drafter does not even run
 
 
 def test_length_maximizes_expected_tokens_per_time():
@@ -45,8 +45,7 @@ def test_length_maximizes_expected_tokens_per_time():
 def test_large_batches_turn_drafting_off_on_the_host_table():
     schedule = _schedule(HOST_SMOLLM2_COST)
     assert schedule.choose(1, 1, [0.9, 0.8, 0.7, 0.6]) >= 3  # one stream: the few-row GEMM's flat cost
-    assert not schedule.worth_drafting(32, 32)  # 32 streams: past the flat part, rejected drafts only cost
-    assert schedule.choose(32, 32, [0.9, 0.8, 0.7, 0.6]) == 0
+    assert not schedule.wants_drafts(32, 32)  # 32 streams: past the flat part, rejected drafts only cost
 
 
 def test_calibration_and_dflash_use_observed_acceptance():
@@ -66,7 +65,10 @@ def test_hysteresis_keeps_the_length_and_idle_steps_probe():
     assert schedule.choose(1, 1, [0.9, 0.55, 0.1, 0.05]) == 1  # L=2: 2.45 / 1.25 = 1.96, 3% over 1.9: kept
     assert schedule.choose(1, 1, [0.9, 0.8, 0.1, 0.05]) == 2  # 2.7 / 1.25 = 2.16: 14% better
     poor = VerifyLengthSchedule(2, block_size=2, cost=HOST_SMOLLM2_COST, hysteresis=0.0, probe_every=4)
-    lengths = [poor.choose(1, 1, [0.0, 0.0]) for _ in range(8)]
-    assert lengths == [0, 0, 0, 1, 0, 0, 0, 1]  # one probe draft every 4 idle steps keeps the estimate alive
+    assert poor.wants_drafts(1, 1) and poor.choose(1, 1, [0.0, 0.0]) == 0  # drafting turns off
+    runs = [poor.wants_drafts(1, 1) for _ in range(8)]
+    assert runs == [False, False, False, True] * 2  # the drafter runs on every 4th idle step only
+    assert poor.choose(1, 1, [0.0, 0.0]) == 1  # and that probe verifies one draft
+    assert poor.choose(1, 1, [0.9, 0.8]) == 2 and poor.wants_drafts(1, 1)  # a good probe turns drafting back on
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         VerifyLengthSchedule(5, block_size=4)

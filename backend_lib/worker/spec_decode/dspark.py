@@ -110,21 +110,34 @@ class BlockDraftProposer:
             confidence = torch.sigmoid(confidence_logits(self.confidence, self.markov, with_markov, hidden, prev))
         return BlockDrafts(drafts, confidence)
 
-    def worth_drafting(self, requests: int, drafting: int) -> bool:
-        return self.fixed_length or self.schedule.worth_drafting(requests, drafting)
+    def draft_for(self, chunks: list[ScheduledChunk],  # the step's sampling chunks, in order
+                  verified: torch.Tensor,  # [S, W] their rejection output
+                  block_tables: torch.Tensor,  # [S, Wb] int32
+                  block_size: int) -> BlockDrafts | None:
+        """``draft`` from each chunk's emitted anchor, unless the schedule keeps drafting off this step."""
+        speculating = sum(c.request.sampling_params.speculative for c in chunks)
+        if not (self.fixed_length or self.schedule.wants_drafts(len(chunks), speculating)):
+            return None
+        last = [c.start + c.num_tokens - c.num_draft_tokens - 1 for c in chunks]
+        bound = max(p + c.num_draft_tokens + 1 for p, c in zip(last, chunks))
+        return self.draft(verified, last, bound, block_tables, block_size)
 
     def proposals(self, chunks: list[ScheduledChunk],  # the step's sampling chunks, in order
                   emitted: list[list[int]],  # the tokens each emitted this step
-                  drafts: list[list[int]] | None,  # [S][B] host drafts (None: the drafter did not run)
-                  confidence: list[list[float]] | None,  # [S][B] per-slot confidence (DSpark)
+                  block: BlockDrafts | None,  # draft_for's (None: the drafter did not run)
+                  flat_drafts: list[int],  # block.token_ids as read with the step's one sync
                   ) -> list[list[int]]:  # each request's drafts for the next step
         for chunk, tokens in zip(chunks, emitted):  # calibrate on what this step verified
             predicted = self.last_survival.get(chunk.request.request_id)
             if predicted is not None and chunk.num_draft_tokens:
                 self.schedule.calibration.observe(predicted[:chunk.num_draft_tokens], len(tokens) - 1)
         self.last_survival = {}
-        if drafts is None:
+        if block is None:
             return [[] for _ in chunks]
+        width = block.token_ids.shape[1]
+        drafts = [flat_drafts[b * width:(b + 1) * width] for b in range(len(chunks))]
+        # read after the sync (the tensor is already computed): a copy, no second wait
+        confidence = block.confidence.tolist() if block.confidence is not None else None
         speculating = [b for b, c in enumerate(chunks) if c.request.sampling_params.speculative]
         survival = None
         if confidence is not None:

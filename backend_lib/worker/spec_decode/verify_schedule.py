@@ -12,8 +12,9 @@ few-row GEMM's flat cost ends).
 ``S_j``: DSpark's confidence head predicts it (the batch mean of each request's running product), calibrated online
 by the observed prefix acceptance over the predicted one per position; DFlash has no head, so the observed prefix
 acceptance itself. Everything comes from steps already verified, so the length of step t + 1 is known when step t
-ends (zero-overhead scheduling can later move it earlier). While ``L = 0`` nothing is observed, so every
-``probe_every``-th such step drafts one token to keep the estimate alive (only where drafting could pay at all).
+ends (zero-overhead scheduling can later move it earlier). While ``L = 0`` the drafter does not run and nothing is
+observed, so every ``probe_every``-th such step runs it and verifies at least one draft to keep the estimate alive
+(only where drafting could pay at all).
 """
 from __future__ import annotations
 
@@ -113,10 +114,20 @@ class VerifyLengthSchedule:
             return list(cal.observed)
         return [min(1.0, p * cal.factor(j)) for j, p in enumerate(predicted[:self.max_len])]
 
-    def choose(self, requests: int, drafting: int, predicted: Sequence[float] | None) -> int:
+    def wants_drafts(self, requests: int, drafting: int) -> bool:
+        """Before the drafter's pass: run it? Not where no length could pay; while the last choice was ``L = 0``
+        only every ``probe_every``-th step (a probe: fresh confidences, and one draft verified at least)."""
         if not self.worth_drafting(requests, drafting):
             self.previous = 0
-            return 0
+            return False
+        if self.previous:
+            return True
+        self.idle_steps += 1
+        return self.idle_steps % self.probe_every == 0
+
+    def choose(self, requests: int, drafting: int, predicted: Sequence[float] | None) -> int:
+        """After the drafter's pass: the next step's length (at least 1 on a probe step)."""
+        probing = self.previous == 0
         survival = self.survival(predicted)
         rates = [self.rate(requests, drafting, L, survival) for L in range(self.max_len + 1)]
         best = max(range(len(rates)), key=rates.__getitem__)
@@ -125,6 +136,4 @@ class VerifyLengthSchedule:
         self.previous = best
         if best:
             self.idle_steps = 0
-            return best
-        self.idle_steps += 1
-        return 1 if self.idle_steps % self.probe_every == 0 else 0
+        return max(best, 1) if probing else best
