@@ -34,11 +34,9 @@ serve: install
 # Two pytest workers (pytest-xdist), each file's tests on one of them so that module fixtures (oracles, servers)
 # are built once: much of the suite waits on one core (gcc under inductor, server starts, transformers' loads).
 # Each worker keeps torch's 2 threads (tests/conftest.py); OMP_WAIT_POLICY=PASSIVE keeps an idle OpenMP thread
-# from spinning on the core the other worker needs. tests/conftest.py hands the heaviest files out first (HEAVY_FILES,
-# longest first) instead of xdist's most-tests-first order, so that no slow file starts last on one worker while the
-# other idles. Zen 4, 2 cores, 804-854 tests: 8-15 minutes; Intel Xeon, 2 cores, 1,354 tests (2026-12-03, second
-# sitting, before that ordering and the suite2 cuts): 21.1 minutes; 1,394 tests (third sitting, after them, the VM
-# ~1.3x slower that day, one inductor sampler test at 353 s): 29.1 minutes: over the ~15 minute aim.
+# from spinning on the core the other worker needs. tests/conftest.py hands the heaviest files out first (HEAVY_FILES).
+# Suite time on 2 cores, fresh clone, cold caches: `make test` <= 15 min (measured: ___ min), `make test-fast` <= 5 min
+# (measured: ___ min).
 TEST_WORKERS ?= 2
 PYTEST := OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile
 

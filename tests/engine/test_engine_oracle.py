@@ -9,7 +9,10 @@ import pytest
 from backend_lib.core.config import EngineConfig
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.offline import LLM
-from tests.conftest import hf_greedy, hf_greedy_choices
+from tests.helpers.greedy_agreement import hf_greedy, hf_greedy_choices
+
+# `make test` only (not test-fast): SmolLM2 against transformers, token for token (the model loaded by both).
+pytestmark = pytest.mark.slow
 
 PROMPTS = [
     "The capital of France is",
@@ -92,7 +95,6 @@ def test_tiny_hf_llama_matches_transformers(tiny_llama_dir):
     assert [r.token_ids for r in results] == expected
 
 
-@pytest.mark.slow
 def test_cli_generate_chat_prints_paris():
     out = subprocess.run([sys.executable, "-m", "backend_lib.frontend.cli.main", "generate", "--chat", "--max-tokens", "10",
                           "What is the capital of France?"], capture_output=True, text=True, timeout=600)

@@ -25,6 +25,7 @@ from backend_lib.engine.intake import parse_json, parse_sampling
 from backend_lib.frontend.triton import codec
 from tests.helpers.fuzz_values import (FUZZ, JSON_VALUES, SAMPLING_DICTS, TEXT, accepts_or_request_error,
                                small_engine)
+from tests.helpers.engines import drive
 
 
 
@@ -195,8 +196,7 @@ def test_fuzzed_session_turns_leave_the_engine_consistent(engine, turns):
             pass
         for _ in range(steps):
             engine.step()
-    while engine.has_unfinished_requests():
-        engine.step()
+    drive(engine)
     engine.close_idle_sessions(now=float("inf"))
     engine.scheduler.check_integrity()
     stats = engine.stats()
@@ -240,8 +240,8 @@ def test_fuzzed_requests_complete_whole_and_return_every_block(engine, requests)
             pass
         for _ in range(steps):
             step()
-    while engine.has_unfinished_requests():
-        step()
+    for request_id, outs in drive(engine).items():
+        outputs.setdefault(request_id, []).extend(outs)
     for request_id, (prompt, params) in admitted.items():
         finals = [o for o in outputs[request_id] if o.finished]
         assert len(finals) == 1 and finals[0].finish_reason in ("stop", "length"), finals

@@ -14,7 +14,8 @@ from kernels.head_screen import HeadScreen, screen_coefficient
 from kernels.sampling import row_argmax
 from tests.helpers.screen_cases import check_ties_and_pads, near_tie_case
 
-pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="host C++ kernels not built")
+# `make test` only (not test-fast): SmolLM2 engines with and without the screened head.
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not load_cpu_kernels(), reason="host C++ kernels not built")]
 
 
 class Screened:

@@ -29,6 +29,9 @@ from kernels.packed_gemm import int8_error_bound
 from kernels.packed_weights import GGUF_LAYOUTS, pack_gguf
 from kernels.quant import dequantize_block_fp8, quantize_block_fp8
 
+# `make test` only (not test-fast): packs and runs SmolLM2 / the tiny V3 in every weight format, some on two ranks.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def smollm2_pair(smollm2_path):

@@ -9,8 +9,10 @@ from backend_lib.core.config import EngineConfig
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.offline import LLM
 from backend_lib.tools.tiny import make_tiny
-from tests.conftest import hf_greedy, hf_greedy_choices
-from tests.neuron.test_regions import compiled_engine
+from tests.helpers.greedy_agreement import hf_greedy, hf_greedy_choices
+
+# `make test` only (not test-fast): compiles SmolLM2's regions (aot_eager) and runs them against the eager engine.
+pytestmark = pytest.mark.slow
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3, 4, 5,",
            [{"role": "user", "content": "What is the capital of France?"}]]
@@ -23,9 +25,7 @@ REGIONS = {"compile_backend": "aot_eager", "batch_buckets": "1,4", "width_bucket
 
 
 def _compiled_llm(flat: dict) -> LLM:
-    llm = LLM.__new__(LLM)
-    llm.engine = compiled_engine(EngineConfig.from_flat({**flat, **REGIONS}))
-    return llm
+    return LLM(config=EngineConfig.from_flat({**flat, **REGIONS}))
 
 
 def _ids(results) -> list[list[int]]:

@@ -27,6 +27,10 @@ from backend_lib.frontend.triton.parameters import engine_config_from_parameters
 from backend_lib.worker.kv_dtype import kv_storage_dtype
 from kernels.attention import write_kv
 from kernels.kv_fp8 import dequantize_kv, quantize_kv
+from tests.helpers.engines import drive, make_engine
+
+# `make test` only (not test-fast): fp8 KV engines against a reference engine (SmolLM2 among them), compiled too.
+pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
 
@@ -44,9 +48,8 @@ def reference_writes(monkeypatch):
 
 
 def _engine(path, reference: bool, **settings) -> LLMEngine:
-    flat = {"model": str(path), "max_model_len": 256, "num_blocks": 256, **settings,
-            "kv_cache_dtype": "auto" if reference else "fp8_e4m3"}
-    engine = LLMEngine(EngineConfig.from_flat(flat))
+    engine = make_engine(path, {"max_model_len": 256, "num_blocks": 256}, settings,
+                         kv_cache_dtype="auto" if reference else "fp8_e4m3")
     if reference:  # its writes must reach the patched write_kv: the module path for every write and layer
         model = engine.model
         model._decode_weight_lists = ()
@@ -113,9 +116,8 @@ def test_fp8_sessions_keep_their_codes_between_turns(tiny_llama_dir, reference_w
         for i, (text, flags) in enumerate([("Hello there,", (True, False)), (" and then", (False, False)),
                                            (" finally", (False, True))]):
             engine.add_request(f"t{i}", text, GREEDY, SessionControl("s", start=flags[0], end=flags[1]))
-            while engine.has_unfinished_requests():
-                turns += [(o.request_id, o.new_token_ids, [lp.logprob for lp in o.new_logprobs or []])
-                          for o in engine.step()]
+            turns += [(o.request_id, o.new_token_ids, [lp.logprob for lp in o.new_logprobs or []])
+                      for o in drive(engine)[f"t{i}"]]
         outputs.append(turns)
     assert outputs[0] == outputs[1] and len(outputs[0]) > 3
 
