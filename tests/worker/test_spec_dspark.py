@@ -12,6 +12,7 @@ from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.llm_engine import LLMEngine
 from backend_lib.engine.offline import LLM
 from backend_lib.tools.drafter import write_random_drafter
+from tests.helpers.engines import make_engine
 
 PROMPTS = [
     [{"role": "user", "content": "Name three colours."}],
@@ -29,7 +30,7 @@ def drafter_dir(smollm2_path, tmp_path_factory):
 
 
 def _engine(smollm2_path: str, **spec) -> LLM:
-    return LLM(config=EngineConfig.from_flat({**FLAT, "model": smollm2_path, **spec}))
+    return make_engine(smollm2_path, FLAT, engine_type=lambda config: LLM(config=config), **spec)
 
 
 def _spec(drafter_dir: str, method: str) -> dict:
