@@ -11,7 +11,10 @@ from typing import Any
 from backend_lib.structured_output.constraints import StructuredOutputLimits
 
 _DTYPES = ("float32", "bfloat16", "float16")
-_SPEC_METHODS = ("none", "ngram", "mtp")
+_SPEC_METHODS = ("none", "ngram", "mtp", "dspark", "dflash")
+# Block drafters read a drafter directory (speculative_model) and may let the confidence schedule pick the length.
+BLOCK_DRAFT_METHODS = ("dspark", "dflash")
+SPEC_SCHEDULES = ("fixed", "confidence")
 _HOST_GEMMS = ("auto", "gemv", "onednn", "mkl")
 WEIGHT_FORMATS = ("auto", "dequantize", "packed")
 _COMPILE_BACKENDS = ("none", "auto", "inductor", "aot_eager", "neuron")
@@ -137,6 +140,13 @@ class SpecConfig:
     num_speculative_tokens: int = 0
     ngram_min: int = 1
     ngram_max: int = 4
+    # dspark / dflash: the drafter directory (DeepSpec's layout: config.json + safetensors), as vLLM names it
+    speculative_model: str = ""
+    # dspark / dflash: "fixed" verifies num_speculative_tokens drafts a step; "confidence" picks 0..k per step from
+    # the drafts' predicted survival and the cost of verifying them at the step's batch
+    spec_schedule: str = "confidence"
+    # dspark: a request's drafts end before the first whose confidence falls below this (DeepSpec's eval); 0 = off
+    dspark_confidence_threshold: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.method in _SPEC_METHODS, f"spec method must be one of {_SPEC_METHODS}, got {self.method!r}")
@@ -147,6 +157,12 @@ class SpecConfig:
                  f"got {self.num_speculative_tokens}")
         _require(1 <= self.ngram_min <= self.ngram_max,
                  f"ngram range must satisfy 1 <= ngram_min <= ngram_max, got [{self.ngram_min}, {self.ngram_max}]")
+        _require(self.method not in BLOCK_DRAFT_METHODS or bool(self.speculative_model),
+                 f"spec method {self.method!r} needs speculative_model (a DSpark / DFlash drafter directory)")
+        _require(self.spec_schedule in SPEC_SCHEDULES,
+                 f"spec_schedule must be one of {SPEC_SCHEDULES}, got {self.spec_schedule!r}")
+        _require(0.0 <= self.dspark_confidence_threshold < 1.0,
+                 f"dspark_confidence_threshold must be in [0, 1), got {self.dspark_confidence_threshold}")
 
 
 def _int_tuple(name: str, value: Any) -> tuple[int, ...]:

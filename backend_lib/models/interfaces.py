@@ -33,6 +33,9 @@ class ModelCapabilities:
     cpu_attention: bool = False  # use_cpu_attention(); host_fused then says whether eager steps run the C++ ops
     greedy_head_screen: bool = False  # greedy_token_ids(hidden[, bitmask]): greedy tokens without the logits
     rope_extension: bool = False  # cover_positions(max_model_len) -> bool: RoPE extended past the checkpoint's
+    # spec_method=dspark / dflash: capture_layer_ids (set by the proposer) makes forward keep those layers' outputs
+    # in captured_hidden [T, len(ids) * hidden] for a block drafter
+    captures_hidden: bool = False
 
     def __post_init__(self) -> None:
         if self.mtp not in MTP_KINDS:

@@ -4,12 +4,13 @@ Preparation turns the scheduler's chunks into one tensor per input (one host->de
 forward and the sampler consume only tensors, so the same step can later run as compiled regions with static
 shapes. The step syncs with the host once, when it reads the sampled ids.
 
-Speculative decoding (``SpecConfig.method`` ngram | mtp): a decode chunk carries its drafts. The decode group runs
-with ``decode_query_len = 1 + max drafts`` of the step; a request with fewer drafts is padded with rows that write
-into the scratch block and whose logits are never read, so padding cannot change its output (its real queries see
-exactly its own positions). ``_execute_spec`` verifies every sampling chunk's drafts with the rejection sampler
+Speculative decoding (``SpecConfig.method`` ngram | mtp | dspark | dflash): a decode chunk carries its drafts. The
+decode group runs with ``decode_query_len = 1 + max drafts`` of the step; a request with fewer drafts is padded with
+rows that write into the scratch block and whose logits are never read, so padding cannot change its output (its
+real queries see exactly its own positions). ``_execute_spec`` verifies every sampling chunk's drafts with the rejection sampler
 (a chunk without drafts is plain sampling: the same seeded draw) and proposes the next drafts: n-gram on the host
-after the one sync, MTP on device before it.
+after the one sync, MTP and the DSpark / DFlash block drafters on device before it (the block drafters' lengths are
+then chosen on the host: worker/spec_decode/verify_schedule.py).
 
 Structured output: before sampling, the driver's ``StepBitmask`` (worker/grammar_bitmask.py) takes each constrained
 request's mask from its matcher (a verification's rows: the masks after each of its drafts) into
@@ -44,6 +45,7 @@ from backend_lib.worker.prompt_logprobs import head_slices, prompt_rows
 from backend_lib.worker.prompt_logprobs import compute as compute_prompt_logprobs
 from backend_lib.worker.sampler import Sampler, SamplingMetadata, SamplingRow
 from backend_lib.worker.spec_decode import make_mtp_proposer
+from backend_lib.worker.spec_decode.dspark import BlockDraftProposer
 from backend_lib.worker.spec_decode.ngram import NgramProposer
 from backend_lib.worker.spec_decode.rejection import DraftLayout, greedy_verify, num_accepted, rejection_sample
 from backend_lib.worker.step_messages import StepLink
@@ -122,10 +124,16 @@ class ModelRunner:
         self.mtp = (make_mtp_proposer(model, self.kv_caches, num_slots, k, device, kv_dtype or dtype,
                                       self._share_meta if context.size > 1 else None)
                     if self.spec_method == "mtp" else None)
-        if getattr(self.mtp, "needs_eager_model", False) and resolve_backend(compile_config, platform):
-            raise ValueError("spec_method 'mtp' drafts for this model need the eager forward (it keeps the "
-                             "pre-hc_head streams): set compile_backend 'none' (and no DEEPINFER_COMPILE_BACKEND) "
-                             "or DEEPINFER_ENFORCE_EAGER=1")
+        self.block_drafter = (BlockDraftProposer(model, spec, num_slots, max_model_len or num_slots, device, dtype)
+                              if self.spec_method in ("dspark", "dflash") else None)
+        if context.size > 1 and self.block_drafter is not None:
+            raise ValueError(f"spec_method {self.spec_method!r} runs without context parallelism: set "
+                             f"context_parallel_size 1")
+        eager_drafter = self.mtp if self.mtp is not None else self.block_drafter
+        if getattr(eager_drafter, "needs_eager_model", False) and resolve_backend(compile_config, platform):
+            raise ValueError(f"spec_method {self.spec_method!r} drafts for this model need the eager forward (it "
+                             "keeps intermediate hidden states): set compile_backend 'none' (and no "
+                             "DEEPINFER_COMPILE_BACKEND) or DEEPINFER_ENFORCE_EAGER=1")
         # Compiled regions (backend_lib/neuron/regions.py): same contracts, eager unless compile_config or
         # DEEPINFER_COMPILE_BACKEND ask for graphs; DEEPINFER_ENFORCE_EAGER=1 keeps everything eager.
         self.model, self.sampler = build_regions(model, self.sampler, self.kv_caches, num_blocks, block_size,
@@ -265,6 +273,8 @@ class ModelRunner:
             self.link.send_step(inputs, mtp_host)
         self._share(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if self.block_drafter is not None:
+            self.block_drafter.write_context(inputs.positions, inputs.meta.slot_mapping)
         if self.spec_method != "none" or any(c.draft_token_ids for c in chunks):
             output = self._execute_spec(chunks, inputs, hidden, mtp_host)
         else:
@@ -358,6 +368,13 @@ class ModelRunner:
             drafts = self._mtp_drafts(hidden, inputs, mtp_host["mtp_next_ids"], mtp_host["mtp_first_rows"],
                                       mtp_host["mtp_tables"], verified.token_ids)
             to_read.append(drafts.flatten())
+        block = None
+        if self.block_drafter is not None:
+            block = self.block_drafter.draft_for([chunks[i] for i in sampling], verified.token_ids,
+                                                 self._block_table([chunks[i].block_ids for i in sampling]),
+                                                 self.block_size)
+        if block is not None:
+            to_read.append(block.token_ids.flatten())
         # The one host sync of the step: verified tokens (and MTP drafts) together.
         flat = torch.cat(to_read).tolist()
         width = verified.token_ids.shape[1]
@@ -370,12 +387,17 @@ class ModelRunner:
         # n-gram drafts per request: the next step's verification rows stay within what the few-row GEMM reads
         # the weights once for (NgramProposer.batch_limit).
         ngram_limit = self.ngram.batch_limit(len(sampling)) if self.ngram is not None else 0
+        if self.block_drafter is not None:
+            block_proposals = self.block_drafter.proposals([chunks[i] for i in sampling],
+                                                           [sampled[i] for i in sampling], block, flat[drafts_at:])
         for b, i in enumerate(sampling):
             request = chunks[i].request
             if not request.sampling_params.speculative:
                 continue
             if self.mtp is not None:
                 proposals[i] = flat[drafts_at + b * self.mtp.k:drafts_at + (b + 1) * self.mtp.k]
+            elif self.block_drafter is not None:
+                proposals[i] = block_proposals[b]
             elif ngram_limit:
                 proposals[i] = self.ngram.propose(request.all_token_ids + sampled[i], ngram_limit)
         logprobs = None

@@ -39,6 +39,9 @@ _ENGINE_PARAMETERS: dict[str, tuple[str, type]] = {
     "num_speculative_tokens": ("num_speculative_tokens", int),
     "ngram_min": ("ngram_min", int),
     "ngram_max": ("ngram_max", int),
+    "speculative_model": ("speculative_model", str),
+    "spec_schedule": ("spec_schedule", str),
+    "dspark_confidence_threshold": ("dspark_confidence_threshold", float),
     "compile_backend": ("compile_backend", str),
     # Bucket lists stay strings ("1,2,4,8"): CompileConfig parses and validates them.
     "batch_buckets": ("batch_buckets", str),

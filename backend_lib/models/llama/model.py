@@ -170,7 +170,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(ServedModel):
     capabilities = ModelCapabilities(fp8_kv=True, context_parallel=True, host_packing=True, cpu_attention=True,
-                                     greedy_head_screen=True, rope_extension=True)
+                                     greedy_head_screen=True, rope_extension=True, captures_hidden=True)
 
     def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype = torch.float32,
                  options: "LoadOptions | None" = None) -> None:
@@ -198,6 +198,10 @@ class LlamaForCausalLM(ServedModel):
         self.kv_fp8 = False  # use_fp8_kv: e4m3 K/V (the one-op decode loop then takes each layer's scales)
         self._decode_weight_lists: tuple | None = None  # _host_decode_weights' lists, collected once
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings)
+        # Set by a block drafter (worker/spec_decode/dspark.py): forward then keeps the outputs of these layers (-1:
+        # the embedding output), concatenated, in ``captured_hidden`` [T, len(ids) * hidden].
+        self.capture_layer_ids: tuple[int, ...] = ()
+        self.captured_hidden: torch.Tensor | None = None
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], dtype: torch.dtype,
@@ -230,6 +234,8 @@ class LlamaForCausalLM(ServedModel):
         hidden = vocab_parallel_lookup(input_ids, self.embed_tokens.lookup, self.vocab_rows.size,
                                        self.vocab_rows.start, self.par)
         rope = rope_at(self.rotary.cos, self.rotary.sin, positions, hidden.dtype)
+        if self.capture_layer_ids:
+            return self._forward_capturing(rope, hidden, k_caches, v_caches, meta)
         share = meta.context
         if share is not None:  # context parallelism: this rank's rows through the layers, every row at the end
             hidden = hidden[share.rows]
@@ -251,6 +257,21 @@ class LlamaForCausalLM(ServedModel):
             for i, layer in enumerate(self.layers):
                 hidden = layer(rope, hidden, k_caches[i], v_caches[i], meta)
         return fused.rms_norm(hidden, self.norm.weight, self.norm.eps)
+
+    def _forward_capturing(self, rope: tuple[torch.Tensor, torch.Tensor],
+                           hidden: torch.Tensor,  # [T, hidden] embedded
+                           k_caches: torch.Tensor, v_caches: torch.Tensor,  # [L, num_slots, Hkv, D]
+                           meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden], final-normed
+        """The layer-by-layer path (the one-op C++ decode loop keeps no intermediate states), keeping the outputs of
+        ``capture_layer_ids``; one rank, no context parallelism (the drafter's proposer refuses both)."""
+        ids = self.capture_layer_ids
+        kept = [hidden] if -1 in ids else []
+        for i, layer in enumerate(self.layers):
+            hidden = layer(rope, hidden, k_caches[i], v_caches[i], meta)
+            if i in ids:
+                kept.append(hidden)
+        self.captured_hidden = torch.cat(kept, dim=-1)
+        return self.norm(hidden)
 
     def _host_decode_weights(self, num_tokens: int,
                              meta: AttentionMetadata) -> tuple[list[torch.Tensor], list[torch.Tensor], int] | None:
