@@ -372,6 +372,8 @@ def check_ids(field: str, ids: list[int], vocab_size: int) -> None:
 def check_context(num_prompt_tokens: int, params: SamplingParams, max_model_len: int, what: str = "") -> None:
     """The prompt (``what`` says if a session's history is in it) must leave room for one new token, and for
     max_tokens when the client set it; an unset max_tokens is cut where max_model_len ends the request."""
+    if num_prompt_tokens == 0:  # a text of control characters only can tokenize to nothing
+        raise RequestError("prompt", f"the prompt{what} has no tokens: its text tokenizes to nothing")
     _check_room(num_prompt_tokens, max_model_len, what)
     if params.max_tokens_set and num_prompt_tokens + params.max_tokens > max_model_len:
         raise _over("max_tokens", f"max_tokens is {params.max_tokens}, but the prompt has {num_prompt_tokens} "

@@ -23,6 +23,8 @@ ENGINE_SETTINGS = {"max_model_len": "256", "num_blocks": "96", "block_size": "16
 SPEC_SETTINGS = {"spec_method": "ngram", "num_speculative_tokens": "3", "ngram_min": "1", "ngram_max": "4"}
 COMPILE_SETTINGS = {"compile_backend": "aot_eager", "batch_buckets": "1,4", "width_buckets": "16"}
 MAX_TOKENS = 32
+# the file's exact weights on both sides: a compiled server's packed int8 GEMMs need not round as the eager ones
+EXACT_WEIGHTS = {"weight_format": "dequantize"}
 GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS}
 
 TEXT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, and wrote the "
@@ -40,14 +42,14 @@ COMPILED_LINE = re.compile(r"deepinfer: compiled (\d+) model and (\d+) sampler g
 @pytest.fixture(scope="module")
 def reference() -> list:
     """The offline engine, eager and without speculation, with the server's engine settings."""
-    llm = LLM("", **{k: int(v) for k, v in ENGINE_SETTINGS.items()})
+    llm = LLM("", weight_format=EXACT_WEIGHTS["weight_format"], **{k: int(v) for k, v in ENGINE_SETTINGS.items()})
     return llm.generate(PROMPTS, SamplingParams(**GREEDY))
 
 
 @pytest.fixture(scope="module", params=["eager", "aot_eager"])
 def spec_triton(request, tmp_path_factory) -> TritonServer:
     compiled = request.param == "aot_eager"
-    overrides = {**ENGINE_SETTINGS, **SPEC_SETTINGS, **(COMPILE_SETTINGS if compiled else {})}
+    overrides = {**ENGINE_SETTINGS, **EXACT_WEIGHTS, **SPEC_SETTINGS, **(COMPILE_SETTINGS if compiled else {})}
     started = time.monotonic()
     with new_server(tmp_path_factory.mktemp(f"triton_spec_{request.param}"), overrides, exit_timeout_s=5) as server:
         load_s = time.monotonic() - started

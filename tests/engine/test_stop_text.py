@@ -33,7 +33,8 @@ GREEDY = dict(max_tokens=96, temperature=0.0)
 def smollm2(smollm2_path):
     """With n-gram drafts (greedy output is the same; a step may emit several tokens, which one test needs)."""
     with LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 256, "max_num_seqs": 4,
-                                            "method": "ngram", "num_speculative_tokens": 4})) as llm:
+                                            "method": "ngram", "num_speculative_tokens": 4,
+                                            "weight_format": "dequantize"})) as llm:  # the file's exact weights
         yield llm
 
 

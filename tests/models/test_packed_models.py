@@ -152,7 +152,7 @@ def test_greedy_on_the_workload_prompts_equals_dequantize_or_parts_only_at_near_
     dequantize's top 3, within 0.5 nats of its pick. Prints the count of differing continuations (pytest -s)."""
     prompts = _workload_prompts()
     params = SamplingParams(temperature=0.0, max_tokens=WORKLOAD_TOKENS, ignore_eos=True, logprobs=3)
-    with LLM(max_num_seqs=WORKLOAD_PROMPTS, num_blocks=256) as dequantize:
+    with LLM(max_num_seqs=WORKLOAD_PROMPTS, num_blocks=256, weight_format="dequantize") as dequantize:
         results = {"dequantize": dequantize.generate(prompts, params)}
     results["fp32"] = packed_smollm2["fp32"].generate(prompts, params)
     results["int8"] = packed_smollm2["auto"].generate(prompts, params)

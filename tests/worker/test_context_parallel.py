@@ -38,7 +38,8 @@ def tiny_dirs(tmp_path_factory):
 
 
 def _generate(model: str, prompts=PROMPTS, params: SamplingParams = GREEDY, **settings):
-    settings = {"num_blocks": 160, "max_num_batched_tokens": 128, **settings}
+    # dequantize: one rank would run a quantized file packed, several ranks dequantized (weight_format auto)
+    settings = {"num_blocks": 160, "max_num_batched_tokens": 128, "weight_format": "dequantize", **settings}
     with LLM(model, **settings) as llm:
         return llm.generate(prompts, params)
 

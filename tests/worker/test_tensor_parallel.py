@@ -37,6 +37,8 @@ def tiny_dirs(tmp_path_factory):
 
 
 def _generate(model: str, params: SamplingParams = GREEDY, **settings):
+    # dequantize: one rank would run a quantized file packed, several ranks dequantized (weight_format auto)
+    settings = {"weight_format": "dequantize", **settings}
     with LLM(model, num_blocks=128, max_num_batched_tokens=64, **settings) as llm:
         return llm.generate(PROMPTS, params)
 

@@ -6,7 +6,7 @@ quantized.md: SmolLM2 Q4_1 0.72 bytes a weight, not 4, and 1.4x / 3x dequantize'
 ``packed_gemm_path`` auto, which is int8 activations for GGUF, the fastest path measured, and fp32 widening for
 DeepSeek's fp8 / fp4, the only one they have). It applies only where the packed GEMMs run: the host (device cpu,
 not Neuron graphs), float32 / bfloat16 activations, a GGUF file with 2-D tensors in a type they read, or a
-DeepSeek-V3 / V4 fp8 directory kept fp8 (not ``dequantize_fp8_at_load``).
+DeepSeek-V3 / V4 fp8 directory kept fp8 (not ``dequantize_fp8_at_load``), on one tensor-parallel rank.
 """
 from __future__ import annotations
 
@@ -41,6 +41,10 @@ def _host_refusal(options: LoadOptions, device: str) -> str | None:
         return "compile_backend=neuron: the packed GEMMs are host C++ kernels"
     if options.dtype not in _PACKED_DTYPES:
         return f"dtype {options.dtype}: the packed GEMMs take float32 or bfloat16 activations"
+    if options.par.world_size > 1:
+        # a rank's shard must fall on the file's blocks to stay packed, which small or odd shapes do not
+        # (weight_format=packed says which tensor and split when asked for explicitly)
+        return f"{options.par.world_size} tensor-parallel ranks: their splits may cut the quantization blocks"
     return None
 
 
