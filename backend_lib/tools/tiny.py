@@ -26,9 +26,10 @@ import torch
 from safetensors.torch import save_file
 
 from backend_lib.tools.tiny_engram import add_engram
+from backend_lib.tools.tiny_v41 import v41_config, v41_tensors
 from kernels.quant import DEFAULT_BLOCK, quantize_block_fp8
 
-ARCHS = ("deepseek_v3", "deepseek_v4", "llama")
+ARCHS = ("deepseek_v3", "deepseek_v4", "deepseek_v41", "llama")
 TOKENIZER_VOCAB = 320
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
 _CORPUS = (
@@ -302,6 +303,13 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
         raise ValueError(f"vocab_size must be >= the tokenizer's {tok_vocab}, got {kwargs['vocab_size']}")
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
+    if arch == "deepseek_v41":  # no transformers release has V4.1: drawn by name (tools/tiny_v41.py)
+        if fp8 or fp4_experts or mtp_layers or engram_layers:
+            raise ValueError("deepseek_v41: fp8 / fp4 experts, mtp_layers and engram_layers are not written yet")
+        config = v41_config(overrides)
+        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        _write_shards(v41_tensors(config, gen), out, num_shards)
+        return out
     if arch == "deepseek_v4":
         _make_tiny_v4(out, {**kwargs, "num_nextn_predict_layers": mtp_layers}, gen, num_shards)
         if fp8 or fp4_experts:
