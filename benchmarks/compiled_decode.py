@@ -4,7 +4,7 @@ One decode step = all 30 layers + final norm + lm_head for B requests with a 100
 width bucket 8 x 16 tokens), three ways: eager plain torch (F.linear, block gather + SDPA), eager with the host
 kernels (the blocked few-row GEMM and oneDNN's packed GEMM by `GemvPolicy.for_host`, and the C++ decode attention: the
 engine's host default), and compiled with the
-same host kernels. The compiled path is CompiledModel (backend_lib/worker/compile/regions.py): the same
+same host kernels. The compiled path is CompiledModel (backend_lib/neuron/regions.py): the same
 padding / per-layer cache views the engine uses; a fourth column runs the same step with
 `compile_scope="layer"` (one graph per bucket, called by each layer). The four alternate rep by rep so load changes on a
 shared machine hit them alike. Writes benchmarks/results/compiled_decode.md and .png.
@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from backend_lib.core.model_path import default_model_path  # noqa: E402
-from backend_lib.models.loader import load_model  # noqa: E402
-from backend_lib.worker.compile.buckets import BucketSpec  # noqa: E402
-from backend_lib.worker.compile.regions import CompiledModel  # noqa: E402
+from backend_lib.models.loading.loader import load_model  # noqa: E402
+from backend_lib.neuron.buckets import BucketSpec  # noqa: E402
+from backend_lib.neuron.regions import CompiledModel  # noqa: E402
 from kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from kernels.cpu_kernels import load_cpu_kernels  # noqa: E402
 

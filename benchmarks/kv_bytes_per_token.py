@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backend_lib.models.loader import load_model  # noqa: E402
+from backend_lib.models.loading.loader import load_model  # noqa: E402
 from backend_lib.tools.tiny import make_tiny  # noqa: E402
 from backend_lib.worker.model_runner import ModelRunner  # noqa: E402
 

@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import backend_lib.models.llama as llama_module  # noqa: E402
+import backend_lib.models.llama.model as llama_module  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.offline_throughput import load_workload  # noqa: E402
 from backend_lib.core.config import EngineConfig  # noqa: E402

@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--stem", default="", help="result file name (default: offline or offline_compiled)")
     parser.add_argument("--compile", default="none", choices=["none", "inductor", "aot_eager"],
-                        help="run the engine with compiled regions (backend_lib/worker/compile/regions.py)")
+                        help="run the engine with compiled regions (backend_lib/neuron/regions.py)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     parser.add_argument("--rounds", type=int, default=1, help="repeat every run; each engine's fastest counts")
     parser.add_argument("--width-buckets", default="8,16",

@@ -3,14 +3,13 @@
 * ``moe_dynamic``: eager grouped dispatch, each expert runs only over the tokens routed to it (data-dependent
   shapes; for eager runs). Experts are visited in ascending id and accumulated with ``index_add_``, which is
   the order transformers uses, so fp32 results match it bit for bit in practice.
-* ``moe_static``: fixed shapes for compiled regions: every expert runs over every token and the outputs are
-  combined through a dense ``[T, E]`` routing-weight matrix that is zero off each token's top-k.
+* ``moe_static`` (``backend_lib/neuron/static_moe.py``): the fixed-shape form compiled regions take.
 
 Expert weights are stacked per projection (``[E, out, in]``); when a projection carries a block scale grid
 (``[E, ceil(out/128), ceil(in/128)]``) its weights are float8_e4m3fn and are dequantized block-wise.
 ``weight_format=packed`` keeps them as ``PackedExperts`` instead (kernels/packed_weights.py's fp8 tiles, one tile set
 per expert): ``moe_dynamic_packed`` runs each selected expert's tokens through the packed GEMM (fp32 widening in
-registers: ``moe_dynamic``'s function up to summation order); compiled regions' ``moe_static`` takes
+registers: ``moe_dynamic``'s function up to summation order); compiled regions' static MoE takes
 ``PackedExperts.dense`` (the same values, dequantized from the tiles).
 """
 from __future__ import annotations
@@ -95,7 +94,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
     return block_fp8_linear(x, weight, scale, block_size)
 
 
-def _dense(weight: torch.Tensor, scale: torch.Tensor | None, block_size: tuple[int, int],
+def dense_expert_weights(weight: torch.Tensor, scale: torch.Tensor | None, block_size: tuple[int, int],
            dtype: torch.dtype) -> torch.Tensor:
     if scale is None:
         return weight.to(dtype)
@@ -196,27 +195,3 @@ def moe_dynamic_packed(x: torch.Tensor,  # [T, H] float32 or bfloat16
         return linear(F.silu(gate) * up, experts.down, e)
 
     return _dispatch(x, topk_weights, topk_ids, experts.num_experts, expert)
-
-
-def routing_matrix(topk_weights: torch.Tensor,  # [T, k]
-                   topk_ids: torch.Tensor,  # [T, k] int64
-                   num_experts: int) -> torch.Tensor:
-    """Dense [T, E] routing weights, zero off each token's top-k (ids equal to E, the sink, are dropped)."""
-    dense = torch.zeros(topk_ids.shape[0], num_experts + 1, dtype=topk_weights.dtype, device=topk_weights.device)
-    return dense.scatter_add_(1, topk_ids, topk_weights)[:, :num_experts]
-
-
-def moe_static(x: torch.Tensor,  # [T, H]
-               topk_weights: torch.Tensor,  # [T, k]
-               topk_ids: torch.Tensor,  # [T, k] int64
-               experts: ExpertWeights) -> torch.Tensor:
-    """Fixed-shape MoE: all experts over all tokens, masked combine. No data-dependent shapes or host syncs."""
-    bs = experts.block_size
-    gate_w = _dense(experts.gate, experts.gate_scale, bs, x.dtype)  # [E, I, H]
-    up_w = _dense(experts.up, experts.up_scale, bs, x.dtype)
-    down_w = _dense(experts.down, experts.down_scale, bs, x.dtype)  # [E, H, I]
-    gate = torch.einsum("th,eih->eti", x, gate_w)
-    up = torch.einsum("th,eih->eti", x, up_w)
-    y = torch.einsum("eti,ehi->eth", F.silu(gate) * up, down_w)  # [E, T, H]
-    weights = routing_matrix(topk_weights, topk_ids, experts.num_experts).to(x.dtype)  # [T, E]
-    return torch.einsum("eth,te->th", y, weights)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.offline import LLM
 from backend_lib.models.layers import Linear
-from backend_lib.models.loader import load_model
+from backend_lib.models.loading.loader import load_model
 from backend_lib.tools.tiny import make_tiny
 from kernels.attention import paged_attention, reference_attention, write_kv
 from kernels.cpu_kernels import load_cpu_kernels

@@ -1,4 +1,4 @@
-"""The compiled engine's persistent compile cache (backend_lib/worker/compile/compile_cache.py) and the buckets it compiles.
+"""The compiled engine's persistent compile cache (backend_lib/neuron/compile_cache.py) and the buckets it compiles.
 
 The start-up test runs two engine starts in fresh processes on one cache directory (inductor, a tiny Llama on the
 host's packed GEMM: the graphs that used to bypass the cache) and checks the second one loads every graph from the
@@ -20,10 +20,10 @@ from backend_lib.core.config import CompileConfig, EngineConfig
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.offline import LLM
 from backend_lib.tools.tiny import make_tiny
-from backend_lib.worker.compile.buckets import BucketSpec
-from backend_lib.worker.compile.compile_cache import (INDUCTOR_ENV, NEURON_CC_FLAGS_ENV, NEURON_ENV,
+from backend_lib.neuron.buckets import BucketSpec
+from backend_lib.neuron.compile_cache import (INDUCTOR_ENV, NEURON_CC_FLAGS_ENV, NEURON_ENV,
                                                       compile_cache_scope, resolve_cache_dir)
-from backend_lib.worker.compile.platform import Platform
+from backend_lib.neuron.platform import Platform
 from kernels.onednn_gemm import PackedWeight, onednn_gemm_available
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from backend_lib.models.deepseek_v3 import DeepseekV3ForCausalLM
-from backend_lib.models.loader import load_model
+from backend_lib.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from backend_lib.models.loading.loader import load_model
 from backend_lib.tools.tiny import make_tiny
 from kernels.attention_metadata import AttentionMetadata
 
@@ -271,8 +271,8 @@ def test_real_deepseek_v3_config_parses_with_transformers_yarn():
     from transformers import DeepseekV3Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
-    from backend_lib.models.deepseek_layers import build_rope
-    from backend_lib.models.deepseek_v3 import DeepseekV3Args
+    from backend_lib.models.deepseek_v3.layers import build_rope
+    from backend_lib.models.deepseek_v3.model import DeepseekV3Args
     real = {"architectures": ["DeepseekV3ForCausalLM"], "max_position_embeddings": 163840, "rope_theta": 10000,
             "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
                              "original_max_position_embeddings": 4096, "type": "yarn"},

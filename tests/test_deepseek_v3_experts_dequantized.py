@@ -10,12 +10,13 @@ from safetensors import safe_open
 
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.offline import LLM
-from backend_lib.models.deepseek_moe import MoE, RoutedExperts
+from backend_lib.models.deepseek_v3.moe import MoE, RoutedExperts
 from backend_lib.models.layers import resident_weight_bytes
-from backend_lib.models.loader import load_model, safetensors_files
+from backend_lib.models.loading.loader import load_model, safetensors_files
 from backend_lib.models.parallel import ParallelContext
 from backend_lib.tools.tiny import make_tiny
-from kernels.moe import moe_dynamic, moe_static
+from backend_lib.neuron.static_moe import moe_static
+from kernels.moe import moe_dynamic
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch
 from backend_lib.core.config import EngineConfig
 from backend_lib.core.errors import RequestError
 from backend_lib.engine.llm_engine import LLMEngine
-from backend_lib.models.loader import load_model
+from backend_lib.models.loading.loader import load_model
 from backend_lib.core.outputs import SessionControl
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.tools.tiny import make_tiny
@@ -172,8 +172,8 @@ class _LazyTensor:
 
 
 def _load_lazily(path):
-    from backend_lib.models.deepseek_v4 import DeepseekV4ForCausalLM
-    from backend_lib.models.loader import iter_safetensors, safetensors_files
+    from backend_lib.models.deepseek_v4.model import DeepseekV4ForCausalLM
+    from backend_lib.models.loading.loader import iter_safetensors, safetensors_files
     model = DeepseekV4ForCausalLM.from_hf_config(json.loads((path / "config.json").read_text()), torch.float32)
     model.load_weights((n, _LazyTensor(t)) for n, t in iter_safetensors(safetensors_files(str(path)), False))
     return model.eval()
@@ -320,8 +320,8 @@ def test_static_moe_gives_the_same_logits(tiny):
 def test_yarn_compress_rope_matches_transformers():
     from transformers import DeepseekV4Config
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
-    from backend_lib.models.deepseek_v4 import DeepseekV4ForCausalLM
-    from backend_lib.models.deepseek_v4_args import DeepseekV4Args
+    from backend_lib.models.deepseek_v4.model import DeepseekV4ForCausalLM
+    from backend_lib.models.deepseek_v4.args import DeepseekV4Args
     yarn = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64, "beta_fast": 32,
             "beta_slow": 1}
     kw = dict(vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -349,7 +349,7 @@ def test_mtp_without_mtp_weights_is_refused_with_a_clear_error(tmp_path):
 
 
 def test_config_errors_name_the_field():
-    from backend_lib.models.deepseek_v4_args import DeepseekV4Args
+    from backend_lib.models.deepseek_v4.args import DeepseekV4Args
     base = dict(num_hidden_layers=2, layer_types=["sliding_attention"] * 2, mlp_layer_types=["moe"] * 2)
     with pytest.raises(ValueError, match="layer_types"):
         DeepseekV4Args.from_hf_config({**base, "layer_types": ["sliding_attention", "full_attention"]})
@@ -374,7 +374,7 @@ def test_compiled_decode_regions_give_the_same_greedy_ids(backend, tmp_path):
     """Decode graphs (static MoE, fullgraph) over the hybrid cache (rings and paged entries as graph inputs updated
     in place) give the eager engine's and transformers' greedy ids; inductor is what a host deployment runs."""
     from transformers import AutoModelForCausalLM
-    from backend_lib.worker.compile.regions import CompiledModel
+    from backend_lib.neuron.regions import CompiledModel
     layer_types = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
     if backend == "inductor":  # inductor's compile time grows with the graph; a CSA layer runs a sliding branch too
         layer_types = layer_types[1:]
@@ -404,8 +404,8 @@ def test_compiled_decode_regions_give_the_same_greedy_ids(backend, tmp_path):
 def _tp_rank(rank: int, world: int, path: str, init: str, expert_parallel: bool, out: str) -> None:
     """One tensor-parallel rank: its shard of the checkpoint, the mixed-batch steps, logits saved by rank 0."""
     import torch.distributed as dist
-    from backend_lib.models.deepseek_v4 import DeepseekV4ForCausalLM
-    from backend_lib.models.loader import iter_safetensors, safetensors_files
+    from backend_lib.models.deepseek_v4.model import DeepseekV4ForCausalLM
+    from backend_lib.models.loading.loader import iter_safetensors, safetensors_files
     from backend_lib.models.parallel import ParallelContext
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)

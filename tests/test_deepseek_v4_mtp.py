@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from backend_lib.core.config import EngineConfig
 from backend_lib.engine.llm_engine import LLMEngine
-from backend_lib.models.loader import load_model
+from backend_lib.models.loading.loader import load_model
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.worker.spec_decode.mtp_v4 import V4MTPProposer
 from backend_lib.tools.tiny import make_tiny

@@ -68,7 +68,7 @@ def case(request, tmp_path_factory):
 def _ours_teacher_forced(path, ids: list[int], prefill_len: int, chunks=(13, 7, 61, 1, 29)) -> torch.Tensor:
     """Our model's logits at every position: the first ``prefill_len`` tokens in chunks of odd sizes, then one
     decode step per token, over shuffled paged blocks and a state slot (the model runner's inputs, built by hand)."""
-    from backend_lib.models.loader import load_model
+    from backend_lib.models.loading.loader import load_model
     run = PagedRunner(load_model(str(path), torch.float32, progress=False), num_blocks=len(ids) // 4 + 8)
     rows, start, i = [], 0, 0
     while start < prefill_len:

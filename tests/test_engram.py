@@ -15,9 +15,9 @@ from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.core.outputs import SessionControl
 from backend_lib.engine.llm_engine import LLMEngine
 from backend_lib.engine.offline import LLM
-from backend_lib.models.engram_config import EngramConfig
-from backend_lib.models.engram_hash import EngramVocabulary, NgramHasher, compressed_vocabulary, head_table_sizes
-from backend_lib.models.loader import load_model
+from backend_lib.models.engram.config import EngramConfig
+from backend_lib.models.engram.ngram_hash import EngramVocabulary, NgramHasher, compressed_vocabulary, head_table_sizes
+from backend_lib.models.loading.loader import load_model
 from backend_lib.tools.tiny import make_tiny
 from tests.engram_reference import EngramReferenceV4, EngramTransformersV3, reference_lookup
 from tests.v4_reference import ReferenceV4

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from backend_lib.models.layers import HostGemmPlan, Linear
-from backend_lib.models.loader import load_model
+from backend_lib.models.loading.loader import load_model
 from backend_lib.worker.executor.rank import host_gemm_plan
 from kernels.fused_layer_ops import silu_and_mul
 from kernels.gemv import (GemvPolicy, block_weight, blocked_linear, blocked_linear_add, blocked_linear_argmax,

@@ -6,7 +6,7 @@ import pytest
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from backend_lib.models.gguf_file import GGUFFile
+from backend_lib.models.loading.gguf_file import GGUFFile
 
 
 def test_fields_and_tensors_equal_gguf_readers(smollm2_path):

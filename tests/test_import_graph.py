@@ -1,8 +1,10 @@
 """The import graph of backend_lib and kernels: no cycles, and imports only go down the layers.
 
 Layers, top to bottom (a module may import its own layer and any layer below it):
-    frontend -> tools -> engine -> worker -> models -> core -> structured_output -> kernels
-(structured_output imports only kernels: it sits below the core, whose requests carry its constraints.)
+    frontend -> tools -> engine -> worker -> models -> neuron -> core -> structured_output -> kernels
+(neuron, what is specific to the device and its compiler, sits below the models, whose static MoE it provides, and
+imports neither them nor the engine; structured_output imports only kernels: it sits below the core, whose requests
+carry its constraints.)
 Edges are read with ``ast``, not by importing: module-level and function-level imports, and string constants that
 name one of our modules exactly (``importlib.import_module`` targets, the model registry, ``python -m`` commands);
 imports under ``if TYPE_CHECKING:`` are left out (they never run). The checker itself is tested on small synthetic
@@ -19,7 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("backend_lib", "kernels")
 LAYERS = ("backend_lib.frontend", "backend_lib.tools", "backend_lib.engine", "backend_lib.worker",
-          "backend_lib.models", "backend_lib.core", "backend_lib.structured_output", "kernels")  # top first
+          "backend_lib.models", "backend_lib.neuron", "backend_lib.core", "backend_lib.structured_output",
+          "kernels")  # top first
 UNLAYERED = {"backend_lib"}  # the root package's __init__ (imports nothing)
 
 
@@ -198,7 +201,7 @@ def test_every_module_belongs_to_a_layer():
 def test_the_graph_sees_function_level_and_string_imports():
     graph = import_graph()
     assert "backend_lib.engine.llm_engine" in graph["backend_lib.frontend.cli.main"]  # inside _generate
-    assert "backend_lib.models.llama" in graph["backend_lib.models.registry"]  # a string for importlib
+    assert "backend_lib.models.llama.model" in graph["backend_lib.models.registry"]  # a string for importlib
     assert "backend_lib.frontend.openai" in graph["backend_lib.frontend.triton.server"]  # `python -m`
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import backend_lib.models.llama as llama_module
+import backend_lib.models.llama.model as llama_module
 from backend_lib.core.config import EngineConfig
 from backend_lib.core.outputs import SessionControl
 from backend_lib.core.sampling_params import SamplingParams

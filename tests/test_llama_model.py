@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from backend_lib.models.gguf_loader import dequantize_tensor, open_gguf, unpermute_rows
+from backend_lib.models.loading.gguf_loader import dequantize_tensor, open_gguf, unpermute_rows
 from backend_lib.core.model_path import resolve_model_path
-from backend_lib.models.loader import load_model, safetensors_files
+from backend_lib.models.loading.loader import load_model, safetensors_files
 from kernels.attention_metadata import AttentionMetadata
 
 PROMPTS = [

@@ -64,7 +64,7 @@ def test_prefill_chunk_matches_dense_causal_attention():
 
 
 def test_latent_cache_holds_rank_plus_rope_values_per_token_per_layer():
-    from backend_lib.models.deepseek_v3 import DeepseekV3Args, DeepseekV3ForCausalLM
+    from backend_lib.models.deepseek_v3.model import DeepseekV3Args, DeepseekV3ForCausalLM
     args = DeepseekV3Args(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                           num_hidden_layers=2, num_attention_heads=2, n_routed_experts=4, kv_lora_rank=24,
                           q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, n_group=1,

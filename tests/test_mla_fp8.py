@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import backend_lib.models.deepseek_layers as deepseek_layers
+import backend_lib.models.deepseek_v3.layers as deepseek_layers
 from backend_lib.core.config import EngineConfig
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.llm_engine import LLMEngine

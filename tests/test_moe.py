@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe import ExpertWeights, RouterConfig, grouped_topk, moe_dynamic, moe_static, routing_matrix
+from backend_lib.neuron.static_moe import moe_static, routing_matrix
+from kernels.moe import ExpertWeights, RouterConfig, grouped_topk, moe_dynamic
 from kernels.quant import quantize_block_fp8
 
 

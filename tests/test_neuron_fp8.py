@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend_lib.worker.compile.fp8 import quantize_activations, rescale_for_neuron
-from backend_lib.worker.compile.platform import detect_platform
+from backend_lib.neuron.fp8 import quantize_activations, rescale_for_neuron
+from backend_lib.neuron.platform import detect_platform
 from kernels.quant import dequantize_block_fp8, quantize_block_fp8
 
 BLOCK = (32, 32)

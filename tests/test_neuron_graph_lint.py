@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from backend_lib.tools.lint.cli import main
-from backend_lib.tools.lint.graph_lint import GraphLintError, lint_region
+from backend_lib.neuron.graph_lint import GraphLintError, lint_region
 
 
 def _rules(fn, *args) -> set[str]:
@@ -38,7 +38,7 @@ def test_each_rule_catches_a_graph_that_breaks_it(rule, fn, args):
 
 
 def test_dynamic_shapes_are_caught():
-    from backend_lib.tools.lint.graph_lint import LintBackend
+    from backend_lib.neuron.graph_lint import LintBackend
     torch._dynamo.reset()
     backend = LintBackend("dyn")
     fn = torch.compile(lambda a: a * 2, backend=backend, dynamic=True, fullgraph=True)

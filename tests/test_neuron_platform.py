@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend_lib.worker.compile.buckets import BucketSpec, pad_decode, powers_of_two_up_to
-from backend_lib.worker.compile.platform import detect_platform, parse_core_list
+from backend_lib.neuron.buckets import BucketSpec, pad_decode, powers_of_two_up_to
+from backend_lib.neuron.platform import detect_platform, parse_core_list
 from kernels.attention_metadata import AttentionMetadata
 
 

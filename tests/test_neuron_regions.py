@@ -1,4 +1,4 @@
-"""Compiled regions (backend_lib/worker/compile/regions.py) against the eager model, sampler and engine.
+"""Compiled regions (backend_lib/neuron/regions.py) against the eager model, sampler and engine.
 
 Each region is compiled with fullgraph=True, dynamic=False and checked against eager on the same inputs: greedy
 tokens identical, logits within 1e-4 in fp32; the pool outside the written slots is left untouched; the graph
@@ -17,12 +17,13 @@ from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.llm_engine import LLMEngine
 from backend_lib.engine.offline import LLM
 from backend_lib.models.layers import HostGemmPlan
-from backend_lib.models.loader import load_model
+from backend_lib.models.loading.loader import load_model
 from backend_lib.tools.tiny import make_tiny
 from backend_lib.worker import prompt_logprobs
-from backend_lib.worker.compile.buckets import BucketSpec
-from backend_lib.worker.compile.platform import detect_platform
-from backend_lib.worker.compile.regions import (CompiledModel, CompiledSampler, build_regions, compile_region,
+from backend_lib.neuron.buckets import BucketSpec
+from backend_lib.neuron.platform import detect_platform
+from backend_lib.worker.compiled_sampler import CompiledSampler, build_regions
+from backend_lib.neuron.regions import (CompiledModel, compile_region,
                                                 resolve_backend)
 from backend_lib.worker.sampler import Sampler, SamplingMetadata, SamplingRow
 from backend_lib.worker.spec_decode.rejection import DraftLayout, rejection_sample

@@ -17,9 +17,9 @@ from backend_lib.frontend.openai.schema import ChatCompletionRequest
 from backend_lib.frontend.openai.translate import ModelDelta, Session, Totals
 from backend_lib.core.model_path import default_model_path
 from backend_lib.structured_output.constraints import ConstraintKind
-from backend_lib.structured_output.tool_calls import (DeepSeekDSMLToolParser, DeepSeekV3ToolParser,
+from backend_lib.frontend.openai.tool_calls.parsers import (DeepSeekDSMLToolParser, DeepSeekV3ToolParser,
                                                       HermesToolParser)
-from backend_lib.structured_output.tool_choice import ToolCall, required_calls_schema, parse_tools
+from backend_lib.frontend.openai.tool_calls.choice import ToolCall, required_calls_schema, parse_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                             "parameters": {"type": "object", "properties": {

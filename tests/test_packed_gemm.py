@@ -245,7 +245,7 @@ def test_fp8_and_fp4_repacks_are_permutations():
 
 
 def test_q4_1_holds_0_625_bytes_per_weight_and_the_real_file_matches(smollm2_path, isas):
-    from backend_lib.models.gguf_file import GGUFFile
+    from backend_lib.models.loading.gguf_file import GGUFFile
     tensor = next(t for t in GGUFFile(smollm2_path).tensors if t.name == "blk.0.ffn_down.weight")
     assert tensor.tensor_type.name == "Q4_1"
     rows = np.asarray(tensor.data)  # [576 out, 960 bytes]: 1536 inputs

@@ -14,18 +14,19 @@ from backend_lib.core.config import EngineConfig, ModelConfig
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.offline import LLM
 from backend_lib.frontend.triton.parameters import engine_config_from_parameters
-from backend_lib.models.deepseek_moe import RoutedExperts
-from backend_lib.models.gguf_file import GGUFFile
-from backend_lib.models.gguf_loader import unpermute_rows
+from backend_lib.models.deepseek_v3.moe import RoutedExperts
+from backend_lib.models.loading.gguf_file import GGUFFile
+from backend_lib.models.loading.gguf_loader import unpermute_rows
 from backend_lib.models.layers import resident_weight_bytes
-from backend_lib.models.loader import load_model
+from backend_lib.models.loading.loader import load_model
 from backend_lib.models.parallel import ParallelContext
-from backend_lib.models.quantized_blocks import GGUFBlocks
-from backend_lib.tools.lint.graph_lint import lint_region
+from backend_lib.models.loading.quantized_blocks import GGUFBlocks
+from backend_lib.neuron.graph_lint import lint_region
 from backend_lib.tools.tiny import make_tiny
-from backend_lib.worker.compile.buckets import BucketSpec
-from backend_lib.worker.compile.regions import CompiledModel, layer_views
-from kernels.moe import moe_dynamic, moe_dynamic_packed, moe_static
+from backend_lib.neuron.buckets import BucketSpec
+from backend_lib.neuron.regions import CompiledModel, layer_views
+from backend_lib.neuron.static_moe import moe_static
+from kernels.moe import moe_dynamic, moe_dynamic_packed
 from kernels.packed_embedding import packed_embedding
 from kernels.packed_gemm import int8_error_bound
 from kernels.packed_weights import GGUF_LAYOUTS, pack_gguf

@@ -23,7 +23,7 @@ from backend_lib.engine.llm_engine import LLMEngine
 from backend_lib.engine.offline import LLM
 from backend_lib.structured_output.constraints import parse_constraint
 from backend_lib.tools.tiny import make_tiny
-from backend_lib.worker.compile.regions import CompiledSampler
+from backend_lib.worker.compiled_sampler import CompiledSampler
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},

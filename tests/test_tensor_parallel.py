@@ -190,7 +190,7 @@ def test_graph_lint_accepts_static_collectives_and_names_others():
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from backend_lib.tools.lint.graph_lint import GraphLintError, LintBackend, lint_region
+    from backend_lib.neuron.graph_lint import GraphLintError, LintBackend, lint_region
 
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

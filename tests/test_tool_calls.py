@@ -12,7 +12,7 @@ import pytest
 
 from backend_lib.structured_output.constraints import ConstraintKind, InvalidConstraintError
 from backend_lib.structured_output.grammar_compiler import GrammarCompiler
-from backend_lib.structured_output.tool_calls import (
+from backend_lib.frontend.openai.tool_calls.parsers import (
     CALL_BEGIN,
     CALL_END,
     CALLS_BEGIN,
@@ -24,13 +24,13 @@ from backend_lib.structured_output.tool_calls import (
     HermesToolParser,
     parser_for_template,
 )
-from backend_lib.structured_output.tool_choice import (
+from backend_lib.frontend.openai.tool_calls.choice import (
     calls_from_constrained_output,
     parse_tools,
     required_calls_schema,
     tool_choice_constraint,
 )
-from backend_lib.structured_output.tool_parser_base import ToolCallDelta
+from backend_lib.frontend.openai.tool_calls.parser_base import ToolCallDelta
 from test_structured_output import PADDED_VOCAB, sample, tokenizer  # noqa: F401 - the tokenizer fixture
 
 WEATHER = {"type": "object", "properties": {

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import backend_lib.models.deepseek_v4_attention as v4_attention
+import backend_lib.models.deepseek_v4.attention as v4_attention
 from backend_lib.core.config import EngineConfig
 from backend_lib.core.outputs import SessionControl
 from backend_lib.core.sampling_params import SamplingParams

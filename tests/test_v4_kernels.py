@@ -276,7 +276,7 @@ def test_cpp_ring_sink_attention_matches_the_gathered_window():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpp_rms_norm_matches_the_torch_forms(dtype):
-    from backend_lib.models.deepseek_layers import RMSNorm
+    from backend_lib.models.deepseek_v3.layers import RMSNorm
     from kernels.cpu_kernels import load_cpu_kernels
     from kernels.hyper_connections import unweighted_rms_norm
     assert load_cpu_kernels(), "the C++ kernels did not build"

@@ -8,16 +8,16 @@ import re
 
 import pytest
 
-from backend_lib.models.deepseek_moe import RoutedExperts
-from backend_lib.models.deepseek_v4_layers import V4MoE
+from backend_lib.models.deepseek_v3.moe import RoutedExperts
+from backend_lib.models.deepseek_v4.layers import V4MoE
 from backend_lib.models.layers import describe_weight_formats, resident_weight_bytes
-from backend_lib.models.loader import load_model
+from backend_lib.models.loading.loader import load_model
 from backend_lib.tools.tiny import make_tiny
 
 
 def _load_logged(path, caplog) -> tuple[object, str]:
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="backend_lib.models.loader"):
+    with caplog.at_level(logging.INFO, logger="backend_lib.models.loading.loader"):
         model = load_model(str(path), progress=False, weight_format="packed")
     [line] = [r.getMessage() for r in caplog.records if "weight_format=packed" in r.getMessage()]
     return model, line

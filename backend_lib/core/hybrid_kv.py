@@ -1,7 +1,7 @@
 """The hybrid KV manager: paged blocks plus a pool of fixed per-request state slots. No torch here.
 
 Models whose attention keeps bounded per-request state (DeepSeek-V4: the last ``sliding_window`` tokens' K = V and
-the open compressor windows) declare it with ``hybrid_cache_shapes`` (see ``backend_lib/models/deepseek_v4.py``).
+the open compressor windows) declare it with ``hybrid_cache_shapes`` (see ``backend_lib/models/deepseek_v4/model.py``).
 Their cache has two parts, both owned here:
 
 - **paged blocks** (the ``BlockPool`` of ``kv_cache.py``): block ``b`` of a request's table holds what its

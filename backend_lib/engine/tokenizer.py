@@ -233,7 +233,7 @@ class Tokenizer:
 
 
 def _read_gguf_tokenizer_metadata(path: str) -> dict[str, Any]:
-    from backend_lib.models.gguf_file import GGUFFile  # only GGUF loading needs it
+    from backend_lib.models.loading.gguf_file import GGUFFile  # only GGUF loading needs it
 
     metadata = {name: value for name, value in GGUFFile(path).fields.items()
                 if name.startswith("tokenizer.") or name == "general.architecture"}

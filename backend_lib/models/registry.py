@@ -9,10 +9,10 @@ import importlib
 from types import MappingProxyType
 
 _ARCHITECTURES = MappingProxyType({
-    "LlamaForCausalLM": ("backend_lib.models.llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("backend_lib.models.llama", "LlamaForCausalLM"),
-    "DeepseekV3ForCausalLM": ("backend_lib.models.deepseek_v3", "DeepseekV3ForCausalLM"),
-    "DeepseekV4ForCausalLM": ("backend_lib.models.deepseek_v4", "DeepseekV4ForCausalLM"),
+    "LlamaForCausalLM": ("backend_lib.models.llama.model", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("backend_lib.models.llama.model", "LlamaForCausalLM"),
+    "DeepseekV3ForCausalLM": ("backend_lib.models.deepseek_v3.model", "DeepseekV3ForCausalLM"),
+    "DeepseekV4ForCausalLM": ("backend_lib.models.deepseek_v4.model", "DeepseekV4ForCausalLM"),
 })
 
 _GGUF_ARCHITECTURES = MappingProxyType({

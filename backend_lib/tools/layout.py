@@ -50,8 +50,8 @@ def _tensor_bytes(name: str, tensor: torch.Tensor) -> int:
 
 def _weight_bytes(model: nn.Module) -> int:
     """This rank's weights: BlockLinears by shard shape, every other parameter / buffer by its (shard) tensor."""
-    from backend_lib.models.deepseek_layers import BlockLinear
-    from backend_lib.models.deepseek_moe import RoutedExperts
+    from backend_lib.models.deepseek_v3.layers import BlockLinear
+    from backend_lib.models.deepseek_v3.moe import RoutedExperts
 
     total = 0
     for name, module in model.named_modules():
@@ -95,7 +95,7 @@ def _context(tp: int, expert_parallel: bool) -> ParallelContext:
 
 
 def deepseek_v3_layout(tp: int, expert_parallel: bool, args=None) -> RankLayout:
-    from backend_lib.models.deepseek_v3 import DeepseekV3Args, DeepseekV3ForCausalLM
+    from backend_lib.models.deepseek_v3.model import DeepseekV3Args, DeepseekV3ForCausalLM
 
     args = args or DeepseekV3Args()  # the released DeepSeek-V3 dimensions
     with torch.device("meta"):
@@ -109,8 +109,8 @@ def deepseek_v4_layout(tp: int, expert_parallel: bool) -> RankLayout:
     """DeepSeek-V4-Flash's dimensions (transformers' DeepseekV4Config defaults), fp8 weights and fp4 experts."""
     from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
 
-    from backend_lib.models.deepseek_v4 import DeepseekV4ForCausalLM
-    from backend_lib.models.deepseek_v4_args import DeepseekV4Args
+    from backend_lib.models.deepseek_v4.model import DeepseekV4ForCausalLM
+    from backend_lib.models.deepseek_v4.args import DeepseekV4Args
 
     config = DeepseekV4Config().to_dict()
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "fp4"}

@@ -10,9 +10,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from backend_lib.models.engram_config import EngramConfig
-from backend_lib.models.engram_hash import head_table_sizes
-from backend_lib.models.engram_layer import FP8_ROW_BLOCK
+from backend_lib.models.engram.config import EngramConfig
+from backend_lib.models.engram.ngram_hash import head_table_sizes
+from backend_lib.models.engram.layer import FP8_ROW_BLOCK
 from kernels.quant import quantize_block_fp8
 
 TINY_ENGRAM: dict[str, Any] = dict(engram_vocab_size=[400, 300], max_ngram_size=3, n_embed_per_ngram=32,

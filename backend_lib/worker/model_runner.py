@@ -32,8 +32,9 @@ from backend_lib.core.config import CompileConfig, SpecConfig
 from backend_lib.core.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput, TokenLogprob
 from backend_lib.core.request import Request
 from backend_lib.models.parallel import ContextGroup
-from backend_lib.worker.compile.platform import detect_platform
-from backend_lib.worker.compile.regions import build_regions, resolve_backend
+from backend_lib.neuron.platform import detect_platform
+from backend_lib.neuron.regions import resolve_backend
+from backend_lib.worker.compiled_sampler import build_regions
 from backend_lib.worker.context_share import share_step
 from backend_lib.worker.kv_sizing import is_hybrid
 from backend_lib.worker.grammar_bitmask import StepBitmask

@@ -6,7 +6,7 @@ shapes. Order, as in vLLM v1: grammar bitmask -> logits -> logprobs (raw) ; logi
 block -> temperature -> min-p -> top-k / top-p -> greedy argmax or seeded Gumbel-max.
 
 ``sample_tokens`` is the one sampling core: the eager ``Sampler`` calls it, and the compiled sampler region
-(worker/compile/regions.py) traces it, with the flags as graph constants. Structured output: the runner fills
+(worker/compiled_sampler.py) traces it, with the flags as graph constants. Structured output: the runner fills
 ``SamplingMetadata.bitmask`` ([B, ceil(V/32)] int32, all ones on free rows) for the constrained rows; the core applies
 it first (eagerly in place on those rows only, ``kernels.grammar_mask.apply_bitmask_inplace``; in a graph to every
 row, ``apply_bitmask_static``), so the greedy argmax, the filters and the logprobs (as vLLM v1's, of the masked

@@ -30,10 +30,10 @@ from backend_lib.frontend.openai.errors import bad_request
 from backend_lib.frontend.openai.schema import ChatCompletionRequest, ChatMessage
 from backend_lib.core.model_path import resolve_model_path
 from backend_lib.structured_output.constraints import StructuredOutputError
-from backend_lib.structured_output.tool_calls import HermesToolParser, parser_for_template
-from backend_lib.structured_output.tool_choice import (FunctionTool, ToolCall, new_call_id, parse_tools,
+from backend_lib.frontend.openai.tool_calls.parsers import HermesToolParser, parser_for_template
+from backend_lib.frontend.openai.tool_calls.choice import (FunctionTool, ToolCall, new_call_id, parse_tools,
                                                        tool_choice_constraint)
-from backend_lib.structured_output.tool_parser_base import StreamDelta, ToolCallDelta, ToolCallParser, \
+from backend_lib.frontend.openai.tool_calls.parser_base import StreamDelta, ToolCallDelta, ToolCallParser, \
     ToolCallStreamer
 
 # The model's refusal of the constraint we sent (a limit, a schema xgrammar cannot compile) names its

@@ -14,12 +14,13 @@ from collections.abc import Iterator
 import torch
 
 from backend_lib.core.sampling_params import SamplingParams
-from backend_lib.models.loader import load_model
+from backend_lib.models.loading.loader import load_model
 from backend_lib.models.parallel import ParallelContext
-from backend_lib.tools.lint.graph_lint import GraphLintError, lint_region
+from backend_lib.neuron.graph_lint import GraphLintError, lint_region
 from backend_lib.tools.tiny import make_tiny
-from backend_lib.worker.compile.buckets import BucketSpec
-from backend_lib.worker.compile.regions import SAMPLER_VARIANTS, CompiledModel, layer_views, warm_up_meta
+from backend_lib.neuron.buckets import BucketSpec
+from backend_lib.neuron.regions import CompiledModel, layer_views
+from backend_lib.worker.compiled_sampler import SAMPLER_VARIANTS, warm_up_meta
 from backend_lib.worker.kv_dtype import KV_FP8_MAX_NEURON
 from backend_lib.worker.sampler import SamplingMetadata, SamplingRow, masked_sample
 from backend_lib.worker.spec_decode.rejection import DraftLayout, rejection_sample

@@ -12,10 +12,10 @@ import torch.distributed as dist
 from backend_lib.core.config import EngineConfig
 from backend_lib.models.layers import HostGemmPlan
 from backend_lib.core.model_path import resolve_model_path
-from backend_lib.models.loader import load_model
+from backend_lib.models.loading.loader import load_model
 from backend_lib.models.parallel import ParallelContext
-from backend_lib.worker.compile.platform import detect_platform
-from backend_lib.worker.compile.regions import resolve_backend
+from backend_lib.neuron.platform import detect_platform
+from backend_lib.neuron.regions import resolve_backend
 from backend_lib.worker.kv_dtype import kv_storage_dtype
 from backend_lib.worker.kv_sizing import kv_cache_num_blocks
 from backend_lib.worker.kv_sizing import is_hybrid, kv_bytes_per_block, state_bytes_per_slot

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from backend_lib.models.deepseek_layers import rope_cos_sin
+from backend_lib.models.deepseek_v3.layers import rope_cos_sin
 from kernels.attention_metadata import AttentionMetadata
 
 

@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend_lib.worker.compile.platform import Platform
+from backend_lib.neuron.platform import Platform
 
 INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
 NEURON_ENV = "NEURON_COMPILE_CACHE_URL"

@@ -15,8 +15,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from backend_lib.models.gguf_file import GGUFFile
-from backend_lib.models.quantized_blocks import PACKABLE_GGUF_TYPES, GGUFBlocks
+from backend_lib.models.loading.gguf_file import GGUFFile
+from backend_lib.models.loading.quantized_blocks import PACKABLE_GGUF_TYPES, GGUFBlocks
 from backend_lib.models.registry import architecture_for_gguf
 
 Q = GGMLQuantizationType

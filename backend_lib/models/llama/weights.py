@@ -12,7 +12,7 @@ from backend_lib.models.layers import Linear, VocabEmbedding
 from backend_lib.models.parallel import Shard
 
 if TYPE_CHECKING:
-    from backend_lib.models.llama import LlamaForCausalLM
+    from backend_lib.models.llama.model import LlamaForCausalLM
 
 # Checkpoint name inside "model.layers.N." -> (module path inside the layer, shard of a fused matrix or None).
 LAYER_WEIGHTS = re.compile(

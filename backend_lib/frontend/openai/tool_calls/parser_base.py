@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from backend_lib.structured_output.tool_choice import ToolCall, new_call_id
+from backend_lib.frontend.openai.tool_calls.choice import ToolCall, new_call_id
 
 # ---------------------------------------------------------------------------------------------- parse results
 

@@ -20,12 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend_lib.models.deepseek_layers import DenseMLP, take_block_fp8
+from backend_lib.models.deepseek_v3.layers import DenseMLP, take_block_fp8
 from backend_lib.models.layers import PackedExpertsSummary
 from backend_lib.models.parallel import ParallelContext, Shard, read_shard
-from kernels.moe import (
-    ExpertWeights, PackedExperts, RouterConfig, grouped_topk, moe_dynamic, moe_dynamic_packed, moe_static,
-)
+from backend_lib.neuron.static_moe import moe_static
+from kernels.moe import ExpertWeights, PackedExperts, RouterConfig, grouped_topk, moe_dynamic, moe_dynamic_packed
 from kernels.packed_gemm import packed_kernels_available
 from kernels.packed_weights import TILE, PackedFp8, pack_fp8
 from kernels.quant import dequantize_block_fp8

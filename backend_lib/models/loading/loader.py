@@ -18,9 +18,9 @@ from torch import nn
 from tqdm import tqdm
 
 from backend_lib.core.model_path import resolve_model_path
-from backend_lib.models.gguf_loader import open_gguf
+from backend_lib.models.loading.gguf_loader import open_gguf
 from backend_lib.models.layers import describe_weight_formats, resident_weight_bytes
-from backend_lib.models.load_options import LoadOptions
+from backend_lib.models.loading.options import LoadOptions
 from backend_lib.models.parallel import ParallelContext
 from backend_lib.models.registry import get_model_class
 

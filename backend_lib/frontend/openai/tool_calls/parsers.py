@@ -43,7 +43,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from backend_lib.structured_output.tool_parser_base import (
+from backend_lib.frontend.openai.tool_calls.parser_base import (
     ToolCallParser,
     _held_back,
     _PartialCall,

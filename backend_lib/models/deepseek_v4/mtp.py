@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm
-from backend_lib.models.deepseek_v4_attention import LayerCache, StepContext, V4Attention
-from backend_lib.models.deepseek_v4_layers import V4DecoderLayer, V4MoE
+from backend_lib.models.deepseek_v3.layers import BlockLinear, RMSNorm
+from backend_lib.models.deepseek_v4.attention import LayerCache, StepContext, V4Attention
+from backend_lib.models.deepseek_v4.layers import V4DecoderLayer, V4MoE
 from kernels.hyper_connections import HyperConnectionSpec, hc_head_collapse
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm, fuse_blocked, fused_linear
+from backend_lib.models.deepseek_v3.layers import BlockLinear, RMSNorm, fuse_blocked, fused_linear
 from backend_lib.models.parallel import ParallelContext, Shard
 from kernels.attention_metadata import ContextShare, StateRows
 from kernels.compressed_attention import (

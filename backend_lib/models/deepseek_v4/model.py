@@ -26,17 +26,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm, build_rope
-from backend_lib.models.deepseek_v4_args import DeepseekV4Args
-from backend_lib.models.deepseek_v4_attention import (
+from backend_lib.models.deepseek_v3.layers import BlockLinear, RMSNorm, build_rope
+from backend_lib.models.deepseek_v4.args import DeepseekV4Args
+from backend_lib.models.deepseek_v4.attention import (
     CSA, HCA, SLIDING, Compressor, LayerCache, StepContext, V4Attention, V4AttentionDims, V4Rope,
 )
-from backend_lib.models.deepseek_v4_layers import HASH_MOE, MOE_IMPLS, V4DecoderLayer, V4MoE, V4MoEDims
-from backend_lib.models.deepseek_v4_mtp import V4MTPLayer
-from backend_lib.models.engram_layer import (
+from backend_lib.models.deepseek_v4.layers import HASH_MOE, MOE_IMPLS, V4DecoderLayer, V4MoE, V4MoEDims
+from backend_lib.models.deepseek_v4.mtp import V4MTPLayer
+from backend_lib.models.engram.layer import (
     EngramPrefetch, attach_engram_layers, engram_gather, engram_ring_shape, engram_vocabulary_of,
 )
-from backend_lib.models.engram_loading import EngramLoader
+from backend_lib.models.engram.loading import EngramLoader
 from backend_lib.models.parallel import ParallelContext, Shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
 from kernels.compressed_attention import ChunkPages, TokenPages, entry_rows_per_block
@@ -45,7 +45,7 @@ from kernels.hyper_connections import HyperConnectionSpec, hc_head_collapse
 from kernels.v4_fp8 import EntryRecord, IndexKeyRecord
 
 if TYPE_CHECKING:
-    from backend_lib.models.load_options import LoadOptions
+    from backend_lib.models.loading.options import LoadOptions
 
 _EXPERT = re.compile(r"^(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
 _LAYER = re.compile(r"^layers\.(\d+)\.")

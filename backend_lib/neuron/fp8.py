@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend_lib.worker.compile.platform import FP8_MAX_E4M3FN, FP8_MAX_NEURON
+from backend_lib.neuron.platform import FP8_MAX_E4M3FN, FP8_MAX_NEURON
 from kernels.quant import FP8_DTYPE, expand_scales
 
 

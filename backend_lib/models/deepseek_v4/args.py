@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from backend_lib.models.deepseek_v4_attention import CSA, HCA, LAYER_TYPES, SLIDING, compress_rope_scaling
-from backend_lib.models.deepseek_v4_layers import HASH_MOE, SCORING_FUNCS, TOPK_MOE
-from backend_lib.models.engram_config import EngramConfig
+from backend_lib.models.deepseek_v4.attention import CSA, HCA, LAYER_TYPES, SLIDING, compress_rope_scaling
+from backend_lib.models.deepseek_v4.layers import HASH_MOE, SCORING_FUNCS, TOPK_MOE
+from backend_lib.models.engram.config import EngramConfig
 from kernels.quant import DEFAULT_BLOCK
 
 _LEGACY_RATE_TYPES = {0: SLIDING, 4: CSA, 128: HCA}

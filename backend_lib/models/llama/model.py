@@ -14,10 +14,10 @@ from torch import nn
 from backend_lib.models.context_parallel import context_attention
 from backend_lib.models.layers import (HostGemmPlan, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding, copy_into,
                                        linear, silu_and_mul)
-from backend_lib.models.llama_config import LlamaArchConfig
-from backend_lib.models.llama_weights import KV_SCALE, expected_keys, quantized_target, weight_target
+from backend_lib.models.llama.config import LlamaArchConfig
+from backend_lib.models.llama.weights import KV_SCALE, expected_keys, quantized_target, weight_target
 from backend_lib.models.parallel import ParallelContext, Shard, read_shard, vocab_parallel_lookup
-from backend_lib.models.quantized_blocks import GGUFBlocks, install_gguf_parts
+from backend_lib.models.loading.quantized_blocks import GGUFBlocks, install_gguf_parts
 from kernels import fused_layer_ops as fused
 from kernels.attention import paged_attention, write_kv
 from kernels.attention_metadata import AttentionMetadata
@@ -32,7 +32,7 @@ from kernels.packed_gemm import packed_linear_buffers
 from kernels.rope import rope_at, rotate
 
 if TYPE_CHECKING:
-    from backend_lib.models.load_options import LoadOptions
+    from backend_lib.models.loading.options import LoadOptions
 
 
 class LlamaAttention(nn.Module):

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend_lib.models.deepseek_layers import BlockLinear, RMSNorm
-from backend_lib.models.deepseek_v4_attention import LayerCache, StepContext, V4Attention
+from backend_lib.models.deepseek_v3.layers import BlockLinear, RMSNorm
+from backend_lib.models.deepseek_v4.attention import LayerCache, StepContext, V4Attention
 from backend_lib.models.layers import PackedExpertsSummary
 from backend_lib.models.parallel import ParallelContext, Shard
 from kernels.fp4 import FP4_GROUP, dequantize_fp4

@@ -24,7 +24,7 @@ import torch
 from sympy import isprime  # torch's own dependency
 from tokenizers import Regex, Tokenizer, normalizers
 
-from backend_lib.models.engram_config import EngramConfig
+from backend_lib.models.engram.config import EngramConfig
 
 _LAYER_SEED_PRIME = 10007
 _REPLACEMENT = "\ufffd"

@@ -38,8 +38,8 @@ from kernels.attention_metadata import StateRows
 from kernels.quant import dequantize_block_fp8
 from kernels.state_ring import recent_rows, write_recent
 
-from backend_lib.models.engram_config import EngramConfig
-from backend_lib.models.engram_hash import (
+from backend_lib.models.engram.config import EngramConfig
+from backend_lib.models.engram.ngram_hash import (
     EngramVocabulary, NgramHasher, compressed_vocabulary, head_table_sizes,
 )
 from backend_lib.models.parallel import ParallelContext, Shard

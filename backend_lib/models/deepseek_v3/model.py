@@ -19,16 +19,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from backend_lib.models.deepseek_layers import (
+from backend_lib.models.deepseek_v3.layers import (
     MOE_IMPLS, BlockLinear, DecoderLayer, DenseMLP, MLADims, MLAttention, MTPLayer, RMSNorm, WeightSlot, build_rope,
     rope_cos_sin,
 )
-from backend_lib.models.deepseek_moe import MoE, RoutedExperts
-from backend_lib.models.engram_config import EngramConfig
-from backend_lib.models.engram_layer import (
+from backend_lib.models.deepseek_v3.moe import MoE, RoutedExperts
+from backend_lib.models.engram.config import EngramConfig
+from backend_lib.models.engram.layer import (
     EngramPrefetch, attach_engram_layers, engram_gather, engram_ring_shape, engram_vocabulary_of,
 )
-from backend_lib.models.engram_loading import EngramLoader
+from backend_lib.models.engram.loading import EngramLoader
 from backend_lib.models.parallel import ParallelContext, Shard, read_shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
 from kernels.mla_fp8 import MLARecord
@@ -36,7 +36,7 @@ from kernels.moe import RouterConfig
 from kernels.quant import DEFAULT_BLOCK
 
 if TYPE_CHECKING:
-    from backend_lib.models.load_options import LoadOptions
+    from backend_lib.models.loading.options import LoadOptions
 
 
 @dataclass(frozen=True)

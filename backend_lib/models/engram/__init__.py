@@ -1,0 +1,1 @@
+"""DeepSeek's Engram conditional memory (the demo layout), for the V3 and V4 backbones."""
