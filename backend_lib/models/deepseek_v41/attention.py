@@ -88,10 +88,12 @@ class V41Compressor(nn.Module):
         # the reference pools in fp32 whatever the model dtype
         projections = torch.cat([self.wkv(x).float(), self.wgate(x).float()], dim=-1)
         closing = torch.nonzero((positions + 1) % self.ratio == 0).flatten()
-        window, _ = recent_rows(state, projections.to(state.dtype), ctx.rows, positions, self.ratio,
-                                longest_chunk=ctx.longest_chunk, tokens=closing)
         dim = projections.shape[-1] // 2
-        pooled = pool_window(window[..., :dim].float(), window[..., dim:].float())
+        pooled = projections.new_zeros(0, dim)
+        if closing.numel():  # a decode step between group ends closes none (eager: a host sync, as V4's)
+            window, _ = recent_rows(state, projections.to(state.dtype), ctx.rows, positions, self.ratio,
+                                    longest_chunk=ctx.longest_chunk, tokens=closing)
+            pooled = pool_window(window[..., :dim].float(), window[..., dim:].float())
         # after the read: the ring keeps each chunk's last positions for the groups still open
         write_recent(state, projections, ctx.rows, positions, ring_write_index(ctx, state))
         return self.norm(pooled.to(x.dtype)), closing
