@@ -13,6 +13,7 @@ of 2 blocks make a 40-token prompt cross five windows and change the pool often.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -101,3 +102,28 @@ def v41_tensors(config: dict[str, Any], gen: torch.Generator, std: float = 2.0) 
             t[f"{p}{e}w3.weight"] = _linear(inter, h, std, gen)
             t[f"{p}{e}w2.weight"] = _linear(h, inter, std, gen)
     return t
+
+
+_FP8 = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])\.weight$")
+
+
+def quantize_v41(config: dict[str, Any], tensors: dict[str, torch.Tensor], fp8: bool,
+                 fp4_experts: bool) -> None:
+    """In place, as the release quantizes (NeMo's adapter, "from the shard headers"): attention, indexer ``wq_b`` and
+    shared-expert projections fp8 e4m3 with ue8m0 scales over 32x32 blocks (``--fp8``); routed experts fp4 e2m1,
+    two a byte, a ue8m0 scale per 32 inputs (``--fp4-experts``), or fp8 like the rest (``--fp8`` alone). Scales go
+    under ``<module>.scale`` (power-of-two values stored as fp32); norms, compressors, ``indexer.wk``, mHC, sinks,
+    router, ``embed`` and ``head`` stay as they are."""
+    from kernels.fp4 import quantize_fp4
+    from kernels.quant import quantize_block_fp8
+
+    for name in [n for n in tensors if n.endswith(".weight")]:
+        base = name[: -len(".weight")]
+        expert = ".ffn.experts." in name
+        if fp4_experts and expert:
+            tensors[name], tensors[base + ".scale"] = quantize_fp4(tensors[name])
+        elif fp8 and (expert or _FP8.match(name)):
+            tensors[name], tensors[base + ".scale"] = quantize_block_fp8(tensors[name], (32, 32), "ue8m0")
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [32, 32], "scale_fmt": "ue8m0",
+                                     "expert_dtype": "fp4" if fp4_experts else "fp8"}

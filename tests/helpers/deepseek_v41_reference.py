@@ -52,6 +52,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kernels.fp4 import dequantize_fp4
+from kernels.quant import dequantize_block_fp8
+
 
 # ---------------------------------------------------------------------------------------------- config and weights
 
@@ -117,16 +120,24 @@ class RefArgsV41:
 
 def load_v41_weights(path: Path) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under the release's names in fp32 (transformers' ``model.`` / ``lm_head`` renames
-    undone)."""
+    undone), fp8 / fp4 weights dequantized (with the engine's kernels: the oracle checks the math over the same
+    dequantized weights, the packing is checked by kernels' own tests)."""
     from safetensors.torch import load_file
 
     raw: dict[str, torch.Tensor] = {}
     for file in sorted(Path(path).glob("*.safetensors")):
         raw.update(load_file(str(file)))
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    block = tuple((cfg.get("quantization_config") or {}).get("weight_block_size") or (32, 32))
     out = {}
     for name, tensor in raw.items():
         if name.endswith(".scale"):
-            raise NotImplementedError("quantized V4.1 checkpoints: dequantize before the oracle")  # fp8 / fp4 later
+            continue
+        scale = raw.get(name.removesuffix(".weight") + ".scale") if name.endswith(".weight") else None
+        if scale is not None and tensor.dtype == torch.float8_e4m3fn:  # 32x32 blocks, ue8m0 scales
+            tensor = dequantize_block_fp8(tensor, scale.float(), block)
+        elif scale is not None:  # fp4 e2m1 routed experts, two a byte, a scale per 32 inputs
+            tensor = dequantize_fp4(tensor, scale.float())
         name = name.removeprefix("model.").replace("lm_head.", "head.")
         out[name] = tensor.float()
     return out

@@ -52,3 +52,71 @@ def test_teacher_forced_logits_equal_the_oracle_at_every_position(case):
     expected = ReferenceV41(path, qat=False).forward(torch.tensor(ids))
     diff = (_ours_teacher_forced(path, ids, prefill_len) - expected).abs().amax(dim=-1)
     assert diff.max() <= 1e-4, f"first position off: {int((diff > 1e-4).nonzero()[0])}, max {diff.max():.2e}"
+
+
+def test_fp8_fp4_checkpoint_equals_the_oracle_over_dequantized_weights(tmp_path):
+    """fp8 e4m3 projections (32x32 ue8m0 blocks, kept fp8) and fp4 routed experts (kept packed) against the oracle
+    over the same weights dequantized."""
+    path = make_tiny("deepseek_v41", tmp_path, seed=7, fp8=True, fp4_experts=True)
+    ids = tokens(120, 3)
+    expected = ReferenceV41(path, qat=False).forward(torch.tensor(ids))
+    assert (_ours_teacher_forced(path, ids, 80) - expected).abs().max() <= 1e-4
+
+
+def _engine(path, **settings):
+    from backend_lib.core.config import EngineConfig
+    from backend_lib.engine.llm_engine import LLMEngine
+    return LLMEngine(EngineConfig.from_flat({"model": str(path), "max_model_len": 512, "block_size": 16,
+                                             "max_num_seqs": 4, **settings}))
+
+
+def _run(engine, requests: dict) -> dict[str, list]:
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    outputs: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def default_tiny(tmp_path_factory):
+    return make_tiny("deepseek_v41", tmp_path_factory.mktemp("engine"), seed=7)
+
+
+def test_engine_greedy_with_qat_equals_the_oracle_batched_and_chunked(default_tiny):
+    """QAT activations on (the model's math), through the engine: prompts inside and past the window, prefilled in
+    61-token chunks next to each other's decodes, give the oracle's greedy ids (the oracle re-run uncached for every
+    token)."""
+    from backend_lib.core.sampling_params import SamplingParams
+    ref = ReferenceV41(default_tiny, qat=True)
+    prompts = {f"r{n}": tokens(n, 30 + n) for n in (5, 70)}
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outputs = _run(_engine(default_tiny, max_num_batched_tokens=61), {r: (p, params) for r, p in prompts.items()})
+    for rid, prompt in prompts.items():
+        ids, expected = list(prompt), []
+        for _ in range(16):
+            expected.append(int(ref.forward(torch.tensor(ids))[-1].argmax()))
+            ids.append(expected[-1])
+        assert [t for o in outputs[rid] for t in o.new_token_ids] == expected, rid
+
+
+def test_decode_logprobs_equal_a_prefill_of_the_same_tokens(default_tiny, monkeypatch):
+    """No outside oracle (QAT off): the logprobs of tokens generated step by step equal the prompt logprobs of one
+    prefill of prompt + output."""
+    from backend_lib.core.sampling_params import SamplingParams
+    from backend_lib.models.deepseek_v41.model import DeepseekV41ForCausalLM
+    monkeypatch.setattr(DeepseekV41ForCausalLM, "qat_activations", False)
+    engine = _engine(default_tiny, max_num_batched_tokens=256)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=0)
+    for n in (5, 90):
+        prompt = tokens(n, 50 + n)
+        out = _run(engine, {"gen": (prompt, params)})["gen"]
+        generated = [t for o in out for t in o.new_token_ids]
+        decoded = [lp.logprob for o in out for lp in o.new_logprobs]
+        again = _run(engine, {"pre": (prompt + generated, SamplingParams(max_tokens=1, prompt_logprobs=0))})["pre"]
+        entries = next(o.prompt_logprobs for o in again if o.prompt_logprobs is not None).entries
+        prefilled = [e.logprob for e in entries[n - 1:]]
+        assert len(prefilled) == len(decoded) == 40
+        assert max(abs(a - b) for a, b in zip(prefilled, decoded)) <= 1e-4

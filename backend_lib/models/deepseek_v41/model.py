@@ -11,7 +11,7 @@
   may roll back ``drafts`` positions). Ratio 1 keeps no state.
 
 Ring state is valid only at the position its request reached, so prefix caching is off, as for V4. Not yet here:
-tensor / context parallelism, fp8 / fp4 weights, fp8 KV records, Engram, DSpark (``mtp.*`` ignored, said in the
+tensor / context parallelism, weight_format=packed, fp8 KV records, Engram, DSpark (``mtp.*`` ignored, said in the
 load log), compiled regions.
 """
 from __future__ import annotations
@@ -41,20 +41,31 @@ if TYPE_CHECKING:
 _LOG = logging.getLogger(__name__)
 _EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
 _IGNORED = re.compile(r"^(mtp\.|vision\.|aligner\.|image_(start|end|newline|pad)$)")
+_QUANTIZED = (torch.float8_e4m3fn, torch.int8, torch.uint8)
 _KEEP_FP32 = re.compile(r"(hc_\w+|attn_sink|ffn\.gate\.\w+|norm\.weight)$")
 
 
+def _whole(tensor: Any) -> torch.Tensor:
+    """A checkpoint tensor read whole (a lazy tensor reads on ``narrow``)."""
+    return tensor.narrow(0, 0, tensor.shape[0])
+
+
 class DeepseekV41ForCausalLM(nn.Module):
+    # the quantization-aware activations are the model's math (on); exact fp32 comparisons turn them off, since
+    # summation-order noise flips their roundings
+    qat_activations = True
     def __init__(self, config: DeepseekV41Config, dtype: torch.dtype = torch.float32,
-                 par: ParallelContext = ParallelContext(), qat: bool = True) -> None:
+                 par: ParallelContext = ParallelContext(), qat: bool | None = None) -> None:
         super().__init__()
+        qat = self.qat_activations if qat is None else qat
         if par.world_size > 1:
             raise ValueError("DeepSeek-V4.1: tensor / context parallelism is not implemented yet (issue 47)")
-        if config.quantization is not None:
-            raise ValueError("DeepSeek-V4.1: fp8 / fp4 checkpoints are not loaded yet (issue 47)")
         a = config.text
         self.config, self.args, self.dtype, self.par, self.qat = config, a, dtype, par, qat
         block = (config.quantization.weight_block_size if config.quantization else (32, 32))
+        # fp4 routed experts stay packed (two codes a byte, a ue8m0 scale per 32 inputs), dequantized per expert
+        # when it runs; fp8 projections stay fp8, dequantized block-wise inside the linear
+        self.packed_fp4 = config.quantization is not None and config.quantization.expert_dtype == "fp4"
         main = build_rope(a.qk_rope_head_dim, a.rope_theta, None, a.max_position_embeddings, True)
         compress = build_rope(a.qk_rope_head_dim, a.compress_rope_theta, a.compress_rope_scaling,
                               a.max_position_embeddings, True)
@@ -70,7 +81,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.embed.weight = nn.Parameter(torch.zeros(a.vocab_size, a.hidden_size), requires_grad=False)
         self.layers = nn.ModuleList(
             V41DecoderLayer(V41Attention(dims, role, self.main_rope, self.compress_rope),
-                            V41MoE(moe, par, block, a.gate_temp, a.norm_topk_prob), a.hidden_size, a.rms_norm_eps,
+                            V41MoE(moe, par, block, a.gate_temp, a.norm_topk_prob, packed_fp4=self.packed_fp4),
+                            a.hidden_size, a.rms_norm_eps,
                             self.hc)
             for role in a.roles)
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
@@ -176,13 +188,20 @@ class DeepseekV41ForCausalLM(nn.Module):
         accepted). ``mtp.*``, ``vision.*``, ``aligner.*`` and the image embeddings are skipped (logged)."""
         loaded: set[str] = set()
         skipped = 0
+        pending: dict[str, dict[str, Any]] = {}  # quantized module -> {"weight", "scale"} until both arrived
         for raw_name, tensor in weights:
             name = raw_name.removeprefix("model.").replace("lm_head.", "head.")
             if _IGNORED.match(name):
                 skipped += 1
                 continue
-            if name.endswith(".scale") or tensor.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8):
-                raise ValueError(f"{raw_name}: quantized V4.1 weights are not loaded yet (issue 47)")
+            base, _, leaf = name.rpartition(".")
+            if leaf == "scale" or (leaf == "weight" and tensor.dtype in _QUANTIZED):
+                entry = pending.setdefault(base, {})
+                entry[leaf] = tensor
+                if len(entry) == 2:
+                    self._set_quantized(base, raw_name, pending.pop(base))
+                    loaded.add(base + ".weight")
+                continue
             expert = _EXPERT.match(name)
             if expert:
                 moe = self.layers[int(expert.group(1))].ffn
@@ -190,12 +209,30 @@ class DeepseekV41ForCausalLM(nn.Module):
             else:
                 self._set(name, raw_name, tensor.narrow(0, 0, tensor.shape[0]))
             loaded.add(name)
+        if pending:
+            raise ValueError(f"quantized weights without their scale (or scales without weights): {sorted(pending)}")
         if skipped:
             _LOG.info("DeepSeek-V4.1: %d tensors of mtp.* (DSpark) / vision.* / aligner.* / image_* skipped: only "
                       "the text model is served", skipped)
         missing = sorted(self._expected_names() - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+    def _set_quantized(self, base: str, raw_name: str, entry: dict[str, Any]) -> None:
+        """An fp8 projection (32x32 blocks) or a routed expert (fp4, or fp8)."""
+        weight, scale = entry["weight"], entry["scale"]
+        expert = _EXPERT.match(base + ".weight")
+        if expert:
+            moe = self.layers[int(expert.group(1))].ffn
+            moe.set_expert(moe.local_expert(int(expert.group(2))), expert.group(3), weight, scale)
+            return
+        try:
+            target = self.get_submodule(base)
+        except AttributeError as err:
+            raise ValueError(f"unexpected checkpoint tensor {raw_name!r}") from err
+        if not isinstance(target, BlockLinear) or weight.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"unexpected quantized checkpoint tensor {raw_name!r}")
+        target.set_weight(_whole(weight), _whole(scale).float(), self.dtype, False)
 
     def _set(self, name: str, raw_name: str, value: torch.Tensor) -> None:
         owner, _, leaf = name.rpartition(".")
