@@ -8,7 +8,7 @@ the per-round ratio is what the report leads with.
 
 Near-ties: transformers in bf16 decodes the 32 prompts as one left-padded ``generate`` (as
 benchmarks/offline_throughput.py runs it); for every continuation of ours that differs, the first differing step
-and transformers' logit gap there between its token and ours (tests/greedy_agreement.py: a near-tie when within
+and transformers' logit gap there between its token and ours (tests/helpers/greedy_agreement.py: a near-tie when within
 NEAR_TIE_ULPS bf16 ulps of transformers' top logit). Writes benchmarks/results/bf16.md and .png.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
 from backend_lib.engine.offline import LLM  # noqa: E402
 from backend_lib.core.model_path import default_model_path  # noqa: E402
 from kernels.onednn_gemm import native_bf16_gemm, onednn_gemm_available  # noqa: E402
-from tests.greedy_agreement import NEAR_TIE_ULPS, Divergence, first_divergence  # noqa: E402
+from tests.helpers.greedy_agreement import NEAR_TIE_ULPS, Divergence, first_divergence  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
 

@@ -17,16 +17,18 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # (longest first): a slow file handed out last keeps one worker busy while the other idles. A file not listed goes
 # after them; a stale number only moves a file in the queue.
 HEAVY_FILES = {
-    "tests/test_deepseek_v4.py": 200, "tests/test_context_parallel.py": 180, "tests/test_tensor_parallel.py": 170,
-    "tests/test_neuron_graph_lint.py": 160, "tests/e2e/test_spec_e2e.py": 150, "tests/test_packed_models.py": 140,
-    "tests/test_engine_oracle.py": 130, "tests/test_neuron_engine.py": 130, "tests/e2e/test_reliability.py": 110,
-    "tests/e2e/test_openai_e2e.py": 100, "tests/e2e/test_triton_e2e.py": 100, "tests/test_head_screen.py": 90,
-    "tests/test_neuron_regions.py": 90, "tests/test_kv_fp8_engine.py": 90, "tests/e2e/test_deepseek_e2e.py": 90,
-    "tests/test_v4_fp8.py": 70, "tests/e2e/test_tensor_parallel_e2e.py": 60, "tests/test_engine.py": 60,
-    "tests/e2e/test_soak.py": 60, "tests/test_llama_model.py": 60, "tests/e2e/test_packed_e2e.py": 60,
-    "tests/e2e/test_model_load_errors.py": 60, "tests/test_engram.py": 60, "tests/test_compile_cache.py": 50,
-    "tests/e2e/test_kv_fp8_e2e.py": 50, "tests/e2e/test_context_parallel_e2e.py": 40,
-    "tests/e2e/test_limits_e2e.py": 40,
+    "tests/models/test_deepseek_v4.py": 200, "tests/worker/test_context_parallel.py": 180,
+    "tests/worker/test_tensor_parallel.py": 170, "tests/neuron/test_graph_lint.py": 160,
+    "tests/e2e/test_spec_e2e.py": 150, "tests/models/test_packed_models.py": 140,
+    "tests/engine/test_engine_oracle.py": 130, "tests/neuron/test_engine.py": 130,
+    "tests/e2e/test_reliability.py": 110, "tests/e2e/test_openai_e2e.py": 100, "tests/e2e/test_triton_e2e.py": 100,
+    "tests/kernels/test_head_screen.py": 90, "tests/neuron/test_regions.py": 90,
+    "tests/worker/test_kv_fp8_engine.py": 90, "tests/e2e/test_deepseek_e2e.py": 90, "tests/models/test_v4_fp8.py": 70,
+    "tests/e2e/test_tensor_parallel_e2e.py": 60, "tests/engine/test_engine.py": 60, "tests/e2e/test_soak.py": 60,
+    "tests/models/test_llama_model.py": 60, "tests/e2e/test_packed_e2e.py": 60,
+    "tests/e2e/test_model_load_errors.py": 60, "tests/models/test_engram.py": 60,
+    "tests/neuron/test_compile_cache.py": 50, "tests/e2e/test_kv_fp8_e2e.py": 50,
+    "tests/e2e/test_context_parallel_e2e.py": 40, "tests/e2e/test_limits_e2e.py": 40,
 }
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from triton_helpers import new_server
+from tests.helpers.triton_server import new_server
 
 from backend_lib.frontend.triton.server import TritonServer
 

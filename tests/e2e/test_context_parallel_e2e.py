@@ -9,8 +9,8 @@ import json
 import time
 
 import pytest
-from triton_helpers import (StreamClient, http_generate, lose_a_rank, metric, metrics, new_server, stream_request,
-                             worker_pids)
+from tests.helpers.triton_server import (StreamClient, http_generate, lose_a_rank, metric, metrics, new_server,
+                                         stream_request, worker_pids)
 
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.offline import LLM

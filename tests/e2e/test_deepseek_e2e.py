@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from triton_helpers import StreamClient, http_generate, new_server
+from tests.helpers.triton_server import StreamClient, http_generate, new_server
 
 from backend_lib.core.outputs import SessionControl
 from backend_lib.core.sampling_params import SamplingParams

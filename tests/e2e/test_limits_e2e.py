@@ -13,8 +13,8 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import SERVER_PARAMETERS
-from triton_helpers import StreamClient, http_generate, metric, metrics, new_server, server_ready, wait_for
+from tests.e2e.conftest import SERVER_PARAMETERS
+from tests.helpers.triton_server import StreamClient, http_generate, metric, metrics, new_server, server_ready, wait_for
 
 from backend_lib.frontend.triton.server import TritonServer
 

@@ -13,8 +13,8 @@ from urllib.parse import urlparse
 import jsonschema
 import openai
 import pytest
-from conftest import SERVER_PARAMETERS
-from triton_helpers import StreamClient, http_generate, metric, metrics, new_server
+from tests.e2e.conftest import SERVER_PARAMETERS
+from tests.helpers.triton_server import StreamClient, http_generate, metric, metrics, new_server
 
 from backend_lib.core.errors import ErrorKind, from_wire
 

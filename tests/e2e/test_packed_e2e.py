@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from triton_helpers import StreamClient, http_generate, new_server
+from tests.helpers.triton_server import StreamClient, http_generate, new_server
 
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.offline import LLM

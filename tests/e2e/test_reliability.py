@@ -14,8 +14,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from triton_helpers import (Result, StreamClient, _absorb, child_processes, http_generate, new_server, server_ready,
-                            wait_for)
+from tests.helpers.triton_server import (Result, StreamClient, _absorb, child_processes, http_generate, new_server,
+                                         server_ready, wait_for)
 
 import backend_lib
 from backend_lib.core.processes import free_port, pid_alive

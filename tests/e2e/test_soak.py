@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from triton_helpers import (StreamClient, _absorb, child_processes, metric, metrics, new_server, server_ready,
-                            wait_for)
+from tests.helpers.triton_server import (StreamClient, _absorb, child_processes, metric, metrics, new_server,
+                                         server_ready, wait_for)
 
 from backend_lib.core.processes import pid_alive
 
@@ -78,7 +78,7 @@ class Tally:
 def _exchange(client: StreamClient, values: dict, outcome: Outcome, cancel_after: int = 0, **kwargs) -> None:
     """Send one request and read until its FINAL or error (a hang fails the test); ``cancel_after`` > 0 closes
     the stream, cancelling the request, after that many responses."""
-    from triton_helpers import Result
+    from tests.helpers.triton_server import Result
     result = Result()
     start = time.monotonic()
     client.send(values, **kwargs)

@@ -8,7 +8,7 @@ import re
 import time
 
 import pytest
-from triton_helpers import StreamClient, metric, metrics, new_server
+from tests.helpers.triton_server import StreamClient, metric, metrics, new_server
 
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.offline import LLM

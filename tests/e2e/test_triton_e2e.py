@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from triton_helpers import StreamClient, http_generate, metric, metrics, server_ready, wait_for
+from tests.helpers.triton_server import StreamClient, http_generate, metric, metrics, server_ready, wait_for
 
 pytestmark = pytest.mark.e2e
 
