@@ -10,7 +10,7 @@ from backend_lib.models.loading.loader import load_model
 from backend_lib.tools.tiny import make_tiny
 from tests.helpers.deepseek_v41_cases import CONFIGS, tokens
 from tests.helpers.deepseek_v41_reference import ReferenceV41
-from tests.test_deepseek_v4 import PagedRunner
+from tests.models.test_deepseek_v4 import PagedRunner
 
 # (context length, tokens prefilled before the teacher-forced decode steps); default runs past 1,000 positions
 LENGTHS = {"default": (1040, 900), "two_groups": (300, 180), "reindex_r2": (300, 180), "wide": (300, 180)}

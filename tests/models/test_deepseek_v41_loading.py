@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from backend_lib.models.loading.loader import load_model
 from backend_lib.tools.tiny import main
 from tests.helpers.deepseek_v41_cases import tokens
-from tests.test_deepseek_v4 import PagedRunner
+from tests.models.test_deepseek_v4 import PagedRunner
 
 
 def _tensors(path) -> dict[str, torch.Tensor]:
