@@ -320,6 +320,16 @@ class ReferenceV41:
         h = rms_norm((pre[..., None] * streams).sum(1), self.w["norm.weight"], a.eps)
         return h @ self.w["head.weight"].T
 
+    def greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
+        """Greedy continuation through the cache (equal to uncached forwards: tests/models/
+        test_deepseek_v41_reference.py)."""
+        cache = self.new_cache()
+        logits, out = self.forward(torch.tensor(prompt), cache), []
+        for _ in range(new_tokens):
+            out.append(int(logits[-1].argmax()))
+            logits = self.forward(torch.tensor(out[-1:]), cache)
+        return out
+
     def _layer(self, i: int, streams: torch.Tensor, pre_mix: torch.Tensor, pos: torch.Tensor,
                state: LayerState | None, shared: _Shared) -> tuple[torch.Tensor, torch.Tensor]:
         a, w, p = self.args, self.w, f"layers.{i}."

@@ -120,3 +120,34 @@ def test_decode_logprobs_equal_a_prefill_of_the_same_tokens(default_tiny, monkey
         prefilled = [e.logprob for e in entries[n - 1:]]
         assert len(prefilled) == len(decoded) == 40
         assert max(abs(a - b) for a, b in zip(prefilled, decoded)) <= 1e-4
+
+
+@pytest.mark.parametrize("settings", [{}, {"method": "ngram", "num_speculative_tokens": 3}])
+def test_preemption_sessions_and_drafts_keep_the_oracle_greedy_ids(default_tiny, monkeypatch, settings):
+    """QAT off. A pool small enough that requests are preempted and recomputed mid-decode (with n-gram drafts
+    verified in one batched pass: window and open-pair rings roll back), then a two-turn session whose second turn
+    prefills only its new tokens on the kept state: the oracle's tokens throughout."""
+    from backend_lib.core.outputs import SessionControl
+    from backend_lib.core.sampling_params import SamplingParams
+    from backend_lib.models.deepseek_v41.model import DeepseekV41ForCausalLM
+    monkeypatch.setattr(DeepseekV41ForCausalLM, "qat_activations", False)
+    ref = ReferenceV41(default_tiny, qat=False)
+    engine = _engine(default_tiny, max_num_batched_tokens=32, num_blocks=14, **settings)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    prompts = {f"r{n}": tokens(n, 60 + n) for n in (3, 90, 50, 130)}
+    outputs = _run(engine, {r: (p, params) for r, p in prompts.items()})
+    for rid, prompt in prompts.items():
+        assert [t for o in outputs[rid] for t in o.new_token_ids] == ref.greedy(prompt, 30), rid
+    assert engine.stats().num_preemptions > 0
+    if settings:
+        assert engine.stats().spec_num_drafts > 0
+
+    def turn(rid: str, prompt: list[int], session: SessionControl) -> list[int]:
+        engine.add_request(rid, prompt, params, session=session)
+        return [t for o in _run(engine, {})[rid] for t in o.new_token_ids]
+
+    first, second = tokens(70, 71), tokens(9, 72)
+    turn1 = turn("t1", first, SessionControl("s", start=True))
+    turn2 = turn("t2", second, SessionControl("s", end=True))
+    assert turn1 == ref.greedy(first, 30)
+    assert turn2 == ref.greedy(first + turn1 + second, 30)
