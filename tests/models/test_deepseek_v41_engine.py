@@ -151,3 +151,19 @@ def test_preemption_sessions_and_drafts_keep_the_oracle_greedy_ids(default_tiny,
     turn2 = turn("t2", second, SessionControl("s", end=True))
     assert turn1 == ref.greedy(first, 30)
     assert turn2 == ref.greedy(first + turn1 + second, 30)
+
+
+@pytest.mark.parametrize("settings", [{"tensor_parallel_size": 2},
+                                      {"tensor_parallel_size": 2, "enable_expert_parallel": True}])
+def test_two_ranks_keep_the_oracle_greedy_ids(default_tiny, settings):
+    """Two ranks (query heads and output groups split, experts' intermediate units or whole experts split; the
+    compressor and the indexer whole on each, so every rank picks the same entries), QAT on: the oracle's ids."""
+    from backend_lib.core.sampling_params import SamplingParams
+    from backend_lib.engine.offline import LLM
+    ref = ReferenceV41(default_tiny, qat=True)
+    prompts = [tokens(n, 80 + n) for n in (9, 60)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with LLM(str(default_tiny), num_blocks=96, max_num_batched_tokens=64, **settings) as llm:
+        results = llm.generate(prompts, params)
+    for prompt, result in zip(prompts, results):
+        assert result.error is None and result.token_ids == ref.greedy(prompt, 16)

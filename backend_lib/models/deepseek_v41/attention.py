@@ -29,6 +29,7 @@ from torch import nn
 
 from backend_lib.models.deepseek_v3.layers import BlockLinear, RMSNorm
 from backend_lib.models.deepseek_v41.config import FULL, REUSE, LayerRole
+from backend_lib.models.parallel import ParallelContext, Shard
 from backend_lib.models.deepseek_v4.attention import (
     LayerCache, StepContext, V4Rope, entry_rows_visible, ring_write_index,
 )
@@ -121,21 +122,32 @@ class V41Indexer(nn.Module):
 
 
 class V41Attention(nn.Module):
-    def __init__(self, d: V41Dims, role: LayerRole, main_rope: V4Rope, compress_rope: V4Rope) -> None:
+    def __init__(self, d: V41Dims, role: LayerRole, main_rope: V4Rope, compress_rope: V4Rope,
+                 par: ParallelContext = ParallelContext()) -> None:
         super().__init__()
         if d.num_heads % d.o_groups:
             raise ValueError(f"o_groups ({d.o_groups}) must divide num_attention_heads ({d.num_heads})")
-        self.d, self.role, self.scale = d, role, d.head_dim ** -0.5
+        self.d, self.role, self.scale, self.par = d, role, d.head_dim ** -0.5, par
         self.compress_rope = compress_rope
+        # tensor parallelism as V4's: query heads and output groups split, one all-reduce after wo_b; the K = V
+        # latent, the compressor and the indexer are small and whole on every rank (so the picks are the same)
+        head_start, self.num_heads = par.even(d.num_heads, "num_attention_heads")
+        group_start, self.o_groups = par.even(d.o_groups, "o_groups")
+        rank = d.o_lora_rank
         self.wq_a = BlockLinear(d.hidden, d.q_lora_rank, block_size=d.block_size)
         self.q_norm = RMSNorm(d.q_lora_rank, d.eps)
-        self.wq_b = BlockLinear(d.q_lora_rank, d.num_heads * d.head_dim, block_size=d.block_size)
+        self.wq_b = BlockLinear(d.q_lora_rank, self.num_heads * d.head_dim, block_size=d.block_size)
         self.wkv = BlockLinear(d.hidden, d.head_dim, block_size=d.block_size)
         self.kv_norm = RMSNorm(d.head_dim, d.eps)
-        self.wo_a = BlockLinear(d.num_heads * d.head_dim // d.o_groups, d.o_groups * d.o_lora_rank,
-                                block_size=d.block_size)
-        self.wo_b = BlockLinear(d.o_groups * d.o_lora_rank, d.hidden, block_size=d.block_size)
-        self.attn_sink = nn.Parameter(torch.zeros(d.num_heads), requires_grad=False)
+        self.wo_a = BlockLinear(d.num_heads * d.head_dim // d.o_groups, self.o_groups * rank, block_size=d.block_size)
+        self.wo_b = BlockLinear(self.o_groups * rank, d.hidden, block_size=d.block_size)
+        self.attn_sink = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
+        self.shards = {  # checkpoint tensor -> this rank's part (tensors not listed are whole on every rank)
+            "wq_b.weight": Shard(0, head_start * d.head_dim, self.num_heads * d.head_dim),
+            "attn_sink": Shard(0, head_start, self.num_heads),
+            "wo_a.weight": Shard(0, group_start * rank, self.o_groups * rank),
+            "wo_b.weight": Shard(1, group_start * rank, self.o_groups * rank),
+        }
         self.compressor = V41Compressor(d, role.ratio) if role.mode == FULL else None
         self.indexer = V41Indexer(d, role.mode == FULL) if role.scores else None
 
@@ -144,7 +156,7 @@ class V41Attention(nn.Module):
         d, ctx, role = self.d, step.ctx, self.role
         cos, sin = ctx.compress_rope if role.ratio else ctx.main_rope
         q_residual = self.q_norm(self.wq_a(x))
-        q = apply_tail_rope(self.wq_b(q_residual).view(-1, d.num_heads, d.head_dim), cos, sin)
+        q = apply_tail_rope(self.wq_b(q_residual).view(-1, self.num_heads, d.head_dim), cos, sin)
         kv = apply_tail_rope(self.kv_norm(self.wkv(x)), cos, sin)
         if step.qat:
             kv = fake_quant_fp8(kv, 32)
@@ -155,10 +167,10 @@ class V41Attention(nn.Module):
                  for start, end, pages in ctx.groups]
         write_recent(cache.window, kv, ctx.rows, ctx.pages.positions, ring_write_index(ctx, cache.window))
         out = apply_tail_rope(torch.cat(parts) if len(parts) > 1 else parts[0], cos, -sin)
-        groups = out.reshape(out.shape[0], d.o_groups, -1).transpose(0, 1)  # [G, T, H * D / G]
+        groups = out.reshape(out.shape[0], self.o_groups, -1).transpose(0, 1)  # [G, T, H * D / G]
         weight = self.wo_a.dense_weight(out.dtype)
-        weight = weight.view(d.o_groups, -1, weight.shape[-1]).transpose(1, 2)  # block-diagonal: [G, H * D / G, R]
-        return self.wo_b(torch.bmm(groups, weight).transpose(0, 1).flatten(1))
+        weight = weight.view(self.o_groups, -1, weight.shape[-1]).transpose(1, 2)  # block-diagonal [G, H D / G, R]
+        return self.par.all_reduce(self.wo_b(torch.bmm(groups, weight).transpose(0, 1).flatten(1)))
 
     def _compress(self, x: torch.Tensor, step: V41Step, cache: LayerCache) -> None:
         """Store the entries and index keys of the groups this step's tokens close."""

@@ -11,7 +11,7 @@
   may roll back ``drafts`` positions). Ratio 1 keeps no state.
 
 Ring state is valid only at the position its request reached, so prefix caching is off, as for V4. Not yet here:
-tensor / context parallelism, weight_format=packed, fp8 KV records, Engram, DSpark (``mtp.*`` ignored, said in the
+context parallelism, weight_format=packed, fp8 KV records, Engram, DSpark (``mtp.*`` ignored, said in the
 load log), compiled regions.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from backend_lib.models.deepseek_v41.config import FULL, DeepseekV41Config, Deep
 from backend_lib.models.deepseek_v41.layers import V41DecoderLayer, V41MoE
 from backend_lib.models.deepseek_v4.attention import LayerCache, StepContext, V4Rope
 from backend_lib.models.deepseek_v4.layers import V4MoEDims
-from backend_lib.models.parallel import ParallelContext
+from backend_lib.models.parallel import ParallelContext, Shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
 from kernels.compressed_attention import ChunkPages, TokenPages, entry_rows_per_block
 from kernels.hyper_connections import HyperConnectionSpec, hc_collapse
@@ -58,8 +58,6 @@ class DeepseekV41ForCausalLM(nn.Module):
                  par: ParallelContext = ParallelContext(), qat: bool | None = None) -> None:
         super().__init__()
         qat = self.qat_activations if qat is None else qat
-        if par.world_size > 1:
-            raise ValueError("DeepSeek-V4.1: tensor / context parallelism is not implemented yet (issue 47)")
         a = config.text
         self.config, self.args, self.dtype, self.par, self.qat = config, a, dtype, par, qat
         block = (config.quantization.weight_block_size if config.quantization else (32, 32))
@@ -77,16 +75,19 @@ class DeepseekV41ForCausalLM(nn.Module):
                        a.candidate_topk_blocks, a.candidate_block_size, block)
         moe = V4MoEDims(a.hidden_size, a.moe_intermediate_size, a.n_routed_experts, a.num_experts_per_tok,
                         a.vocab_size, a.routed_scaling_factor, a.scoring_func, a.swiglu_limit, False)
+        self.vocab_start, vocab_local = par.even(a.vocab_size, "vocab_size")
         self.embed = nn.Module()
-        self.embed.weight = nn.Parameter(torch.zeros(a.vocab_size, a.hidden_size), requires_grad=False)
+        self.embed.weight = nn.Parameter(torch.zeros(vocab_local, a.hidden_size), requires_grad=False)
         self.layers = nn.ModuleList(
-            V41DecoderLayer(V41Attention(dims, role, self.main_rope, self.compress_rope),
+            V41DecoderLayer(V41Attention(dims, role, self.main_rope, self.compress_rope, par),
                             V41MoE(moe, par, block, a.gate_temp, a.norm_topk_prob, packed_fp4=self.packed_fp4),
                             a.hidden_size, a.rms_norm_eps,
                             self.hc)
             for role in a.roles)
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.head = BlockLinear(a.hidden_size, a.vocab_size)
+        self.head = BlockLinear(a.hidden_size, vocab_local)
+        self.shards = {"embed.weight": Shard(0, self.vocab_start, vocab_local),
+                       "head.weight": Shard(0, self.vocab_start, vocab_local)}
         # each KV source's index among the sources of its ratio (its row of entries_r{ratio} / keys_r{ratio})
         self.sources = {r: [role.layer for role in a.roles if role.mode == FULL and role.ratio == r] for r in (1, 2)}
         self.token_history = False  # no Engram yet: the runner sends no n-gram history
@@ -170,7 +171,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 positions: torch.Tensor,  # [T] int64
                 kv_caches: list,  # hybrid_cache_shapes' tensors, paged then fixed
                 meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden] final-normed hidden states
-        h = self.embed.weight[input_ids]
+        h = vocab_parallel_embedding(input_ids, self.embed.weight, self.vocab_start, self.par)
         step = V41Step(self.step_context(positions, meta, h.dtype), self.qat)
         streams = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
         pre = torch.zeros(h.shape[0], self.args.hc_mult, device=h.device)
@@ -180,12 +181,14 @@ class DeepseekV41ForCausalLM(nn.Module):
         return self.norm(hc_collapse(streams, pre))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
-        return self.head(hidden).float()
+        return self.par.all_gather_last(self.head(hidden)).float()
 
     # ---- weights -------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Release-layout tensors (``layers.N.attn.wq_a.weight``; transformers main's ``model.`` and ``lm_head``
         accepted). ``mtp.*``, ``vision.*``, ``aligner.*`` and the image embeddings are skipped (logged)."""
+        shards = {f"{prefix}.{key}" if prefix else key: shard for prefix, module in self.named_modules()
+                  for key, shard in getattr(module, "shards", {}).items()}
         loaded: set[str] = set()
         skipped = 0
         pending: dict[str, dict[str, Any]] = {}  # quantized module -> {"weight", "scale"} until both arrived
@@ -199,15 +202,15 @@ class DeepseekV41ForCausalLM(nn.Module):
                 entry = pending.setdefault(base, {})
                 entry[leaf] = tensor
                 if len(entry) == 2:
-                    self._set_quantized(base, raw_name, pending.pop(base))
+                    self._set_quantized(base, raw_name, pending.pop(base), shards.get(base + ".weight"))
                     loaded.add(base + ".weight")
                 continue
             expert = _EXPERT.match(name)
             if expert:
-                moe = self.layers[int(expert.group(1))].ffn
-                moe.set_expert(moe.local_expert(int(expert.group(2))), expert.group(3), tensor, None)
+                self._set_expert(expert, tensor, None)
             else:
-                self._set(name, raw_name, tensor.narrow(0, 0, tensor.shape[0]))
+                shard = shards.get(name)
+                self._set(name, raw_name, shard.take(tensor) if shard is not None else _whole(tensor))
             loaded.add(name)
         if pending:
             raise ValueError(f"quantized weights without their scale (or scales without weights): {sorted(pending)}")
@@ -218,13 +221,18 @@ class DeepseekV41ForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
-    def _set_quantized(self, base: str, raw_name: str, entry: dict[str, Any]) -> None:
-        """An fp8 projection (32x32 blocks) or a routed expert (fp4, or fp8)."""
+    def _set_expert(self, expert: re.Match, weight: Any, scale: Any) -> None:
+        moe = self.layers[int(expert.group(1))].ffn
+        local = moe.local_expert(int(expert.group(2)))
+        if local is not None:  # else another rank's expert (expert parallelism)
+            moe.set_expert(local, expert.group(3), weight, scale)
+
+    def _set_quantized(self, base: str, raw_name: str, entry: dict[str, Any], shard: Shard | None) -> None:
+        """An fp8 projection (32x32 blocks; a rank's shard must fall on them) or a routed expert (fp4, or fp8)."""
         weight, scale = entry["weight"], entry["scale"]
         expert = _EXPERT.match(base + ".weight")
         if expert:
-            moe = self.layers[int(expert.group(1))].ffn
-            moe.set_expert(moe.local_expert(int(expert.group(2))), expert.group(3), weight, scale)
+            self._set_expert(expert, weight, scale)
             return
         try:
             target = self.get_submodule(base)
@@ -232,6 +240,13 @@ class DeepseekV41ForCausalLM(nn.Module):
             raise ValueError(f"unexpected checkpoint tensor {raw_name!r}") from err
         if not isinstance(target, BlockLinear) or weight.dtype != torch.float8_e4m3fn:
             raise ValueError(f"unexpected quantized checkpoint tensor {raw_name!r}")
+        if shard is not None:
+            block = target.block_size[shard.dim]
+            if shard.start % block or (shard.size % block and shard.start + shard.size != weight.shape[shard.dim]):
+                raise ValueError(f"{raw_name}: this rank's shard ({shard}) does not fall on the {block}-wide fp8 "
+                                 f"scale blocks; choose a tensor_parallel_size that keeps shards block-aligned")
+            weight = shard.take(weight)
+            scale = Shard(shard.dim, shard.start // block, -(-shard.size // block)).take(scale)
         target.set_weight(_whole(weight), _whole(scale).float(), self.dtype, False)
 
     def _set(self, name: str, raw_name: str, value: torch.Tensor) -> None:
@@ -256,8 +271,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         names |= {n for n, _ in self.named_parameters()}
         names |= {n for n, _ in self.named_buffers() if n.endswith(("gate.bias", "gate.bias_vl"))}
         for i, layer in enumerate(self.layers):
-            names |= {f"layers.{i}.ffn.experts.{e}.{w}.weight" for e in range(layer.ffn.num_local_experts)
-                      for w in ("w1", "w2", "w3")}
+            names |= {f"layers.{i}.ffn.experts.{layer.ffn.first_expert + e}.{w}.weight"
+                      for e in range(layer.ffn.num_local_experts) for w in ("w1", "w2", "w3")}
         return names
 
     @property
