@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from backend_lib.tools.tiny_engram import add_engram
-from backend_lib.tools.tiny_v41 import quantize_v41, v41_config, v41_tensors
+from backend_lib.tools.tiny_v41 import add_engram_v41, quantize_v41, v41_config, v41_tensors
 from kernels.quant import DEFAULT_BLOCK, quantize_block_fp8
 
 ARCHS = ("deepseek_v3", "deepseek_v4", "deepseek_v41", "llama")
@@ -304,10 +304,12 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     if arch == "deepseek_v41":  # no transformers release has V4.1: drawn by name (tools/tiny_v41.py)
-        if mtp_layers or engram_layers:
-            raise ValueError("deepseek_v41: mtp_layers and engram_layers are not written yet")
+        if mtp_layers:
+            raise ValueError("deepseek_v41: mtp_layers (DSpark) are not written yet")
         config = v41_config(overrides)
         tensors = v41_tensors(config, gen)
+        if engram_layers:
+            add_engram_v41(config, tensors, out / "tokenizer.json", list(engram_layers), gen, engram_fp8_table)
         if fp8 or fp4_experts:
             quantize_v41(config, tensors, fp8, fp4_experts)
         (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))

@@ -127,3 +127,34 @@ def quantize_v41(config: dict[str, Any], tensors: dict[str, torch.Tensor], fp8: 
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      "weight_block_size": [32, 32], "scale_fmt": "ue8m0",
                                      "expert_dtype": "fp4" if fp4_experts else "fp8"}
+
+
+def add_engram_v41(config: dict[str, Any], tensors: dict[str, torch.Tensor], tokenizer_file: Any,
+                   layers: list[int], gen: torch.Generator, fp8_table: bool = False) -> None:
+    """In place: the released Engram's config fields and ``layers.{i}.engram.*`` tensors on ``layers`` (orders 2-4,
+    2 heads of 32 channels, tables a few rows past the sum of their primes; ``fp8_table``: e4m3 rows with a ue8m0
+    scale per 32 channels)."""
+    from backend_lib.models.deepseek_v41.engram import FP8_BLOCK, engram_primes
+    from backend_lib.models.engram.ngram_hash import compressed_vocabulary
+    from kernels.quant import quantize_block_fp8
+
+    text = config["text_config"]
+    text.update(engram_layer_ids=list(layers), engram_vocab_size=40, engram_max_ngram_size=4, engram_n_heads=2,
+                engram_head_dim=32, engram_pad_id=2,
+                engram_compressed_vocab_size=int(compressed_vocabulary(tokenizer_file).max()) + 1,
+                engram_num_embeddings=[0] * len(layers))
+    a = DeepseekV41Config.from_hf_config(config).text
+    text["engram_num_embeddings"] = [sum(p) + 3 for p in engram_primes(a)]
+    a = DeepseekV41Config.from_hf_config(config).text
+    h, hc, cols = a.hidden_size, a.hc_mult, (a.engram_max_ngram_size - 1) * a.engram_n_heads
+    for layer, rows in zip(layers, a.engram_num_embeddings):
+        p = f"layers.{layer}.engram."
+        table = torch.randn(rows, a.engram_head_dim, generator=gen)
+        if fp8_table:
+            tensors[p + "embed.weight"], tensors[p + "embed.scale"] = quantize_block_fp8(table, (1, FP8_BLOCK),
+                                                                                         "ue8m0")
+        else:
+            tensors[p + "embed.weight"] = table
+        tensors[p + "wkv.weight"] = _linear((hc + 1) * h, cols * a.engram_head_dim, 2.0, gen)
+        tensors[p + "q_weight"] = 1 + 0.1 * torch.randn(hc, h, generator=gen)
+        tensors[p + "k_weight"] = 1 + 0.1 * torch.randn(hc, h, generator=gen)

@@ -50,6 +50,7 @@ class V41DecoderLayer(nn.Module):
     def __init__(self, attn: V41Attention, ffn: V41MoE, hidden: int, eps: float, hc: HyperConnectionSpec) -> None:
         super().__init__()
         self.attn, self.ffn, self.hc = attn, ffn, hc
+        self.engram: nn.Module | None = None  # a V41Engram on the layers of engram_layer_ids
         self.attn_norm = RMSNorm(hidden, eps)
         self.ffn_norm = RMSNorm(hidden, eps)
         mixes = (2 + hc.hc_mult) * hc.hc_mult
@@ -61,7 +62,11 @@ class V41DecoderLayer(nn.Module):
     def forward(self, streams: torch.Tensor,  # [T, hc, hidden]
                 pre_mix: torch.Tensor,  # [T, hc] float32: the previous site's pre
                 input_ids: torch.Tensor,  # [T] int64
-                step: V41Step, cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:  # streams, this FFN's pre
+                step: V41Step, cache: LayerCache,
+                hash_ids: torch.Tensor | None = None,  # [T, cols] this layer's Engram rows
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # streams, this FFN's pre
+        if self.engram is not None:  # on the streams the previous layer left, before this layer's coefficients
+            streams = self.engram(streams, hash_ids)
         attn_pre, post, comb = hc_mixes(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.hc)
         x = hc_collapse(streams, pre_mix)
         streams = hc_post(self.attn(self.attn_norm(x), step, cache), streams, post, comb, self.hc)

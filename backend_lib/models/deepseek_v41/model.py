@@ -11,13 +11,14 @@
   may roll back ``drafts`` positions). Ratio 1 keeps no state.
 
 Ring state is valid only at the position its request reached, so prefix caching is off, as for V4. Not yet here:
-context parallelism, weight_format=packed, fp8 KV records, Engram, DSpark (``mtp.*`` ignored, said in the
-load log), compiled regions.
+context parallelism, weight_format=packed, fp8 KV records, Engram tables sharded over ranks, DSpark (``mtp.*`` ignored,
+said in the load log), compiled regions.
 """
 from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ from torch import nn
 from backend_lib.models.deepseek_v3.layers import BlockLinear, RMSNorm, build_rope
 from backend_lib.models.deepseek_v41.attention import V41Attention, V41Dims, V41Step
 from backend_lib.models.deepseek_v41.config import FULL, DeepseekV41Config, DeepseekV41TextArgs
+from backend_lib.models.deepseek_v41.engram import V41Engram, V41EngramHash
 from backend_lib.models.deepseek_v41.layers import V41DecoderLayer, V41MoE
 from backend_lib.models.deepseek_v4.attention import LayerCache, StepContext, V4Rope
 from backend_lib.models.deepseek_v4.layers import V4MoEDims
@@ -55,7 +57,8 @@ class DeepseekV41ForCausalLM(nn.Module):
     # summation-order noise flips their roundings
     qat_activations = True
     def __init__(self, config: DeepseekV41Config, dtype: torch.dtype = torch.float32,
-                 par: ParallelContext = ParallelContext(), qat: bool | None = None) -> None:
+                 par: ParallelContext = ParallelContext(), qat: bool | None = None,
+                 engram_hash: V41EngramHash | None = None) -> None:
         super().__init__()
         qat = self.qat_activations if qat is None else qat
         a = config.text
@@ -90,7 +93,13 @@ class DeepseekV41ForCausalLM(nn.Module):
                        "head.weight": Shard(0, self.vocab_start, vocab_local)}
         # each KV source's index among the sources of its ratio (its row of entries_r{ratio} / keys_r{ratio})
         self.sources = {r: [role.layer for role in a.roles if role.mode == FULL and role.ratio == r] for r in (1, 2)}
-        self.token_history = False  # no Engram yet: the runner sends no n-gram history
+        # Engram: the runner sends the N - 1 ids before each token (AttentionMetadata.token_history)
+        self.engram_hash = engram_hash
+        self.token_history = a.engram_max_ngram_size - 1 if a.engram_layer_ids else 0
+        if a.engram_layer_ids and engram_hash is None:
+            raise ValueError("DeepSeek-V4.1 with Engram needs the checkpoint's tokenizer.json (its hash)")
+        for k, (layer, rows) in enumerate(zip(a.engram_layer_ids, a.engram_num_embeddings)):
+            self.layers[layer].engram = V41Engram(a, rows, block)
         self.to(dtype)
         for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
             if _KEEP_FP32.search(name) and tensor.is_floating_point():
@@ -100,7 +109,11 @@ class DeepseekV41ForCausalLM(nn.Module):
     def from_hf_config(cls, config: dict, dtype: torch.dtype, options: "LoadOptions | None" = None,
                        par: ParallelContext | None = None) -> "DeepseekV41ForCausalLM":
         par = par or getattr(options, "par", None) or ParallelContext()
-        return cls(DeepseekV41Config.from_hf_config(config), dtype=dtype, par=par)
+        parsed = DeepseekV41Config.from_hf_config(config)
+        engram = None
+        if parsed.text.engram_layer_ids:
+            engram = V41EngramHash.build(parsed.text, Path(getattr(options, "checkpoint_dir", "")) / "tokenizer.json")
+        return cls(parsed, dtype=dtype, par=par, engram_hash=engram)
 
     # ---- the model-runner contract -------------------------------------------------------------------
     supports_context_parallel = False
@@ -176,8 +189,15 @@ class DeepseekV41ForCausalLM(nn.Module):
         streams = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
         pre = torch.zeros(h.shape[0], self.args.hc_mult, device=h.device)
         pre[:, 0] = 1.0  # the first site collapses stream 0: the embedding itself
+        hashes = None
+        if self.engram_hash is not None:  # once for every Engram layer
+            if meta.token_history is None:
+                raise ValueError("DeepSeek-V4.1 with Engram needs meta.token_history (model.token_history ids)")
+            hashes = self.engram_hash(input_ids, meta.token_history)
+        engram_index = {layer: k for k, layer in enumerate(self.args.engram_layer_ids)}
         for i, layer in enumerate(self.layers):
-            streams, pre = layer(streams, pre, input_ids, step, self._layer_cache(i, kv_caches))
+            rows = hashes[:, engram_index[i]] if i in engram_index else None
+            streams, pre = layer(streams, pre, input_ids, step, self._layer_cache(i, kv_caches), rows)
         return self.norm(hc_collapse(streams, pre))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
@@ -234,6 +254,12 @@ class DeepseekV41ForCausalLM(nn.Module):
         if expert:
             self._set_expert(expert, weight, scale)
             return
+        if base.endswith(".engram.embed"):  # an fp8 table: kept fp8, rows dequantized as they are gathered
+            table = self.get_submodule(base)
+            if tuple(weight.shape) != tuple(table.weight.shape):
+                raise ValueError(f"{raw_name}: shape {tuple(weight.shape)} != expected {tuple(table.weight.shape)}")
+            table.weight, table.scale = _whole(weight), _whole(scale).float()
+            return
         try:
             target = self.get_submodule(base)
         except AttributeError as err:
@@ -269,7 +295,7 @@ class DeepseekV41ForCausalLM(nn.Module):
     def _expected_names(self) -> set[str]:
         names = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, BlockLinear)}
         names |= {n for n, _ in self.named_parameters()}
-        names |= {n for n, _ in self.named_buffers() if n.endswith(("gate.bias", "gate.bias_vl"))}
+        names |= {n for n, _ in self.named_buffers() if n.endswith(("gate.bias", "gate.bias_vl", "engram.embed.weight"))}
         for i, layer in enumerate(self.layers):
             names |= {f"layers.{i}.ffn.experts.{layer.ffn.first_expert + e}.{w}.weight"
                       for e in range(layer.ffn.num_local_experts) for w in ("w1", "w2", "w3")}
