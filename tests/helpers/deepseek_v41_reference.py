@@ -40,7 +40,12 @@ Three departures from the stored transformers file, on purpose:
   scores tie exactly and often; here the larger score comes first and equal scores the earlier entry (block) first,
   the engine's rule (``kernels/compressed_attention.py: top_k_in_order``), written independently with a stable sort;
 - ``qat`` is a switch (transformers always applies it).
-Engram, image tokens (``bias_vl``), DSpark ``mtp.*`` and vision are not in this oracle.
+- Engram [``DeepseekV41NgramHashState``, ``DeepseekV41Engram``]: the compressed ids of the checkpoint's
+  ``tokenizer.json`` (raw decode of each id, the normaliser sequence, first-seen numbering), primes searched upward
+  from ``engram_vocab_size`` per (layer, order) and never reused, multipliers from ``default_rng(10007 * layer)``,
+  the XOR-rolled hash ``% prime + offset`` with the compressed pad id before the start; rows through ``wkv`` into
+  per-stream keys and a value, the signed-sqrt sigmoid gate, ``h + gate * value`` before the layer's mHC mixes.
+Image tokens (``bias_vl``, DEAD n-gram slots), DSpark ``mtp.*`` and vision are not in this oracle.
 """
 from __future__ import annotations
 
@@ -134,8 +139,8 @@ def load_v41_weights(path: Path) -> dict[str, torch.Tensor]:
         if name.endswith(".scale"):
             continue
         scale = raw.get(name.removesuffix(".weight") + ".scale") if name.endswith(".weight") else None
-        if scale is not None and tensor.dtype == torch.float8_e4m3fn:  # 32x32 blocks, ue8m0 scales
-            tensor = dequantize_block_fp8(tensor, scale.float(), block)
+        if scale is not None and tensor.dtype == torch.float8_e4m3fn:  # 32x32 blocks (Engram rows: 1x32), ue8m0
+            tensor = dequantize_block_fp8(tensor, scale.float(), (1, 32) if ".engram.embed." in name else block)
         elif scale is not None:  # fp4 e2m1 routed experts, two a byte, a scale per 32 inputs
             tensor = dequantize_fp4(tensor, scale.float())
         name = name.removeprefix("model.").replace("lm_head.", "head.")
@@ -267,6 +272,7 @@ class LayerState:
 class RefCache:
     layers: list[LayerState]
     length: int = 0  # positions written
+    ids: list[int] = field(default_factory=list)  # every id so far (Engram's look-back)
 
 
 @dataclass
@@ -294,6 +300,8 @@ class ReferenceV41:
         a = self.args
         self.main_freqs = inv_freq(a.rope_dim, a.rope_theta, None)
         self.compress_freqs = inv_freq(a.rope_dim, a.compress_rope_theta, a.yarn)
+        text = json.loads((path / "config.json").read_text())["text_config"]
+        self.engram = _EngramHash(text, path / "tokenizer.json") if text.get("engram_layer_ids") else None
 
     def new_cache(self) -> RefCache:
         d = self.args.head_dim
@@ -307,6 +315,10 @@ class ReferenceV41:
         a = self.args
         start = 0 if cache is None else cache.length
         pos = torch.arange(start, start + ids.shape[0])
+        history = ids.tolist() if cache is None else cache.ids + ids.tolist()
+        if cache is not None:
+            cache.ids = history
+        hashes = None if self.engram is None else self.engram(history)[start:]  # [S, L_e, cols]
         x = self.w["embed.weight"][ids]
         streams = x[:, None, :].expand(-1, a.hc, -1).clone()
         pre = torch.zeros(ids.shape[0], a.hc)
@@ -314,6 +326,8 @@ class ReferenceV41:
         shared = _Shared()
         self.last_shared = shared
         for i in range(a.n_layers):
+            if self.engram is not None and i in self.engram.layers:
+                streams = self._engram(i, streams, hashes[:, self.engram.layers.index(i)])
             streams, pre = self._layer(i, streams, pre, pos, None if cache is None else cache.layers[i], shared)
         if cache is not None:
             cache.length += ids.shape[0]
@@ -445,6 +459,15 @@ class ReferenceV41:
         shared.topk = top_k_mask(scores, a.index_topk)
         shared.log[i] = shared.topk
 
+    def _engram(self, i: int, streams: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        a, w, p = self.args, self.w, f"layers.{i}.engram."
+        kv = w[p + "embed.weight"][rows].flatten(1) @ w[p + "wkv.weight"].T
+        key, value = kv[:, :a.hc * a.dim].view(-1, a.hc, a.dim), kv[:, a.hc * a.dim:]
+        rstd = torch.rsqrt(streams.square().mean(-1) + a.eps) * torch.rsqrt(key.square().mean(-1) + a.eps)
+        dot = (streams * w[p + "q_weight"] * w[p + "k_weight"] * key).sum(-1) * rstd * a.dim ** -0.5
+        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        return streams + gate[..., None] * value[:, None, :]
+
     # ---- MoE -------------------------------------------------------------------------------------------
     def _expert(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         w, limit = self.w, self.args.swiglu_limit
@@ -467,3 +490,62 @@ class ReferenceV41:
             h = self._expert(f"{p}experts.{e}.", x[rows]) * weights[rows, slot, None]
             out = out.index_add(0, rows, h @ w[f"{p}experts.{e}.w2.weight"].T)
         return out
+
+
+class _EngramHash:
+    """Token ids -> each Engram layer's table rows at every position [``DeepseekV41NgramHashState``]."""
+
+    def __init__(self, text: dict, tokenizer_file: Path) -> None:
+        import numpy as np
+        from sympy import isprime
+        from tokenizers import Regex, Tokenizer, normalizers
+
+        tok = Tokenizer.from_file(str(tokenizer_file))
+        norm = normalizers.Sequence([
+            normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
+            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "), normalizers.Replace(Regex(r"^ $"), "\ue000"),
+            normalizers.Strip(), normalizers.Replace("\ue000", " ")])
+        keys: dict[str, int] = {}
+        lookup = []
+        for i in range(tok.get_vocab_size(with_added_tokens=True)):
+            t = tok.decode([i], skip_special_tokens=False)
+            key = tok.id_to_token(i) if "\ufffd" in t else (norm.normalize_str(t) or t)
+            lookup.append(keys.setdefault(key, len(keys)))
+        assert len(keys) == text["engram_compressed_vocab_size"], (len(keys), text["engram_compressed_vocab_size"])
+        self.layers = list(text["engram_layer_ids"])
+        self.n, heads = text["engram_max_ngram_size"], text["engram_n_heads"]
+        self.lookup, self.pad = torch.tensor(lookup), lookup[text["engram_pad_id"]]
+        seen: set[int] = set()
+        self.primes = []  # [L][order][head]
+        for _ in self.layers:
+            orders = []
+            for _ in range(self.n - 1):
+                heads_p, c = [], text["engram_vocab_size"] - 1
+                for _ in range(heads):
+                    c += 1
+                    while not isprime(c) or c in seen:
+                        c += 1
+                    seen.add(c)
+                    heads_p.append(c)
+                orders.append(heads_p)
+            self.primes.append(orders)
+        bound = max(1, (np.iinfo(np.int64).max // len(keys)) // 2)
+        self.mult = [torch.tensor(np.random.default_rng(10007 * layer).integers(0, bound, size=(self.n,),
+                                                                                dtype=np.int64) * 2 + 1)
+                     for layer in self.layers]
+
+    def __call__(self, ids: list[int]) -> torch.Tensor:  # [S, L_e, cols]
+        c = self.lookup[torch.tensor(ids)]
+        s = c.shape[0]
+        grams = torch.stack([torch.cat([torch.full((k,), self.pad), c[:s - k]]) for k in range(self.n)], -1)
+        out = []
+        for layer, orders in enumerate(self.primes):
+            prod = grams * self.mult[layer]
+            rolling, cols, offset = prod[:, 0], [], 0
+            for i in range(1, self.n):
+                rolling = rolling ^ prod[:, i]
+                for prime in orders[i - 1]:
+                    cols.append(rolling % prime + offset)
+                    offset += prime
+            out.append(torch.stack(cols, -1))
+        return torch.stack(out, 1)
