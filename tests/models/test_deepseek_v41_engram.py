@@ -60,3 +60,26 @@ def test_engram_teacher_forced_equals_the_oracle(tmp_path, fp8_table):
     for layer in (0, 3):
         model.layers[layer].engram = None
     assert (HistoryRunner(model, num_blocks=60).step([], [("r", ids[:40])]) - expected[:40]).abs().max() > 1e-2
+
+
+def test_engine_greedy_with_engram_equals_the_oracle(tmp_path, monkeypatch):
+    """Through the engine (its runner sends the ids before each token): batched prompts in 61-token chunks."""
+    from backend_lib.core.config import EngineConfig
+    from backend_lib.core.sampling_params import SamplingParams
+    from backend_lib.engine.llm_engine import LLMEngine
+    from backend_lib.models.deepseek_v41.model import DeepseekV41ForCausalLM
+    monkeypatch.setattr(DeepseekV41ForCausalLM, "qat_activations", False)
+    path = make_tiny("deepseek_v41", tmp_path, seed=10, engram_layers=[0, 3])
+    ref = ReferenceV41(path, qat=False)
+    engine = LLMEngine(EngineConfig.from_flat({"model": str(path), "max_model_len": 512, "block_size": 16,
+                                               "max_num_seqs": 4, "max_num_batched_tokens": 61}))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = {f"r{n}": tokens(n, 90 + n) for n in (4, 75)}
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == ref.greedy(prompt, 16), rid
