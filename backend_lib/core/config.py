@@ -234,6 +234,41 @@ class ParallelConfig:
 
 
 @dataclass
+class EplbConfig:
+    """Expert-parallel load balancing (names as vLLM's): each MoE layer's experts in physical slots, the heaviest
+    with ``num_redundant_experts`` extra copies, re-placed from the measured loads while serving (core/eplb.py)."""
+
+    enable_eplb: bool = False
+    num_redundant_experts: int = 0  # extra slots over the ranks (experts + these must divide over the EP ranks)
+    eplb_window_steps: int = 1000  # the loads a new placement balances: the router's counts of the last steps
+    eplb_interval_steps: int = 3000  # steps between two re-placements (and weight moves)
+
+    def __post_init__(self) -> None:
+        _require(self.num_redundant_experts >= 0,
+                 f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
+        _require(self.enable_eplb or self.num_redundant_experts == 0,
+                 f"num_redundant_experts={self.num_redundant_experts} needs enable_eplb")
+        _require(self.eplb_window_steps >= 1, f"eplb_window_steps must be >= 1, got {self.eplb_window_steps}")
+        _require(self.eplb_interval_steps >= 1, f"eplb_interval_steps must be >= 1, got {self.eplb_interval_steps}")
+
+    def check_parallel(self, parallel: ParallelConfig, compile_backend: str) -> None:
+        """EPLB places whole experts on expert-parallel ranks; the model checks its own MoE at load (a top-k
+        routed one whose experts + redundant slots divide over the ranks)."""
+        if not self.enable_eplb:
+            return
+        _require(parallel.enable_expert_parallel and parallel.tensor_parallel_size >= 2,
+                 "enable_eplb needs expert parallelism: enable_expert_parallel with tensor_parallel_size >= 2 "
+                 f"(got enable_expert_parallel={parallel.enable_expert_parallel}, "
+                 f"tensor_parallel_size={parallel.tensor_parallel_size})")
+        # The driver counts the loads from its own router output: context groups would each see other rows.
+        _require(parallel.context_parallel_size == 1,
+                 f"enable_eplb does not run with context_parallel_size={parallel.context_parallel_size} (set 1)")
+        # Placements change buffers in place between steps; compiled regions are not yet checked against that.
+        _require(compile_backend == "none",
+                 f"enable_eplb runs eager steps: set compile_backend 'none' (got {compile_backend!r})")
+
+
+@dataclass
 class RequestLimits:
     """Caps on what one request can make the server hold; beyond one, the request is refused with a RequestError
     (INVALID_ARG) naming the field and the limit. Each bounds memory or per-token work that grows with the
@@ -280,6 +315,7 @@ class EngineConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     limits: RequestLimits = field(default_factory=RequestLimits)
+    eplb: EplbConfig = field(default_factory=EplbConfig)
     session_idle_timeout_s: float = 600.0
     seed: int = 0  # seeds the per-request seeds of unseeded sampled requests
     num_threads: int = 0  # torch intra-op threads; 0 = all cores
@@ -304,6 +340,7 @@ class EngineConfig:
         _require(not context_parallel or self.compile.compile_backend == "none",
                  f"context_parallel_size={self.parallel.context_parallel_size} runs eager steps: set compile_backend "
                  f"'none' (got {self.compile.compile_backend!r})")
+        self.eplb.check_parallel(self.parallel, self.compile.compile_backend)
         self.max_waiting_requests = self.max_waiting_requests or WAITING_PER_SEQ * self.scheduler.max_num_seqs
         self.max_sessions = self.max_sessions or SESSIONS_PER_SEQ * self.scheduler.max_num_seqs
 
@@ -316,7 +353,7 @@ class EngineConfig:
     def from_flat(cls, values: dict[str, Any]) -> "EngineConfig":
         """Build from flat ``name -> value`` pairs (Triton parameters, CLI flags); unknown names are errors."""
         sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig,
-                    "compile": CompileConfig, "parallel": ParallelConfig, "limits": RequestLimits}
+                    "compile": CompileConfig, "parallel": ParallelConfig, "limits": RequestLimits, "eplb": EplbConfig}
         owner = {f.name: section for section, klass in sections.items() for f in fields(klass)}
         top = {f.name for f in fields(cls)} - set(sections)
         grouped: dict[str, dict[str, Any]] = {name: {} for name in sections}

@@ -112,6 +112,21 @@ class RequestOutput:
         return self.refusal is not None and self.refusal.busy
 
 
+@dataclass(frozen=True)
+class EplbStats:
+    """Expert-parallel load balancing, as the driver measured it (worker/eplb.py)."""
+
+    # per MoE layer (module order): the window's busiest rank's tokens / the mean under the current placement
+    layer_imbalance: list[float]
+    rebalances: int  # re-placements done (cumulative)
+    last_pause_s: float  # the last re-placement's pause between two steps (placement + weight moves)
+    moved_slots: int  # slots whose expert changed (cumulative, over the ranks)
+
+    @property
+    def worst_imbalance(self) -> float:
+        return max(self.layer_imbalance, default=1.0)
+
+
 @dataclass
 class EngineStats:
     num_running: int
@@ -134,6 +149,7 @@ class EngineStats:
     # Admission refusals (AsyncEngine, cumulative): past max_waiting_requests, and session STARTs past max_sessions.
     num_refused_waiting: int = 0
     num_refused_sessions: int = 0
+    eplb: EplbStats | None = None  # None: enable_eplb off
 
     @property
     def spec_acceptance_rate(self) -> float:

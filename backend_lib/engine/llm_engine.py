@@ -373,4 +373,5 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         counters = self.scheduler.stats_counters()
         return EngineStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-                           kv_blocks_total=self.num_blocks, num_sessions=self.scheduler.num_sessions, **counters)
+                           kv_blocks_total=self.num_blocks, num_sessions=self.scheduler.num_sessions,
+                           eplb=self.executor.eplb_stats(), **counters)

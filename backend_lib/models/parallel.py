@@ -106,10 +106,15 @@ class ParallelContext:
     # cost ~0.5 ms a call there. None: the process group's all-reduce.
     shm_handle: int | None = None
     context: ContextGroup = ContextGroup()
+    # EPLB (models/expert_slots.py): top-k MoE layers hold placement slots, with this many beyond the experts;
+    # None: off (each rank holds a contiguous range of experts)
+    eplb_redundant_experts: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        if self.eplb_redundant_experts is not None and not self.expert_parallel:
+            raise ValueError("EPLB slots need expert parallelism (enable_expert_parallel)")
         if self.world_size > 1 and self.group is None:
             raise ValueError("a tensor-parallel context with world_size > 1 needs a process group")
 

@@ -173,6 +173,22 @@ def check_schema_features(schema: Mapping[str, Any], field_name: str) -> None:
                 pending.append((child, f"{path}/{key}"))
 
 
+def _embedded_schemas(tag: Any) -> list[Mapping[str, Any]]:
+    """The JSON schemas inside a structural tag (its ``{"type": "json_schema", "json_schema": ...}`` formats, at any
+    depth), which xgrammar would compile without ``check_schema_features``' refusals."""
+    found, pending = [], [tag]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, Mapping):
+            if node.get("type") == "json_schema" and isinstance(node.get("json_schema"), Mapping):
+                found.append(node["json_schema"])
+            else:
+                pending.extend(node.values())
+        elif isinstance(node, list):
+            pending.extend(node)
+    return found
+
+
 # ---------------------------------------------------------------------------------------------- compiling
 
 
@@ -424,4 +440,6 @@ class GrammarCompiler:
             return self._compiler.compile_grammar(choice_grammar(spec))
         if kind is ConstraintKind.GRAMMAR:
             return self._compiler.compile_grammar(spec)
+        for schema in _embedded_schemas(json.loads(spec)):
+            check_schema_features(schema, constraint.field)
         return self._compiler.compile_structural_tag(spec)

@@ -19,13 +19,14 @@ class StepOp(IntEnum):
     STEP = 1  # run the model over the message's inputs
     RESULT = 2  # a device result of the driver's (verified tokens for the MTP drafts)
     SHUTDOWN = 3  # leave the loop
+    REBALANCE = 4  # EPLB: move the experts to the message's placement (worker/eplb.py), between two steps
 
 
 # Every name a message may carry (the header sends the index, not the name).
 FIELDS = ("input_ids", "positions", "slot_mapping", "decode_block_tables", "decode_seq_lens", "prefill_block_tables",
           "prefill_query_lens", "prefill_seq_lens", "logits_indices", "scalars", "mtp_next_ids", "mtp_first_rows",
           "mtp_tables", "verified", "state_slots", "chunk_starts", "chunk_ends", "prompt_logits_indices",
-          "token_history")
+          "token_history", "placement")
 _DTYPES = (torch.int64, torch.int32, torch.bool)
 _HEADER_LEN = 128
 _MAX_DIMS = 2

@@ -56,5 +56,8 @@ class StepLink:
     def send_verified(self, verified: torch.Tensor) -> None:  # [S, W] int64 the rejection sampler's tokens
         self.channel.publish(StepOp.RESULT, {"verified": verified})
 
+    def send_placements(self, table: torch.Tensor) -> None:  # [layers, slots] int64 EPLB's new slot -> expert
+        self.channel.publish(StepOp.REBALANCE, {"placement": table})
+
     def shutdown(self) -> None:
         self.channel.publish(StepOp.SHUTDOWN)

@@ -206,15 +206,8 @@ def test_bad_field_is_a_400_naming_it(client, kwargs, param):
 def test_prompts_triton_cannot_carry_are_a_400(served, prompt):
     """Raw JSON (the openai client cannot even encode a lone surrogate); both were a 500 before the front
     checked them (the gRPC request could not be built)."""
-    url = urlparse(served.openai_url)
-    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
-    try:
-        connection.request("POST", f"{url.path}/completions", headers={"Content-Type": "application/json"},
-                           body=f'{{"model": "{MODEL}", "prompt": {prompt}, "max_tokens": 2}}')
-        response = connection.getresponse()
-        status, body = response.status, json.loads(response.read())
-    finally:
-        connection.close()
+    status, body = _raw_post(served, "/completions", f'{{"model": "{MODEL}", "prompt": {prompt}, "max_tokens": 2}}',
+                             "application/json")
     assert status == 400 and body["error"]["param"] == "prompt", body
 
 
@@ -521,5 +514,93 @@ def test_a_two_turn_tool_conversation(client):
                                             tools=tools, tool_choice="none")
     answer = second.choices[0]
     assert answer.message.content and not answer.message.tool_calls and answer.finish_reason in ("stop", "length")
-    # The tool result went through the template: the prompt is the first turn's and more.
-    assert second.usage.prompt_tokens > first.usage.prompt_tokens + 10
+    # The call and its result reached the model: the prompt is the question's and more.
+    question = client.chat.completions.create(model=MODEL, messages=WEATHER_QUESTION, max_tokens=1)
+    assert second.usage.prompt_tokens > question.usage.prompt_tokens + 20
+
+
+# -- tools on a template that drops them (SmolLM2's): the generic format, with the agent frameworks' request shapes --
+
+# As the frameworks send them (none of them is installed here): langchain-openai's bind_tools (tool_choice left out:
+# auto), pydantic-ai's function tools (strict schemas, tool_choice auto while text may end the run), instructor's
+# PARALLEL_TOOLS (auto) and TOOLS (the response model's function named).
+FRAMEWORK_SHAPES = {
+    "langchain-bind-tools": {"tools": [WEATHER_TOOL, TIME_TOOL]},
+    "pydantic-ai-function-tools": {"tools": [{"type": "function", "function": {**WEATHER_TOOL["function"],
+                                                                                "strict": True}}],
+                                   "tool_choice": "auto"},
+    "instructor-parallel-tools": {"tools": [WEATHER_TOOL, TIME_TOOL], "tool_choice": "auto"},
+    "instructor-tools": {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function",
+                                                                  "function": {"name": "get_weather"}}},
+}
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (WEATHER_TOOL, TIME_TOOL)}
+
+
+def _check_calls_or_text(message, finish_reason) -> None:
+    """A tool call whose arguments validate, or text; never a malformed call."""
+    if message.tool_calls:
+        assert finish_reason == "tool_calls" and not message.content
+        for call in message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    else:
+        assert message.content and not message.content.lstrip().startswith("{") and finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("shape", FRAMEWORK_SHAPES.values(), ids=FRAMEWORK_SHAPES.keys())
+def test_the_frameworks_tool_requests_get_calls_or_text_streamed_or_not(client, shape):
+    kwargs = dict(messages=[{"role": "user", "content": "What is the weather in Paris?"}], temperature=0,
+                  max_tokens=60, **shape)
+    choice = client.chat.completions.create(model=MODEL, **kwargs).choices[0]
+    _check_calls_or_text(choice.message, choice.finish_reason)
+    if shape.get("tool_choice", "auto") != "auto":
+        assert choice.message.tool_calls
+    content, calls, reasons = _streamed_chat(client, **kwargs)
+    assert (content or None) == choice.message.content and reasons == [choice.finish_reason]
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+
+
+def test_required_without_parallel_calls_is_one_call(client):
+    choice = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Paris and in Rome?"}], temperature=0,
+        max_tokens=80, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required", parallel_tool_calls=False).choices[0]
+    assert len(choice.message.tool_calls) == 1
+    _check_calls_or_text(choice.message, choice.finish_reason)
+
+
+def test_a_tool_result_round_trip_in_the_generic_format(client):
+    """An agent loop's second turn: the call and its result written back (generic format), tools still offered."""
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(model=MODEL, messages=question, temperature=0, max_tokens=60,
+                                           tools=[WEATHER_TOOL], tool_choice="required")
+    calls = first.choices[0].message.tool_calls  # (greedy SmolLM2 may ask more than once: each gets its result)
+    messages = question + [{"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]}] + [
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 degrees."} for call in calls]
+    second = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=60,
+                                            tools=[WEATHER_TOOL])
+    _check_calls_or_text(second.choices[0].message, second.choices[0].finish_reason)
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + 20  # the call and its result reached the model
+
+
+def _raw_post(served, path: str, body: str, content_type: str | None) -> tuple[int, dict]:
+    """A POST the openai client cannot send (a broken body, another Content-Type)."""
+    url = urlparse(served.openai_url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    try:
+        connection.request("POST", f"{url.path}{path}", body=body,
+                           headers={"Content-Type": content_type} if content_type else {})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def test_broken_bodies_are_refused_saying_what_is_wrong(served):
+    status, body = _raw_post(served, "/chat/completions", f'{{"model": "{MODEL}", "messages": [}}', "application/json")
+    assert status == 400 and body["error"]["param"] is None, body
+    assert body["error"]["message"] == "the request body is not valid JSON: Expecting value at character 36"
+    status, body = _raw_post(served, "/chat/completions", json.dumps({"model": MODEL, "messages": QUESTION}),
+                             "application/x-www-form-urlencoded")  # what curl -d sends without -H
+    assert status == 415 and "Content-Type: application/json" in body["error"]["message"], body
+    status, body = _raw_post(served, "/completions", "[1, 2]", "application/json")
+    assert status == 400 and body["error"]["message"] == "the request body must be a JSON object, got an array"

@@ -85,7 +85,7 @@ def test_openai_calls_are_prepared_or_refused_with_a_client_error(engine, call):
     kind, body, headers = call
     try:
         request = (ChatCompletionRequest if kind == "chat" else CompletionRequest).model_validate(body)
-    except pydantic.ValidationError:  # the app answers 400 naming the field (app.py: _validation_error)
+    except pydantic.ValidationError:  # the app answers 400 naming the field (errors.py: body_error)
         return
     try:
         session = translate.session_from_headers(headers)

@@ -43,7 +43,8 @@ def tokenizer() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def renderer(tokenizer) -> tools.ChatRenderer:
-    return tools.ChatRenderer(tokenizer)
+    """A template that renders tools: the native path (SmolLM2's own drops them: tests/frontend, the generic one)."""
+    return tools.ChatRenderer(tokenizer.with_chat_template(SHOWING_TEMPLATE))
 
 
 def _chat(messages=QUESTION, **fields) -> ChatCompletionRequest:
@@ -94,12 +95,13 @@ def test_a_bad_schema_is_refused_naming_the_clients_field():
 
 def test_required_is_the_calls_grammar_on_the_templates_ids(renderer, tokenizer):
     [model] = translate.chat_requests(_chat(tools=[WEATHER, TIME], tool_choice="required"), None, renderer)
-    assert model.prompt_input == "input_ids" and model.prompt == tokenizer.apply_chat_template(QUESTION)
+    assert model.prompt_input == "input_ids" and model.prompt == renderer.tokenizer.apply_chat_template(
+        QUESTION, tools=[WEATHER, TIME])
     assert model.tool_mode.kind == "required"
     constraint = _engine_params(model).structured_outputs
     assert constraint.schema() == required_calls_schema(parse_tools([WEATHER, TIME]))
     [auto] = translate.chat_requests(_chat(tools=[WEATHER]), None, renderer)
-    assert auto.tool_mode.kind == "auto" and auto.tool_mode.parser is HermesToolParser  # SmolLM2's template
+    assert auto.tool_mode.kind == "auto" and auto.tool_mode.parser is HermesToolParser
     assert "skip_special_tokens" not in auto.sampling and "structured_outputs" not in auto.sampling
     [none] = translate.chat_requests(_chat(tools=[WEATHER], tool_choice="none"), None, renderer)
     assert none.tool_mode is None and "structured_outputs" not in none.sampling
@@ -108,7 +110,7 @@ def test_required_is_the_calls_grammar_on_the_templates_ids(renderer, tokenizer)
 def test_auto_with_deepseek_tool_tokens_keeps_special_tokens(tokenizer):
     """DeepSeek's markers are special tokens: the text must keep them (the EOS token's text is never in the engine's
     text: tests/engine/test_stop_text.py)."""
-    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{# <｜tool▁calls▁begin｜> #}"
+    template = "{% if tools %}T{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}{# <｜tool▁calls▁begin｜> #}"
     renderer = tools.ChatRenderer(tokenizer.with_chat_template(template))
     [auto] = translate.chat_requests(_chat(tools=[WEATHER]), None, renderer)
     assert auto.tool_mode.parser is DeepSeekV3ToolParser and auto.sampling["skip_special_tokens"] is False

@@ -154,3 +154,16 @@ def test_kv_cache_dtype_is_named_by_an_info_gauge(pb):
     other = _PbUtils()
     TritonMetrics(other, LABELS)  # no dtype given (older callers): no such family
     assert not [f for f in other.MetricFamily.created if f.name == "deepinfer_kv_cache_dtype_info"]
+
+
+def test_eplb_imbalance_gauges_per_layer_and_worst(pb):
+    from backend_lib.core.outputs import EplbStats
+
+    metrics = TritonMetrics(pb, LABELS)
+    metrics.refresh(_stats())  # EPLB off: the families exist, no per-layer series
+    assert not [f for f in pb.MetricFamily.created if f.name == "deepinfer_expert_load_imbalance" and f.metrics]
+    metrics.refresh(_stats(eplb=EplbStats([1.5, 2.25], rebalances=2, last_pause_s=0.01, moved_slots=6)))
+    assert pb.value("deepinfer_expert_load_imbalance", layer="1") == 2.25
+    assert pb.value("deepinfer_expert_load_imbalance_worst") == 2.25
+    assert pb.value("deepinfer_eplb_rebalances_total") == 2
+    assert pb.value("deepinfer_eplb_last_pause_seconds") == 0.01

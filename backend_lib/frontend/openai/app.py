@@ -26,7 +26,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend_lib.frontend.openai import fan_out, tools, translate
-from backend_lib.frontend.openai.errors import OpenAIError
+from backend_lib.frontend.openai.errors import OpenAIError, body_error
 from backend_lib.frontend.openai.schema import (ChatCompletionChunk, ChatCompletionRequest, Completion,
                                                 CompletionRequest, ModelCard, ModelList)
 from backend_lib.frontend.openai.translate import ModelDelta, ModelRequest, Totals
@@ -215,14 +215,6 @@ def _error_response(error: OpenAIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
 
-def _validation_error(exc: RequestValidationError) -> OpenAIError:
-    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": str(exc)}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-    return OpenAIError(400, message, "invalid_request_error", param)
-
-
 def create_app(settings: FrontSettings) -> FastAPI:
     front = OpenAIFront(settings)
 
@@ -240,8 +232,8 @@ def create_app(settings: FrontSettings) -> FastAPI:
         return _error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(_validation_error(exc))
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(body_error(exc.errors(), request.headers.get("content-type")))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

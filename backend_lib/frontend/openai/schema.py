@@ -107,6 +107,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[Any] | None = None  # checked by structured_output/tool_choice.py: parse_tools (naming the place)
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (OpenAI's default: true)
     response_format: ResponseFormat | None = None
 
 

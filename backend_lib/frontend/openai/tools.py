@@ -18,9 +18,14 @@ template's parser reads the model's own format; DeepSeek's tool tokens are speci
 text keeps them (``skip_special_tokens`` false unless the client set it); the EOS token's text is never in the
 engine's text (``engine/detokenizer.py``: vLLM's stop-token rule).
 ``"none"``: plain text, the tools still shown to the template (vLLM's default).
+
+A template that drops ``tools`` (``template_renders_tools``, probed once when the tokenizer loads; the bundled
+SmolLM2's) gets the generic format instead, whatever the ``tool_choice``: the front's own description of the tools
+and the envelope-or-text grammar (``tool_calls/generic.py``), read by ``GenericToolParser``.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -30,7 +35,8 @@ from backend_lib.frontend.openai.errors import bad_request
 from backend_lib.frontend.openai.schema import ChatCompletionRequest, ChatMessage
 from backend_lib.core.model_path import resolve_model_path
 from backend_lib.structured_output.constraints import StructuredOutputError
-from backend_lib.frontend.openai.tool_calls.parsers import HermesToolParser, parser_for_template
+from backend_lib.frontend.openai.tool_calls import generic
+from backend_lib.frontend.openai.tool_calls.parsers import GenericToolParser, HermesToolParser, parser_for_template
 from backend_lib.frontend.openai.tool_calls.choice import (FunctionTool, ToolCall, new_call_id, parse_tools,
                                                        tool_choice_constraint)
 from backend_lib.frontend.openai.tool_calls.parser_base import StreamDelta, ToolCallDelta, ToolCallParser, \
@@ -39,6 +45,25 @@ from backend_lib.frontend.openai.tool_calls.parser_base import StreamDelta, Tool
 # The model's refusal of the constraint we sent (a limit, a schema xgrammar cannot compile) names its
 # structured_outputs field: the client wrote that schema in its tools.
 _ENGINE_FIELD = "structured_outputs"
+logger = logging.getLogger("deepinfer.openai")
+
+
+# A tool no request has: rendering it shows whether a template prints the tools it is given.
+_PROBE_TOOL = {"type": "function", "function": {"name": "deepinfer_probe_tool", "description": "probe",
+                                                "parameters": {"type": "object", "properties": {}}}}
+_PROBE_MESSAGES = [{"role": "user", "content": "probe"}]
+
+
+def template_renders_tools(tokenizer: Tokenizer) -> bool:
+    """Whether the chat template shows the model its tools: the probe conversation rendered with a tool differs
+    from it rendered without. A template that fails on the probe cannot render tools either."""
+    try:
+        plain = tokenizer.render_chat(_PROBE_MESSAGES, tools=None)
+        with_tool = tokenizer.render_chat(_PROBE_MESSAGES, tools=[_PROBE_TOOL])
+    except RequestError as exc:
+        logger.warning("the chat template failed on the tools probe (%s); using the generic tool format", exc)
+        return False
+    return plain != with_tool
 
 
 class ChatRenderer:
@@ -46,10 +71,13 @@ class ChatRenderer:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.parser: type[ToolCallParser] = parser_for_template(tokenizer.chat_template)
+        # Decided once, when the tokenizer loads: a template that drops tools gets the generic format.
+        self.renders_tools = template_renders_tools(tokenizer)
+        self.parser: type[ToolCallParser] = (parser_for_template(tokenizer.chat_template) if self.renders_tools
+                                             else GenericToolParser)
         # DeepSeek's tool-call markers are special tokens, which the default detokenization drops; Hermes' tags are
         # plain text (added, not special, tokens where a vocabulary has them).
-        self.keeps_special_tokens = self.parser is not HermesToolParser
+        self.keeps_special_tokens = self.parser not in (HermesToolParser, GenericToolParser)
 
     @classmethod
     def load(cls, model_path: str) -> "ChatRenderer":
@@ -67,7 +95,9 @@ class ChatRenderer:
 class ToolMode:
     """How one chat request's output becomes tool calls."""
 
-    kind: Literal["required", "named", "auto"]
+    # required: a JSON array of calls; named: the named function's arguments; auto: the template's own format;
+    # generic: the generic format's envelope or text (tool_calls/generic.py), whatever the tool_choice
+    kind: Literal["required", "named", "auto", "generic"]
     parser: type[ToolCallParser]
     name: str | None = None  # the named function
 
@@ -94,19 +124,22 @@ def _checked_tools(tools: Any) -> list[FunctionTool]:
         raise bad_request(str(exc), param=exc.field) from None
 
 
-def tool_request(tools: list[Any] | None, tool_choice: Any, messages: list[dict[str, Any]],
+def tool_request(tools: list[Any] | None, tool_choice: Any, parallel: bool, messages: list[dict[str, Any]],
                  renderer: ChatRenderer) -> ToolRequest:
     """The prompt ids, the constraint (as sampling fields) and how to read the answer."""
     if not tools:
         if tool_choice not in (None, "none"):
             raise bad_request("tool_choice needs tools", param="tool_choice")
-        return ToolRequest(renderer.render(messages, None), None)
+        plain = messages if renderer.renders_tools else generic.plain_messages(messages, None)
+        return ToolRequest(renderer.render(plain, None), None)
     functions = _checked_tools(tools)
     choice = "auto" if tool_choice is None else tool_choice
     try:
-        constraint = tool_choice_constraint(functions, choice)
+        constraint = tool_choice_constraint(functions, choice, parallel=parallel)
     except StructuredOutputError as exc:
         raise bad_request(str(exc), param=exc.field) from None
+    if not renderer.renders_tools:
+        return _generic_request(functions, choice, parallel, messages, renderer)
     prompt_ids = renderer.render(messages, [dict(tool) for tool in tools])
     if choice == "none":
         return ToolRequest(prompt_ids, None)
@@ -122,6 +155,21 @@ def tool_request(tools: list[Any] | None, tool_choice: Any, messages: list[dict[
     index = next(i for i, tool in enumerate(functions) if tool.name == name)
     return ToolRequest(prompt_ids, ToolMode("named", HermesToolParser, name), constraint.to_request(),
                        {_ENGINE_FIELD: f"tools[{index}].function.parameters"})
+
+
+def _generic_request(functions: list[FunctionTool], choice: Any, parallel: bool, messages: list[dict[str, Any]],
+                     renderer: ChatRenderer) -> ToolRequest:
+    """A template without tools: the front's own description of them and the envelope-or-text grammar."""
+    if choice == "none":
+        return ToolRequest(renderer.render(generic.plain_messages(messages, None), None), None)
+    system_text = generic.tools_system_text(functions, choice, parallel)
+    prompt_ids = renderer.render(generic.plain_messages(messages, system_text), None)
+    try:
+        constraint = generic.generic_constraint(functions, choice, parallel)
+    except StructuredOutputError as exc:
+        raise bad_request(str(exc), param=exc.field) from None
+    return ToolRequest(prompt_ids, ToolMode("generic", GenericToolParser), constraint.to_request(),
+                       {_ENGINE_FIELD: "tools"})
 
 
 def template_message(index: int, role: str, content: str | None, message: ChatMessage) -> dict[str, Any]:

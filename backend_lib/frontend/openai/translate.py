@@ -270,10 +270,11 @@ def chat_requests(request: ChatCompletionRequest, session: Session | None,
                               "conversation", param="tools" if request.tools else "messages")
         if renderer is None:
             raise OpenAIError(500, "the chat template renderer is not loaded", "server_error")
-        extra = tools.tool_request(request.tools, request.tool_choice, messages, renderer)
+        extra = tools.tool_request(request.tools, request.tool_choice, request.parallel_tool_calls is not False,
+                                   messages, renderer)
         given = [name for name in _CONSTRAINT_FIELDS if name in sampling]
         if extra.sampling.get("structured_outputs") is not None and given:
-            raise bad_request(f"tool_choice {json.dumps(request.tool_choice)} and {given[0]} both constrain the "
+            raise bad_request(f"tool_choice {json.dumps(request.tool_choice or 'auto')} and {given[0]} both constrain the "
                               "output; send one of them", param="tool_choice")
         # The client's own fields win (its skip_special_tokens over auto's false; a second constraint was refused).
         prompt = replace(prompt, prompt_input="input_ids", prompt=extra.prompt_ids, tool_mode=extra.mode,

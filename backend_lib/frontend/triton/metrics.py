@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from backend_lib.core.outputs import EngineStats, RequestOutput
+from backend_lib.core.outputs import EngineStats, EplbStats, RequestOutput
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 _LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
@@ -108,6 +108,18 @@ class TritonMetrics:
         self._families.append(self._position_family)
         # One gauge per draft position, created when the engine first reports that position.
         self.spec_acceptance_per_position: list[Any] = []
+        # EPLB (enable_eplb): the window's busiest expert-parallel rank's tokens / the mean, per MoE layer (label
+        # "layer": its index among the EPLB layers, created when first reported) and of the worst layer.
+        self._imbalance_family = family(name="deepinfer_expert_load_imbalance",
+                                        description="EPLB: busiest rank's routed tokens / mean over the window, "
+                                                    "per MoE layer", kind=gauge)
+        self._families.append(self._imbalance_family)
+        self.expert_imbalance_per_layer: list[Any] = []
+        self.expert_imbalance_worst = make(gauge, "deepinfer_expert_load_imbalance_worst",
+                                           "EPLB: the worst MoE layer's busiest rank's tokens / mean over the window")
+        self.eplb_rebalances = cumulative("deepinfer_eplb_rebalances_total", "EPLB re-placements of the experts")
+        self.eplb_pause = make(gauge, "deepinfer_eplb_last_pause_seconds",
+                               "EPLB: the last re-placement's pause between two steps")
 
     def on_finished(self, output: RequestOutput) -> None:
         """Per-request counters and histograms, once, from the request's final output."""
@@ -151,3 +163,16 @@ class TritonMetrics:
                 self._position_family.Metric(labels={**self._labels, "position": str(position)}))
         for gauge, rate in zip(self.spec_acceptance_per_position, rates):
             gauge.set(rate)
+        if stats.eplb is not None:
+            self._refresh_eplb(stats.eplb)
+
+    def _refresh_eplb(self, eplb: EplbStats) -> None:
+        while len(self.expert_imbalance_per_layer) < len(eplb.layer_imbalance):
+            layer = len(self.expert_imbalance_per_layer)
+            self.expert_imbalance_per_layer.append(
+                self._imbalance_family.Metric(labels={**self._labels, "layer": str(layer)}))
+        for gauge, value in zip(self.expert_imbalance_per_layer, eplb.layer_imbalance):
+            gauge.set(value)
+        self.expert_imbalance_worst.set(eplb.worst_imbalance)
+        self.eplb_rebalances.advance_to(eplb.rebalances)
+        self.eplb_pause.set(eplb.last_pause_s)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend_lib.models.deepseek_v3.layers import DenseMLP, take_block_fp8
+from backend_lib.models.expert_slots import ExpertSlots
 from backend_lib.models.layers import PackedExpertsSummary
 from backend_lib.models.parallel import ParallelContext, Shard, read_shard
 from backend_lib.neuron.static_moe import moe_static
@@ -42,7 +43,9 @@ class RoutedExperts(nn.Module):
     """Stacked expert projections, filled one checkpoint expert at a time.
 
     Tensor parallel: every rank holds every expert, each cut to 1/N of its intermediate units. Expert parallel:
-    every rank holds 1/N of the experts whole (``expert_start`` onwards); the others' weights are never read.
+    every rank holds 1/N of the experts whole (``expert_start`` onwards); the others' weights are never read. With
+    EPLB (``slots``, models/expert_slots.py) the stacks are this rank's placement slots instead, a checkpoint expert
+    written into each slot that holds it; ``slot_tensors`` are what a re-placement moves between ranks.
     ``packed`` (weight_format=packed): fp8 experts go into tile stacks (``*_tiles`` [E, tiles, in, 16] uint8 and
     ``*_tile_scales`` [E, grid rows, grid columns] fp32) instead of the ``gate_proj`` ... stacks, which stay None."""
 
@@ -50,10 +53,15 @@ class RoutedExperts(nn.Module):
     TILED = ("gate_up", "gate_proj", "up_proj", "down_proj")  # the tile stacks' names (gate_up: gate rows, up rows)
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, block_size: tuple[int, int],
-                 par: ParallelContext, packed: bool = False) -> None:
+                 par: ParallelContext, packed: bool = False, num_groups: int = 1) -> None:
         super().__init__()
         self.total_experts, self.block_size = num_experts, block_size
-        if par.expert_parallel:
+        self.slots: ExpertSlots | None = None
+        if par.eplb_redundant_experts is not None:
+            self.slots = ExpertSlots(num_experts, par, num_groups)
+            self.expert_start, self.num_experts = 0, self.slots.slots_per_rank
+            self.shards = dict.fromkeys(self.PROJS)
+        elif par.expert_parallel:
             self.expert_start, self.num_experts = par.even(num_experts, "n_routed_experts")
             self.shards: dict[str, Shard | None] = dict.fromkeys(self.PROJS)
         else:
@@ -75,14 +83,31 @@ class RoutedExperts(nn.Module):
             self.register_buffer(name + "_tiles", None, persistent=False)
             self.register_buffer(name + "_tile_scales", None, persistent=False)
 
-    def holds(self, expert: int) -> bool:
-        return self.expert_start <= expert < self.expert_start + self.num_experts
+    def local_slots(self, expert: int) -> list[int]:
+        """The stack indices that hold checkpoint expert ``expert`` on this rank (none: another rank's)."""
+        if self.slots is not None:
+            return self.slots.local_slots(expert)
+        inside = self.expert_start <= expert < self.expert_start + self.num_experts
+        return [expert - self.expert_start] if inside else []
+
+    def local_ids(self, topk_ids: torch.Tensor,  # [T, k] int64 logical expert ids
+                  ) -> torch.Tensor:  # [T, k] stack indices, num_experts = another rank's
+        if self.slots is not None:
+            return self.slots.route(topk_ids)
+        return local_routing(topk_ids, self.expert_start, self.num_experts)
+
+    def slot_tensors(self) -> dict[str, torch.Tensor]:
+        """Every per-slot stack as stored (model dtype, fp8 with scale grids, or packed tiles), dim 0 the slot."""
+        names = [p + suffix for p in self.PROJS for suffix in ("", "_scale_inv")]
+        names += [t + suffix for t in self.TILED for suffix in ("_tiles", "_tile_scales")]
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def set_expert(self, expert: int, proj: str, weight: Any, scale_inv: Any,
                    dtype: torch.dtype, dequantize: bool) -> None:
         if not 0 <= expert < self.total_experts:
             raise ValueError(f"expert index must be in [0, {self.total_experts}), got {expert}")
-        if not self.holds(expert):
+        slots = self.local_slots(expert)
+        if not slots:
             return  # another rank's expert
         name = f"experts.{expert}.{proj}"
         pack = self.packed and scale_inv is not None and not dequantize
@@ -94,13 +119,14 @@ class RoutedExperts(nn.Module):
         elif shard is not None:
             weight = shard.take(weight)
         weight, scale_inv = read_shard(weight, None), None if scale_inv is None else read_shard(scale_inv, None)
-        expert -= self.expert_start
         if tuple(weight.shape) != self.shapes[proj]:
             raise ValueError(f"experts.{expert}.{proj} shape {tuple(weight.shape)} != {self.shapes[proj]}")
         if (getattr(self, proj) is not None) if pack else (proj in self.packed_projs):
             raise ValueError(f"{name}: experts of one layer must all be fp8 or all be plain")
         if pack:
-            self._store_tiles(expert, proj, pack_fp8(weight, scale_inv.to(torch.float32), self.block_size))
+            tiles = pack_fp8(weight, scale_inv.to(torch.float32), self.block_size)
+            for slot in slots:
+                self._store_tiles(slot, proj, tiles)
             return
         if scale_inv is not None and dequantize:
             weight, scale_inv = dequantize_block_fp8(weight, scale_inv, self.block_size, dtype=dtype), None
@@ -113,9 +139,10 @@ class RoutedExperts(nn.Module):
         stacked, scales = getattr(self, proj), getattr(self, proj + "_scale_inv")
         if keep_fp8 != (scales is not None):
             raise ValueError(f"experts.{expert}.{proj}: experts of one layer must all be fp8 or all be plain")
-        stacked[expert] = weight if keep_fp8 else weight.to(dtype)
-        if keep_fp8:
-            scales[expert] = scale_inv.to(torch.float32)
+        for slot in slots:
+            stacked[slot] = weight if keep_fp8 else weight.to(dtype)
+            if keep_fp8:
+                scales[slot] = scale_inv.to(torch.float32)
 
     def _check_split(self, name: str, shard: Shard, shape: tuple[int, ...]) -> None:
         """Packed tiles keep the checkpoint's scale grid: a rank's slice must start and end on its blocks."""
@@ -196,14 +223,15 @@ class MoE(nn.Module):
         super().__init__()
         self.router_cfg, self.impl, self.par = router, impl, par
         self.gate = Router(router.num_experts, hidden)
-        self.experts = RoutedExperts(router.num_experts, hidden, moe_intermediate, block_size, par, packed)
+        self.experts = RoutedExperts(router.num_experts, hidden, moe_intermediate, block_size, par, packed,
+                                     num_groups=router.n_group)
         self.shared_experts = (DenseMLP(hidden, moe_intermediate * n_shared, block_size, par, reduce=False)
                                if n_shared else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         logits = F.linear(x.float(), self.gate.weight.float())
         weights, ids = grouped_topk(logits, self.gate.e_score_correction_bias, self.router_cfg)
-        ids = local_routing(ids, self.experts.expert_start, self.experts.num_experts)
+        ids = self.experts.local_ids(ids)
         packed = self.experts.packed_experts()
         if packed is None:
             run = moe_dynamic if self.impl == "dynamic" else moe_static

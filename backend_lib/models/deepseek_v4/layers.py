@@ -7,6 +7,9 @@ one shared expert) clamps the gate from above and the up projection on both side
 
 Tensor parallelism: each expert's intermediate units (and the shared expert's) are split across ranks, or with
 expert parallelism whole experts are; either way every rank's output is a partial sum, joined by one all-reduce.
+With EPLB the top-k layers' experts are placement slots (models/expert_slots.py); the hash-routed layers keep their
+contiguous ranges: ``tid2eid`` fixes their routing by token id, so a placement built from measured loads would only
+follow the token mix, and their loads are not counted.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from torch import nn
 
 from backend_lib.models.deepseek_v3.layers import BlockLinear, RMSNorm
 from backend_lib.models.deepseek_v4.attention import LayerCache, StepContext, V4Attention
+from backend_lib.models.expert_slots import ExpertSlots
 from backend_lib.models.layers import PackedExpertsSummary
 from backend_lib.models.parallel import ParallelContext, Shard
 from kernels.fp4 import FP4_GROUP, dequantize_fp4
@@ -84,7 +88,12 @@ class V4MoE(nn.Module):
         if d.scoring_func not in SCORING_FUNCS:
             raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, got {d.scoring_func!r}")
         self.d, self.par, self.impl = d, par, impl
-        if par.expert_parallel:
+        self.slots: ExpertSlots | None = None
+        if par.eplb_redundant_experts is not None and not d.hash_routed:
+            self.slots = ExpertSlots(d.num_experts, par)
+            self.first_expert, self.num_local_experts = 0, self.slots.slots_per_rank
+            self.inter_start, self.inter_size = 0, d.intermediate
+        elif par.expert_parallel:
             self.first_expert, self.num_local_experts = par.balanced(d.num_experts, "n_routed_experts")
             self.inter_start, self.inter_size = 0, d.intermediate
         else:
@@ -176,12 +185,28 @@ class V4MoE(nn.Module):
         return True
 
     # ---- loading ---------------------------------------------------------------------------------------
-    def local_expert(self, expert: int) -> int | None:
-        """This rank's slot of a checkpoint expert, None when another rank holds it."""
+    def local_slots(self, expert: int) -> list[int]:
+        """This rank's stack indices holding a checkpoint expert (several with EPLB copies; none: another rank's)."""
         if not 0 <= expert < self.d.num_experts:
             raise ValueError(f"expert index must be in [0, n_routed_experts={self.d.num_experts}), got {expert}")
+        if self.slots is not None:
+            return self.slots.local_slots(expert)
         local = expert - self.first_expert
-        return local if 0 <= local < self.num_local_experts else None
+        return [local] if 0 <= local < self.num_local_experts else []
+
+    def held_experts(self) -> set[int]:
+        """The checkpoint experts this rank loads."""
+        if self.slots is not None:
+            return self.slots.held_experts()
+        return set(range(self.first_expert, self.first_expert + self.num_local_experts))
+
+    def slot_tensors(self) -> dict[str, torch.Tensor]:
+        """Every per-expert stack as stored (dense, fp4 codes and scales, packed tiles, blocked copies), dim 0 the
+        stack index: what an EPLB re-placement moves (the emptied fp4 stacks of pack_experts excluded)."""
+        names = [w + suffix for w in ("gate_up", "down")
+                 for suffix in ("", "_scale", "_blocked", "_tiles", "_tile_scales")]
+        tensors = {n: getattr(self, n, None) for n in names}
+        return {n: t for n, t in tensors.items() if t is not None and t.shape[0] == self.num_local_experts}
 
     def set_expert(self, local: int, proj: str, weight,  # checkpoint (maybe lazy) tensor: dense, fp8 or packed fp4
                    scale=None) -> None:  # its scales (fp8 block grid, or fp4 per 32 inputs), None when dense
@@ -250,7 +275,8 @@ class V4MoE(nn.Module):
     def forward(self, x: torch.Tensor,  # [T, hidden]
                 input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         weights, ids = self.route(x, input_ids)
-        local_ids = ids - self.first_expert  # experts of other ranks fall outside [0, num_local_experts)
+        # experts of other ranks fall outside [0, num_local_experts)
+        local_ids = self.slots.route(ids) if self.slots is not None else ids - self.first_expert
         run = self._dynamic if self.impl == "dynamic" else self._static
         routed = run(x, weights, local_ids)
         return self.par.all_reduce(routed + self.shared_experts(x))

@@ -358,8 +358,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def _set_expert(self, expert: re.Match, weight: Any, scale: Any) -> None:
         moe = getattr(self, expert.group(1))[int(expert.group(2))].ffn
-        local = moe.local_expert(int(expert.group(3)))
-        if local is not None:  # else another rank's expert (expert parallelism)
+        for local in moe.local_slots(int(expert.group(3))):  # none: another rank's expert (expert parallelism)
             moe.set_expert(local, expert.group(4), weight, scale)
 
     def _set_quantized(self, base: str, raw_name: str, entry: dict[str, Any], shards: dict[str, Shard]) -> None:
@@ -414,8 +413,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         for prefix, layers in (("layers", self.layers), ("mtp", self.mtp)):
             for i, layer in enumerate(layers):
                 moe = layer.ffn
-                names |= {f"{prefix}.{i}.ffn.experts.{moe.first_expert + local}.{w}.weight"
-                          for local in range(moe.num_local_experts) for w in ("w1", "w2", "w3")}
+                names |= {f"{prefix}.{i}.ffn.experts.{expert}.{w}.weight"
+                          for expert in moe.held_experts() for w in ("w1", "w2", "w3")}
         return names
 
     @property

@@ -14,8 +14,9 @@ import logging
 import torch
 
 from backend_lib.core.config import EngineConfig, config_to_flat
-from backend_lib.core.outputs import RunnerOutput, SchedulerOutput
+from backend_lib.core.outputs import EplbStats, RunnerOutput, SchedulerOutput
 from backend_lib.models.parallel import ParallelContext
+from backend_lib.worker.eplb import ExpertLoadBalancer
 from backend_lib.worker.executor.process_group import host_rendezvous, init_group, leave_group, pin_rank_threads
 from backend_lib.worker.executor.rank import RankState, build_rank
 from backend_lib.worker.executor.workers import RankFailure, WorkerPool
@@ -30,6 +31,7 @@ class Executor:
         self.pool: WorkerPool | None = None
         self.failed: str | None = None
         self.state: RankState | None = None
+        self.balancer: ExpertLoadBalancer | None = None  # enable_eplb (only with ranks: EplbConfig checks)
         if parallel.world_size == 1:
             self.state = build_rank(config, ParallelContext())
             return
@@ -45,6 +47,8 @@ class Executor:
                      parallel.ranks_per_node, parallel.enable_expert_parallel,
                      rendezvous.master_addr, rendezvous.master_port)
             self.state = build_rank(config, par)
+            if config.eplb.enable_eplb:
+                self.balancer = ExpertLoadBalancer(self.state.model, config.eplb, parallel.nnodes, self.state.link)
         except Exception as exc:
             failure = self.pool.failure()
             self.failed = failure or str(exc)
@@ -75,13 +79,19 @@ class Executor:
         if self.failed:
             raise RankFailure(self.failed)
         try:
-            return self.state.runner.execute(scheduler_output)
+            output = self.state.runner.execute(scheduler_output)
+            if self.balancer is not None:  # between this step and the next: no step sees half-moved experts
+                self.balancer.after_step()
+            return output
         except RuntimeError as exc:  # with ranks: a collective failed (a peer died, or hung past the timeout)
             if self.pool is None:
                 raise
             self.failed = self.pool.wait_failure(grace_s=2.0) or f"a collective between ranks failed: {exc}"
             log.error("engine cannot go on: %s", self.failed)
             raise RankFailure(self.failed) from exc
+
+    def eplb_stats(self) -> EplbStats | None:
+        return None if self.balancer is None else self.balancer.stats()
 
     def close(self) -> None:
         """Stop every worker (idempotent). After a failure the survivors are killed rather than told."""

@@ -80,8 +80,9 @@ def init_group(rendezvous: Rendezvous, config: EngineConfig, rank: int) -> Paral
         if usable.item():
             shm_handle = _attach_shm_all_reduce(rendezvous, parallel, rank)
     tp = parallel.tensor_parallel_size
+    eplb = config.eplb.num_redundant_experts if config.eplb.enable_eplb else None
     return ParallelContext(rank=rank % tp, world_size=tp, expert_parallel=parallel.enable_expert_parallel,
-                           group=tp_group, shm_handle=shm_handle, context=context)
+                           group=tp_group, shm_handle=shm_handle, context=context, eplb_redundant_experts=eplb)
 
 
 def _subgroups(parallel: ParallelConfig, rank: int) -> tuple[Any, ContextGroup]:

@@ -15,6 +15,7 @@ import traceback
 from backend_lib.core.config import EngineConfig
 from backend_lib.worker.executor.process_group import (die_with_parent, error_key, init_group, join_rendezvous,
                                                        leave_group, pin_rank_threads)
+from backend_lib.worker.eplb import apply_placements
 from backend_lib.worker.executor.rank import build_rank
 from backend_lib.worker.model_runner import ModelRunner
 from backend_lib.worker.step_channel import StepChannel, StepOp
@@ -28,6 +29,9 @@ def follow(runner: ModelRunner, channel: StepChannel) -> bool:
     message = channel.receive()
     if message.op == StepOp.SHUTDOWN:
         return False
+    if message.op == StepOp.REBALANCE:
+        apply_placements(runner.model, message.tensors["placement"])
+        return True
     inputs = received_inputs(message.tensors, runner.block_size)
     runner.follow_step(inputs, message.tensors, lambda: channel.receive().tensors["verified"])
     return True

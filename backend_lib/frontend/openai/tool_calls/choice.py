@@ -75,9 +75,10 @@ def parse_tools(tools: Any, field_name: str = "tools") -> list[FunctionTool]:
     return parsed
 
 
-def required_calls_schema(tools: Sequence[FunctionTool]) -> dict[str, Any]:
-    """One or more calls: ``[{"name": <tool name>, "arguments": <its parameters>}, ...]``."""
-    return {
+def required_calls_schema(tools: Sequence[FunctionTool], parallel: bool = True) -> dict[str, Any]:
+    """One or more calls (exactly one unless ``parallel``): ``[{"name": <tool name>, "arguments": <its
+    parameters>}, ...]``."""
+    schema: dict[str, Any] = {
         "type": "array",
         "minItems": 1,
         "items": {"anyOf": [{
@@ -86,6 +87,9 @@ def required_calls_schema(tools: Sequence[FunctionTool]) -> dict[str, Any]:
             "required": ["name", "arguments"],
         } for tool in tools]},
     }
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
 
 
 def named_call_schema(tool: FunctionTool) -> dict[str, Any]:
@@ -94,14 +98,14 @@ def named_call_schema(tool: FunctionTool) -> dict[str, Any]:
 
 
 def tool_choice_constraint(tools: Sequence[FunctionTool], tool_choice: Any = "auto", *,
-                           field_name: str = "tool_choice",
+                           field_name: str = "tool_choice", parallel: bool = True,
                            limits: StructuredOutputLimits = DEFAULT_LIMITS) -> OutputConstraint | None:
     """The constraint forcing ``tool_choice``: None for ``"none"`` / ``"auto"``; the array of calls for
     ``"required"``; the named function's arguments for ``{"type": "function", "function": {"name": ...}}``."""
     if tool_choice in (None, "none", "auto"):
         return None
     if tool_choice == "required":
-        return make_constraint(ConstraintKind.JSON, required_calls_schema(tools), field_name=field_name,
+        return make_constraint(ConstraintKind.JSON, required_calls_schema(tools, parallel), field_name=field_name,
                                limits=limits)
     if isinstance(tool_choice, Mapping) and isinstance(tool_choice.get("function"), Mapping):
         name = tool_choice["function"].get("name")

@@ -359,6 +359,27 @@ class HermesToolParser(ToolCallParser):
             position = end + len(_TAG_CLOSE)
 
 
+# ---------------------------------------------------------------------------------------------- generic
+
+_ENVELOPE_HEAD = re.compile(r'\s*\{\s*"tool_calls"\s*:\s*')
+
+
+class GenericToolParser(ToolCallParser):
+    """The generic format (``generic.py``): ``{"tool_calls": [<call>, ...]}`` or a plain text answer. The grammar
+    decides at the first character: ``{`` opens the envelope, anything else is text."""
+
+    name = "generic"
+
+    def _snapshot(self, text: str, final: bool) -> _Snapshot:
+        stripped = text.lstrip()
+        if not stripped.startswith("{"):
+            return _Snapshot(text if stripped or final else "", [])
+        head = _ENVELOPE_HEAD.match(text)
+        if head is None:  # the envelope's opening not whole yet (or, unconstrained, some other JSON: text)
+            return _Snapshot(text if final else "", [])
+        return _Snapshot("", _scan_json_calls(text[head.end():], final).calls)
+
+
 PARSERS: Mapping[str, type[ToolCallParser]] = {
     "deepseek_v3": DeepSeekV3ToolParser,
     "deepseek_v31": DeepSeekV3ToolParser,
@@ -368,6 +389,7 @@ PARSERS: Mapping[str, type[ToolCallParser]] = {
     "hermes": HermesToolParser,
     "llama": HermesToolParser,
     "smollm2": HermesToolParser,
+    "generic": GenericToolParser,
 }
 
 
