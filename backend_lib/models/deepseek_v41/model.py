@@ -243,8 +243,7 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def _set_expert(self, expert: re.Match, weight: Any, scale: Any) -> None:
         moe = self.layers[int(expert.group(1))].ffn
-        local = moe.local_expert(int(expert.group(2)))
-        if local is not None:  # else another rank's expert (expert parallelism)
+        for local in moe.local_slots(int(expert.group(2))):  # none: another rank's expert (expert parallelism)
             moe.set_expert(local, expert.group(3), weight, scale)
 
     def _set_quantized(self, base: str, raw_name: str, entry: dict[str, Any], shard: Shard | None) -> None:
@@ -297,8 +296,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         names |= {n for n, _ in self.named_parameters()}
         names |= {n for n, _ in self.named_buffers() if n.endswith(("gate.bias", "gate.bias_vl", "engram.embed.weight"))}
         for i, layer in enumerate(self.layers):
-            names |= {f"layers.{i}.ffn.experts.{layer.ffn.first_expert + e}.{w}.weight"
-                      for e in range(layer.ffn.num_local_experts) for w in ("w1", "w2", "w3")}
+            names |= {f"layers.{i}.ffn.experts.{e}.{w}.weight" for e in layer.ffn.held_experts()
+                      for w in ("w1", "w2", "w3")}
         return names
 
     @property
