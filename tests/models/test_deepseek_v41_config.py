@@ -46,7 +46,8 @@ def _text(**changes):
     (dict(kv_source_layer_ids=[0, 4], index_source_layer_ids=[0, 4, 6]), r"kv_source_layer_ids: layer 0 has "
                                                                           r"compress_ratios 0"),
     (dict(index_source_layer_ids=[4, 6]), r"index_source_layer_ids must include every KV source; missing \[1\]"),
-    (dict(kv_source_layer_ids=[2, 4], index_source_layer_ids=[2, 4, 6]), r"kv_source_layer_ids: compressed layer 1 has no KV source"),
+    (dict(kv_source_layer_ids=[2, 4], index_source_layer_ids=[2, 4, 6]),
+     r"kv_source_layer_ids: compressed layer 1 has no KV source"),
     (dict(kv_source_layer_ids=[1], index_source_layer_ids=[1, 6], candidate_source_layer_id=-1),
      r"kv_source_layer_ids: layer 4 \(ratio 1\) would use source 1, whose ratio is 2"),
     (dict(index_source_layer_ids=[1, 3, 4, 6]), None),  # a ratio-2 reindex layer: fine

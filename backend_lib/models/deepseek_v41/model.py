@@ -294,7 +294,8 @@ class DeepseekV41ForCausalLM(nn.Module):
     def _expected_names(self) -> set[str]:
         names = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, BlockLinear)}
         names |= {n for n, _ in self.named_parameters()}
-        names |= {n for n, _ in self.named_buffers() if n.endswith(("gate.bias", "gate.bias_vl", "engram.embed.weight"))}
+        buffers = ("gate.bias", "gate.bias_vl", "engram.embed.weight")
+        names |= {n for n, _ in self.named_buffers() if n.endswith(buffers)}
         for i, layer in enumerate(self.layers):
             names |= {f"layers.{i}.ffn.experts.{e}.{w}.weight" for e in layer.ffn.held_experts()
                       for w in ("w1", "w2", "w3")}
