@@ -7,16 +7,23 @@
 # Engine settings: edit /models/deepinfer/config.pbtxt (parameters) or mount your own /models.
 ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:24.10-py3
 FROM ${TRITON_IMAGE}
+# pipefail: a failed download in `curl | gpg` below fails the step instead of leaving an empty keyring.
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 ARG TARGET=neuron
 # torch for TARGET=cpu; on Neuron, torch comes with torch-neuronx.
 ARG TORCH_VERSION=2.13.0
 
+# TORCH_EXTENSIONS_DIR: where the kernel build below leaves the C++ host kernels, for whichever user runs the image.
 ENV PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    PATH=/opt/aws/neuron/bin:${PATH}
+    PATH=/opt/aws/neuron/bin:${PATH} \
+    TORCH_EXTENSIONS_DIR=/opt/deepinfer/torch_extensions
 
 # Neuron runtime, collectives and tools from AWS's apt repository (the image is Ubuntu 22.04, "jammy").
+# DL3008 (apt versions unpinned): the pinned TRITON_IMAGE fixes the Ubuntu packages, and AWS's repository keeps
+# only recent Neuron releases, so a pinned version would stop building when it is dropped.
+# hadolint ignore=DL3008
 RUN if [ "${TARGET}" = "neuron" ]; then \
         set -eux; \
         apt-get update; \
@@ -32,7 +39,9 @@ RUN if [ "${TARGET}" = "neuron" ]; then \
         echo "TARGET must be neuron or cpu, got ${TARGET}" >&2; exit 1; \
     fi
 
-# The CPU image builds the C++ host kernels (kernels/csrc) on the first engine start: it needs a C++ compiler.
+# The CPU image builds the C++ host kernels (kernels/csrc) below; g++ stays in the image because a CPU of another
+# instruction set than the build machine's (AVX2 against AVX-512) builds its own on first start. DL3008: as above.
+# hadolint ignore=DL3008
 RUN if [ "${TARGET}" = "cpu" ]; then \
         set -eux; \
         apt-get update; \
@@ -41,8 +50,11 @@ RUN if [ "${TARGET}" = "cpu" ]; then \
     fi
 
 # torch: torch-neuronx + neuronx-cc from AWS's Neuron pip repository, or the CPU wheel (never the CUDA one).
+# DL3013 (pip versions unpinned): torch-neuronx and neuronx-cc must match the Neuron runtime the apt step installed
+# (the newest of AWS's repository), so they follow it rather than a pin here.
+# hadolint ignore=DL3013
 RUN set -eux; \
-    python3 -m pip install --upgrade pip; \
+    python3 -m pip install pip==26.3; \
     if [ "${TARGET}" = "neuron" ]; then \
         python3 -m pip install --extra-index-url https://pip.repos.neuron.amazonaws.com \
             "neuronx-cc==2.*" torch-neuronx; \
@@ -69,6 +81,10 @@ and ('extra ==' not in r or 'extra == \"serve\"' in r)))" \
     python3 -m pip install --no-deps xgrammar==0.2.9; \
     python3 -c "import backend_lib.frontend.triton.codec, backend_lib.frontend.openai.app, numpy; \
 assert numpy.__version__ < '2', numpy.__version__"
+
+# The C++ host kernels, built once here (kernels/build.py) instead of at the first request of every container. The
+# Neuron image runs its model in Neuron graphs and has no compiler: its host kernels build on first use, if ever.
+RUN if [ "${TARGET}" = "cpu" ]; then python3 -m kernels.build; fi
 
 # The model repository; the stub's Python finds backend_lib in the system site-packages installed above.
 COPY model_repository /models

@@ -1,6 +1,6 @@
 """bf16 against fp32 on the host, side by side in one run, and bf16's greedy agreement with transformers in bf16.
 
-The shared workload (../shared/bench/workload.py: 32 chat prompts x 128 new tokens, greedy, EOS ignored, bundled
+The shared workload (benchmarks/workload.py: 32 chat prompts x 128 new tokens, greedy, EOS ignored, bundled
 SmolLM2-135M GGUF) at 32 streams and at one stream, for ``dtype`` float32 and bfloat16 (both with the host kernels:
 packed oneDNN GEMMs, the C++ decode attention). Both engines live in one process and take turns, round after
 round, in alternating order (fp32 first, then bf16 first): on a shared machine a slow minute then hits both, and
@@ -33,6 +33,7 @@ from backend_lib.core.config import EngineConfig  # noqa: E402
 from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
 from backend_lib.engine.offline import LLM  # noqa: E402
 from backend_lib.core.model_path import default_model_path  # noqa: E402
+from benchmarks.workload import FLOAT_WEIGHTS, WORKLOAD_FILE  # noqa: E402
 from kernels.onednn_gemm import native_bf16_gemm, onednn_gemm_available  # noqa: E402
 from tests.helpers.greedy_agreement import NEAR_TIE_ULPS, Divergence, first_divergence  # noqa: E402
 
@@ -123,7 +124,7 @@ def transformers_divergences(prompts, ours: list[list[int]], new_tokens: int) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", default=str(ROOT.parent / "shared" / "bench" / "workload.py"))
+    parser.add_argument("--workload", default=str(WORKLOAD_FILE))
     parser.add_argument("--rounds", type=int, default=2, help="rounds of (fp32, bf16) runs, order alternating")
     parser.add_argument("--steps", type=int, default=40, help="interleaved decode steps timed per batch size")
     parser.add_argument("--single", type=int, default=2, help="prompts for the one-stream runs of each round")
@@ -143,8 +144,8 @@ def main() -> None:
     print(machine, flush=True)
 
     engines = {dtype: LLM(config=EngineConfig.from_flat({
-        "model": default_model_path(), "dtype": dtype, "max_num_seqs": 32, "max_num_batched_tokens": 512,
-        "enable_prefix_caching": False, "num_blocks": 640, "num_threads": torch.get_num_threads(),
+        "model": default_model_path(), **FLOAT_WEIGHTS, "dtype": dtype, "max_num_seqs": 32,
+        "max_num_batched_tokens": 512, "enable_prefix_caching": False, "num_blocks": 640, "num_threads": torch.get_num_threads(),
         "greedy_head_screen": not args.full_head}))
         for dtype in DTYPES}
     for llm in engines.values():

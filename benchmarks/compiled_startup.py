@@ -50,8 +50,9 @@ def child(args) -> None:
     from backend_lib.core.sampling_params import SamplingParams
     from backend_lib.engine.offline import LLM
     from backend_lib.core.model_path import default_model_path
+    from benchmarks.workload import FLOAT_WEIGHTS
 
-    flat = {"model": default_model_path(), "max_num_seqs": 32, "max_num_batched_tokens": 512,
+    flat = {"model": default_model_path(), **FLOAT_WEIGHTS, "max_num_seqs": 32, "max_num_batched_tokens": 512,
             "enable_prefix_caching": False, "max_model_len": 256, "num_threads": args.threads}
     if args.mode != "eager":
         flat.update(compile_backend="inductor", batch_buckets="1,32", width_buckets=args.width_buckets,

@@ -206,7 +206,7 @@ def write_report(timings: list[Timing], agreement: dict[int, tuple[int, int]], n
                      f"{ours.e2e_tok_s / hf.e2e_tok_s:.2f}x | {same}/{total} |")
     lines += ["", "Identical means the whole greedy sequence matches transformers' batched generate token for token. "
                   "Left padding changes transformers' fp32 rounding, so a near-tie may flip a token; the engine's "
-                  "exactness is asserted by the oracle tests (tests/test_deepseek_v3.py), not here."]
+                  "exactness is asserted by the oracle tests (tests/models/test_deepseek_v3.py), not here."]
     text = "\n".join(lines) + "\n"
     print(text)
     out.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,7 @@ from backend_lib.core.config import EngineConfig  # noqa: E402
 from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
 from backend_lib.engine.offline import LLM  # noqa: E402
 from backend_lib.core.model_path import default_model_path  # noqa: E402
+from benchmarks.workload import FLOAT_WEIGHTS, WORKLOAD_FILE  # noqa: E402
 from kernels.gemv import blocked_linear_float  # noqa: E402
 from kernels.sampling import row_argmax  # noqa: E402
 
@@ -93,7 +94,7 @@ def time_forms(model, inputs: list[torch.Tensor], calls: int) -> list[tuple[int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", default=str(ROOT.parent / "shared" / "bench" / "workload.py"))
+    parser.add_argument("--workload", default=str(WORKLOAD_FILE))
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--steps", type=int, default=48, help="decode steps whose head inputs are kept")
     parser.add_argument("--calls", type=int, default=30, help="timed calls per form and row count")
@@ -106,8 +107,8 @@ def main() -> None:
     results = []
     for dtype in args.dtypes.split(","):
         llm = LLM(config=EngineConfig.from_flat({
-            "model": default_model_path(), "dtype": dtype, "max_num_seqs": 32, "max_num_batched_tokens": 512,
-            "enable_prefix_caching": False, "num_blocks": 640, "num_threads": torch.get_num_threads()}))
+            "model": default_model_path(), **FLOAT_WEIGHTS, "dtype": dtype, "max_num_seqs": 32,
+            "max_num_batched_tokens": 512, "enable_prefix_caching": False, "num_blocks": 640, "num_threads": torch.get_num_threads()}))
         model = llm.engine.model
         if model.head_screen is None and model.int8_screen is None:
             raise SystemExit("no screened head here (greedy_head_screen off, no AVX2 / VNNI, or no C++ kernels)")

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from backend_lib.models.loading.loader import load_model  # noqa: E402
+from backend_lib.neuron.platform import detect_platform  # noqa: E402
 from backend_lib.tools.tiny import make_tiny  # noqa: E402
 from backend_lib.worker.model_runner import ModelRunner  # noqa: E402
 
@@ -61,7 +62,8 @@ def transformers_schedule(layers: int) -> tuple[int, int]:
 
 
 def _values(runner_args: dict, model: torch.nn.Module, **kw) -> int:
-    runner = ModelRunner(model, device=torch.device("cpu"), dtype=torch.float32, vocab_size=model.arch.vocab_size,
+    runner = ModelRunner(model, platform=detect_platform(device="cpu"), dtype=torch.float32,
+                         vocab_size=model.arch.vocab_size,
                          **runner_args, **kw)
     return sum(t.numel() for t in runner.kv_caches)
 

@@ -6,7 +6,7 @@
 2. Decode step time at batch 32 with 2,048 tokens of context each, fp32 and bf16 SmolLM2, the two caches' steps
    interleaved (one engine's step, then the other's, so neighbouring steps see the same machine load). Target: the
    fp8 step at most 0.8x the bf16-cache step.
-3. Quality: greedy agreement with the auto cache on the shared workload (../shared/bench/workload.py, first 64 new
+3. Quality: greedy agreement with the auto cache on the shared workload (benchmarks/workload.py, first 64 new
    tokens): continuations identical over the first 32 tokens (target >= 28 of 32), the mean index of the first
    differing token and the mean |logprob difference| of the chosen tokens where both chose the same token, SmolLM2
    fp32 and bf16; vLLM CPU's fp8_e4m3 against its own default cache in the same run (benchmarks/vllm_kv_fp8.py).
@@ -35,6 +35,7 @@ from backend_lib.core.config import EngineConfig  # noqa: E402
 from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
 from backend_lib.engine.offline import LLM  # noqa: E402
 from backend_lib.tools.tiny import make_tiny  # noqa: E402
+from benchmarks.workload import FLOAT_WEIGHTS, WORKLOAD_FILE  # noqa: E402
 
 KV = ("auto", "fp8_e4m3")
 CONTEXT, BATCH = 2048, 32
@@ -47,7 +48,7 @@ def capacity(model: str, dtype: str) -> dict[str, int]:
     """Tokens of context in 1 GiB of KV (blocks x block_size) per cache kind."""
     out = {}
     for kv in KV:
-        with LLM(config=EngineConfig.from_flat({"model": model, "dtype": dtype, "kv_cache_dtype": kv,
+        with LLM(config=EngineConfig.from_flat({"model": model, **FLOAT_WEIGHTS, "dtype": dtype, "kv_cache_dtype": kv,
                                                 "kv_cache_memory_gb": 1.0, "max_model_len": 256,
                                                 "max_num_seqs": 4})) as llm:
             out[kv] = llm.engine.num_blocks * llm.engine.config.cache.block_size
@@ -59,7 +60,7 @@ def step_times(dtype: str, steps: int) -> dict[str, list[float]]:
     settings = {"dtype": dtype, "max_num_seqs": BATCH, "max_model_len": CONTEXT + steps + 64,
                 "kv_cache_memory_gb": 0.0, "num_blocks": BATCH * ((CONTEXT + steps + 64) // 16 + 1),
                 "max_num_batched_tokens": 4096, "enable_prefix_caching": False}
-    engines = {kv: LLM(config=EngineConfig.from_flat({**settings, "kv_cache_dtype": kv})) for kv in KV}
+    engines = {kv: LLM(config=EngineConfig.from_flat({**settings, **FLOAT_WEIGHTS, "kv_cache_dtype": kv})) for kv in KV}
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     for kv, llm in engines.items():
         for i in range(BATCH):
@@ -109,7 +110,7 @@ def agreement(dtype: str, workload: Path) -> Agreement:
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
     results = {}
     for kv in KV:
-        with LLM(config=EngineConfig.from_flat({"dtype": dtype, "kv_cache_dtype": kv, "max_num_seqs": 32,
+        with LLM(config=EngineConfig.from_flat({**FLOAT_WEIGHTS, "dtype": dtype, "kv_cache_dtype": kv, "max_num_seqs": 32,
                                                 "enable_prefix_caching": False})) as llm:
             results[kv] = [(r.token_ids, [t.logprob for t in r.logprobs]) for r in llm.generate(prompts, params)]
     return compare(results["auto"], results["fp8_e4m3"])
@@ -132,7 +133,7 @@ def vllm_agreement(dtype: str, workload: Path) -> Agreement | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", default=str(ROOT.parent / "shared" / "bench" / "workload.py"))
+    parser.add_argument("--workload", default=str(WORKLOAD_FILE))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kv_fp8.md"))
     args = parser.parse_args()

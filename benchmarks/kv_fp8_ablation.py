@@ -35,6 +35,7 @@ from benchmarks.offline_throughput import load_workload  # noqa: E402
 from backend_lib.core.config import EngineConfig  # noqa: E402
 from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
 from backend_lib.engine.offline import LLM  # noqa: E402
+from benchmarks.workload import FLOAT_WEIGHTS, WORKLOAD_FILE  # noqa: E402
 from kernels.kv_fp8 import FP8_E4M3_MAX, e4m3_codes, e4m3_values  # noqa: E402
 
 TOKENS = 32
@@ -121,7 +122,7 @@ def compare(reference: list[list[int]], other: list[list[int]]) -> tuple[int, fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", default=str(ROOT.parent / "shared" / "bench" / "workload.py"))
+    parser.add_argument("--workload", default=str(WORKLOAD_FILE))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kv_fp8_ablation.md"))
     args = parser.parse_args()
     prompts, _ = load_workload(Path(args.workload))
@@ -133,7 +134,7 @@ def main() -> None:
              "tokens, against the same engine with no rounding (prefix caching off, eager module path).", "",
              "| rounding on the way into the cache | identical continuations | mean first differing token |",
              "|---|---|---|"]
-    config = EngineConfig.from_flat({"dtype": "float32", "max_num_seqs": 32, "enable_prefix_caching": False})
+    config = EngineConfig.from_flat({**FLOAT_WEIGHTS, "dtype": "float32", "max_num_seqs": 32, "enable_prefix_caching": False})
     with LLM(config=config) as llm:
         model = llm.engine.model
         model.host_fused = False  # the module path, where every K / V row goes through write_kv

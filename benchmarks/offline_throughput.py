@@ -1,7 +1,7 @@
 """Offline throughput on the shared workload: our engine, the peers (vLLM CPU, llama.cpp) and transformers'
 generate, side by side in one run on the machine it runs on.
 
-The workload (../shared/bench/workload.py): 32 chat prompts, 128 new tokens each, greedy, EOS ignored; the unit is
+The workload (benchmarks/workload.py): 32 chat prompts, 128 new tokens each, greedy, EOS ignored; the unit is
 generated tokens per second over the whole run, prefill included. Runs, one after the other:
   deepinfer (per --dtypes)  32 streams: all prompts as one continuous batch; 1 stream: the first --single prompts
                             one at a time
@@ -35,7 +35,8 @@ from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
 from backend_lib.engine.offline import LLM  # noqa: E402
 from backend_lib.core.model_path import default_model_path  # noqa: E402
 from benchmarks.machine import describe, measure_limits  # noqa: E402
-from benchmarks.peers import PeerRun, anchors_missing, run_llama_cpp, run_vllm  # noqa: E402
+from benchmarks.peers import PEERS_KIT, PeerRun, anchors_missing, run_llama_cpp, run_vllm  # noqa: E402
+from benchmarks.workload import FLOAT_WEIGHTS, WORKLOAD_FILE  # noqa: E402
 
 PEERS = ("vLLM CPU 0.32 fp32", "llama.cpp F32", "transformers generate")
 
@@ -61,7 +62,7 @@ def run_engine(llm: LLM, prompts, new_tokens: int) -> tuple[int, float, list[lis
 
 
 def engine_runs(args, prompts, new_tokens: int, dtype: str) -> tuple[list[PeerRun], list[list[int]]]:
-    flat = {"model": default_model_path(), "max_num_seqs": 32, "max_num_batched_tokens": 512,
+    flat = {"model": default_model_path(), **FLOAT_WEIGHTS, "max_num_seqs": 32, "max_num_batched_tokens": 512,
             "enable_prefix_caching": False, "dtype": dtype}
     if args.compile != "none":
         # Workload contexts stay below 256 tokens (16 blocks); 32 streams or 1; one-chunk prefills.
@@ -107,7 +108,7 @@ def transformers_runs(args, prompts, new_tokens: int) -> tuple[list[PeerRun], li
 
 def peer_runs(args, new_tokens: int) -> tuple[list[PeerRun], list[str]]:
     """The peers' runs, and a line for each peer run that failed (a peer's crash must not lose the others')."""
-    bench_dir = Path(args.workload).parent
+    bench_dir = PEERS_KIT
     why = anchors_missing(bench_dir)
     if why:
         print(f"peers skipped: {why}", flush=True)
@@ -129,7 +130,7 @@ def peer_runs(args, new_tokens: int) -> tuple[list[PeerRun], list[str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", default=str(ROOT.parent / "shared" / "bench" / "workload.py"))
+    parser.add_argument("--workload", default=str(WORKLOAD_FILE))
     parser.add_argument("--single", type=int, default=4, help="prompts for the one-stream runs")
     parser.add_argument("--dtypes", default="float32", help="our engine's dtypes, comma-separated")
     parser.add_argument("--skip-transformers", action="store_true")

@@ -21,6 +21,7 @@ from backend_lib.core.config import EngineConfig  # noqa: E402
 from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
 from backend_lib.engine.offline import LLM  # noqa: E402
 from backend_lib.core.model_path import default_model_path  # noqa: E402
+from benchmarks.workload import FLOAT_WEIGHTS, WORKLOAD_FILE  # noqa: E402
 
 
 def main() -> int:
@@ -28,7 +29,7 @@ def main() -> int:
     parser.add_argument("--modes", default="onednn,auto,gemv")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=0, help="0 = the workload's")
-    parser.add_argument("--workload", default=str(ROOT.parent / "shared" / "bench" / "workload.py"))
+    parser.add_argument("--workload", default=str(WORKLOAD_FILE))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     prompts, new_tokens = load_workload(Path(args.workload))
@@ -38,7 +39,7 @@ def main() -> int:
     engines = {}
     for mode in modes:
         start = time.perf_counter()
-        engines[mode] = LLM(config=EngineConfig.from_flat({"model": default_model_path(), "max_num_seqs": 1,
+        engines[mode] = LLM(config=EngineConfig.from_flat({"model": default_model_path(), **FLOAT_WEIGHTS, "max_num_seqs": 1,
                                                            "enable_prefix_caching": False, "host_gemm": mode}))
         engines[mode].generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
         print(f"{mode}: engine ready in {time.perf_counter() - start:.0f} s", flush=True)

@@ -26,6 +26,7 @@ import serving  # noqa: E402  (benchmarks/serving.py: the gRPC client and the wo
 
 from backend_lib.core.processes import free_port  # noqa: E402
 from backend_lib.frontend.triton.server import TritonServer  # noqa: E402
+from benchmarks.workload import WORKLOAD_FILE  # noqa: E402
 
 
 @dataclass
@@ -99,7 +100,7 @@ def grpc_level(grpc_url: str, prompts: list, new_tokens: int, concurrency: int, 
 
 def write_results(rows: list[Row], new_tokens: int, out_dir: Path, load: tuple[float, float]) -> str:
     lines = ["# OpenAI front (AIPerf) vs gRPC, one server, one run", "",
-             f"Shared workload (../shared/bench/workload.py): chat prompts, {new_tokens} new tokens, greedy, EOS "
+             f"Shared workload (benchmarks/workload.py): chat prompts, {new_tokens} new tokens, greedy, EOS "
              f"ignored; SmolLM2-135M fp32, {os.cpu_count()} cores shared by the server, its OpenAI front and the "
              f"load generators. gRPC: benchmarks/serving.py's closed loop (raw gRPC, nice 10). OpenAI: `aiperf "
              f"profile` on /v1/chat/completions, streaming, server token counts. 1-min load average {load[0]:.1f} "
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--aiperf", required=True, help="the aiperf binary (its own venv)")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--requests-per-stream", type=int, default=2)
-    parser.add_argument("--workload", type=Path, default=ROOT.parent / "shared" / "bench" / "workload.py")
+    parser.add_argument("--workload", type=Path, default=WORKLOAD_FILE)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--work", type=Path, default=Path("/tmp/deepinfer-aiperf"))
     parser.add_argument("--client-nice", type=int, default=10)

@@ -4,11 +4,15 @@ generated tokens and the seconds they took, prefill included: the unit our own b
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 ANCHORS = Path("/tmp/anchors")
+# The shared bench kit (its anchors/setup.sh builds the peers into ANCHORS): beside the checkout on the team's
+# machines; DEEPINFER_PEERS_KIT names it elsewhere.
+PEERS_KIT = Path(os.environ.get("DEEPINFER_PEERS_KIT", Path(__file__).resolve().parents[2] / "shared" / "bench"))
 
 
 @dataclass
@@ -24,7 +28,10 @@ def anchors_missing(bench_dir: Path) -> str | None:
     needed = [ANCHORS / "run_vllm_anchor.sh", ANCHORS / "llama.cpp/build/bin/llama-batched-bench",
               bench_dir / "anchors" / "vllm_bench.py"]
     missing = [str(p) for p in needed if not p.exists()]
-    return f"missing {', '.join(missing)}: run {bench_dir}/anchors/setup.sh first" if missing else None
+    if not missing:
+        return None
+    return (f"missing {', '.join(missing)}: to add vLLM and llama.cpp, run {bench_dir}/anchors/setup.sh (the shared "
+            "bench kit; DEEPINFER_PEERS_KIT=DIR where it lives elsewhere) first")
 
 
 def run_vllm(bench_dir: Path, streams: int, timeout_s: float = 1800) -> PeerRun:

@@ -32,16 +32,19 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.offline_throughput import load_workload, run_engine  # noqa: E402
-from benchmarks.peers import ANCHORS, PeerRun, run_llama_cpp  # noqa: E402
+from benchmarks.peers import ANCHORS, PEERS_KIT, PeerRun, run_llama_cpp  # noqa: E402
+from benchmarks.perplexity import (LICENSE_TEXTS, WINDOW, corpus_text, engine_perplexity,  # noqa: E402
+                                   llama_cpp_perplexity, token_windows)
 from backend_lib.core.config import EngineConfig  # noqa: E402
 from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
 from backend_lib.engine.offline import LLM  # noqa: E402
 from backend_lib.models.layers import resident_weight_bytes  # noqa: E402
 from backend_lib.core.model_path import default_model_path  # noqa: E402
+from benchmarks.workload import WORKLOAD_FILE  # noqa: E402
 
 MODES = {  # label -> engine settings
     "dequantize (fp32)": {"weight_format": "dequantize"},
-    "packed (int8 activations)": {"weight_format": "packed", "packed_gemm_path": "auto"},
+    "packed (int8 activations; the default)": {},  # weight_format auto on a quantized file
     "packed (fp32 widening)": {"weight_format": "packed", "packed_gemm_path": "fp32"},
 }
 
@@ -86,9 +89,9 @@ def model_path(quant: str) -> Path:
     return path
 
 
-def our_runs(path: Path, quant: str, prompts, new_tokens: int, single: int):
-    """(runs, resident bytes per weight by mode, greedy ids at 32 streams by mode)."""
-    runs, bytes_per_weight, ids = [], {}, {}
+def our_runs(path: Path, quant: str, prompts, new_tokens: int, single: int, ppl_windows: int):
+    """(runs, resident bytes per weight by mode, greedy ids at 32 streams by mode, perplexity by mode)."""
+    runs, bytes_per_weight, ids, ppl = [], {}, {}, {}
     for label, settings in MODES.items():
         llm = LLM(config=EngineConfig.from_flat({"model": str(path), "max_num_seqs": 32,
                                                  "max_num_batched_tokens": 512, "enable_prefix_caching": False,
@@ -101,14 +104,28 @@ def our_runs(path: Path, quant: str, prompts, new_tokens: int, single: int):
         one = [run_engine(llm, [p], new_tokens)[:2] for p in prompts[:single]]
         runs.append(PeerRun(f"deepinfer {quant} {label}", 1, sum(t for t, _ in one), sum(s for _, s in one)))
         print("\n".join(map(str, runs[-2:])), flush=True)
+        ppl[label] = engine_perplexity(llm, token_windows(llm, corpus_text(), ppl_windows))
+        print(f"{label}: perplexity {ppl[label].value:.4f} over {ppl[label].tokens} tokens", flush=True)
         llm.close()
-    return runs, bytes_per_weight, ids
+    return runs, bytes_per_weight, ids, ppl
+
+
+def llama_cpp_ppl(quant: str, windows: int) -> tuple[float | None, list[str]]:
+    binary = ANCHORS / "llama.cpp/build/bin/llama-perplexity"
+    if not binary.exists():
+        return None, [f"llama.cpp {quant} perplexity skipped: {binary} is missing (run "
+                      f"{PEERS_KIT}/anchors/setup.sh 3)"]
+    try:
+        return llama_cpp_perplexity(binary, model_path(quant), corpus_text(), windows, torch.get_num_threads(),
+                                    ANCHORS), []
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        return None, [f"llama.cpp {quant} perplexity failed: {str(exc).strip()[:300]}"]
 
 
 def llama_cpp_runs(quant: str, new_tokens: int) -> tuple[list[PeerRun], list[str]]:
     binary = ANCHORS / "llama.cpp/build/bin/llama-batched-bench"
     if not binary.exists():
-        return [], [f"llama.cpp {quant} skipped: {binary} is missing (run ../shared/bench/anchors/setup.sh 3)"]
+        return [], [f"llama.cpp {quant} skipped: {binary} is missing (run {PEERS_KIT}/anchors/setup.sh 3)"]
     model_path(quant)  # the Q8_0 conversion, where llama.cpp reads it
     runs, failures = [], []
     for streams in (32, 1):
@@ -121,9 +138,10 @@ def llama_cpp_runs(quant: str, new_tokens: int) -> tuple[list[PeerRun], list[str
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", default=str(ROOT.parent / "shared" / "bench" / "workload.py"))
+    parser.add_argument("--workload", default=str(WORKLOAD_FILE))
     parser.add_argument("--formats", default="Q4_1,Q8_0")
     parser.add_argument("--single", type=int, default=4, help="prompts for the one-stream runs")
+    parser.add_argument("--ppl-windows", type=int, default=8, help=f"perplexity windows of {WINDOW} tokens")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quantized.md"))
     args = parser.parse_args()
     prompts, new_tokens = load_workload(Path(args.workload))
@@ -133,14 +151,29 @@ def main() -> int:
              f"{new_tokens} new tokens each, greedy; tokens/s over the whole run, prefill included.", ""]
     started = time.time()
     for quant in args.formats.split(","):
-        runs, bytes_per_weight, ids = our_runs(model_path(quant), quant, prompts, new_tokens, args.single)
+        runs, bytes_per_weight, ids, ppl = our_runs(model_path(quant), quant, prompts, new_tokens, args.single,
+                                                    args.ppl_windows)
         peers, failures = llama_cpp_runs(quant, new_tokens)
+        peer_ppl, ppl_failures = llama_cpp_ppl(quant, args.ppl_windows)
+        failures += ppl_failures
         anchor = {r.streams: r.tokens / r.seconds for r in peers}
-        lines += [f"## {quant}", "", "| engine | streams | tokens/s | vs llama.cpp |", "|---|---|---|---|"]
+        scored = next(iter(ppl.values())).tokens
+        lines += [f"## {quant}", "", f"| engine | streams | tokens/s | vs llama.cpp | perplexity ({scored} tokens) |",
+                  "|---|---|---|---|---|"]
         for run in runs + peers:
             tok_s = run.tokens / run.seconds
             ratio = f"{tok_s / anchor[run.streams]:.2f}x" if run.streams in anchor else "n/a"
-            lines.append(f"| {run.name} | {run.streams} | {tok_s:.1f} | {ratio} |")
+            mode = run.name.removeprefix(f"deepinfer {quant} ")
+            perplexity = (f"{ppl[mode].value:.4f}" if mode in ppl
+                          else f"{peer_ppl:.4f} (llama-perplexity)" if peer_ppl is not None else "skipped")
+            lines.append(f"| {run.name} | {run.streams} | {tok_s:.1f} | {ratio} | {perplexity} |")
+        if not peers and peer_ppl is not None:
+            lines.append(f"| llama.cpp {quant} | - | - | - | {peer_ppl:.4f} (llama-perplexity) |")
+        reference_ppl = ppl[next(iter(MODES))].value
+        lines += ["", "Perplexity: teacher-forced through prompt_logprobs over "
+                  f"{' + '.join(p.name for p in LICENSE_TEXTS)} in {WINDOW}-token windows "
+                  "(benchmarks/perplexity.py); vs dequantize: " + ", ".join(
+                      f"{label} {100 * (value.value / reference_ppl - 1):+.2f}%" for label, value in ppl.items())]
         reference = ids[next(iter(MODES))]
         lines += [""] + [f"- {label}: {bytes_per_weight[label]:.3f} resident bytes per weight; "
                          f"{sum(a == b for a, b in zip(ids[label], reference))}/{len(reference)} greedy "

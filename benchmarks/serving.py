@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from backend_lib.core.processes import free_port  # noqa: E402
 from backend_lib.frontend.triton.server import TritonServer  # noqa: E402
+from benchmarks.workload import FLOAT_WEIGHTS, WORKLOAD_FILE  # noqa: E402
 
 MODEL = "deepinfer"
 # The server's engine settings; the offline runs use the same, with max_num_seqs = the level's concurrency.
@@ -95,7 +96,7 @@ def run_offline(prompts: list, new_tokens: int, concurrency: int, settings: dict
     from backend_lib.core.sampling_params import SamplingParams
     from backend_lib.engine.offline import LLM
 
-    llm = LLM("", **{**settings, "max_num_seqs": concurrency})
+    llm = LLM("", **{**settings, **FLOAT_WEIGHTS, "max_num_seqs": concurrency})
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
@@ -202,7 +203,7 @@ def write_results(levels: list[Level], new_tokens: int, out_dir: Path, load: tup
     import torch
 
     lines = ["# Serving: shared workload through tritonserver (gRPC streaming, closed loop)", "",
-             f"Chat prompts from ../shared/bench/workload.py, {new_tokens} new tokens each, greedy, EOS ignored, "
+             f"Chat prompts from benchmarks/workload.py, {new_tokens} new tokens each, greedy, EOS ignored, "
              f"fp32, SmolLM2-135M-Instruct (bundled GGUF), one Triton model instance (the engine batches). "
              f"Machine: {platform.machine()}, {os.cpu_count()} cores shared with the client (its own process at "
              f"nice {client_nice}: one asyncio loop on raw gRPC, naming the outputs text_output and "
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests-per-stream", type=int, default=2,
                         help="requests per level = concurrency x this, capped at the workload's 32 prompts")
     parser.add_argument("--new-tokens", type=int, default=None, help="default: the workload's")
-    parser.add_argument("--workload", type=Path, default=ROOT.parent / "shared" / "bench" / "workload.py")
+    parser.add_argument("--workload", type=Path, default=WORKLOAD_FILE)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--num-threads", type=int, default=0,
                         help="torch threads of the server's and the offline engine (0 = all cores); 1 avoids "

@@ -35,6 +35,7 @@ from backend_lib.engine.llm_engine import LLMEngine  # noqa: E402
 from backend_lib.core.model_path import default_model_path  # noqa: E402
 from backend_lib.tools.tiny import make_tiny  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
+from benchmarks.workload import FLOAT_WEIGHTS  # noqa: E402
 
 TEXTS = [
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, and wrote the names "
@@ -197,7 +198,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     # Prefix caching off: both runs of a group prefill the same prompts, neither reuses the other's KV.
-    flat = {"model": default_model_path(), "num_blocks": 512, "max_num_seqs": 16, "enable_prefix_caching": False}
+    flat = {"model": default_model_path(), **FLOAT_WEIGHTS, "num_blocks": 512, "max_num_seqs": 16, "enable_prefix_caching": False}
     engine = LLMEngine(EngineConfig.from_flat({**flat, "method": "ngram", "num_speculative_tokens": args.k}))
     run(engine, "warm", copy_prompts(1), SamplingParams(max_tokens=4, temperature=0.0), 1)
     rows: list[tuple[str, Result, Result]] = []

@@ -37,6 +37,7 @@ from backend_lib.structured_output.constraints import parse_constraint  # noqa: 
 from benchmarks.machine import describe, measure_limits  # noqa: E402
 from benchmarks.plots import paired_bars  # noqa: E402
 from benchmarks.structured_schema import SCHEMA  # noqa: E402
+from benchmarks.workload import FLOAT_WEIGHTS, WORKLOAD_FILE  # noqa: E402
 
 VLLM_ANCHOR = Path("/tmp/anchors/run_vllm_anchor.sh")
 
@@ -103,7 +104,7 @@ def vllm_runs(workload: Path) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", default=str(ROOT.parent / "shared" / "bench" / "workload.py"))
+    parser.add_argument("--workload", default=str(WORKLOAD_FILE))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--streams", default="32,1")
     args = parser.parse_args()
@@ -111,7 +112,7 @@ def main() -> None:
     machine = describe().line()
     limits = measure_limits().line()
     print(f"Machine: {machine}; {limits}", flush=True)
-    engine = LLMEngine(EngineConfig.from_flat({"model": default_model_path(), "max_num_seqs": 32}))
+    engine = LLMEngine(EngineConfig.from_flat({"model": default_model_path(), **FLOAT_WEIGHTS, "max_num_seqs": 32}))
     run(engine, prompts, 4, False, "warm-up")  # untimed: one-time costs stay out of the first row's seconds
     runs = []
     for streams in (int(s) for s in args.streams.split(",")):

@@ -1,6 +1,6 @@
 """Tensor parallelism on this host: one rank against N ranks with the same total threads, side by side in one run.
 
-The shared workload (../shared/bench/workload.py: 32 chat prompts x 128 new tokens, greedy, EOS ignored, fp32,
+The shared workload (benchmarks/workload.py: 32 chat prompts x 128 new tokens, greedy, EOS ignored, fp32,
 bundled SmolLM2) at 32 streams and at one stream, for ``tensor_parallel_size`` 1 and N (each of the N ranks pinned
 to its share of the cores with as many torch threads). For the N-rank engine the driver is profiled over a few
 decode steps at 32 streams: how many collectives a step makes, how many bytes they move, and how long the driver
@@ -24,6 +24,7 @@ from benchmarks.machine import describe  # noqa: E402
 from benchmarks.offline_throughput import load_workload  # noqa: E402
 from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
 from backend_lib.engine.offline import LLM  # noqa: E402
+from benchmarks.workload import FLOAT_WEIGHTS, WORKLOAD_FILE  # noqa: E402
 
 COLLECTIVES = ("all_reduce", "allgather", "all_gather", "broadcast")  # gloo's, and the shared-memory all-reduce
 
@@ -76,7 +77,7 @@ def profile_decode(llm: LLM, prompts, steps: int) -> tuple[float, float, float, 
 
 
 def run(tp: int, prompts, new_tokens: int, single: int, profile_steps: int) -> Result:
-    llm = LLM("", tensor_parallel_size=tp, max_num_seqs=32, max_num_batched_tokens=512, enable_prefix_caching=False)
+    llm = LLM("", **FLOAT_WEIGHTS, tensor_parallel_size=tp, max_num_seqs=32, max_num_batched_tokens=512, enable_prefix_caching=False)
     try:
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
         streams32 = tokens_per_s(llm, prompts, new_tokens)
@@ -128,7 +129,7 @@ def write_report(results: list[Result], out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", default=str(ROOT.parent / "shared" / "bench" / "workload.py"))
+    parser.add_argument("--workload", default=str(WORKLOAD_FILE))
     parser.add_argument("--tp", type=int, default=2, help="ranks of the parallel engine")
     parser.add_argument("--single", type=int, default=2, help="prompts for the one-stream runs")
     parser.add_argument("--profile-steps", type=int, default=10)

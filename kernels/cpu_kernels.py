@@ -1,10 +1,9 @@
-"""Host CPU kernels written in C++ (kernels/csrc), built as a torch extension on first use.
+"""Host CPU kernels written in C++ (kernels/csrc), built as torch extensions at install (``python -m kernels.build``,
+run by ``make install`` and the Dockerfile) or, where that was skipped, on first use (kernels/extension_build.py:
+where the libraries live, why there, and their names that change with every source edit).
 
-torch compiles the sources for the instruction set torch itself dispatches to on this CPU (AVX-512, AVX2 or
-baseline x86-64; not -march=native, so a build cached on a shared volume never meets a CPU that lacks its
-instructions) and caches the library under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR): only the first
-engine start on a machine pays the ~7 s build (about a minute on a loaded 2-core machine). Ops: paged decode
-attention (fp32, or bf16 with fp32 math), the shared-memory all-reduce of tensor-parallel ranks on one machine
+The sources are compiled for the instruction set torch itself dispatches to on this CPU (AVX-512, AVX2 or baseline
+x86-64): ~7 s on a quiet machine, two minutes on a loaded 2-core one. Ops: paged decode attention (fp32, or bf16 with fp32 math), the shared-memory all-reduce of tensor-parallel ranks on one machine
 (shm_all_reduce.cpp), the few-row GEMM on pre-blocked weights (gemv.cpp, which picks its instruction set from the
 CPU's flags at run time, whatever flags built it; kernels/gemv.py), the routed MoE experts on the same blocked
 weights (grouped_experts.cpp), mHC's mixes with their Sinkhorn loop and its stream collapse / expansion
@@ -20,51 +19,30 @@ call, as they do the packed GEMM (the screened heads' ops run in eager steps onl
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import time
 from pathlib import Path
 
 import torch
 
+from kernels.extension_build import ExtensionSpec, load_extension
+from kernels.quant import FP8_MAX
+
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("paged_decode_attention.cpp", "shm_all_reduce.cpp", "gemv.cpp", "grouped_experts.cpp",
-            "hyper_connections.cpp", "sink_attention.cpp", "interleaved_rope.cpp", "rms_norm.cpp",
-            "fused_layer_ops.cpp", "llama_decode.cpp", "gemm_amx.cpp", "row_argmax.cpp",
-            "head_screen.cpp", "head_int8.cpp", "kv_fp8_store.cpp")
-# torch.backends.cpu.get_cpu_capability() -> compiler flags (x86-64; anything else builds for the baseline).
-_ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
-    "AVX2": ["-mavx2", "-mfma"],
-}
-
-
-def _build_running_in(build_dir: Path) -> bool:
-    """Whether a process works in ``build_dir`` (ninja and the compilers run there). Linux's /proc only; elsewhere
-    False, and the age rule alone decides."""
-    for cwd in Path("/proc").glob("[0-9]*/cwd"):
-        try:
-            if cwd.readlink() == build_dir:
-                return True
-        except OSError:  # the process ended, or is another user's
-            continue
-    return False
-
-
-def _remove_stale_build_lock(build_dir: Path, stale_after_s: float = 600.0) -> None:
-    """torch's build lock has no owner: a build killed midway leaves it, and every later load waits on it forever.
-    A build takes seconds to a minute; a lock older than ``stale_after_s`` is such a leftover, unless a compiler
-    still runs there (on a loaded 2-core machine a build took 15 minutes, and a second build started beside it
-    clobbered its objects)."""
-    lock = build_dir / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > stale_after_s and not _build_running_in(build_dir.resolve()):
-        logger.warning("deepinfer: removing a stale C++ build lock (%.0f s old): %s", age, lock)
-        lock.unlink(missing_ok=True)
+_CSRC = Path(__file__).parent / "csrc"
+CPU_KERNELS = ExtensionSpec(
+    stem="deepinfer_cpu_kernels",
+    sources=tuple(_CSRC / name for name in (
+        "paged_decode_attention.cpp", "shm_all_reduce.cpp", "gemv.cpp", "grouped_experts.cpp",
+        "hyper_connections.cpp", "sink_attention.cpp", "interleaved_rope.cpp", "rms_norm.cpp", "fused_layer_ops.cpp",
+        "llama_decode.cpp", "gemm_amx.cpp", "row_argmax.cpp", "head_screen.cpp", "head_int8.cpp",
+        "kv_fp8_store.cpp")),
+    headers=tuple(sorted(_CSRC.glob("*.h"))))
+# The packed-weight GEMMs (weight_format=packed; kernels/packed_gemm.py): their own extension, so that editing them
+# rebuilds only them (csrc/packed/*.h stay out of the main build's digest).
+PACKED_KERNELS = ExtensionSpec(stem="deepinfer_packed_kernels", sources=(_CSRC / "packed_gemm.cpp",),
+                               headers=tuple(sorted((_CSRC / "packed").glob("*.h"))))
+EXTENSIONS = (CPU_KERNELS, PACKED_KERNELS)
 
 
 # Element types of the decode attention kernel: bf16 is widened to fp32 in the kernel (no bf16 instructions
@@ -78,26 +56,9 @@ def cpu_kernels_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 @functools.cache
 def load_cpu_kernels() -> bool:
-    """Builds (once per machine) and loads the C++ ops; False, with the reason logged, when that fails."""
-    from torch.utils import cpp_extension
-
-    sources = [Path(__file__).parent / "csrc" / name for name in _SOURCES]
-    capability = torch.backends.cpu.get_cpu_capability()
-    # The sources and their directory in the name: two versions, or two checkouts of one version, on one machine
-    # never share a build directory (ninja would rebuild it for each checkout's paths, each load waiting on the
-    # other's lock).
-    headers = sorted(sources[0].parent.glob("*.h"))
-    digest = hashlib.sha1(str(sources[0].parent.resolve()).encode()
-                          + b"".join(path.read_bytes() for path in [*sources, *headers])).hexdigest()[:10]
-    name = f"deepinfer_cpu_kernels_{capability.lower()}_{digest}"
-    _remove_stale_build_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
+    """Loads the C++ ops (built at install, or here on first use); False, with the reason logged, when that fails."""
     try:
-        # -fopenmp: at::parallel_for's OpenMP body lives in the headers; the process's libgomp (torch's) serves it.
-        cpp_extension.load(name=name,
-                           sources=[str(path) for path in sources],
-                           is_python_module=False, verbose=False,
-                           extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS.get(capability, [])],
-                           extra_ldflags=["-fopenmp"])
+        load_extension(CPU_KERNELS)
     except Exception as exc:  # no compiler, no ninja, ...: the torch forms of the same ops still work
         logger.warning("deepinfer: could not build the C++ CPU kernels, using the torch forms instead: %s", exc)
         return False
@@ -162,7 +123,7 @@ def load_cpu_kernels() -> bool:
           query_len: int, block_size: int, scale: float, num_heads: int, num_kv_heads: int, intermediate: int,
           eps: float, norms: list[torch.Tensor], projections: list[torch.Tensor], gemm_path: int,
           packed_fmt: str = "", packed_path: str = "auto", k_scales: list[float] = (), v_scales: list[float] = (),
-          fp8_max: float = 448.0) -> torch.Tensor:
+          fp8_max: float = FP8_MAX) -> torch.Tensor:
         return torch.empty_like(hidden, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("deepinfer::blocked_grouped_experts")
@@ -235,29 +196,12 @@ def load_cpu_kernels() -> bool:
     return True
 
 
-# The packed-weight GEMMs (weight_format=packed; kernels/packed_gemm.py): their own extension, so that editing them
-# rebuilds only them (csrc/packed/*.h stay out of the main build's digest).
-_PACKED_SOURCES = ("packed_gemm.cpp",)
-
-
 @functools.cache
 def load_packed_kernels() -> bool:
-    """Builds (once per machine) and loads ``deepinfer::packed_linear``; False, with the reason logged, when that
-    fails (kernels/packed_gemm.py then runs its torch reference)."""
-    from torch.utils import cpp_extension
-
-    csrc = Path(__file__).parent / "csrc"
-    sources = [csrc / name for name in _PACKED_SOURCES]
-    headers = sorted((csrc / "packed").glob("*.h"))
-    capability = torch.backends.cpu.get_cpu_capability()
-    digest = hashlib.sha1(str(csrc.resolve()).encode()
-                          + b"".join(path.read_bytes() for path in [*sources, *headers])).hexdigest()[:10]
-    name = f"deepinfer_packed_kernels_{capability.lower()}_{digest}"
-    _remove_stale_build_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
+    """Loads ``deepinfer::packed_linear`` (built at install, or here on first use); False, with the reason logged,
+    when that fails (kernels/packed_gemm.py then runs its torch reference)."""
     try:
-        cpp_extension.load(name=name, sources=[str(path) for path in sources], is_python_module=False,
-                           verbose=False, extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS.get(capability, [])],
-                           extra_ldflags=["-fopenmp"])
+        load_extension(PACKED_KERNELS)
     except Exception as exc:
         logger.warning("deepinfer: could not build the packed-weight GEMMs, using their torch reference: %s", exc)
         return False

@@ -6,7 +6,7 @@ cover (``column >= 32 * W``: a vocabulary padded past the width the mask was bui
 padded logit can never be sampled; bits past ``V`` are ignored. The mask's owner (``backend_lib.structured_output``)
 builds it at the model's padded width, so every column is covered and the padded ids' bits are 0.
 
-Forms, one meaning (``tests/test_structured_output.py`` holds each to the reference):
+Forms, one meaning (``tests/structured_output/test_structured_output.py`` holds each to the reference):
 
 - ``apply_bitmask_reference``: the definition, one row at a time with index arithmetic;
 - ``apply_bitmask_inplace``: the host fast path, in place on the listed rows only (a step's constrained rows: the

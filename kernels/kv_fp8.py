@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+from kernels.quant import FP8_MAX as FP8_E4M3_MAX  # the KV codes' own name for it
+
 _SUBNORMAL_EXP = -9  # e4m3's quantum below 2^-6: every value is a multiple of 2^-9 there
 _MIN_NORMAL = 2.0 ** -6
 

@@ -144,12 +144,11 @@ def apply_blocked_tokens(logits: torch.Tensor, blocked: torch.Tensor) -> torch.T
 # ----------------------------------------------------------------------------------------------
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """Divide each row by its temperature; greedy rows (temperature 0) are left unscaled.
+    """Divide each row by its temperature (the caller gives greedy rows 1: SamplingMetadata decides greediness).
 
-    logits: [B, V] float32, temperature: [B] float32.
+    logits: [B, V] float32, temperature: [B] float32 > 0.
     """
-    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    return logits / t[:, None]
+    return logits / temperature[:, None]
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,8 @@
-"""Shared fixtures: the real SmolLM2 GGUF, transformers as the oracle, a tiny random Llama written by transformers."""
+"""Shared fixtures: the real SmolLM2 GGUF, transformers as the oracle, a tiny random Llama written by transformers.
+
+The `slow` mark keeps a test out of `make test-fast` (the inner loop, <= 5 minutes) and in `make test`: multi-rank
+engines, SmolLM2 against transformers or compiled, the V4 oracles per config, inductor's codegen, the full graph lint.
+Shared code (engine builder, drive loop, oracles, server) is in tests/helpers/; no test imports another."""
 from __future__ import annotations
 
 import os
@@ -87,35 +91,6 @@ def tiny_llama_dir(tmp_path_factory, hf_smollm2_tokenizer) -> Path:
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
-
-
-def hf_greedy_choices(model, input_ids: list[int], tokens: list[int]) -> tuple[list[int], list[float]]:
-    """transformers' greedy choice after each prefix of ``tokens`` and that choice's logprob, from ONE forward over
-    input_ids + tokens (teacher forcing). The choices equal ``tokens`` exactly when ``tokens`` is transformers'
-    greedy continuation (by induction over the positions), at the cost of one forward instead of one a token."""
-    ids = torch.tensor([input_ids + tokens[:-1]])
-    with torch.inference_mode():
-        logp = torch.log_softmax(model(input_ids=ids).logits[0, len(input_ids) - 1:].float(), dim=-1)  # [n, vocab]
-    best = logp.argmax(dim=-1)
-    return best.tolist(), logp.gather(1, best[:, None])[:, 0].tolist()
-
-
-def hf_greedy(model, input_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
-    """transformers greedy decoding with EOS ignored; returns the tokens and each one's logprob."""
-    ids = torch.tensor([input_ids])
-    past = None
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    with torch.inference_mode():
-        for _ in range(max_new_tokens):
-            out = model(input_ids=ids, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
-            token = int(torch.argmax(logp))
-            tokens.append(token)
-            logprobs.append(float(logp[token]))
-            ids = torch.tensor([[token]])
-    return tokens, logprobs
 
 
 @pytest.fixture

@@ -181,6 +181,27 @@ def upward_edges(graph: dict[str, dict[str, int]], layers: tuple[str, ...] = LAY
     return found
 
 
+def _is_test_module(name: str) -> bool:
+    leaf = name.rpartition(".")[2]
+    return leaf.startswith("test_") or leaf == "conftest"
+
+
+def imports_between_tests(root: Path) -> list[str]:
+    """Every import, in tests/, of a test module or a conftest (shared code belongs in tests/helpers/), as
+    'importer:line -> imported'; a bare ``from test_x import`` (a rootdir-relative import) counts too."""
+    modules = module_files(root, ("tests",))
+    found = []
+    for module, path in sorted(modules.items()):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for name in _imported_names(node, module, path.name == "__init__.py"):
+                target = _resolve(name, modules) or name.partition(".")[0]
+                if target != module and _is_test_module(target):
+                    found.append(f"{module}:{node.lineno} -> {target}")
+    return sorted(set(found))
+
+
 # ---------------------------------------------------------------------------------------------- the code base
 
 def test_no_import_cycles():
@@ -191,6 +212,11 @@ def test_no_import_cycles():
 def test_imports_only_go_down_the_layers():
     edges = upward_edges(import_graph())
     assert not edges, "imports into a higher layer:\n" + "\n".join(edges)
+
+
+def test_no_test_imports_another_test_module():
+    found = imports_between_tests(ROOT)
+    assert not found, "tests importing test modules (move what they share to tests/helpers/):\n" + "\n".join(found)
 
 
 def test_every_module_belongs_to_a_layer():
@@ -243,6 +269,20 @@ def test_checker_finds_a_cycle_hidden_in_a_function(tmp_path):
     graph = import_graph(tmp_path, ("pkg",))
     assert find_cycles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
     assert graph["pkg.d"] == {}  # a TYPE_CHECKING import is no edge
+
+
+def test_checker_finds_a_test_importing_a_test(tmp_path):
+    _write(tmp_path, {
+        "tests/__init__.py": "",
+        "tests/conftest.py": "X = 1\n",
+        "tests/helpers/__init__.py": "",
+        "tests/helpers/shared.py": "def test_like_name():\n    pass\n",
+        "tests/a/__init__.py": "",
+        "tests/a/test_one.py": "from tests.helpers.shared import test_like_name\nfrom tests.a.test_two import f\n",
+        "tests/a/test_two.py": "def f():\n    from test_one import g\n    from tests.conftest import X\n",
+    })
+    assert imports_between_tests(tmp_path) == ["tests.a.test_one:2 -> tests.a.test_two",
+                                                "tests.a.test_two:2 -> test_one", "tests.a.test_two:3 -> tests.conftest"]
 
 
 def test_checker_finds_a_relative_import_cycle(tmp_path):

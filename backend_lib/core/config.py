@@ -11,10 +11,14 @@ from typing import Any
 from backend_lib.structured_output.constraints import StructuredOutputLimits
 
 _DTYPES = ("float32", "bfloat16", "float16")
-_SPEC_METHODS = ("none", "ngram", "mtp")
+_SPEC_METHODS = ("none", "ngram", "mtp", "dspark", "dflash")
+# Block drafters read a drafter directory (speculative_model) and may let the confidence schedule pick the length.
+BLOCK_DRAFT_METHODS = ("dspark", "dflash")
+SPEC_SCHEDULES = ("fixed", "confidence")
 _HOST_GEMMS = ("auto", "gemv", "onednn", "mkl")
-WEIGHT_FORMATS = ("dequantize", "packed")
+WEIGHT_FORMATS = ("auto", "dequantize", "packed")
 _COMPILE_BACKENDS = ("none", "auto", "inductor", "aot_eager", "neuron")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 # KV cache element types: "auto" = the model dtype; "fp8_e4m3" = e4m3 codes with per-layer scales (kernels/kv_fp8.py).
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 _KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
@@ -54,8 +58,9 @@ class ModelConfig:
     # Quantized checkpoints: "dequantize" widens the weights to ``dtype`` at load; "packed" keeps them in the
     # checkpoint's blocks in memory (GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K: ~0.6 bytes a weight for Q4_1, not 4) and runs
     # the host GEMMs on those bytes (kernels/packed_gemm.py), and DeepSeek-V3 / V4 fp8 projections likewise. Host
-    # (cpu) only.
-    weight_format: str = "dequantize"
+    # (cpu) only. "auto": packed for quantized checkpoints where it can run, else dequantize, chosen at load
+    # (models/loading/weight_format.py).
+    weight_format: str = "auto"
     # weight_format=packed's GEMM path (kernels/packed_gemm.py): "auto" = "int8" for GGUF (each activation row
     # rounded to int8 per 32 inputs as llama.cpp does, integer dot products: ~1.7x faster, within a documented
     # bound of dequantize) and "fp32" for fp8 / fp4; "fp32" widens the weights in registers: dequantize's function
@@ -69,9 +74,9 @@ class ModelConfig:
         _require(self.packed_gemm_path in ("auto", "fp32", "int8"),
                  f"packed_gemm_path must be 'auto', 'fp32' or 'int8', got {self.packed_gemm_path!r}")
         # The packed GEMMs are host C++ kernels: Neuron (and CUDA) have none.
-        _require(self.weight_format == "dequantize" or self.device == "cpu",
+        _require(self.weight_format != "packed" or self.device == "cpu",
                  f"weight_format=packed runs on the host only (device 'cpu'), not device {self.device!r}")
-        _require(self.weight_format == "dequantize" or self.dtype in ("float32", "bfloat16"),
+        _require(self.weight_format != "packed" or self.dtype in ("float32", "bfloat16"),
                  f"weight_format=packed takes float32 or bfloat16 activations, not dtype {self.dtype!r}")
         _require(self.host_gemm in _HOST_GEMMS, f"host_gemm must be one of {_HOST_GEMMS}, got {self.host_gemm!r}")
         _require(self.host_attention in ("cpp", "torch"),
@@ -112,9 +117,17 @@ class SchedulerConfig:
     max_num_seqs: int = 32  # running requests at once
     max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
     enable_chunked_prefill: bool = True
+    # "fcfs": admission in arrival order, the newest running request preempted first. "priority" (vLLM's
+    # --scheduling-policy priority): the lowest request priority value first, the highest preempted first
+    # (core/priority.py), each request's value lowered by one per priority_aging_s seconds since it arrived.
+    scheduling_policy: str = "fcfs"
+    priority_aging_s: float = 10.0
 
     def __post_init__(self) -> None:
         _require(1 <= self.max_num_seqs <= 1024, f"max_num_seqs must be in [1, 1024], got {self.max_num_seqs}")
+        _require(self.scheduling_policy in SCHEDULING_POLICIES,
+                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        _require(self.priority_aging_s > 0, f"priority_aging_s must be > 0 (seconds), got {self.priority_aging_s}")
         _require(self.max_num_batched_tokens >= 1,
                  f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
@@ -127,6 +140,13 @@ class SpecConfig:
     num_speculative_tokens: int = 0
     ngram_min: int = 1
     ngram_max: int = 4
+    # dspark / dflash: the drafter directory (DeepSpec's layout: config.json + safetensors), as vLLM names it
+    speculative_model: str = ""
+    # dspark / dflash: "fixed" verifies num_speculative_tokens drafts a step; "confidence" picks 0..k per step from
+    # the drafts' predicted survival and the cost of verifying them at the step's batch
+    spec_schedule: str = "confidence"
+    # dspark: a request's drafts end before the first whose confidence falls below this (DeepSpec's eval); 0 = off
+    dspark_confidence_threshold: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.method in _SPEC_METHODS, f"spec method must be one of {_SPEC_METHODS}, got {self.method!r}")
@@ -137,6 +157,12 @@ class SpecConfig:
                  f"got {self.num_speculative_tokens}")
         _require(1 <= self.ngram_min <= self.ngram_max,
                  f"ngram range must satisfy 1 <= ngram_min <= ngram_max, got [{self.ngram_min}, {self.ngram_max}]")
+        _require(self.method not in BLOCK_DRAFT_METHODS or bool(self.speculative_model),
+                 f"spec method {self.method!r} needs speculative_model (a DSpark / DFlash drafter directory)")
+        _require(self.spec_schedule in SPEC_SCHEDULES,
+                 f"spec_schedule must be one of {SPEC_SCHEDULES}, got {self.spec_schedule!r}")
+        _require(0.0 <= self.dspark_confidence_threshold < 1.0,
+                 f"dspark_confidence_threshold must be in [0, 1), got {self.dspark_confidence_threshold}")
 
 
 def _int_tuple(name: str, value: Any) -> tuple[int, ...]:
@@ -334,7 +360,7 @@ class EngineConfig:
                  f"got {self.max_waiting_requests}")
         _require(self.max_sessions >= 0,
                  f"max_sessions must be >= 0 (0 = {SESSIONS_PER_SEQ} x max_num_seqs), got {self.max_sessions}")
-        _require(self.model.weight_format == "dequantize" or self.compile.compile_backend != "neuron",
+        _require(self.model.weight_format != "packed" or self.compile.compile_backend != "neuron",
                  "weight_format=packed cannot run with compile_backend=neuron (its GEMMs are host C++ kernels)")
         context_parallel = self.parallel.context_parallel_size > 1
         _require(not context_parallel or self.compile.compile_backend == "none",

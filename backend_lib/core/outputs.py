@@ -75,6 +75,7 @@ class RunnerOutput:
 @dataclass
 class RequestMetrics:
     arrival_time: float
+    priority: int = 0  # the request's scheduling priority (lower runs earlier)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

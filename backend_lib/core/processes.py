@@ -16,6 +16,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from backend_lib.core import envs
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # holds backend_lib/ and kernels/ (the source tree or site-packages)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -42,8 +44,8 @@ def set_parent_death_signal(sig: int, parent_pid: int) -> None:
 def python_executable() -> str:
     """A Python interpreter for our child processes. Inside the Triton stub ``sys.executable`` is the stub binary, so
     `deepinfer serve` passes its own interpreter as DEEPINFER_PYTHON; the venv's python is the fallback."""
-    if os.environ.get("DEEPINFER_PYTHON"):
-        return os.environ["DEEPINFER_PYTHON"]
+    if envs.read("DEEPINFER_PYTHON"):
+        return envs.read("DEEPINFER_PYTHON")
     if "python" in Path(sys.executable).name:
         return sys.executable
     return str(Path(sys.prefix) / "bin" / "python3")

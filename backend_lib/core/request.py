@@ -48,6 +48,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     session_id: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # scheduling_policy "priority": lower runs earlier (core/priority.py)
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -161,9 +161,6 @@ class SamplingParams:
             self.prompt_logprobs = _as_int("prompt_logprobs", self.prompt_logprobs)
             _require(self.prompt_logprobs >= 0, "prompt_logprobs",
                      f"prompt_logprobs must be >= 0 (or null), got {self.prompt_logprobs}")
-        if self.structured_outputs is not None and not isinstance(self.structured_outputs, OutputConstraint):
-            raise RequestError("structured_outputs", "structured_outputs must be an OutputConstraint (parsed by the "
-                               f"request intake), got {type(self.structured_outputs).__name__}")
 
     @staticmethod
     def _check_logit_bias(bias: Any) -> dict[int, float]:

@@ -2,13 +2,15 @@
 
 A request's life (vLLM v1's one invariant: ``num_computed_tokens`` catches up with ``num_tokens``):
   1. ``add_request`` queues it (WAITING).
-  2. ``schedule`` admits it FCFS when its first chunk's blocks fit; prefix-cache hits (or a session's
-     pinned blocks) start it at ``num_computed_tokens > 0``. Long prompts run in chunks.
+  2. ``schedule`` admits it (FCFS, or by priority: core/scheduling_policy.py) when its first chunk's blocks fit;
+     prefix-cache hits (or a session's pinned blocks) start it at ``num_computed_tokens > 0``. Long prompts run in
+     chunks.
   3. Each step: decodes first (1 token each, never starved), then prefill chunks, then admissions.
   4. ``update_from_output`` advances ``num_computed_tokens``, appends sampled tokens, hashes newly full
      blocks, checks stops; finished requests give their blocks back (a session turn pins them instead).
-  5. Out of blocks: idle sessions' blocks go first (LRU), then the newest running request is preempted
-     (blocks freed, ``num_computed_tokens = 0``, front of the queue) and recomputed later.
+  5. Out of blocks: idle sessions' blocks go first (LRU), then the newest running request (by priority: the
+     lowest-priority one) is preempted (blocks freed, ``num_computed_tokens = 0``, front of the queue) and
+     recomputed later.
 
 Hybrid cache (``num_state_slots`` > 0, ``backend_lib/core/hybrid_kv.py``): a request also holds a fixed state slot
 (``request.state_slot``) from admission to release; a session keeps its slot with its blocks between turns.
@@ -38,6 +40,7 @@ from backend_lib.core.hybrid_kv import HybridKVManager
 from backend_lib.core.kv_cache import KVCacheManager
 from backend_lib.core.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput
 from backend_lib.core.request import Request, RequestStatus, check_unused
+from backend_lib.core.scheduling_policy import scheduling_order
 from backend_lib.core.sessions import SessionTable
 from backend_lib.core.spec_counters import SpecCounters
 
@@ -63,6 +66,7 @@ class Scheduler:
         # Every running request must always get its decode token, so seats never exceed the token budget.
         self.max_num_seqs = min(scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens)
         self._clock = clock
+        self._order = scheduling_order(scheduler_config)  # fcfs or priority (core/scheduling_policy.py)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is the newest
         self._requests: dict[str, Request] = {}
@@ -143,8 +147,9 @@ class Scheduler:
         prefills: list[ScheduledChunk] = []
         scheduled: set[str] = set()
         preempted: list[str] = []
+        running = self._order.reserve_order(self.running, self._clock())
         for decode_pass in (True, False):
-            for request in list(self.running):
+            for request in running:
                 if request.status is not RequestStatus.RUNNING or request.request_id in scheduled:
                     continue  # preempted earlier in this step
                 if self._is_decode(request) != decode_pass:
@@ -159,12 +164,13 @@ class Scheduler:
                 budget -= n
         # After a preemption the pool is short: admitting now would only be preempted again (vLLM v1 rule).
         while not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            head = next((r for r in self.waiting if r.status is not RequestStatus.WAITING_FOR_GRAMMAR), None)
+            head = self._order.next_to_admit(
+                (r for r in self.waiting if r.status is not RequestStatus.WAITING_FOR_GRAMMAR), self._clock())
             if head is None:
                 break
             n = self._admit(head, budget)
             if n is None:
-                break  # FCFS: nobody overtakes the head of the queue (but a request still compiling its grammar)
+                break  # nobody overtakes the head of the queue (but a request still compiling its grammar)
             if n == 0:
                 continue  # the head could never run and was failed; look at the next one
             request = self.running[-1]
@@ -273,7 +279,7 @@ class Scheduler:
         while not self.kv_cache.can_append(request, n):
             if self.sessions.evict_kv():
                 continue
-            victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
+            victim = self._order.victim([r for r in self.running if r.request_id not in scheduled], self._clock())
             if victim is request and len(self.running) == 1:
                 # Every block not free is its own: the pool is too small for this request.
                 self._fail(request, f"needs {self.kv_cache.blocks_needed(request.num_computed_tokens + n)} KV "

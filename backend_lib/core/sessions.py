@@ -31,6 +31,7 @@ class Session:
     state_slot: int | None = None  # hybrid cache: the fixed state at num_computed_tokens, kept with block_ids
     turn_request_id: str | None = None  # the turn in flight (waiting or running)
     closing: bool = False  # close_session arrived during a turn: close when it ends
+    priority: int = 0  # its turns' scheduling priority (a turn that gives one changes it)
     # A session driven by chat messages: the conversation so far (the engine renders it whole each turn; the prefix
     # cache supplies the history's KV, so such a turn's request is not tied to the session here).
     messages: list[dict] = field(default_factory=list)

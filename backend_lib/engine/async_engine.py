@@ -1,11 +1,11 @@
 """AsyncEngine: the LLMEngine step loop on a background thread, with a thread-safe output stream per request.
 
-The Triton model calls add_request / abort from its own threads and reads each RequestStream from a response
+The Triton model calls submit / abort from its own threads and reads each RequestStream from a response
 thread. One lock guards the engine; the step loop holds it for a whole step. A new request does not wait for
 it: it goes into an inbox that the loop empties before each step. Without the inbox, a burst of N requests (one
 Triton execute() each) got in one per step, and the last one's first token came N steps late. A request that is
-not a session turn is tokenized and checked on the caller's thread first (LLMEngine.prepare_request), so bad
-input still fails the call. A session turn's checks read the session (exists, busy, history), so they run when
+not a session turn is taken in (the intake) and tokenized on the caller's thread first (LLMEngine.prepare_request),
+so bad input still fails the call. A session turn's checks read the session (exists, busy, history), so they run when
 the loop takes it in; a refused turn ends its stream with a ``rejected`` error output. Aborts and stats take the
 lock and wait for the current step at most. Python's locks are not fair, so the step loop lets waiting callers
 in before it takes the lock for the next step; otherwise a busy loop could starve an abort for a generation.
@@ -32,7 +32,6 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -44,7 +43,8 @@ from backend_lib.core.outputs import EngineStats, RequestOutput, SessionControl
 from backend_lib.core.request import check_unused
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.faults import FaultConfig
-from backend_lib.engine.llm_engine import LLMEngine, Prompt
+from backend_lib.engine.intake import IntakeRequest, Prompt, RequestRules
+from backend_lib.engine.llm_engine import LLMEngine
 from backend_lib.worker.failures import FatalEngineError
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, idle_poll_s: float = 1.0,
                  faults: FaultConfig | None = None) -> None:
         self._idle_poll_s = idle_poll_s
-        self._faults = FaultConfig.from_env(os.environ) if faults is None else faults  # read once, here
+        self._faults = FaultConfig.from_env() if faults is None else faults  # read once, here
         self._failed_steps = 0  # consecutive
         self.failure: str | None = None  # why the engine is dead; None while it serves
         # Called once (on the engine thread) when the engine dies, with the reason.
@@ -138,18 +138,29 @@ class AsyncEngine:
     def config(self) -> EngineConfig:
         return self.engine.config
 
+    @property
+    def rules(self) -> RequestRules:
+        """What the intake checks this engine's requests against (the fronts take requests in under them)."""
+        return self.engine.rules
+
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    session: SessionControl | None = None) -> RequestStream:
+                    session: SessionControl | None = None, priority: int | None = None) -> RequestStream:
+        """``submit`` after the intake (``LLMEngine.take_in``), for callers in Python."""
+        with self._inbox_lock:  # first before the intake: an overloaded server refuses at the least cost
+            self._check_waiting_room()
+        return self.submit(request_id, self.engine.take_in(prompt, params, session, priority))
+
+    def submit(self, request_id: str, request: IntakeRequest) -> RequestStream:
         """Raises RequestError (nothing queued): invalid input, or busy past max_waiting_requests;
         RuntimeError after shutdown. A session turn the engine refuses (unknown session, a turn still running,
         max_sessions, ...) ends its stream with a rejected output."""
         with self._inbox_lock:  # first before tokenizing: an overloaded server refuses at the least cost
             self._check_waiting_room()
-        if session is None:
-            prepared = self.engine.prepare_request(request_id, prompt, params)
+        if request.session is None:
+            prepared = self.engine.prepare_request(request_id, request)
             admit = functools.partial(self.engine.add_prepared, prepared)
         else:
-            admit = functools.partial(self.engine.add_request, request_id, prompt, params, session)
+            admit = functools.partial(self.engine.submit, request_id, request)
         stream = RequestStream(request_id)
         with self._inbox_lock:
             if self.failure is not None:

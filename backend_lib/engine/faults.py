@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from backend_lib.core import envs
 from backend_lib.worker.failures import FatalEngineError
 
 if TYPE_CHECKING:
@@ -38,13 +39,9 @@ class FaultConfig:
             raise ValueError(f"{FAULT_KIND_ENV} must be one of {_KINDS}, got {self.kind!r}")
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> "FaultConfig":
-        text = environ.get(FAULT_STEP_ENV, "").strip()
-        try:
-            step = int(text) if text else 0
-        except ValueError:
-            raise ValueError(f"{FAULT_STEP_ENV} must be an integer step, got {text!r}") from None
-        return cls(step=step, kind=environ.get(FAULT_KIND_ENV, "").strip() or "fatal")
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "FaultConfig":
+        """From ``environ`` (default: this process's environment)."""
+        return cls(step=envs.read(FAULT_STEP_ENV, environ), kind=envs.read(FAULT_KIND_ENV, environ))
 
     def install(self, engine: "LLMEngine") -> None:
         """Wrap the engine's model run so that step ``self.step`` raises (nothing to do when off)."""

@@ -1,17 +1,21 @@
 """The intake: a request's plain values become a validated engine request here, and nowhere else.
 
-Both fronts end here: the Triton codec hands over the values it read from the tensors and parameters (the OpenAI
-front's requests arrive through Triton the same way). Each rule lives once, and every refusal is a
-``RequestError`` (core/errors.py) naming the request field:
+Every front ends here, in one pass (``take_in`` -> ``IntakeRequest``): the Triton codec hands over the values it read
+from the tensors and parameters (the OpenAI front's requests arrive through Triton the same way), ``LLM.generate``
+and the CLI their prompts and ``SamplingParams``. The engine tokenizes an ``IntakeRequest`` once and checks only
+what needs its tokens (the context room) or its state (ids in use, the session table); it re-checks nothing the
+intake checked (it asserts the request was taken in under its own ``RequestRules``). Each rule lives once, and
+every refusal is a ``RequestError`` (core/errors.py) naming the request field:
 
 - fields (``parse_sampling``): unknown names (``SamplingParams.from_dict``), strings coerced for typed fields (HTTP
   parameters, vLLM-style clients), JSON text parsed with its recursion guard (``parse_json``), value ranges
   (``SamplingParams``), the structured-output fields (``structured_outputs``, ``guided_*``) parsed into an
   ``OutputConstraint`` under ``RequestLimits``' structured-output limits;
-- the prompt (``parse_text`` / ``parse_input_ids`` / ``parse_messages``) and session parameters (``parse_session``);
+- the prompt (``parse_prompt``: ``parse_text`` / ``parse_input_ids`` / ``parse_messages``), session parameters
+  (``parse_session``) and the scheduling priority (``parse_priority``);
 - what the server allows one request (``check_prompt``, ``check_params``: ``RequestLimits``), token ids within the
   vocabulary (``check_ids``), the context room (``check_context``);
-- a session turn against the one session table, the scheduler's (``check_turn``, ``check_session_room``).
+- the fields a session turn cannot have (``check_turn_fields``); the room for a new session (``check_session_room``).
 
 Two rules live in core because the scheduler holds them as its own contract too, and core cannot import the engine:
 a request id not in use (``core/request.py: check_unused``) and a turn's session protocol
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from backend_lib.core.config import RequestLimits
@@ -37,6 +42,10 @@ from backend_lib.structured_output.constraints import (CONSTRAINT_FIELDS, Constr
 SESSION_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
 # vLLM's older flag for "any JSON object"; the other guided_* fields are the constraint parser's.
 GUIDED_JSON_OBJECT = "guided_json_object"
+# A request's scheduling priority (scheduling_policy "priority"; lower runs earlier): a field of the request, not
+# of its sampling, but sent with the sampling fields (sampling_parameters, request parameters, OpenAI's extra field).
+PRIORITY = "priority"
+PRIORITY_RANGE = (-2**31, 2**31 - 1)
 REQUEST_FIELDS = (*CONSTRAINT_FIELDS, GUIDED_JSON_OBJECT)  # fields besides SamplingParams' own
 
 # Sampling fields by type, for values that arrive as strings (HTTP parameters, vLLM-style clients that send
@@ -46,6 +55,66 @@ _FLOAT_FIELDS = frozenset({"temperature", "top_p", "min_p", "repetition_penalty"
                            "frequency_penalty"})
 _BOOL_FIELDS = frozenset({"ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative",
                           GUIDED_JSON_OBJECT})
+# No model behind the rules (the codec's unit tests): nothing is outside the vocabulary or the context.
+_NO_MODEL_SIZE = 2**62
+
+Prompt = str | list[int] | list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class RequestRules:
+    """What the intake checks a request against: the server's per-request limits and the model's sizes."""
+
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    vocab_size: int = _NO_MODEL_SIZE
+    max_model_len: int = _NO_MODEL_SIZE
+
+
+@dataclass(frozen=True)
+class IntakeRequest:
+    """A request the intake took in: typed values, each checked once under ``rules``."""
+
+    prompt: Prompt  # text, token ids (within the vocabulary), or chat messages
+    params: SamplingParams  # within rules.limits
+    rules: RequestRules
+    session: SessionControl | None = None
+    priority: int | None = None  # None: not given (0, or a session's own: LLMEngine.submit)
+
+    @property
+    def is_chat(self) -> bool:
+        return _is_chat(self.prompt)
+
+    @property
+    def is_token_ids(self) -> bool:
+        return not isinstance(self.prompt, str) and not self.is_chat
+
+
+def take_in(rules: RequestRules, prompt: Any, sampling: Mapping[str, Any] | SamplingParams | None = None,
+            session: SessionControl | None = None, prompt_field: str | None = None,
+            priority: Any = None) -> IntakeRequest:
+    """A request's raw values -> an ``IntakeRequest``, or a RequestError naming the field.
+
+    ``prompt``: text, a list of token ids or chat messages (a list of objects, or their JSON text when
+    ``prompt_field`` is "messages"); ``prompt_field`` is the name the front's client gave it (the Triton inputs'
+    names), else "prompt" for text. ``sampling``: the sampling and structured-output fields as plain values
+    (strings allowed for typed fields; ``priority`` among them), or a ``SamplingParams`` a Python caller built
+    (validated when built) with ``priority`` apart."""
+    prompt = parse_prompt(prompt, prompt_field)
+    if isinstance(sampling, SamplingParams):
+        params = sampling
+    else:
+        fields = dict(sampling or {})
+        priority = fields.pop(PRIORITY, priority)
+        params = parse_sampling(fields, rules.limits)
+    priority = parse_priority(priority)
+    check_params(rules.limits, params, rules.vocab_size)
+    check_prompt(rules.limits, prompt, rules.max_model_len)
+    request = IntakeRequest(prompt, params, rules, session, priority)
+    if request.is_token_ids:
+        check_ids("input_ids", prompt, rules.vocab_size)
+    if session is not None:
+        check_turn_fields(params)
+    return request
 
 
 # ---------------------------------------------------------------------------------------------- values
@@ -88,6 +157,22 @@ def coerce(name: str, value: Any) -> Any:
     return value
 
 
+def parse_priority(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise RequestError(PRIORITY, f"priority must be an integer, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(PRIORITY, f"priority must be an integer, got {type(value).__name__} {value!r}")
+    low, high = PRIORITY_RANGE
+    if not low <= value <= high:
+        raise RequestError(PRIORITY, f"priority must be in [{low}, {high}] (lower runs earlier), got {value}")
+    return value
+
+
 def from_structured_output_error(exc: StructuredOutputError) -> RequestError:
     """structured_output/ sits below core and raises its own typed refusal: the same field, as a RequestError."""
     field = exc.field.split(".", 1)[0]  # structured_outputs.json -> the request field structured_outputs
@@ -112,10 +197,28 @@ def parse_sampling(fields: Mapping[str, Any], limits: RequestLimits) -> Sampling
         raise from_structured_output_error(exc) from None
     if constraint is not None:
         values["structured_outputs"] = constraint
-    return SamplingParams.from_dict(values, also_allowed=REQUEST_FIELDS + SESSION_PARAMETERS)
+    return SamplingParams.from_dict(values, also_allowed=REQUEST_FIELDS + SESSION_PARAMETERS + (PRIORITY,))
 
 
 # ---------------------------------------------------------------------------------------------- the prompt
+
+
+def _is_chat(prompt: Any) -> bool:
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
+
+
+def parse_prompt(prompt: Any, field_name: str | None = None) -> Prompt:
+    """Text, token ids or chat messages, by the front's field name or (Python callers) by the value's type."""
+    if field_name == "messages" and isinstance(prompt, str):
+        return parse_messages(field_name, prompt)
+    if isinstance(prompt, str):
+        return parse_text(field_name or "prompt", prompt)
+    if not isinstance(prompt, (list, tuple)):
+        raise RequestError(field_name or "prompt", f"{field_name or 'prompt'} must be text, a list of token ids or "
+                           f"a list of chat messages, got {type(prompt).__name__}")
+    if _is_chat(prompt):
+        return check_messages(field_name or "messages", list(prompt))
+    return parse_input_ids(field_name or "input_ids", list(prompt))
 
 
 def parse_text(name: str, text: str) -> str:
@@ -136,7 +239,10 @@ def parse_input_ids(name: str, ids: list[Any]) -> list[int]:
 
 def parse_messages(name: str, text: str) -> list[dict[str, str]]:
     """A chat's messages from their JSON text: a non-empty list of {"role": str, "content": str}."""
-    messages = parse_json(name, text)
+    return check_messages(name, parse_json(name, text))
+
+
+def check_messages(name: str, messages: Any) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
         raise RequestError(name, f"{name} must be a non-empty JSON list of {{\"role\": ..., \"content\": ...}} "
                            "objects")
@@ -276,13 +382,11 @@ def check_context(num_prompt_tokens: int, params: SamplingParams, max_model_len:
 # ---------------------------------------------------------------------------------------------- sessions
 
 
-def check_turn(sessions: SessionTable, control: SessionControl, params: SamplingParams) -> None:
-    """A turn against the session table (its rule, ``SessionTable.check_turn``: the session exists or this turn
-    STARTs it, no turn of it in flight), and the fields a turn cannot have."""
+def check_turn_fields(params: SamplingParams) -> None:
+    """The fields a session turn cannot have."""
     if params.prompt_logprobs is not None:  # the history's positions are not computed again
         raise RequestError("prompt_logprobs", "prompt_logprobs is not available for a session turn (sequence_id); "
                            "send the whole prompt as a request of its own")
-    sessions.check_turn(control.session_id, control.start)
 
 
 def check_session_room(sessions: SessionTable, max_sessions: int) -> None:

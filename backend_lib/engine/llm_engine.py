@@ -31,8 +31,8 @@ from backend_lib.core.request import Request, RequestStatus, check_unused
 from backend_lib.core.sampling_params import SEED_LIMIT, SamplingParams
 from backend_lib.core.scheduler import Scheduler
 from backend_lib.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from backend_lib.engine.intake import (check_context, check_ids, check_params, check_prompt, check_session_room,
-                                       check_turn, parse_input_ids, parse_text)
+from backend_lib.engine.intake import (IntakeRequest, Prompt, RequestRules, check_context, check_ids,
+                                       check_session_room, take_in)
 from backend_lib.engine.tokenizer import Tokenizer
 from backend_lib.core.model_path import resolve_model_path
 from backend_lib.structured_output.grammar_compiler import GrammarCompiler
@@ -44,8 +44,6 @@ log = logging.getLogger("deepinfer.engine")
 
 # With nothing to run but requests whose grammars compile, a step waits this long for one of them (not a busy loop).
 GRAMMAR_WAIT_S = 0.01
-
-Prompt = str | list[int] | list[dict]
 
 
 def _ends_on_stop_token(request: Request) -> bool:
@@ -78,6 +76,7 @@ class PreparedRequest:
     prompt_ids: list[int]
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)  # when it came in, not when a step took it
+    priority: int = 0  # scheduling_policy "priority": lower runs earlier
     grammar: RequestGrammar | None = None  # structured output: its grammar, compiling since preparation
 
 
@@ -92,6 +91,7 @@ class LLMEngine:
         self.executor = Executor(config)
         self.model, self.runner = self.executor.model, self.executor.runner
         self.vocab_size = self.model.arch.vocab_size
+        self.rules = RequestRules(config.limits, self.vocab_size, config.model.max_model_len)
         num_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.model.max_model_len,
                                    num_lookahead_slots=self.runner.num_lookahead_slots,
@@ -107,25 +107,35 @@ class LLMEngine:
         self._grammar_lock = threading.Lock()  # prepare_request runs on callers' threads
 
     # ---- requests -------------------------------------------------------------------------------
+    def take_in(self, prompt: Prompt, params: SamplingParams | None = None, session: SessionControl | None = None,
+                priority: int | None = None) -> IntakeRequest:
+        """The intake (engine/intake.py) for callers in Python: a prompt and SamplingParams under this engine's
+        rules; raises RequestError naming the field."""
+        return take_in(self.rules, prompt, params or SamplingParams(), session=session, priority=priority)
+
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
+        """The ids of a prompt the intake checked; text and chat prompts' ids must fit the model's vocabulary too (a
+        tokenizer with more entries than the model's embedding)."""
         if isinstance(prompt, str):
-            return self.tokenizer.encode(parse_text("prompt", prompt), add_special_tokens=add_special_tokens)
-        if prompt and isinstance(prompt[0], dict):
-            return self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
-        return list(parse_input_ids("input_ids", list(prompt)))
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        elif prompt and isinstance(prompt[0], dict):
+            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+        else:
+            return list(prompt)  # the intake checked them
+        check_ids("input_ids", ids, self.vocab_size)
+        return ids
 
-    def prepare_request(self, request_id: str, prompt: Prompt,
-                        params: SamplingParams | None = None) -> PreparedRequest:
-        """Tokenizes and checks a request that is not a session turn (engine/intake.py's rules); raises RequestError.
+    def prepare_request(self, request_id: str, request: IntakeRequest) -> PreparedRequest:
+        """Tokenizes a request that is not a session turn and checks its context room; raises RequestError.
 
-        Reads nothing a step changes (tokenizer, vocabulary, limits), so another thread may call it while a step
+        Reads nothing a step changes (tokenizer, vocabulary, rules), so another thread may call it while a step
         runs: AsyncEngine does, so that a new request never waits for the step in flight."""
-        params = params or SamplingParams()
-        self._check_limits(prompt, params)
-        prompt_ids = self.tokenize(prompt)
-        check_ids("input_ids", prompt_ids, self.vocab_size)
-        check_context(len(prompt_ids), params, self.config.model.max_model_len)
-        return PreparedRequest(request_id, prompt_ids, params, grammar=self._submit_grammar(params))
+        assert request.rules == self.rules, "the request was taken in under another engine's rules"
+        assert request.session is None, "a session turn is tokenized against its history (submit)"
+        prompt_ids = self.tokenize(request.prompt)
+        check_context(len(prompt_ids), request.params, self.config.model.max_model_len)
+        return PreparedRequest(request_id, prompt_ids, request.params, priority=request.priority or 0,
+                               grammar=self._submit_grammar(request.params))
 
     def add_prepared(self, prepared: PreparedRequest) -> None:
         """Queue a request from ``prepare_request``; raises RequestError (nothing queued) if its id is in use."""
@@ -136,7 +146,7 @@ class LLMEngine:
                 prepared.grammar.release()
             raise
         self._queue(prepared.request_id, prepared.prompt_ids, prepared.params, arrival_time=prepared.arrival_time,
-                    grammar=prepared.grammar)
+                    grammar=prepared.grammar, priority=prepared.priority)
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -158,54 +168,55 @@ class LLMEngine:
                               partial(GrammarMatcher, max_rollback_tokens=drafts))
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    session: SessionControl | None = None) -> None:
-        """Queue a request; raises RequestError (nothing queued, no session opened) for bad input, a session
-        protocol error or max_sessions."""
-        if session is None:
-            self.add_prepared(self.prepare_request(request_id, prompt, params))
+                    session: SessionControl | None = None, priority: int | None = None) -> None:
+        """Take in and queue a request; raises RequestError (nothing queued, no session opened) for bad input, a
+        session protocol error or max_sessions."""
+        self.submit(request_id, self.take_in(prompt, params, session, priority))
+
+    def submit(self, request_id: str, request: IntakeRequest) -> None:
+        """Queue a request the intake took in; raises RequestError as add_request."""
+        if request.session is None:
+            self.add_prepared(self.prepare_request(request_id, request))
             return
-        params = params or SamplingParams()
+        assert request.rules == self.rules, "the request was taken in under another engine's rules"
+        session, params, prompt = request.session, request.params, request.prompt
         check_unused(request_id, self._states)
         sessions, sid = self.scheduler.sessions, session.session_id
-        check_turn(sessions, session, params)
+        sessions.check_turn(sid, session.start)
         if session.start and sessions.get(sid) is None:
             self._check_session_room()
-        self._check_limits(prompt, params)  # the new turn's prompt; the history is bounded by max_model_len
         previous = None if session.start else sessions.get(sid)  # START begins a fresh conversation
-        chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+        chat = request.is_chat
         history: list[int] = []
         if chat:
             prompt = (previous.messages if previous is not None else []) + list(prompt)
         elif previous is not None:
             history = sessions.history(sid)
-        new_ids = self.tokenize(prompt, add_special_tokens=not history)
-        check_ids("input_ids", new_ids, self.vocab_size)
-        prompt_ids = history + new_ids
+        prompt_ids = history + self.tokenize(prompt, add_special_tokens=not history)
         check_context(len(prompt_ids), params, self.config.model.max_model_len, " (session history included)")
         if session.start:
             if sessions.get(sid) is not None:  # START again, no turn running (check_turn): a new conversation
                 self.scheduler.close_session(sid)
             self.scheduler.open_session(sid)
+        # A session keeps its priority: a turn that gives one sets it for itself and the turns after it.
+        priority = request.priority if request.priority is not None else (previous.priority if previous else 0)
+        sessions.get(sid).priority = priority
         # The constraint applies to this turn only: the next turn's params carry their own (or none).
         self._queue(request_id, prompt_ids, params, session=session, num_history_tokens=len(history),
-                    text_turn=not chat, grammar=self._submit_grammar(params))  # a text turn: marked in flight
+                    text_turn=not chat, grammar=self._submit_grammar(params),  # a text turn: marked in flight
+                    priority=priority)
         if chat:
             sessions.begin_turn(sid, request_id).messages = list(prompt)
 
-    def _check_limits(self, prompt: Prompt, params: SamplingParams) -> None:
-        """What one request may make the server hold (RequestLimits), before tokenizing it."""
-        check_params(self.config.limits, params, self.vocab_size)
-        check_prompt(self.config.limits, prompt, self.config.model.max_model_len)
-
     def _queue(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                session: SessionControl | None = None, num_history_tokens: int = 0, text_turn: bool = True,
-               arrival_time: float | None = None, grammar: RequestGrammar | None = None) -> None:
+               arrival_time: float | None = None, grammar: RequestGrammar | None = None, priority: int = 0) -> None:
         seed = params.seed if params.seed is not None else self._seeds.randrange(SEED_LIMIT)
         request = Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params, seed=seed,
                           arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                           eos_token_ids=self.tokenizer.eos_token_ids,
                           session_id=session.session_id if session is not None and text_turn else None,
-                          num_history_tokens=num_history_tokens, grammar=grammar)
+                          num_history_tokens=num_history_tokens, grammar=grammar, priority=priority)
         try:
             self.scheduler.add_request(request)  # first: a refusal there leaves no text state behind
         except Exception:  # released, then raised on
@@ -217,7 +228,7 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
                                                params.include_stop_str_in_output),
             stops=StopStringMatcher(list(params.stop), params.include_stop_str_in_output),
-            metrics=RequestMetrics(arrival_time=request.arrival_time),
+            metrics=RequestMetrics(arrival_time=request.arrival_time, priority=priority),
             session=session, text_turn=text_turn)
 
     def _check_session_room(self) -> None:

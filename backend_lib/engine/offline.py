@@ -7,7 +7,8 @@ from typing import Any
 from backend_lib.core.config import EngineConfig
 from backend_lib.core.outputs import PromptLogprobs, TokenLogprob
 from backend_lib.core.sampling_params import SamplingParams
-from backend_lib.engine.llm_engine import LLMEngine, Prompt
+from backend_lib.engine.intake import Prompt
+from backend_lib.engine.llm_engine import LLMEngine
 
 
 @dataclass
@@ -43,13 +44,17 @@ class LLM:
         self.close()
 
     def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
-                 ) -> list[GenerationResult]:
-        """Runs all prompts as one continuous batch; results in prompt order."""
+                 priority: list[int] | None = None) -> list[GenerationResult]:
+        """Runs all prompts as one continuous batch; results in prompt order. ``priority`` (one per prompt, as vLLM's
+        generate) matters under scheduling_policy "priority": lower runs earlier."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        priorities = priority if priority is not None else [None] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority has {len(priorities)} values for {len(prompts)} prompts")
         ids = [f"offline-{self.engine.num_steps}-{i}" for i in range(len(prompts))]
         results = {rid: GenerationResult(rid, "", [], None, 0, 0, 0.0) for rid in ids}
-        for rid, prompt, p in zip(ids, prompts, params_list):
-            self.engine.add_request(rid, prompt, p)
+        for rid, prompt, p, level in zip(ids, prompts, params_list, priorities):
+            self.engine.add_request(rid, prompt, p, priority=level)
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 result = results[out.request_id]

@@ -29,6 +29,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from backend_lib.core import envs
 from backend_lib.neuron.platform import Platform
 
 INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -49,21 +50,20 @@ class CompileCacheDir:
         return f"compile cache {self.path} ({self.source})"
 
 
-def default_root(env: Mapping[str, str]) -> Path:
+def default_root(env: Mapping[str, str] | None = None) -> Path:
     """``$XDG_CACHE_HOME/deepinfer/compile``, ``~/.cache/deepinfer/compile`` without it."""
-    base = env.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+    base = envs.read("XDG_CACHE_HOME", env) or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "deepinfer" / "compile"
 
 
-def _neuron_cc_cache_dir(env: Mapping[str, str]) -> str | None:
-    match = _CACHE_DIR_FLAG.search(env.get(NEURON_CC_FLAGS_ENV, ""))
+def _neuron_cc_cache_dir(env: Mapping[str, str] | None) -> str | None:
+    match = _CACHE_DIR_FLAG.search(envs.read(NEURON_CC_FLAGS_ENV, env))
     return match.group(2) if match else None
 
 
 def resolve_cache_dir(configured: str, platform: Platform, env: Mapping[str, str] | None = None) -> CompileCacheDir:
     """The cache directory of ``platform``'s compiler: ``<root>/neuron`` or ``<root>/inductor``, where the root is
     ``configured``, else the default; a cache the user's environment names wins over the default only."""
-    env = os.environ if env is None else env
     configured = configured.strip()
     flag_dir = _neuron_cc_cache_dir(env) if platform.is_neuron else None
     if configured and flag_dir:
@@ -75,8 +75,8 @@ def resolve_cache_dir(configured: str, platform: Platform, env: Mapping[str, str
     if flag_dir:
         return CompileCacheDir(flag_dir, NEURON_CC_FLAGS_ENV, False)
     name = NEURON_ENV if platform.is_neuron else INDUCTOR_ENV
-    if env.get(name, "").strip():
-        return CompileCacheDir(env[name].strip(), name, False)
+    if envs.read(name, env):
+        return CompileCacheDir(envs.read(name, env), name, False)
     return CompileCacheDir(str(default_root(env) / sub), "default", True)
 
 
@@ -101,7 +101,7 @@ def compile_cache_scope(configured: str, platform: Platform, backend: str) -> It
         _prepare(cache.path)
     if backend == "neuron":
         if cache.owned:
-            os.environ[NEURON_ENV] = cache.path
+            envs.export(NEURON_ENV, cache.path)
         yield cache
         return
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from backend_lib.neuron.platform import FP8_MAX_E4M3FN, FP8_MAX_NEURON
+from backend_lib.neuron.platform import FP8_MAX_NEURON
+from kernels.quant import FP8_MAX
 from kernels.quant import FP8_DTYPE, expand_scales
 
 
@@ -44,8 +45,8 @@ def rescale_for_neuron(weight: torch.Tensor,  # [..., out, in] float8_e4m3fn
     (and their scale doubled) until they fit; other blocks are returned bit for bit."""
     if weight.dtype != FP8_DTYPE:
         raise ValueError(f"rescale_for_neuron expects float8_e4m3fn weights, got {weight.dtype}")
-    if not 0 < fp8_max <= FP8_MAX_E4M3FN:
-        raise ValueError(f"fp8_max must be in (0, {FP8_MAX_E4M3FN}], got {fp8_max}")
+    if not 0 < fp8_max <= FP8_MAX:
+        raise ValueError(f"fp8_max must be in (0, {FP8_MAX}], got {fp8_max}")
     scale = scale_inv.to(torch.float32)
     amax = _block_amax(weight, scale, block_size)
     # Halvings per block: 448 -> 224 needs one; a tighter fp8_max may need more.
@@ -68,8 +69,8 @@ def quantize_activations(x: torch.Tensor,  # [..., K] float
     returns (float8_e4m3fn [..., K], fp32 scales [..., ceil(K / group_size)]) with x ~ q * scale."""
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
-    if not 0 < fp8_max <= FP8_MAX_E4M3FN:
-        raise ValueError(f"fp8_max must be in (0, {FP8_MAX_E4M3FN}], got {fp8_max}")
+    if not 0 < fp8_max <= FP8_MAX:
+        raise ValueError(f"fp8_max must be in (0, {FP8_MAX}], got {fp8_max}")
     k = x.shape[-1]
     groups = -(-k // group_size)
     padded = torch.nn.functional.pad(x.to(torch.float32), (0, groups * group_size - k))

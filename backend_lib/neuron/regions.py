@@ -96,7 +96,9 @@ class CompiledModel(torch.nn.Module):
         super().__init__()
         if scope not in COMPILE_SCOPES:
             raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {scope!r}")
-        if hasattr(model, "set_moe_impl"):
+        # The ServedModel interface (backend_lib/models/interfaces.py: that layer sits above this one, so no import).
+        self.engram_history = model.token_history  # ids before each token (Engram)
+        if model.capabilities.static_moe:
             # The grouped-dispatch MoE has data-dependent shapes; the eager fallback shares the module, and
             # switching per call would fail dynamo's guards, so the whole model takes the fixed-shape MoE.
             model.set_moe_impl("static")
@@ -125,7 +127,7 @@ class CompiledModel(torch.nn.Module):
                 positions: torch.Tensor,  # [T] int64
                 kv_caches: list[torch.Tensor],  # layer-major roots
                 meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden]
-        if getattr(self.model, "token_history", 0) and meta.engram_rows is None:
+        if self.engram_history and meta.engram_rows is None:
             # host work before the graph: the int64 hash and the table lookup (the graph sees gathered rows)
             meta = replace(meta, engram_rows=self.model.engram_gather(input_ids, meta.token_history))
         padded = self.pad(input_ids, positions, meta)
@@ -146,7 +148,7 @@ class CompiledModel(torch.nn.Module):
             return
         # A model whose eager host steps run all layers from one C++ op (Llama's host_fused) must call each
         # layer's forward here, the region, instead.
-        fused = getattr(self.model, "host_fused", False)
+        fused = self.model.host_fused
         for layer in self.model.layers:
             layer.forward = partial(self._layer, layer)
         if fused:
@@ -207,10 +209,10 @@ class CompiledModel(torch.nn.Module):
             prefill_block_tables=torch.zeros((0, width), dtype=torch.int32, device=device),
         )
         zeros = torch.zeros(tokens, dtype=torch.int64, device=device)
-        if hasattr(self.model, "hybrid_cache_shapes"):  # no state slot: every row writes the scratch slot
+        if self.model.has_hybrid_state:  # no state slot: every row writes the scratch slot
             meta.state = StateRows(torch.full_like(zeros, -1), zeros.clone(), zeros.clone())
-        if getattr(self.model, "token_history", 0):
-            history = torch.full((tokens, self.model.token_history), -1, dtype=torch.int64, device=device)
+        if self.engram_history:
+            history = torch.full((tokens, self.engram_history), -1, dtype=torch.int64, device=device)
             meta.engram_rows = self.model.engram_gather(zeros, history)
         return PaddedStep(zeros, zeros.clone(), meta, tokens)
 

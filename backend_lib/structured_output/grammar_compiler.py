@@ -114,8 +114,8 @@ def build_tokenizer_info(tokenizer: Any, vocab_size: int, *,
 
 # ---------------------------------------------------------------------------------------------- schema features
 
-# Measured on xgrammar 0.2.9: the schema compiles, and an instance violating the keyword is accepted
-# (tests/test_structured_output.py::test_refused_features_are_still_ignored_by_xgrammar re-checks them).
+# Measured on xgrammar 0.2.9: the schema compiles, and an instance violating the keyword is accepted (re-checked by
+# tests/structured_output/test_structured_output.py::test_refused_features_are_still_ignored_by_xgrammar).
 _IGNORED_KEYWORDS = ("not", "if", "then", "else", "dependentSchemas", "dependentRequired", "dependencies",
                      "uniqueItems", "contains", "minContains", "maxContains")
 # Keywords beside "$ref" that change nothing (annotations, definitions); any other sibling is ignored by xgrammar.

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from backend_lib.models.parallel import ParallelContext
+from backend_lib.models.interfaces import keeps_hybrid_state
 
 FP8_BYTES, BF16_BYTES, FP32_BYTES = 1, 2, 4
 HYBRID_BLOCK = 128  # a block size every V4 compress rate divides: the paged entries have no unused rows
@@ -75,7 +76,7 @@ def _layout(model: nn.Module, whole: nn.Module, tp: int, expert_parallel: bool, 
     # total = replicated + sharded / tp and unsplit = replicated + sharded
     replicated = 0 if tp == 1 else max(0, (tp * total - unsplit) // (tp - 1))
     state = 0
-    if hasattr(model, "hybrid_cache_shapes"):  # paged entries per block of HYBRID_BLOCK positions, one state slot
+    if keeps_hybrid_state(model):  # paged entries per block of HYBRID_BLOCK positions, one state slot
         paged, fixed = model.hybrid_cache_shapes(1, HYBRID_BLOCK, 1)
         per_token = sum(math.prod(shape) for shape in paged) * BF16_BYTES // HYBRID_BLOCK
         state = sum(math.prod(shape) for shape in fixed) * BF16_BYTES

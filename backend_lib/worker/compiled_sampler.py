@@ -17,7 +17,7 @@ from tqdm import tqdm
 from backend_lib.core.config import CompileConfig
 from backend_lib.neuron.buckets import BucketSpec
 from backend_lib.neuron.compile_cache import compile_cache_scope, count_cache_use
-from backend_lib.neuron.platform import Platform, detect_platform
+from backend_lib.neuron.platform import Platform
 from backend_lib.neuron.regions import CompiledModel, RegionStats, compile_region, raise_dynamo_cache_limits, \
     resolve_backend
 from backend_lib.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, masked_sample
@@ -110,13 +110,12 @@ class CompiledSampler(torch.nn.Module):
 
 
 def build_regions(model: torch.nn.Module, sampler: Sampler | None, kv_caches: list[torch.Tensor], num_blocks: int,
-                  block_size: int, vocab_size: int, config: CompileConfig | None = None,
+                  block_size: int, vocab_size: int, platform: Platform, config: CompileConfig | None = None,
                   max_num_seqs: int = 32, max_model_len: int | None = None,
-                  platform: Platform | None = None) -> tuple[torch.nn.Module, Sampler | CompiledSampler | None]:
+                  ) -> tuple[torch.nn.Module, Sampler | CompiledSampler | None]:
     """The runner's model and sampler, wrapped in compiled regions (and warmed up) when compiling is on;
     unchanged otherwise. A worker rank has no sampler (the driver samples): None stays None. Bucket defaults: powers
     of two up to ``max_num_seqs`` rows and up to the blocks of ``max_model_len`` (default: the pool) from 8."""
-    platform = platform or detect_platform()
     backend = resolve_backend(config, platform)
     if backend is None:
         return model, sampler

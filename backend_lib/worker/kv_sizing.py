@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from backend_lib.core.config import CacheConfig, EngineConfig
+from backend_lib.models.interfaces import keeps_hybrid_state
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class KVCachePlan:
 
 def is_hybrid(model: torch.nn.Module) -> bool:
     """Whether the model keeps fixed per-request state next to its paged blocks (backend_lib/core/hybrid_kv.py)."""
-    return hasattr(model, "hybrid_cache_shapes")
+    return keeps_hybrid_state(model)
 
 
 def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype, drafts: int = 0) -> int:

@@ -4,12 +4,13 @@ Preparation turns the scheduler's chunks into one tensor per input (one host->de
 forward and the sampler consume only tensors, so the same step can later run as compiled regions with static
 shapes. The step syncs with the host once, when it reads the sampled ids.
 
-Speculative decoding (``SpecConfig.method`` ngram | mtp): a decode chunk carries its drafts. The decode group runs
-with ``decode_query_len = 1 + max drafts`` of the step; a request with fewer drafts is padded with rows that write
-into the scratch block and whose logits are never read, so padding cannot change its output (its real queries see
-exactly its own positions). ``_execute_spec`` verifies every sampling chunk's drafts with the rejection sampler
+Speculative decoding (``SpecConfig.method`` ngram | mtp | dspark | dflash): a decode chunk carries its drafts. The
+decode group runs with ``decode_query_len = 1 + max drafts`` of the step; a request with fewer drafts is padded with
+rows that write into the scratch block and whose logits are never read, so padding cannot change its output (its
+real queries see exactly its own positions). ``_execute_spec`` verifies every sampling chunk's drafts with the rejection sampler
 (a chunk without drafts is plain sampling: the same seeded draw) and proposes the next drafts: n-gram on the host
-after the one sync, MTP on device before it.
+after the one sync, MTP and the DSpark / DFlash block drafters on device before it (the block drafters' lengths are
+then chosen on the host: worker/spec_decode/verify_schedule.py).
 
 Structured output: before sampling, the driver's ``StepBitmask`` (worker/grammar_bitmask.py) takes each constrained
 request's mask from its matcher (a verification's rows: the masks after each of its drafts) into
@@ -31,8 +32,9 @@ import torch
 from backend_lib.core.config import CompileConfig, SpecConfig
 from backend_lib.core.outputs import RunnerOutput, ScheduledChunk, SchedulerOutput, TokenLogprob
 from backend_lib.core.request import Request
+from backend_lib.models.interfaces import capabilities_of
 from backend_lib.models.parallel import ContextGroup
-from backend_lib.neuron.platform import detect_platform
+from backend_lib.neuron.platform import Platform
 from backend_lib.neuron.regions import resolve_backend
 from backend_lib.worker.compiled_sampler import build_regions
 from backend_lib.worker.context_share import share_step
@@ -43,6 +45,7 @@ from backend_lib.worker.prompt_logprobs import head_slices, prompt_rows
 from backend_lib.worker.prompt_logprobs import compute as compute_prompt_logprobs
 from backend_lib.worker.sampler import Sampler, SamplingMetadata, SamplingRow
 from backend_lib.worker.spec_decode import make_mtp_proposer
+from backend_lib.worker.spec_decode.dspark import BlockDraftProposer
 from backend_lib.worker.spec_decode.ngram import NgramProposer
 from backend_lib.worker.spec_decode.rejection import DraftLayout, greedy_verify, num_accepted, rejection_sample
 from backend_lib.worker.step_messages import StepLink
@@ -77,20 +80,21 @@ def chunk_token_ids(chunk: ScheduledChunk) -> list[int]:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, vocab_size: int,
-                 device: torch.device, dtype: torch.dtype, spec: SpecConfig | None = None,
+                 platform: Platform, dtype: torch.dtype, spec: SpecConfig | None = None,
                  compile_config: CompileConfig | None = None, max_num_seqs: int = 32,
                  max_model_len: int | None = None, link: StepLink | None = None, is_driver: bool = True,
                  num_state_slots: int = 0, kv_dtype: torch.dtype | None = None,
                  context: ContextGroup = ContextGroup(), context_min_tokens: int = 1) -> None:
-        if context.size > 1 and not getattr(model, "supports_context_parallel", False):
+        capabilities = capabilities_of(model)
+        if context.size > 1 and not (capabilities.context_parallel and model.supports_context_parallel):
             raise ValueError(f"context_parallel_size={context.size}: {type(model).__name__} has no context-parallel "
                              f"attention here (Llama, DeepSeek-V3 without Engram and DeepSeek-V4 have)")
         self.model = model
         self.context = context
         # Models whose every layer needs every row (DeepSeek-V4: its compressors and rings) split only the KV.
-        self.context_min_tokens = (context_min_tokens if getattr(model, "splits_context_rows", True)
+        self.context_min_tokens = (context_min_tokens if capabilities.splits_context_rows
                                    else torch.iinfo(torch.int64).max)
-        self.token_history = getattr(model, "token_history", 0)  # ids before each token the model reads (Engram)
+        self.token_history = model.token_history if capabilities.engram else 0  # ids before each token (Engram)
         self.link = link  # the driver's messages to its worker ranks (None: one rank, or this is a worker)
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -98,7 +102,8 @@ class ModelRunner:
         # every context rank's blocks together; worker/context_share.py maps them onto this rank's).
         self.scratch_block = num_blocks * context.size
         self.vocab_size = vocab_size
-        self.device = device
+        self.platform = platform  # the rank's, built once (worker/executor/rank.py)
+        self.device = device = platform.torch_device
         num_slots = (num_blocks + 1) * block_size
         self.num_state_slots = num_state_slots if is_hybrid(model) else 0
         # kv_dtype: the paged cache's element type (default the model's; uint8 for kv_cache_dtype=fp8_e4m3); a
@@ -119,14 +124,24 @@ class ModelRunner:
         self.mtp = (make_mtp_proposer(model, self.kv_caches, num_slots, k, device, kv_dtype or dtype,
                                       self._share_meta if context.size > 1 else None)
                     if self.spec_method == "mtp" else None)
-        if getattr(self.mtp, "needs_eager_model", False) and resolve_backend(compile_config, detect_platform()):
-            raise ValueError("spec_method 'mtp' drafts for this model need the eager forward (it keeps the "
-                             "pre-hc_head streams): set compile_backend 'none' (and no DEEPINFER_COMPILE_BACKEND) "
-                             "or DEEPINFER_ENFORCE_EAGER=1")
-        # Compiled regions (backend_lib/worker/compile): same contracts, eager unless compile_config or
+        self.block_drafter = (BlockDraftProposer(model, spec, num_slots, max_model_len or num_slots, device, dtype)
+                              if self.spec_method in ("dspark", "dflash") else None)
+        if context.size > 1 and self.block_drafter is not None:
+            raise ValueError(f"spec_method {self.spec_method!r} runs without context parallelism: set "
+                             f"context_parallel_size 1")
+        eager_drafter = self.mtp if self.mtp is not None else self.block_drafter
+        if getattr(eager_drafter, "needs_eager_model", False) and resolve_backend(compile_config, platform):
+            raise ValueError(f"spec_method {self.spec_method!r} drafts for this model need the eager forward (it "
+                             "keeps intermediate hidden states): set compile_backend 'none' (and no "
+                             "DEEPINFER_COMPILE_BACKEND) or DEEPINFER_ENFORCE_EAGER=1")
+        # Compiled regions (backend_lib/neuron/regions.py): same contracts, eager unless compile_config or
         # DEEPINFER_COMPILE_BACKEND ask for graphs; DEEPINFER_ENFORCE_EAGER=1 keeps everything eager.
         self.model, self.sampler = build_regions(model, self.sampler, self.kv_caches, num_blocks, block_size,
-                                                 vocab_size, compile_config, max_num_seqs, max_model_len)
+                                                 vocab_size, platform, compile_config, max_num_seqs,
+                                                 max_model_len)
+        # The compiled regions run the full head: only the eager model screens it.
+        self.greedy_screen = (model.greedy_token_ids if capabilities.greedy_head_screen and self.model is model
+                              else None)
 
     @property
     def num_lookahead_slots(self) -> int:
@@ -258,6 +273,8 @@ class ModelRunner:
             self.link.send_step(inputs, mtp_host)
         self._share(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if self.block_drafter is not None:
+            self.block_drafter.write_context(inputs.positions, inputs.meta.slot_mapping)
         if self.spec_method != "none" or any(c.draft_token_ids for c in chunks):
             output = self._execute_spec(chunks, inputs, hidden, mtp_host)
         else:
@@ -304,7 +321,7 @@ class ModelRunner:
         """Plain greedy rows' tokens without the logits, where the model screens its head
         (kernels/int8_head_screen.py, kernels/head_screen.py), under their grammar masks when some row is
         constrained (kernels/masked_head_screen.py); None: compute the logits."""
-        screen = getattr(self.model, "greedy_token_ids", None)
+        screen = self.greedy_screen
         if screen is None:
             return None
         if meta.plain_greedy:
@@ -351,6 +368,13 @@ class ModelRunner:
             drafts = self._mtp_drafts(hidden, inputs, mtp_host["mtp_next_ids"], mtp_host["mtp_first_rows"],
                                       mtp_host["mtp_tables"], verified.token_ids)
             to_read.append(drafts.flatten())
+        block = None
+        if self.block_drafter is not None:
+            block = self.block_drafter.draft_for([chunks[i] for i in sampling], verified.token_ids,
+                                                 self._block_table([chunks[i].block_ids for i in sampling]),
+                                                 self.block_size)
+        if block is not None:
+            to_read.append(block.token_ids.flatten())
         # The one host sync of the step: verified tokens (and MTP drafts) together.
         flat = torch.cat(to_read).tolist()
         width = verified.token_ids.shape[1]
@@ -363,12 +387,17 @@ class ModelRunner:
         # n-gram drafts per request: the next step's verification rows stay within what the few-row GEMM reads
         # the weights once for (NgramProposer.batch_limit).
         ngram_limit = self.ngram.batch_limit(len(sampling)) if self.ngram is not None else 0
+        if self.block_drafter is not None:
+            block_proposals = self.block_drafter.proposals([chunks[i] for i in sampling],
+                                                           [sampled[i] for i in sampling], block, flat[drafts_at:])
         for b, i in enumerate(sampling):
             request = chunks[i].request
             if not request.sampling_params.speculative:
                 continue
             if self.mtp is not None:
                 proposals[i] = flat[drafts_at + b * self.mtp.k:drafts_at + (b + 1) * self.mtp.k]
+            elif self.block_drafter is not None:
+                proposals[i] = block_proposals[b]
             elif ngram_limit:
                 proposals[i] = self.ngram.propose(request.all_token_ids + sampled[i], ngram_limit)
         logprobs = None

@@ -40,7 +40,7 @@ class SamplingRow:
 
 @dataclass
 class SamplingMetadata:
-    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    temperature: torch.Tensor  # [B] float32 > 0 (a greedy row's is 1: is_greedy says it is greedy)
     is_greedy: torch.Tensor  # [B] bool
     top_k: torch.Tensor | None  # [B] int64, vocab_size = off; None when no row uses top-k
     top_p: torch.Tensor | None  # [B] float32, 1 = off; None when no row uses top-p
@@ -126,10 +126,12 @@ class SamplingMetadata:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         params = [r.params for r in rows]
         greedy = [p.is_greedy for p in params]
-        # Greedy rows skip filters: every filter keeps the top token, so argmax is unchanged.
+        # Greedy rows (SamplingParams.is_greedy, the one place that decides it) skip temperature and filters: every
+        # filter keeps the top token, so argmax is unchanged.
         top_k = [vocab_size if g or p.top_k == -1 else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
         top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
         min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+        temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
         any_top_k = any(k < vocab_size for k in top_k)
         any_top_p = any(p < 1.0 for p in top_p)
         any_min_p = any(p > 0.0 for p in min_p)
@@ -151,7 +153,7 @@ class SamplingMetadata:
         blocked = _min_tokens_mask(rows, vocab_size, device, frozenset(masked_rows))
         logit_bias = _logit_bias(rows, vocab_size, device)
         return cls(
-            temperature=floats([p.temperature for p in params]),
+            temperature=floats(temperature),
             is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             top_k=longs(top_k) if any_top_k else None,
             top_p=floats(top_p) if any_top_p else None,

@@ -16,7 +16,7 @@ from backend_lib.core.config import CacheConfig, SchedulerConfig
 from backend_lib.core.hybrid_kv import HybridKVManager, StateSlotPool
 from backend_lib.core.outputs import RunnerOutput, SchedulerOutput
 from backend_lib.core.scheduler import Scheduler
-from tests.core.test_scheduler import VOCAB, expected_tokens, next_token, req, run, step
+from tests.helpers.scheduler_model import VOCAB, expected_tokens, next_token, req, run, step
 
 
 def _digest(tokens: list[int]) -> int:

@@ -2,7 +2,9 @@
 max_waiting_requests and a session START past max_sessions are refused at once ("server busy", Triton's
 UNAVAILABLE) while the admitted requests complete; /metrics counts both refusals. The same server (one start) has
 stream_interval 4: the first token streams alone, later deltas come 4 tokens at a time (the last may be shorter), and
-the streamed text equals the same greedy request sent non-streaming.
+the streamed text equals the same greedy request sent non-streaming. It schedules by priority
+(scheduling_policy=priority, which keeps equal priorities first come, first served): a late high-priority request
+takes the first seat that frees, ahead of a low-priority one waiting before it.
 
 Triton 2.51's /generate answers 400 for every model error whatever its Triton code (measured here with
 INVALID_ARG, INTERNAL and UNAVAILABLE); newer servers map UNAVAILABLE to 503. So a refusal is told apart by its
@@ -13,8 +15,8 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from tests.e2e.conftest import SERVER_PARAMETERS
-from tests.helpers.triton_server import StreamClient, http_generate, metric, metrics, new_server, server_ready, wait_for
+from tests.helpers.triton_server import (SERVER_PARAMETERS, StreamClient, http_generate, metric, metrics, new_server,
+                                         server_ready, wait_for)
 
 from backend_lib.frontend.triton.server import TritonServer
 
@@ -33,7 +35,8 @@ def small_triton(tmp_path_factory) -> TritonServer:
     # 2 running + 2 waiting at most: a burst of 12 must be partly refused. stream_interval changes only how the
     # streamed deltas are grouped (the limits test's requests are not streamed).
     overrides = {**SERVER_PARAMETERS, "max_model_len": str(MAX_MODEL_LEN), "max_num_seqs": "2",
-                 "max_waiting_requests": "2", "max_sessions": "1", "stream_interval": str(INTERVAL)}
+                 "max_waiting_requests": "2", "max_sessions": "1", "stream_interval": str(INTERVAL),
+                 "scheduling_policy": "priority"}
     with new_server(tmp_path_factory.mktemp("triton_limits"), overrides) as server:
         yield server
 
@@ -92,3 +95,30 @@ def test_stream_interval_groups_tokens_after_the_first(small_triton):
     assert all(size >= INTERVAL for size in sizes[1:-1]), sizes  # held until INTERVAL tokens wait
     assert len(sizes) <= 2 + MAX_TOKENS // INTERVAL, sizes
     assert streamed.text == whole.text and [t for ids in streamed.ids for t in ids] == whole.ids[0]
+
+
+def test_a_late_high_priority_request_takes_the_first_free_seat(small_triton):
+    """Both seats held (short, long), low waiting; high (priority 0 < 5) comes later and still ends before low. Queue
+    time is on /metrics by priority."""
+    url, finished = small_triton.http_url, []
+
+    def run(name: str, priority: int, max_tokens: int) -> int:
+        status, _ = http_generate(url, {"text_input": "Count: one, two, three,", "max_tokens": max_tokens,
+                                        "temperature": 0, "ignore_eos": True, "priority": priority})
+        finished.append(name)
+        return status
+
+    def gauge(name: str) -> float:
+        return metric(metrics(small_triton.metrics_url), name)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = [pool.submit(run, "short", 5, 64), pool.submit(run, "long", 5, 128)]
+        wait_for(lambda: gauge("deepinfer_num_requests_running") == 2, what="both seats taken")
+        futures.append(pool.submit(run, "low", 5, 8))
+        wait_for(lambda: gauge("deepinfer_num_requests_waiting") == 1, what="low waiting")
+        futures.append(pool.submit(run, "high", 0, 8))
+        assert [future.result() for future in futures] == [200] * 4
+    assert finished.index("short") < finished.index("high") < finished.index("low"), finished
+    values = metrics(small_triton.metrics_url)
+    for priority in ("0", "5"):
+        assert metric(values, "deepinfer_request_queue_time_seconds_count", priority=priority) >= 1

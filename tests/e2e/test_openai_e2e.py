@@ -13,8 +13,7 @@ from urllib.parse import urlparse
 import jsonschema
 import openai
 import pytest
-from tests.e2e.conftest import SERVER_PARAMETERS
-from tests.helpers.triton_server import StreamClient, http_generate, metric, metrics, new_server
+from tests.helpers.triton_server import (SERVER_PARAMETERS, StreamClient, http_generate, metric, metrics, new_server)
 
 from backend_lib.core.errors import ErrorKind, from_wire
 

@@ -10,17 +10,18 @@ from backend_lib.core.errors import ErrorKind, RequestError
 from backend_lib.core.outputs import SessionControl
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.async_engine import AsyncEngine
-from backend_lib.engine.llm_engine import LLMEngine
 from backend_lib.engine.offline import LLM
+from tests.helpers.engines import drive, final_outputs, full_texts, make_engine
 
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path):
-    return LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 512, "max_num_seqs": 16}))
+    # dequantize: the texts below are the fp32 model's (the packed default's int8 activations word them otherwise)
+    return LLM(config=EngineConfig.from_flat({"model": smollm2_path, "weight_format": "dequantize", "num_blocks": 512,
+                                              "max_num_seqs": 16}))
 
 
-def _tiny_engine(path, **settings) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_flat({"model": str(path), "max_model_len": 256, **settings}))
+ENGINE = {"max_model_len": 256}
 
 
 def test_seeded_sampling_is_batch_invariant(smollm2):
@@ -43,12 +44,8 @@ def test_stop_string_spanning_tokens_is_cut_and_deltas_concatenate(smollm2):
     stop = "of Fra"  # spans at least two tokens (" of", " France")
     engine = smollm2.engine
     engine.add_request("stop-test", prompt, SamplingParams(max_tokens=32, temperature=0.0, stop=[stop]))
-    deltas, final = [], None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            deltas.append(out.new_text)
-            final = out if out.finished else final
-    text = "".join(deltas)
+    outputs = drive(engine)
+    text, final = full_texts(outputs)["stop-test"], final_outputs(outputs)["stop-test"]
     assert final.finish_reason == "stop" and final.stop_reason == stop
     assert text == free[:free.index(stop)]
     assert stop not in text
@@ -85,14 +82,14 @@ def _random_workload(rng: random.Random, n: int, vocab: int):
 
 def test_random_requests_aborts_and_preemption_return_every_block(tiny_llama_dir):
     rng = random.Random(0)
-    reference = _tiny_engine(tiny_llama_dir, num_blocks=512, max_num_seqs=64)
+    reference = make_engine(tiny_llama_dir, ENGINE, num_blocks=512, max_num_seqs=64)
     vocab = reference.vocab_size
     prompts, params = _random_workload(rng, 300, vocab)
     expected = LLM.__new__(LLM)
     expected.engine = reference
     want = [r.token_ids for r in expected.generate(prompts, params)]
 
-    engine = _tiny_engine(tiny_llama_dir, num_blocks=12, max_num_seqs=16, max_num_batched_tokens=48)
+    engine = make_engine(tiny_llama_dir, ENGINE, num_blocks=12, max_num_seqs=16, max_num_batched_tokens=48)
     pending = list(range(300))
     live: set[str] = set()
     got: dict[str, list[int]] = {}
@@ -126,7 +123,7 @@ def test_random_requests_aborts_and_preemption_return_every_block(tiny_llama_dir
 
 
 def test_bad_input_is_rejected_with_the_field_name(tiny_llama_dir):
-    engine = _tiny_engine(tiny_llama_dir, num_blocks=32)
+    engine = make_engine(tiny_llama_dir, ENGINE, num_blocks=32)
     cases = [
         ("", SamplingParams(), "prompt is empty", "prompt"),
         ([], SamplingParams(), "input_ids is empty", "input_ids"),

@@ -3,21 +3,20 @@ kills the engine for good (waiting and new requests get the error, the owner is 
 from __future__ import annotations
 
 import threading
+from functools import partial
 
 import pytest
 
-from backend_lib.core.config import EngineConfig
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.async_engine import AsyncEngine, EngineDeadError
 from backend_lib.engine.faults import FaultConfig
+from tests.helpers.engines import make_engine
 
 LONG = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
-def _engine(tiny_llama_dir, faults: FaultConfig) -> AsyncEngine:
-    return AsyncEngine(EngineConfig.from_flat({"model": str(tiny_llama_dir), "num_blocks": 64, "max_model_len": 256}),
-                       faults=faults)
+ENGINE = {"num_blocks": 64, "max_model_len": 256}
 
 
 def _last(stream, timeout_s: float = 60.0):
@@ -38,7 +37,8 @@ def test_fault_config_from_env():
 
 
 def test_transient_step_failure_ends_its_requests_and_the_engine_goes_on(tiny_llama_dir):
-    engine = _engine(tiny_llama_dir, FaultConfig(step=3, kind="transient"))
+    faults = FaultConfig(step=3, kind="transient")
+    engine = make_engine(tiny_llama_dir, ENGINE, engine_type=partial(AsyncEngine, faults=faults))
     try:
         failed = _last(engine.add_request("a", [3, 5, 7], LONG))
         assert failed.finish_reason == "error" and "fault injected at engine step 3" in failed.error
@@ -51,7 +51,8 @@ def test_transient_step_failure_ends_its_requests_and_the_engine_goes_on(tiny_ll
 
 
 def test_fatal_step_failure_kills_the_engine_and_says_why(tiny_llama_dir):
-    engine = _engine(tiny_llama_dir, FaultConfig(step=3, kind="fatal"))
+    faults = FaultConfig(step=3, kind="fatal")
+    engine = make_engine(tiny_llama_dir, ENGINE, engine_type=partial(AsyncEngine, faults=faults))
     told = []
     died = threading.Event()
     engine.on_failure = lambda reason: (told.append(reason), died.set())
@@ -70,7 +71,7 @@ def test_fatal_step_failure_kills_the_engine_and_says_why(tiny_llama_dir):
 
 
 def test_a_failure_outside_the_step_never_leaves_a_stream_hanging(tiny_llama_dir):
-    engine = _engine(tiny_llama_dir, FaultConfig())
+    engine = make_engine(tiny_llama_dir, ENGINE, engine_type=partial(AsyncEngine, faults=FaultConfig()))
     died = threading.Event()
     engine.on_failure = lambda reason: died.set()
     try:

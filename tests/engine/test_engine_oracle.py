@@ -9,7 +9,10 @@ import pytest
 from backend_lib.core.config import EngineConfig
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.offline import LLM
-from tests.conftest import hf_greedy, hf_greedy_choices
+from tests.helpers.greedy_agreement import hf_greedy, hf_greedy_choices
+
+# `make test` only (not test-fast): SmolLM2 against transformers, token for token (the model loaded by both).
+pytestmark = pytest.mark.slow
 
 PROMPTS = [
     "The capital of France is",
@@ -41,9 +44,10 @@ def oracle(hf_smollm2) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def smollm2_llm(smollm2_path):
-    # A small token budget forces chunked prefill in the concurrent run.
-    return LLM(config=EngineConfig.from_flat({"model": smollm2_path, "max_num_batched_tokens": 32,
-                                              "max_num_seqs": 8, "num_blocks": 256,
+    # A small token budget forces chunked prefill in the concurrent run; weight_format=dequantize: transformers'
+    # weights (auto would run the Q4_1 file packed).
+    return LLM(config=EngineConfig.from_flat({"model": smollm2_path, "weight_format": "dequantize",
+                                              "max_num_batched_tokens": 32, "max_num_seqs": 8, "num_blocks": 256,
                                               "enable_prefix_caching": False}))
 
 
@@ -91,9 +95,14 @@ def test_tiny_hf_llama_matches_transformers(tiny_llama_dir):
     assert [r.token_ids for r in results] == expected
 
 
-@pytest.mark.slow
 def test_cli_generate_chat_prints_paris():
-    out = subprocess.run([sys.executable, "-m", "backend_lib.frontend.cli.main", "generate", "--chat", "--max-tokens", "10",
-                          "What is the capital of France?"], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    assert "Paris" in out.stdout
+    """The exact model (dequantize) answers the README's question; the default (auto: the Q4_1 file packed, int8
+    activations) says in the load log what it chose (its greedy text parts from the exact one's on this question)."""
+    command = [sys.executable, "-m", "backend_lib.frontend.cli.main", "generate", "--chat", "--max-tokens", "10"]
+    exact = subprocess.run([*command, "--weight-format", "dequantize", "What is the capital of France?"],
+                           capture_output=True, text=True, timeout=600)
+    assert exact.returncode == 0, exact.stderr
+    assert "Paris" in exact.stdout
+    default = subprocess.run([*command, "--max-tokens", "2", "Hi"], capture_output=True, text=True, timeout=600)
+    assert default.returncode == 0, default.stderr
+    assert "packed weights (weight_format auto" in default.stderr and default.stdout.strip()

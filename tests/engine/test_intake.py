@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from backend_lib.core.config import EngineConfig, RequestLimits
+from backend_lib.core.config import RequestLimits
 from backend_lib.core.errors import ErrorKind, RequestError
 from backend_lib.core.outputs import SessionControl
 from backend_lib.core.sampling_params import SamplingParams
-from backend_lib.engine.intake import (coerce, from_structured_output_error, parse_messages, parse_sampling,
+from backend_lib.engine.intake import (coerce, parse_messages, parse_sampling,
                                        parse_session)
-from backend_lib.engine.llm_engine import LLMEngine
-from backend_lib.structured_output.constraints import ConstraintKind, GrammarCompileTimeout
+from backend_lib.structured_output.constraints import ConstraintKind
+from tests.helpers.engines import drive, make_engine
 
 
 # ---- values (no engine) ------------------------------------------------------------------------------------
@@ -61,13 +61,8 @@ def test_prompt_and_session_values():
 
 @pytest.fixture
 def engine(tiny_llama_dir):
-    return LLMEngine(EngineConfig.from_flat({"model": str(tiny_llama_dir), "max_model_len": 64, "num_blocks": 64,
-                                             "max_sessions": 2}))
+    return make_engine(tiny_llama_dir, max_model_len=64, num_blocks=64, max_sessions=2)
 
-
-def _run(engine: LLMEngine) -> None:
-    while engine.has_unfinished_requests():
-        engine.step()
 
 
 def test_the_engine_keeps_no_session_table_of_its_own(engine):
@@ -80,11 +75,11 @@ def test_the_engine_keeps_no_session_table_of_its_own(engine):
     with pytest.raises(RequestError, match="already has a turn in flight") as info:
         engine.add_request("c2", [{"role": "user", "content": "again"}], params, SessionControl("chat"))
     assert info.value.field == "sequence_id"
-    _run(engine)
+    drive(engine)
     assert not sessions.busy("chat")
     assert [m["role"] for m in sessions.get("chat").messages] == ["user", "assistant"]
     engine.add_request("c3", [{"role": "user", "content": "bye"}], params, SessionControl("chat", end=True))
-    _run(engine)
+    drive(engine)
     assert sessions.get("chat") is None and engine.stats().num_sessions == 0
 
 
@@ -101,7 +96,7 @@ def test_a_refused_start_opens_nothing_and_idle_sessions_close_in_the_one_table(
     with pytest.raises(RequestError) as info:
         engine.add_request("c", [5, 6], params, SessionControl("v", start=True))
     assert info.value.busy and info.value.limit == "max_sessions"
-    _run(engine)
+    drive(engine)
     assert sorted(engine.close_idle_sessions(now=float("inf"))) == ["s", "u"]
     assert len(engine.scheduler.sessions) == 0
     engine.scheduler.check_integrity()
@@ -112,7 +107,5 @@ def test_a_constraint_parsed_at_the_intake_is_applied_by_the_engine(engine):
     params = parse_sampling({"guided_choice": ["yes", "no"], "max_tokens": 8, "temperature": 1.0, "seed": 3},
                             RequestLimits())
     engine.add_request("g", [5, 6], params)
-    outputs = []
-    while engine.has_unfinished_requests():
-        outputs += engine.step()
+    outputs = drive(engine)["g"]
     assert "".join(o.new_text for o in outputs) in ("yes", "no") and outputs[-1].finish_reason == "stop"

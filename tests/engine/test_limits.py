@@ -10,8 +10,8 @@ from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.async_engine import AsyncEngine
 from backend_lib.core.errors import ErrorKind, RequestError
 from backend_lib.engine.intake import check_context, check_params, check_prompt
-from backend_lib.engine.llm_engine import LLMEngine
 from backend_lib.frontend.triton import parameters
+from tests.helpers.engines import drive, final_outputs, make_engine
 
 
 # ---- configuration ---------------------------------------------------------------------------------
@@ -106,17 +106,8 @@ def test_context_limit_names_max_tokens_the_prompt_length_and_max_model_len():
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir):
-    return LLMEngine(EngineConfig.from_flat({"model": str(tiny_llama_dir), "max_model_len": 64, "num_blocks": 64,
-                                             "max_sessions": 2, "max_stop_strings": 2}))
+    return make_engine(tiny_llama_dir, max_model_len=64, num_blocks=64, max_sessions=2, max_stop_strings=2)
 
-
-def _run(engine: LLMEngine) -> dict:
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    return finals
 
 
 def test_engine_refuses_max_tokens_beyond_the_context_before_any_work(engine):
@@ -128,7 +119,7 @@ def test_engine_refuses_max_tokens_beyond_the_context_before_any_work(engine):
     engine.add_request("unset", list(range(10, 70)), SamplingParams(temperature=0.0, ignore_eos=True))
     engine.add_request("null", prompt, SamplingParams.from_dict({"max_tokens": None, "temperature": 0,
                                                                  "ignore_eos": True}))
-    finals = _run(engine)
+    finals = final_outputs(drive(engine))
     assert finals["fits"].num_output_tokens == 44 and finals["fits"].finish_reason == "length"
     # max_tokens left out keeps vLLM's default: 16 at most, cut where max_model_len ends the request.
     assert finals["unset"].num_output_tokens == 4 and finals["unset"].finish_reason == "length"
@@ -143,13 +134,13 @@ def test_engine_refuses_max_tokens_beyond_the_context_before_any_work(engine):
 def test_session_turn_counts_its_history_in_the_context_limit(engine):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     engine.add_request("t1", list(range(10, 40)), params, SessionControl("ctx", start=True))
-    _run(engine)  # history: 30 prompt + 8 output tokens
+    drive(engine)  # history: 30 prompt + 8 output tokens
     with pytest.raises(ValueError, match=r"max_tokens is 20, but the prompt has 48 tokens \(session history "
                                          r"included\) and max_model_len is 64"):
         engine.add_request("t2", list(range(10, 20)), SamplingParams(max_tokens=20), SessionControl("ctx"))
     engine.add_request("t3", list(range(10, 20)), SamplingParams(max_tokens=16, temperature=0.0),
                        SessionControl("ctx", end=True))
-    assert _run(engine)["t3"].finish_reason in ("length", "stop")
+    assert final_outputs(drive(engine))["t3"].finish_reason in ("length", "stop")
 
 
 def test_max_sessions_refuses_a_new_start_but_not_a_restart(engine):
@@ -160,13 +151,13 @@ def test_max_sessions_refuses_a_new_start_but_not_a_restart(engine):
             as info:
         engine.add_request("c", [5, 6], params, SessionControl("s-c", start=True))
     assert info.value.limit == "max_sessions" and info.value.kind is ErrorKind.BUSY
-    _run(engine)
+    drive(engine)
     engine.add_request("a2", [5, 6], params, SessionControl("s-a", start=True))  # a restart opens nothing new
     engine.add_request("b2", [7], params, SessionControl("s-b", end=True))
-    _run(engine)
+    drive(engine)
     engine.add_request("c", [5, 6], params, SessionControl("s-c", start=True, end=True))  # room again
     engine.add_request("a3", [7], params, SessionControl("s-a", end=True))
-    _run(engine)
+    drive(engine)
     assert engine.stats().num_sessions == 0
 
 

@@ -22,6 +22,7 @@ from backend_lib.frontend.openai.schema import ChatCompletionRequest
 from backend_lib.frontend.openai.triton_stream import build_infer_request, parse_response
 from backend_lib.frontend.triton import codec
 from backend_lib.frontend.triton.responses import DeltaCoalescer, ResponseEncoder
+from tests.helpers.engines import drive, final_outputs, full_texts, new_tokens
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 EOS_TEXT = "<|im_end|>"
@@ -71,12 +72,9 @@ def test_a_stop_token_id_of_a_plain_word_leaves_its_text_out(smollm2, free):
     for include in (False, True):
         engine.add_request(f"stop-id-{include}", QUESTION, SamplingParams(
             stop_token_ids=[stop_id], include_stop_str_in_output=include, **GREEDY))
-        ids, text, final = [], "", None
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                ids += out.new_token_ids
-                text += out.new_text
-                final = out if out.finished else final
+        outputs = drive(engine)
+        ids, text = new_tokens(outputs)[f"stop-id-{include}"], full_texts(outputs)[f"stop-id-{include}"]
+        final = final_outputs(outputs)[f"stop-id-{include}"]
         assert final.finish_reason == "stop" and final.stop_reason == stop_id
         assert ids == free.token_ids[:first + 1]
         assert text == decode(ids if include else ids[:-1])
@@ -160,14 +158,6 @@ def test_the_openai_chunks_leave_the_eos_text_out(smollm2, free):
         assert (EOS_TEXT in (chunks[-1].delta.content or "")) == include  # the finish chunk
 
 
-def _steps(engine, request_id: str, prompt, params: SamplingParams) -> list:
-    """Every output of one request, step by step."""
-    engine.add_request(request_id, prompt, params)
-    outputs = []
-    while engine.has_unfinished_requests():
-        outputs += [out for out in engine.step() if out.request_id == request_id]
-    return outputs
-
 
 def test_a_stop_string_in_the_step_that_hit_max_tokens_is_the_reason(smollm2):
     """With n-gram drafts a step emits several tokens: when a stop string is in a step's text before the token that
@@ -175,7 +165,7 @@ def test_a_stop_string_in_the_step_that_hit_max_tokens_is_the_reason(smollm2):
     text = "The keeper climbed the spiral stairs every evening, lit the lamp, and wrote the ships in a book."
     prompt = [{"role": "user", "content": f"Repeat the following text exactly.\n\n{text}"}]
     engine, decode = smollm2.engine, smollm2.tokenizer.decode
-    free = _steps(engine, "free", prompt, SamplingParams(max_tokens=48, temperature=0.0))
+    free = drive(engine, {"free": (prompt, SamplingParams(max_tokens=48, temperature=0.0))})["free"]
     ids = [t for out in free for t in out.new_token_ids]
     # A step of several tokens whose first token's text is new to the output: it is the stop string.
     emitted, chosen = 0, None
@@ -188,7 +178,7 @@ def test_a_stop_string_in_the_step_that_hit_max_tokens_is_the_reason(smollm2):
         emitted += n
     assert chosen is not None, [len(out.new_token_ids) for out in free]
     start, stop, end = chosen
-    cut = _steps(engine, "cut", prompt, SamplingParams(max_tokens=end, temperature=0.0, stop=[stop]))
+    cut = drive(engine, {"cut": (prompt, SamplingParams(max_tokens=end, temperature=0.0, stop=[stop]))})["cut"]
     final = cut[-1]
     assert final.finished and (final.finish_reason, final.stop_reason) == ("stop", stop)
     assert "".join(out.new_text for out in cut) == decode(ids[:start])

@@ -24,6 +24,7 @@ from backend_lib.engine.offline import LLM
 from backend_lib.structured_output.constraints import parse_constraint
 from backend_lib.tools.tiny import make_tiny
 from backend_lib.worker.compiled_sampler import CompiledSampler
+from tests.helpers.engines import drive, final_outputs, full_texts, make_engine
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -182,24 +183,12 @@ def test_preemption_rebuilds_the_matcher(tiny_llama):
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
 
 
-def _engine(path, **settings) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_flat({"model": str(path), "max_model_len": 256, "num_blocks": 64, **settings}))
+ENGINE = {"max_model_len": 256, "num_blocks": 64}
 
-
-def _drain(engine: LLMEngine, texts: dict[str, str] | None = None) -> dict[str, object]:
-    """Step until idle: the final output of each request (and, into ``texts``, each one's whole text)."""
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if texts is not None:
-                texts[out.request_id] = texts.get(out.request_id, "") + out.new_text
-            if out.finished:
-                finals[out.request_id] = out
-    return finals
 
 
 def test_abort_mid_grammar_releases_the_matcher(tiny_llama):
-    engine = _engine(tiny_llama)
+    engine = make_engine(tiny_llama, ENGINE)
     params = SamplingParams(max_tokens=80, temperature=1.0, seed=3, structured_outputs=TINY_CONSTRAINTS["json"])
     engine.add_request("a", [5, 6, 7], params)
     engine.add_request("b", [8, 9], params)
@@ -210,7 +199,7 @@ def test_abort_mid_grammar_releases_the_matcher(tiny_llama):
     matcher = request.grammar.matcher
     final = engine.abort("a")
     assert final.finish_reason == "abort" and request.grammar.matcher is None and matcher.released
-    finals = _drain(engine)
+    finals = final_outputs(drive(engine))
     assert finals["b"].finish_reason == "stop"
     assert engine.scheduler.get_request("b") is None
     engine.scheduler.check_integrity()
@@ -224,10 +213,10 @@ def test_abort_mid_grammar_releases_the_matcher(tiny_llama):
     ({"structured_outputs": {"json": {"type": "object", "not": {"required": ["a"]}}}}, "structured_outputs.json"),
 ])
 def test_a_grammar_that_does_not_compile_is_refused_naming_the_field(tiny_llama, request_fields, field):
-    engine = _engine(tiny_llama)
+    engine = make_engine(tiny_llama, ENGINE)
     engine.add_request("bad", [5, 6], SamplingParams(max_tokens=5, structured_outputs=_c(request_fields)))
     engine.add_request("good", [5, 6], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
-    finals = _drain(engine)
+    finals = final_outputs(drive(engine))
     bad = finals["bad"]
     assert bad.finish_reason == "error" and bad.rejected and bad.error.startswith(field), bad.error
     assert bad.num_output_tokens == 0 and bad.metrics.first_scheduled_time is None  # before any step
@@ -237,12 +226,12 @@ def test_a_grammar_that_does_not_compile_is_refused_naming_the_field(tiny_llama,
 
 
 def test_a_grammar_past_its_time_limit_is_refused_and_others_run(tiny_llama):
-    engine = _engine(tiny_llama, compile_timeout_s=0.001)
+    engine = make_engine(tiny_llama, ENGINE, compile_timeout_s=0.001)
     schema = {"type": "object", "properties": {f"field_{i}": {"type": "string", "pattern": f"[a-z]{{{i}}}x+"}
                                                for i in range(1, 40)}}
     engine.add_request("slow", [5, 6], SamplingParams(max_tokens=5, structured_outputs=_c({"guided_json": schema})))
     engine.add_request("free", [5, 6], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
-    finals = _drain(engine)
+    finals = final_outputs(drive(engine))
     assert finals["slow"].rejected and finals["slow"].error.startswith("guided_json")
     assert "compile_timeout_s" in finals["slow"].error
     assert finals["free"].num_output_tokens == 5
@@ -250,9 +239,9 @@ def test_a_grammar_past_its_time_limit_is_refused_and_others_run(tiny_llama):
 
 
 def test_a_request_waits_for_its_grammar_while_others_run(tiny_llama):
-    engine = _engine(tiny_llama)
-    constrained = engine.prepare_request("c", [5, 6], SamplingParams(max_tokens=30, temperature=0.0,
-                                                                     structured_outputs=TINY_CONSTRAINTS["regex"]))
+    engine = make_engine(tiny_llama, ENGINE)
+    constrained = engine.prepare_request("c", engine.take_in([5, 6], SamplingParams(
+        max_tokens=30, temperature=0.0, structured_outputs=TINY_CONSTRAINTS["regex"])))
     compiled = constrained.grammar.future.result(timeout=60)
     constrained.grammar.future = Future()  # the compile is held back until the test releases it
     engine.add_prepared(constrained)
@@ -263,7 +252,7 @@ def test_a_request_waits_for_its_grammar_while_others_run(tiny_llama):
     assert request.status is RequestStatus.WAITING_FOR_GRAMMAR and request.num_computed_tokens == 0
     assert engine.scheduler.get_request("free").num_output_tokens == 3  # the other request ran meanwhile
     constrained.grammar.future.set_result(compiled)
-    finals = _drain(engine)
+    finals = final_outputs(drive(engine))
     assert finals["c"].finish_reason == "stop" and finals["free"].num_output_tokens == 30
     engine.close()
 
@@ -281,6 +270,7 @@ def test_compiled_sampler_region_gives_the_eager_tokens(tiny_llama):
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
 
 
+@pytest.mark.slow
 def test_two_ranks_give_one_ranks_tokens(tiny_llama):
     prompts, params, kinds = _workload()
     with _llm(tiny_llama) as llm:
@@ -292,21 +282,21 @@ def test_two_ranks_give_one_ranks_tokens(tiny_llama):
 
 
 def test_a_constraint_applies_to_one_session_turn(tiny_llama):
-    engine = _engine(tiny_llama)
+    engine = make_engine(tiny_llama, ENGINE)
     choice = SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=TINY_CONSTRAINTS["choice"])
-    texts: dict[str, str] = {}
     engine.add_request("t1", [5, 6, 7], choice, session=SessionControl("s", start=True))
-    first = _drain(engine, texts)["t1"]
-    assert first.finish_reason == "stop" and texts["t1"] in CHOICES
+    outputs = drive(engine)
+    first = final_outputs(outputs)["t1"]
+    assert first.finish_reason == "stop" and full_texts(outputs)["t1"] in CHOICES
     free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     engine.add_request("t2", [8, 9], free, session=SessionControl("s"))
     request = engine.scheduler.get_request("t2")
     assert request.grammar is None and request.num_history_tokens > 0
-    second = _drain(engine, texts)["t2"]
+    second = final_outputs(drive(engine))["t2"]
     assert second.finish_reason == "length" and second.num_output_tokens == 12  # not held to the first turn's choices
     engine.add_request("t3", [10], choice, session=SessionControl("s", end=True))
-    third = _drain(engine, texts)["t3"]
-    assert third.finish_reason == "stop" and texts["t3"] in CHOICES
+    outputs = drive(engine)
+    assert final_outputs(outputs)["t3"].finish_reason == "stop" and full_texts(outputs)["t3"] in CHOICES
     engine.scheduler.check_integrity()
     assert engine.stats().kv_blocks_used == 0
     engine.close()
@@ -333,7 +323,7 @@ _SCHEMAS = st.fixed_dictionaries({"type": st.just("object"), "additionalProperti
 
 @pytest.fixture(scope="module")
 def fuzz_engine(tiny_llama):
-    engine = _engine(tiny_llama, max_num_seqs=4, method="ngram", num_speculative_tokens=2)
+    engine = make_engine(tiny_llama, ENGINE, max_num_seqs=4, method="ngram", num_speculative_tokens=2)
     yield engine
     engine.close()
 
@@ -356,18 +346,14 @@ def test_fuzzed_constraints_finish_validate_and_leak_nothing(fuzz_engine, constr
                                 structured_outputs=parse_constraint(request))
         engine.add_request(f"f{i}", [5 + i, 6, 7], params)
         checks[f"f{i}"] = (kind, value)
-    texts: dict[str, str] = {}
-    finals = {}
-    steps = 0
-    while engine.has_unfinished_requests():
-        steps += 1
-        assert steps < 500, "the engine did not finish"
-        for out in engine.step():
-            texts[out.request_id] = texts.get(out.request_id, "") + out.new_text
-            if out.finished:
-                finals[out.request_id] = out
-        if steps == abort_at + 2 and engine.scheduler.get_request("f0") is not None:
-            finals["f0"] = engine.abort("f0")
+    aborted, steps = {}, [0]
+
+    def abort_f0(engine: LLMEngine) -> None:  # after step abort_at + 2
+        steps[0] += 1
+        if steps[0] == abort_at + 3 and engine.scheduler.get_request("f0") is not None:
+            aborted["f0"] = engine.abort("f0")
+    outputs = drive(engine, on_step=abort_f0, max_steps=500)
+    texts, finals = full_texts(outputs), {**final_outputs(outputs), **aborted}
     for rid, (kind, value) in checks.items():
         out = finals[rid]
         assert out.error is None, out.error

@@ -8,6 +8,8 @@ Bounded (max_examples, no deadline) so the file runs in well under a minute on 2
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 
@@ -23,6 +25,7 @@ from backend_lib.engine.intake import parse_json, parse_sampling
 from backend_lib.frontend.triton import codec
 from tests.helpers.fuzz_values import (FUZZ, JSON_VALUES, SAMPLING_DICTS, TEXT, accepts_or_request_error,
                                small_engine)
+from tests.helpers.engines import drive
 
 
 
@@ -138,10 +141,13 @@ def engine(tiny_llama_dir):
 @given(requests())
 def test_decoded_requests_are_prepared_or_refused_with_a_value_error(engine, request):
     inputs, parameters, correlation, flags, outputs = request
-    decoded = accepts_or_request_error(lambda: codec.decode_request(inputs, parameters, correlation, flags, outputs))
+    decoded = accepts_or_request_error(lambda: codec.decode_request(inputs, parameters, correlation, flags, outputs,
+                                                                         engine.rules))
     if decoded is None:
         return
-    prepared = accepts_or_request_error(lambda: engine.prepare_request("fuzz", decoded.prompt, decoded.params))
+    # A session turn is tokenized against its history; here its prompt alone.
+    request = dataclasses.replace(decoded.request, session=None)
+    prepared = accepts_or_request_error(lambda: engine.prepare_request("fuzz", request))
     if prepared is not None:
         assert all(0 <= t < engine.vocab_size for t in prepared.prompt_ids)
         assert len(prepared.prompt_ids) < engine.config.model.max_model_len
@@ -160,7 +166,7 @@ def test_chat_template_path_is_valid_or_a_value_error(engine, messages):
     ids = accepts_or_request_error(lambda: engine.tokenizer.apply_chat_template(messages))
     if ids is not None:
         assert all(isinstance(t, int) for t in ids)
-    accepts_or_request_error(lambda: engine.prepare_request("fuzz", messages, SamplingParams()))
+    accepts_or_request_error(lambda: engine.prepare_request("fuzz", engine.take_in(messages)))
 
 
 # ---- session turns: any sequence of START / END / turns leaves the engine consistent ---------------------
@@ -190,8 +196,7 @@ def test_fuzzed_session_turns_leave_the_engine_consistent(engine, turns):
             pass
         for _ in range(steps):
             engine.step()
-    while engine.has_unfinished_requests():
-        engine.step()
+    drive(engine)
     engine.close_idle_sessions(now=float("inf"))
     engine.scheduler.check_integrity()
     stats = engine.stats()
@@ -235,8 +240,8 @@ def test_fuzzed_requests_complete_whole_and_return_every_block(engine, requests)
             pass
         for _ in range(steps):
             step()
-    while engine.has_unfinished_requests():
-        step()
+    for request_id, outs in drive(engine).items():
+        outputs.setdefault(request_id, []).extend(outs)
     for request_id, (prompt, params) in admitted.items():
         finals = [o for o in outputs[request_id] if o.finished]
         assert len(finals) == 1 and finals[0].finish_reason in ("stop", "length"), finals

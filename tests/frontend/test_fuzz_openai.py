@@ -7,6 +7,8 @@ its tensors as the Python backend hands them to codec.decode_request -> LLMEngin
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pydantic
 import pytest
@@ -105,8 +107,8 @@ def _prepared_or_refused(engine, model_request: translate.ModelRequest, session:
     flags = (codec.FLAG_SEQUENCE_START * session.start + codec.FLAG_SEQUENCE_END * session.end) if session else 0
     try:
         decoded = codec.decode_request(_backend_inputs(infer), "{}", correlation, flags,
-                                       [o.name for o in infer.outputs])
-        prepared = engine.prepare_request("fuzz", decoded.prompt, decoded.params)
+                                       [o.name for o in infer.outputs], engine.rules)
+        prepared = engine.prepare_request("fuzz", dataclasses.replace(decoded.request, session=None))
     except RequestError as exc:  # the model's refusal on the wire, as the front turns it into an answer
         error = from_model_error(to_wire(exc), model_request.field_names)
         _refused_as_a_client_error(error)

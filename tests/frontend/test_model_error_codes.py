@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from backend_lib.core.outputs import RequestOutput
-from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.engine.intake import RequestRules, take_in
 from backend_lib.core.errors import ErrorKind, RequestError, busy, from_wire
 from backend_lib.frontend.triton import codec
 
@@ -78,7 +78,7 @@ class _Engine:
     def __init__(self, error: Exception) -> None:
         self.error = error
 
-    def add_request(self, *args, **kwargs):
+    def submit(self, *args, **kwargs):
         raise self.error
 
 
@@ -87,7 +87,7 @@ def _model(module, error: Exception):
     model._closing, model._stop_file, model._prefix, model._ids = threading.Event(), "", "m-", itertools.count()
     model._incoming, model._wake, model._engine = queue.Queue(), threading.Event(), _Engine(error)
     model._logger = types.SimpleNamespace(log_error=lambda message: None)
-    model._decode = lambda request: codec.DecodedRequest(prompt="hi", params=SamplingParams())
+    model._decode = lambda request: codec.DecodedRequest(take_in(RequestRules(), "hi"))
     return model
 
 

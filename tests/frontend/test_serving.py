@@ -13,6 +13,7 @@ from backend_lib.core.outputs import PromptLogprobs, RequestOutput, SessionContr
 from backend_lib.core.sampling_params import UNTIL_CONTEXT_ENDS
 from backend_lib.structured_output.constraints import ConstraintKind, OutputConstraint
 from backend_lib.frontend.triton import codec, parameters, responses
+from backend_lib.engine.intake import RequestRules
 
 
 def _bytes(text: str) -> np.ndarray:
@@ -168,7 +169,7 @@ def test_structured_output_fields_become_the_constraint_under_the_servers_limits
     assert obj.kind is ConstraintKind.JSON_OBJECT and obj.field == "guided_json_object"
     assert codec.decode_request(text, '{"guided_json_object": false}').params.structured_outputs is None
     with pytest.raises(RequestError) as info:
-        codec.decode_request(text, '{"guided_choice": ["a", "b", "c"]}', limits=RequestLimits(max_choices=2))
+        codec.decode_request(text, '{"guided_choice": ["a", "b", "c"]}', rules=RequestRules(RequestLimits(max_choices=2)))
     assert info.value.field == "guided_choice" and info.value.limit == "max_choices"
     assert "max_choices" in str(info.value)
     with pytest.raises(RequestError, match="guided_json_object and guided_regex both constrain"):

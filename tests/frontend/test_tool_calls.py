@@ -31,7 +31,7 @@ from backend_lib.frontend.openai.tool_calls.choice import (
     tool_choice_constraint,
 )
 from backend_lib.frontend.openai.tool_calls.parser_base import ToolCallDelta
-from tests.structured_output.test_structured_output import PADDED_VOCAB, sample, tokenizer  # noqa: F401 - the tokenizer fixture
+from tests.helpers.grammar_sampling import PADDED_VOCAB, sample, tokenizer  # noqa: F401 - the tokenizer fixture
 
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 16},

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from backend_lib.core.outputs import EngineStats
+from backend_lib.core.outputs import EngineStats, RequestMetrics, RequestOutput
 from backend_lib.frontend.triton.metrics import TritonMetrics
 
 LABELS = {"model": "deepinfer", "version": "1"}
@@ -154,6 +154,17 @@ def test_kv_cache_dtype_is_named_by_an_info_gauge(pb):
     other = _PbUtils()
     TritonMetrics(other, LABELS)  # no dtype given (older callers): no such family
     assert not [f for f in other.MetricFamily.created if f.name == "deepinfer_kv_cache_dtype_info"]
+
+
+def test_queue_time_is_observed_by_priority_with_the_label_clamped(pb):
+    metrics = TritonMetrics(pb, LABELS)
+    for priority, queued in ((0, 0.5), (0, 1.5), (-3, 0.25), (1000, 2.0)):
+        timing = RequestMetrics(arrival_time=10.0, priority=priority, first_scheduled_time=10.0 + queued)
+        metrics.on_finished(RequestOutput("r", [], "", finished=True, finish_reason="stop", num_prompt_tokens=1,
+                                          num_output_tokens=1, metrics=timing))
+    observed = {m.labels["priority"]: m.observed for f in pb.MetricFamily.created
+                if f.name == "deepinfer_request_queue_time_seconds" for m in f.metrics}
+    assert observed == {"0": [0.5, 1.5], "-3": [0.25], "10": [2.0]}
 
 
 def test_eplb_imbalance_gauges_per_layer_and_worst(pb):

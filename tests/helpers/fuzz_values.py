@@ -52,7 +52,5 @@ def accepts_or_request_error(call):
 
 def small_engine(model_dir):
     """An engine small enough that fuzzed turns run out of context, blocks and sessions."""
-    from backend_lib.core.config import EngineConfig
-    from backend_lib.engine.llm_engine import LLMEngine
-    return LLMEngine(EngineConfig.from_flat({"model": str(model_dir), "max_model_len": 96, "num_blocks": 24,
-                                             "block_size": 4, "max_sessions": 2, "max_logprobs": 5}))
+    from tests.helpers.engines import make_engine
+    return make_engine(model_dir, max_model_len=96, num_blocks=24, block_size=4, max_sessions=2, max_logprobs=5)

@@ -2,7 +2,8 @@
 first differ, how far apart the reference's logits of the two tokens were. In bf16 two correct implementations
 round differently (summation order, fused ops), so at a step whose top two logits are within a few bf16 ulps
 either token is a correct greedy pick, and everything after it legitimately differs. Used by tests/models/test_bf16.py
-and benchmarks/bf16.py."""
+and benchmarks/bf16.py. And transformers' greedy continuation itself (hf_greedy, hf_greedy_choices): the oracle
+where equality is promised (fp32)."""
 from __future__ import annotations
 
 import math
@@ -62,3 +63,32 @@ def first_divergence(ours: list[int], theirs: list[int],
             top = float(step[reference])
             return Divergence(index, mine, reference, top - float(step[mine]), near_tie_bound(top))
     return None
+
+
+def hf_greedy_choices(model, input_ids: list[int], tokens: list[int]) -> tuple[list[int], list[float]]:
+    """transformers' greedy choice after each prefix of ``tokens`` and that choice's logprob, from ONE forward over
+    input_ids + tokens (teacher forcing). The choices equal ``tokens`` exactly when ``tokens`` is transformers'
+    greedy continuation (by induction over the positions), at the cost of one forward instead of one a token."""
+    ids = torch.tensor([input_ids + tokens[:-1]])
+    with torch.inference_mode():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, len(input_ids) - 1:].float(), dim=-1)  # [n, vocab]
+    best = logp.argmax(dim=-1)
+    return best.tolist(), logp.gather(1, best[:, None])[:, 0].tolist()
+
+
+def hf_greedy(model, input_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers greedy decoding with EOS ignored; returns the tokens and each one's logprob."""
+    ids = torch.tensor([input_ids])
+    past = None
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            out = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+            token = int(torch.argmax(logp))
+            tokens.append(token)
+            logprobs.append(float(logp[token]))
+            ids = torch.tensor([[token]])
+    return tokens, logprobs

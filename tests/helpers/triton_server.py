@@ -1,4 +1,5 @@
-"""Client-side helpers for the e2e tests: gRPC streaming, HTTP generate, /metrics parsing."""
+"""The e2e tests' server and its clients: one real tritonserver per test module (the triton fixture, new_server),
+gRPC streaming, HTTP generate, /metrics parsing."""
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import tritonclient.grpc as grpcclient
 
 from backend_lib.core.processes import free_port
@@ -22,6 +24,17 @@ from backend_lib.frontend.triton.server import TritonServer
 
 MODEL = "deepinfer"
 _DTYPES = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "FP32": np.float32}
+
+
+# Small enough to load fast, large enough for 16 concurrent streams of the tests' requests.
+SERVER_PARAMETERS = {
+    "max_model_len": "512",
+    "num_blocks": "256",
+    "block_size": "16",
+    "max_num_seqs": "16",
+    "max_num_batched_tokens": "256",
+    "session_idle_timeout_s": "600",
+}
 
 
 def child_processes(pid: int) -> list[tuple[int, list[str]]]:
@@ -263,3 +276,11 @@ def lose_a_rank(server: Any, request: dict[str, Any], rank_name: str) -> None:
         time.sleep(0.2)
     status, body = http_generate(server.http_url, {"text_input": "hi", "max_tokens": 2}, timeout_s=10)
     assert status != 200, body
+
+
+@pytest.fixture(scope="module")
+def triton(tmp_path_factory) -> TritonServer:
+    """One real tritonserver per test module (tests/e2e/conftest.py registers it), on free ports, small KV cache and
+    context (fast load); always stopped."""
+    with new_server(tmp_path_factory.mktemp("triton"), dict(SERVER_PARAMETERS)) as server:
+        yield server

@@ -482,3 +482,33 @@ class ReferenceV4:
         while len(out) < new_tokens:
             out.append(int(self.decode(out[-1]).argmax()))
         return out
+
+
+# The tiny V4 settings the reference is checked on (tests/models/test_deepseek_v4_reference.py); the context
+# parallel test reuses one.
+RELEASE_SMALL = dict(  # the release's layer schedule in small, two index heads (many exact-zero ties), top-4
+    num_hidden_layers=6, head_dim=64, num_attention_heads=4, partial_rotary_factor=0.25, sliding_window=8,
+    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                 "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"],
+    mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe", "moe"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    index_topk=4, index_n_heads=2, index_head_dim=32)
+
+
+REFERENCE_CONFIGS = {
+    "release_small": RELEASE_SMALL,
+    # rates that divide neither the block size nor each other, YaRN on the compress rotary, sigmoid routing,
+    # 8 query heads in 4 output groups, top-2 of two index heads
+    "odd_rates": dict(compress_rates={"compressed_sparse_attention": 3, "heavily_compressed_attention": 5},
+                      rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                       "beta_fast": 32, "beta_slow": 1},
+                      sliding_window=6, index_topk=2, index_n_heads=2, index_head_dim=16, o_groups=4,
+                      num_attention_heads=8, scoring_func="sigmoid",
+                      layer_types=["heavily_compressed_attention", "compressed_sparse_attention",
+                                   "sliding_attention", "compressed_sparse_attention"],
+                      mlp_layer_types=["hash_moe", "moe", "hash_moe", "moe"]),
+    # one entry per query, two streams and few Sinkhorn rounds
+    "top1": dict(index_topk=1, index_n_heads=4, hc_mult=2, hc_sinkhorn_iters=3),
+    # more picks than closed windows at every length tested: the indexer keeps all
+    "top_wide": dict(index_topk=96, index_n_heads=2, index_head_dim=16),
+}

@@ -11,7 +11,7 @@ from kernels.attention import (
     reference_attention,
     write_kv,
 )
-from kernels.attention_metadata import AttentionMetadata
+from tests.helpers.attention_batches import mixed_batch
 from kernels.cpu_kernels import load_cpu_kernels
 from kernels.norm import rms_norm, rms_norm_reference
 from kernels.rope import RopeScaling, apply_rope, apply_rope_reference, rope_cos_sin_cache, rope_inv_freq
@@ -22,43 +22,6 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def cpu_kernels() -> None:
     assert load_cpu_kernels(), "the C++ host kernels (kernels/csrc) did not build: see the warning logged above"
-
-
-def _block_tables(tables: list[list[int]], width: int, pad: int) -> torch.Tensor:  # [n, width] int32
-    rows = [t + [pad] * (width - len(t)) for t in tables]
-    return torch.tensor(rows, dtype=torch.int32).reshape(len(tables), width)
-
-
-def _mixed_batch(
-    decode_seq_lens: list[int], decode_query_len: int, prefill: list[tuple[int, int]], block_size: int,
-    num_blocks: int, seed: int = 0,
-) -> tuple[AttentionMetadata, int]:
-    """Random, non-contiguous block tables for decodes and prefill chunks (query_len, seq_len); the scratch block is
-    the last one. Returns the metadata and the number of tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    free = torch.randperm(num_blocks, generator=gen).tolist()
-    scratch = num_blocks
-    seqs = [(decode_query_len, s) for s in decode_seq_lens] + prefill
-    tables, slots = [], []
-    for q_len, seq_len in seqs:
-        table = [free.pop() for _ in range(-(-seq_len // block_size))]
-        tables.append(table)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(seq_len - q_len, seq_len)]
-    width = max(len(t) for t in tables) + 1  # one extra padding column, as the runner pads
-    nd = len(decode_seq_lens)
-    meta = AttentionMetadata(
-        block_size=block_size,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        num_decodes=nd,
-        decode_query_len=decode_query_len,
-        decode_block_tables=_block_tables(tables[:nd], width, scratch),
-        decode_seq_lens=torch.tensor(decode_seq_lens, dtype=torch.int32),
-        num_prefills=len(prefill),
-        prefill_query_lens=[q for q, _ in prefill],
-        prefill_seq_lens=[s for _, s in prefill],
-        prefill_block_tables=_block_tables(tables[nd:], width, scratch),
-    )
-    return meta, len(slots)
 
 
 @pytest.mark.parametrize(
@@ -76,7 +39,7 @@ def test_paged_attention_matches_reference(heads, kv_heads, decode_seq_lens, dec
     if cpu_kernel:
         request.getfixturevalue("cpu_kernels")
     block_size, num_blocks = 4, 64
-    meta, num_tokens = _mixed_batch(decode_seq_lens, decode_q, prefill, block_size, num_blocks)
+    meta, num_tokens = mixed_batch(decode_seq_lens, decode_q, prefill, block_size, num_blocks)
     gen = torch.Generator().manual_seed(1)
     num_slots = (num_blocks + 1) * block_size
     # Stale random data everywhere in the cache: any read outside a request's context would show up.
@@ -103,7 +66,7 @@ def test_prefill_chunks_on_the_cpu_kernel_match_the_reference_alone_and_batched(
     import kernels.attention as attention
     block_size, num_blocks, heads, kv_heads, head_dim = 4, 64, 6, 2, 16
     prefill = [(7, 7), (3, 12), (1, 30), (20, 20)]  # plain, continuation, 1-token chunk of a long context, long
-    meta, num_tokens = _mixed_batch([], 1, prefill, block_size, num_blocks, seed=4)
+    meta, num_tokens = mixed_batch([], 1, prefill, block_size, num_blocks, seed=4)
     gen = torch.Generator().manual_seed(5)
     k_cache = torch.randn((num_blocks + 1) * block_size, kv_heads, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn_like(k_cache)
@@ -135,7 +98,7 @@ def test_decode_ignores_keys_past_seq_len_and_padded_rows_stay_finite(cpu_kernel
     if cpu_kernel:
         request.getfixturevalue("cpu_kernels")
     block_size, num_blocks, heads, head_dim = 4, 8, 2, 8
-    meta, num_tokens = _mixed_batch([6], 1, [], block_size, num_blocks)
+    meta, num_tokens = mixed_batch([6], 1, [], block_size, num_blocks)
     k_cache = torch.randn((num_blocks + 1) * block_size, heads, head_dim)
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(num_tokens, heads, head_dim)
@@ -153,7 +116,7 @@ def test_decode_ignores_keys_past_seq_len_and_padded_rows_stay_finite(cpu_kernel
 
 def test_cpu_decode_kernel_is_one_opaque_op_in_a_compiled_graph(cpu_kernels):
     block_size, num_blocks, heads, kv_heads, head_dim = 4, 64, 9, 3, 64
-    meta, num_tokens = _mixed_batch([5, 17, 3, 30], 1, [], block_size, num_blocks, seed=5)
+    meta, num_tokens = mixed_batch([5, 17, 3, 30], 1, [], block_size, num_blocks, seed=5)
     k_cache = torch.randn((num_blocks + 1) * block_size, kv_heads, head_dim)
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(num_tokens, heads, head_dim)
@@ -240,7 +203,7 @@ def test_fused_decode_attention_matches_reference(heads, kv_heads, decode_q):
     """The form compiled regions take (gather fused into the reductions), run eagerly here; the regions tests
     check it under torch.compile."""
     block_size, num_blocks, head_dim = 4, 64, 16
-    meta, num_tokens = _mixed_batch([5, 17, 3, 30], decode_q, [], block_size, num_blocks, seed=3)
+    meta, num_tokens = mixed_batch([5, 17, 3, 30], decode_q, [], block_size, num_blocks, seed=3)
     gen = torch.Generator().manual_seed(4)
     k_cache = torch.randn((num_blocks + 1) * block_size, kv_heads, head_dim, generator=gen)
     v_cache = torch.randn_like(k_cache)

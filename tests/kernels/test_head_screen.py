@@ -14,7 +14,8 @@ from kernels.head_screen import HeadScreen, screen_coefficient
 from kernels.sampling import row_argmax
 from tests.helpers.screen_cases import check_ties_and_pads, near_tie_case
 
-pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="host C++ kernels not built")
+# `make test` only (not test-fast): SmolLM2 engines with and without the screened head.
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not load_cpu_kernels(), reason="host C++ kernels not built")]
 
 
 class Screened:
@@ -101,7 +102,8 @@ def screen_pair(request, smollm2_path):
     from backend_lib.engine.offline import LLM
 
     llms = {screened: LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 256, "max_num_seqs": 8,
-                                                          "dtype": request.param, "greedy_head_screen": screened}))
+                                                          "weight_format": "dequantize", "dtype": request.param,
+                                                          "greedy_head_screen": screened}))
             for screened in (True, False)}
     yield request.param, llms
     for llm in llms.values():
@@ -137,7 +139,8 @@ def test_the_engine_s_greedy_tokens_are_the_same_with_and_without_the_screen(scr
     assert len(results[0].logprobs) == 8 and not results[1].logprobs
     assert results[0].token_ids == tokens[True][0][0][:8] and results[1].token_ids == tokens[True][0][1]
     ngram = LLM(config=EngineConfig.from_flat({"model": smollm2_path, "num_blocks": 256, "max_num_seqs": 8,
-                                               "method": "ngram", "num_speculative_tokens": 4}))
+                                               "weight_format": "dequantize", "method": "ngram",
+                                               "num_speculative_tokens": 4}))
     assert ngram.engine.model.head_screen is not None
     assert [r.token_ids for r in ngram.generate(PROMPTS, greedy)] == tokens[False][0]
     ngram.close()

@@ -19,8 +19,8 @@ from kernels.attention import paged_attention, reference_attention, write_kv
 from kernels.cpu_kernels import load_cpu_kernels
 from kernels.onednn_gemm import PackedWeight, onednn_gemm_available, packed_linear
 from tests.helpers.greedy_agreement import first_divergence, hf_greedy_with_logits, near_tie_bound
-from tests.kernels.test_attention import _mixed_batch
-from tests.models.test_deepseek_v3 import PagedRunner
+from tests.helpers.attention_batches import mixed_batch
+from tests.helpers.paged_runner import HybridPagedRunner, PagedRunner
 
 BF16 = torch.bfloat16
 NEW_TOKENS = 24
@@ -42,7 +42,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 def test_bf16_decode_kernel_is_fp32_math_on_bf16_values(heads, kv_heads, decode_seq_lens, decode_q, head_dim):
     assert load_cpu_kernels(), "the C++ host kernels (kernels/csrc) did not build: see the warning logged above"
     block_size, num_blocks = 4, 64
-    meta, num_tokens = _mixed_batch(decode_seq_lens, decode_q, [], block_size, num_blocks)
+    meta, num_tokens = mixed_batch(decode_seq_lens, decode_q, [], block_size, num_blocks)
     gen = torch.Generator().manual_seed(2)
     num_slots = (num_blocks + 1) * block_size
     k_cache = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(BF16)
@@ -150,7 +150,6 @@ def test_bf16_deepseek_v4_is_as_close_to_fp32_as_transformers_bf16(tmp_path):
     of transformers' and as close to the fp32 model. Like transformers, the norm, mHC, sink, position-bias and
     router weights stay fp32 (with the norm weights in bf16 our median distance to fp32 was 1.2-1.3x theirs)."""
     from transformers import AutoModelForCausalLM
-    from tests.models.test_deepseek_v4 import PagedRunner as V4PagedRunner
     path = make_tiny("deepseek_v4", tmp_path, seed=5)
     ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(7)).tolist()
     with torch.inference_mode():
@@ -160,7 +159,7 @@ def test_bf16_deepseek_v4_is_as_close_to_fp32_as_transformers_bf16(tmp_path):
             torch.tensor([ids])).logits[0].float()
     model = load_model(str(path), BF16, progress=False)
     assert model.layers[0].attn_norm.weight.dtype == torch.float32 and model.embed.weight.dtype == BF16
-    runner = V4PagedRunner(model)
+    runner = HybridPagedRunner(model)
     runner.caches = [cache.to(BF16) if cache.is_floating_point() else cache for cache in runner.caches]
     ours = runner.step([], [("r", ids)]).float()
     median = lambda diff: diff.abs().amax(-1).median().item()  # noqa: E731
@@ -168,6 +167,7 @@ def test_bf16_deepseek_v4_is_as_close_to_fp32_as_transformers_bf16(tmp_path):
     assert median(ours - truth) <= 1.25 * median(theirs - truth) + 0.02
 
 
+@pytest.mark.slow
 def test_two_ranks_bf16_match_one(tmp_path):
     """The shared-memory all-reduce sums bf16 partials in fp32 and rounds once, but each rank's partial is
     already rounded: two ranks equal one up to near-ties, judged on one rank's top-5 log-probabilities, and each

@@ -11,6 +11,7 @@ from backend_lib.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from backend_lib.models.loading.loader import load_model
 from backend_lib.tools.tiny import make_tiny
 from kernels.attention_metadata import AttentionMetadata
+from tests.helpers.paged_runner import PagedRunner
 
 NEW_TOKENS = 32
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
@@ -38,60 +39,6 @@ def pair(request, tmp_path_factory):
                      overrides=CONFIGS[request.param])
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     return load_model(str(path), torch.float32, progress=False), hf
-
-
-class PagedRunner:
-    """Drives our forward with hand-built AttentionMetadata over shuffled cache blocks (the model runner's job)."""
-
-    def __init__(self, model: DeepseekV3ForCausalLM, num_blocks: int = 64, block_size: int = 4) -> None:
-        self.model, self.bs, self.scratch = model, block_size, num_blocks
-        self.caches = [torch.zeros(s) for s in model.kv_cache_shapes((num_blocks + 1) * block_size)]
-        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
-        self.blocks: dict[str, list[int]] = {}
-        self.computed: dict[str, int] = {}
-
-    def _place(self, rid: str, n: int) -> tuple[list[int], list[int]]:
-        start = self.computed.get(rid, 0)
-        blocks = self.blocks.setdefault(rid, [])
-        while len(blocks) * self.bs < start + n:
-            blocks.append(self.free.pop())
-        positions = list(range(start, start + n))
-        self.computed[rid] = start + n
-        return positions, [blocks[p // self.bs] * self.bs + p % self.bs for p in positions]
-
-    def share_prefix(self, src: str, dst: str, num_blocks: int) -> None:
-        """Prefix caching: ``dst`` starts with ``src``'s first full blocks, already computed."""
-        self.blocks[dst] = list(self.blocks[src][:num_blocks])
-        self.computed[dst] = num_blocks * self.bs
-
-    def _meta_hook(self, meta: AttentionMetadata) -> AttentionMetadata:
-        return meta  # subclasses add what their model needs beyond the paged metadata
-
-    def _table(self, rids: list[str], width: int) -> torch.Tensor:
-        rows = [self.blocks[r] + [self.scratch] * (width - len(self.blocks[r])) for r in rids]
-        return torch.tensor(rows, dtype=torch.int32).view(len(rids), width)
-
-    def step(self, decodes: list[tuple[str, list[int]]], prefills: list[tuple[str, list[int]]]) -> torch.Tensor:
-        """Logits [T, vocab] for decodes (same query length each) then prefill chunks."""
-        ids, pos, slots = [], [], []
-        for rid, toks in decodes + prefills:
-            p, s = self._place(rid, len(toks))
-            ids += toks
-            pos += p
-            slots += s
-        width = max(len(self.blocks[r]) for r, _ in decodes + prefills)
-        meta = AttentionMetadata(
-            block_size=self.bs, slot_mapping=torch.tensor(slots), num_decodes=len(decodes),
-            decode_query_len=len(decodes[0][1]) if decodes else 1,
-            decode_block_tables=self._table([r for r, _ in decodes], width),
-            decode_seq_lens=torch.tensor([self.computed[r] for r, _ in decodes], dtype=torch.int32),
-            num_prefills=len(prefills), prefill_query_lens=[len(t) for _, t in prefills],
-            prefill_seq_lens=[self.computed[r] for r, _ in prefills],
-            prefill_block_tables=self._table([r for r, _ in prefills], width))
-        meta = self._meta_hook(meta)
-        with torch.inference_mode():
-            hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.caches, meta)
-            return self.model.compute_logits(hidden)
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -201,7 +148,7 @@ def test_fp8_checkpoint_greedy_matches_transformers(scale_fmt, tmp_path):
     assert config["quantization_config"]["weight_block_size"] == [128, 128]
     # transformers dequantizes fp8 on CPU at load (FineGrainedFP8, dequantize=True)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    kept = load_model(str(path), torch.float32, progress=False)
+    kept = load_model(str(path), torch.float32, progress=False, weight_format="dequantize")  # fp8 widened per linear
     dequantized = load_model(str(path), torch.float32, progress=False, dequantize_fp8_at_load=True)
     q_b = kept.layers[0].self_attn.q_b_proj
     assert q_b.weight.dtype == torch.float8_e4m3fn and q_b.weight_scale_inv is not None
@@ -296,7 +243,7 @@ def test_real_deepseek_v3_config_parses_with_transformers_yarn():
 def test_decode_step_compiles_fullgraph_with_static_moe(tmp_path):
     """The decode path (absorbed MLA, static MoE, kept-fp8 linears) has no graph breaks or host syncs."""
     path = make_tiny("deepseek_v3", tmp_path, fp8=True, seed=2)
-    model = load_model(str(path), torch.float32, progress=False)
+    model = load_model(str(path), torch.float32, progress=False, weight_format="dequantize")
     model.set_moe_impl("static")
     run = PagedRunner(model)
     for rid in "ab":

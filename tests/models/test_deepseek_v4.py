@@ -9,15 +9,17 @@ import json
 import pytest
 import torch
 
-from backend_lib.core.config import EngineConfig
 from backend_lib.core.errors import RequestError
 from backend_lib.engine.llm_engine import LLMEngine
 from backend_lib.models.loading.loader import load_model
 from backend_lib.core.outputs import SessionControl
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.tools.tiny import make_tiny
-from kernels.attention_metadata import StateRows
-from tests.models.test_deepseek_v3 import PagedRunner as _PagedRunner
+from tests.helpers.paged_runner import HybridPagedRunner
+from tests.helpers.engines import drive, make_engine, new_tokens
+
+# `make test` only (not test-fast): the tiny V4 against transformers per config, through the model and the engine.
+pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 24
 CONFIGS = {
@@ -43,40 +45,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-class PagedRunner(_PagedRunner):
-    """The V3 harness over V4's hybrid cache: paged entry blocks (shuffled) plus one fixed state slot per request,
-    handed out in reverse so slot ids and request order differ."""
-
-    def __init__(self, model, num_blocks: int = 64, block_size: int = 4, num_state_slots: int = 6) -> None:
-        self.model, self.bs, self.scratch = model, block_size, num_blocks
-        paged, state = model.hybrid_cache_shapes(num_blocks + 1, block_size, num_state_slots + 1)
-        self.caches = [torch.zeros(s) for s in paged + state]
-        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
-        self.blocks: dict[str, list[int]] = {}
-        self.computed: dict[str, int] = {}
-        self.free_slots = list(range(num_state_slots))
-        self.slots: dict[str, int] = {}
-
-    def share_prefix(self, src: str, dst: str, num_blocks: int) -> None:
-        raise NotImplementedError("the hybrid cache keeps no per-position state to share (prefix caching is off)")
-
-    def step(self, decodes: list[tuple[str, list[int]]], prefills: list[tuple[str, list[int]]]) -> torch.Tensor:
-        slots, starts, ends = [], [], []
-        for rid, toks in decodes + prefills:
-            if rid not in self.slots:
-                self.slots[rid] = self.free_slots.pop()
-            start = self.computed.get(rid, 0)
-            slots += [self.slots[rid]] * len(toks)
-            starts += [start] * len(toks)
-            ends += [start + len(toks)] * len(toks)
-        self.state = StateRows(torch.tensor(slots), torch.tensor(starts), torch.tensor(ends))
-        return super().step(decodes, prefills)
-
-    def _meta_hook(self, meta):
-        meta.state = self.state
-        return meta
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -122,13 +90,13 @@ def test_make_tiny_writes_the_release_layout_that_both_load(tmp_path):
     ours = load_model(str(tmp_path), torch.float32, progress=False)
     assert type(ours).__name__ == "DeepseekV4ForCausalLM"
     ids = _tokens(40, 0)
-    assert (PagedRunner(ours).step([], [("r", ids)]) - _hf_logits(hf, ids)).abs().max() <= 1e-4
+    assert (HybridPagedRunner(ours).step([], [("r", ids)]) - _hf_logits(hf, ids)).abs().max() <= 1e-4
 
 
 def test_mixed_batch_logits_match_transformers(tiny):
     """Decodes (Q = 1 and Q = 2) next to prefill chunks that continue their cached prefix, across many windows."""
     _, ours, hf = tiny
-    run = PagedRunner(ours)
+    run = HybridPagedRunner(ours)
     seqs = {"a": _tokens(40, 1), "b": _tokens(23, 2), "c": _tokens(5, 3)}
     extra = {r: _tokens(12, 10 + i) for i, r in enumerate(seqs)}
     logits: dict[str, list[torch.Tensor]] = {r: [] for r in seqs}
@@ -179,39 +147,29 @@ def _load_lazily(path):
     return model.eval()
 
 
-def _engine(path, **settings) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_flat({"model": str(path), "max_model_len": 256, "block_size": 4,
-                                             "max_num_seqs": 4, **settings}))
-
-
-def _drive(engine: LLMEngine) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    return tokens
+ENGINE = {"max_model_len": 256, "block_size": 4, "max_num_seqs": 4}
 
 
 def test_engine_greedy_matches_transformers_chunked_batched_preempted_and_in_sessions(tiny):
     """Prompts shorter than the window and across many compressor windows, prefilled in chunks of 7 tokens next to
     each other, in a pool small enough to preempt; then a two-turn session that prefills only its new tokens."""
     path, _, hf = tiny
-    engine = _engine(path, max_num_batched_tokens=7, num_blocks=24)
+    engine = make_engine(path, ENGINE, max_num_batched_tokens=7, num_blocks=24)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     prompts = {f"r{n}": _tokens(n, 40 + n) for n in (3, 40, 13, 23)}  # 3: before the first CSA window closes
     for rid, prompt in prompts.items():
         engine.add_request(rid, prompt, params)
-    got = _drive(engine)
+    got = new_tokens(drive(engine))
     assert got == {rid: _hf_generate(hf, prompt) for rid, prompt in prompts.items()}
     stats = engine.stats()
     assert stats.num_preemptions > 0
 
     first, second = _tokens(11, 50), _tokens(6, 51)
     engine.add_request("t1", first, params, session=SessionControl("s", start=True))
-    turn1 = _drive(engine)["t1"]
+    turn1 = new_tokens(drive(engine))["t1"]
     computed = engine.stats().num_computed_prompt_tokens
     engine.add_request("t2", second, params, session=SessionControl("s", end=True))
-    turn2 = _drive(engine)["t2"]
+    turn2 = new_tokens(drive(engine))["t2"]
     assert turn1 == _hf_generate(hf, first)
     assert turn2 == _hf_generate(hf, first + turn1 + second)
     assert engine.stats().num_computed_prompt_tokens - computed <= len(second) + 1
@@ -239,20 +197,20 @@ def test_fp8_attention_and_fp4_experts_match_transformers_over_the_dequantized_w
     assert kept.layers[1].ffn.shared_experts.w2.weight_scale_inv is not None
     assert kept.layers[2].ffn.gate_up.dtype == (torch.int8 if fp4_experts else torch.float32)
     ids = _tokens(33, 90)
-    assert (PagedRunner(kept).step([], [("r", ids)]) - _hf_logits(hf, ids)).abs().max() <= 1e-4
+    assert (HybridPagedRunner(kept).step([], [("r", ids)]) - _hf_logits(hf, ids)).abs().max() <= 1e-4
     kept.set_moe_impl("static")
-    assert (PagedRunner(kept).step([], [("r", ids)]) - _hf_logits(hf, ids)).abs().max() <= 1e-4
+    assert (HybridPagedRunner(kept).step([], [("r", ids)]) - _hf_logits(hf, ids)).abs().max() <= 1e-4
     kept.set_moe_impl("dynamic")
     if fp4_experts:
-        engine = _engine(path, max_num_batched_tokens=9, num_blocks=48)
+        engine = make_engine(path, ENGINE, max_num_batched_tokens=9, num_blocks=48, weight_format="dequantize")
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         prompts = {f"r{n}": _tokens(n, 91 + n) for n in (7, 26)}
         for rid, prompt in prompts.items():
             engine.add_request(rid, prompt, params)
-        assert _drive(engine) == {rid: _hf_generate(hf, prompt) for rid, prompt in prompts.items()}
+        assert new_tokens(drive(engine)) == {rid: _hf_generate(hf, prompt) for rid, prompt in prompts.items()}
     dequantized = load_model(str(path), torch.float32, progress=False, dequantize_fp8_at_load=True)
     assert dequantized.layers[1].attn.wq_b.weight.dtype == dequantized.layers[2].ffn.gate_up.dtype == torch.float32
-    assert (PagedRunner(dequantized).step([], [("r", ids)]) - _hf_logits(hf, ids)).abs().max() <= 1e-4
+    assert (HybridPagedRunner(dequantized).step([], [("r", ids)]) - _hf_logits(hf, ids)).abs().max() <= 1e-4
 
 
 def test_prefix_caching_is_off_with_a_log_line_and_results_stay_exact(tiny, caplog):
@@ -278,7 +236,7 @@ def test_memory_grows_by_compressed_entries_only_and_sessions_hold_slots(tmp_pat
     max_num_seqs + max_sessions: a session past max_sessions gets the busy error, and END frees its slot."""
     from backend_lib.worker.kv_sizing import kv_bytes_per_block, state_bytes_per_slot
     path = make_tiny("deepseek_v4", tmp_path, seed=3)
-    engine = _engine(path, num_blocks=16, block_size=8, max_sessions=2)
+    engine = make_engine(path, ENGINE, num_blocks=16, block_size=8, max_sessions=2)
     a = engine.model.args
     d, di, w, n_csa, n_hca, layers = a.head_dim, a.index_head_dim, a.sliding_window, a.count("compressed_sparse_attention"), \
         a.count("heavily_compressed_attention"), a.num_hidden_layers
@@ -298,11 +256,11 @@ def test_memory_grows_by_compressed_entries_only_and_sessions_hold_slots(tmp_pat
     with pytest.raises(RequestError, match="max_sessions 2") as info:
         engine.add_request("s2", _tokens(9, 7), params, session=SessionControl("s2", start=True))
     assert info.value.busy and info.value.limit == "max_sessions"
-    _drive(engine)
+    drive(engine)
     assert engine.scheduler.kv_cache.num_free_state_slots == slots - 2
     for sid in ("s0", "s1"):
         engine.add_request(f"{sid}-end", _tokens(2, 8), params, session=SessionControl(sid, end=True))
-    _drive(engine)
+    drive(engine)
     assert engine.scheduler.kv_cache.num_free_state_slots == slots and engine.stats().kv_blocks_used == 0
 
 
@@ -311,7 +269,7 @@ def test_static_moe_gives_the_same_logits(tiny):
     ids = _tokens(21, 60)
     ours.set_moe_impl("static")
     try:
-        out = PagedRunner(ours).step([], [("r", ids)])
+        out = HybridPagedRunner(ours).step([], [("r", ids)])
     finally:
         ours.set_moe_impl("dynamic")
     assert (out - _hf_logits(hf, ids)).abs().max() <= 1e-4
@@ -345,7 +303,7 @@ def test_mtp_without_mtp_weights_is_refused_with_a_clear_error(tmp_path):
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     with pytest.raises(ValueError, match="num_nextn_predict_layers"):
-        _engine(path, num_blocks=16, method="mtp", num_speculative_tokens=1)
+        make_engine(path, ENGINE, num_blocks=16, method="mtp", num_speculative_tokens=1)
 
 
 def test_config_errors_name_the_field():
@@ -386,10 +344,10 @@ def test_compiled_decode_regions_give_the_same_greedy_ids(backend, tmp_path):
     prompts = {f"r{n}": _tokens(n, 70 + n) for n in (6, 31)}  # 31: decode crosses the window and CSA windows
 
     def run(**settings) -> tuple[dict[str, list[int]], LLMEngine]:
-        engine = _engine(path, num_blocks=48, max_num_batched_tokens=16, **settings)
+        engine = make_engine(path, ENGINE, num_blocks=48, max_num_batched_tokens=16, **settings)
         for rid, prompt in prompts.items():
             engine.add_request(rid, prompt, params)
-        return _drive(engine), engine
+        return new_tokens(drive(engine)), engine
 
     backend, _, scope = backend.partition("-")
     compiled, engine = run(compile_backend=backend, batch_buckets="2", width_buckets="16", compile_progress=False,
@@ -426,7 +384,7 @@ def _tp_rank(rank: int, world: int, path: str, init: str, expert_parallel: bool,
 
 
 def _tp_workload(model) -> torch.Tensor:
-    run = PagedRunner(model)
+    run = HybridPagedRunner(model)
     parts = [run.step([], [("a", _tokens(19, 80)), ("b", _tokens(7, 81))])]
     for i in range(6):
         parts.append(run.step([("a", _tokens(1, 90 + i)), ("b", _tokens(1, 100 + i))], []))
@@ -453,10 +411,10 @@ def test_ngram_drafts_are_lossless(tiny):
     repeating = _tokens(6, 110) * 4  # n-gram drafts find matches in a repeating prompt
 
     def run(**settings) -> tuple[dict[str, list[int]], LLMEngine]:
-        engine = _engine(path, max_num_batched_tokens=16, num_blocks=64, **settings)
+        engine = make_engine(path, ENGINE, max_num_batched_tokens=16, num_blocks=64, **settings)
         for rid, prompt in {"rep": repeating, "rand": _tokens(17, 111)}.items():
             engine.add_request(rid, prompt, params)
-        return _drive(engine), engine
+        return new_tokens(drive(engine)), engine
 
     plain, _ = run()
     spec, engine = run(method="ngram", num_speculative_tokens=3)

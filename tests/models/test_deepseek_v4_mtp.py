@@ -15,13 +15,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from backend_lib.core.config import EngineConfig
 from backend_lib.engine.llm_engine import LLMEngine
 from backend_lib.models.loading.loader import load_model
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.worker.spec_decode.mtp_v4 import V4MTPProposer
 from backend_lib.tools.tiny import make_tiny
 from kernels.attention_metadata import AttentionMetadata, StateRows
+from tests.helpers.engines import drive, make_engine, new_tokens
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 BLOCK = 4
@@ -167,20 +167,7 @@ def test_mtp_logits_match_transformers_modules_across_chunks(tiny_mtp):
     assert (torch.cat(rows) - oracle.first_pass_logits(ids)).abs().max() <= 1e-4
 
 
-def _engine(path, **settings) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_flat({"model": str(path), "max_model_len": 128, "block_size": BLOCK,
-                                             "max_num_seqs": 4, "num_blocks": 14, "max_num_batched_tokens": 9,
-                                             **settings}))
-
-
-def _drive(engine: LLMEngine, on_step=None) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        if on_step is not None:
-            on_step(engine.scheduler.get_request("a"))
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    return tokens
+ENGINE = {"max_model_len": 128, "block_size": BLOCK, "max_num_seqs": 4, "num_blocks": 14, "max_num_batched_tokens": 9}
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -193,15 +180,15 @@ def test_mtp_drafts_are_lossless_and_equal_the_oracle_chain(tiny_mtp, k):
     prompts = {"a": _tokens(20, 71), "b": _tokens(3, 72), "c": _tokens(11, 73)}
 
     def run(on_step=None, **settings) -> tuple[dict[str, list[int]], LLMEngine]:
-        engine = _engine(path, **settings)
-        for rid, prompt in prompts.items():
-            engine.add_request(rid, prompt, GREEDY)
-        return _drive(engine, on_step), engine
+        engine = make_engine(path, ENGINE, **settings)
+        return new_tokens(drive(engine, {rid: (prompt, GREEDY) for rid, prompt in prompts.items()},
+                                on_step=on_step)), engine
 
     plain, _ = run()
     checked, forced = [], [0]
 
-    def check_and_force(request) -> None:
+    def check_and_force(engine: LLMEngine) -> None:
+        request = engine.scheduler.get_request("a")
         if request is None or not request.draft_token_ids:
             return
         assert request.draft_token_ids == oracle.drafts(request.all_token_ids, k)
@@ -228,7 +215,7 @@ def test_mtp_with_compiled_regions_is_refused_before_compiling(tiny_mtp):
     """V4 drafts read the streams the eager forward keeps: an engine with compiled regions refuses, naming the field."""
     path, _ = tiny_mtp
     with pytest.raises(ValueError, match="compile_backend"):
-        _engine(path, method="mtp", num_speculative_tokens=1, compile_backend="aot_eager")
+        make_engine(path, ENGINE, method="mtp", num_speculative_tokens=1, compile_backend="aot_eager")
 
 
 def test_mtp_drafts_across_session_turns_equal_the_oracle(tiny_mtp):
@@ -239,16 +226,17 @@ def test_mtp_drafts_across_session_turns_equal_the_oracle(tiny_mtp):
     first, second = _tokens(11, 74), _tokens(6, 75)
 
     def run(on_step=None, **settings) -> tuple[list[int], list[int], LLMEngine]:
-        engine = _engine(path, num_blocks=48, **settings)
+        engine = make_engine(path, ENGINE, num_blocks=48, **settings)
         engine.add_request("t1", first, GREEDY, session=SessionControl("s", start=True))
-        turn1 = _drive(engine)["t1"]
+        turn1 = new_tokens(drive(engine))["t1"]
         engine.add_request("a", second, GREEDY, session=SessionControl("s", end=True))
-        return turn1, _drive(engine, on_step)["a"], engine
+        return turn1, new_tokens(drive(engine, on_step=on_step))["a"], engine
 
     plain = run()[:2]
     checked = []
 
-    def check(request) -> None:
+    def check(engine: LLMEngine) -> None:
+        request = engine.scheduler.get_request("a")
         if request is not None and request.draft_token_ids:
             assert request.all_token_ids[:len(first) + len(plain[0])] == first + plain[0]  # the turn's history
             assert request.draft_token_ids == oracle.drafts(request.all_token_ids, 2)

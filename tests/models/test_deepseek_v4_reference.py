@@ -7,39 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend_lib.core.config import EngineConfig
-from backend_lib.engine.llm_engine import LLMEngine
 from backend_lib.engine.offline import LLM
 from backend_lib.core.outputs import SessionControl
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.tools.tiny import make_tiny
-from tests.models.test_deepseek_v4 import PagedRunner
-from tests.helpers.v4_reference import ReferenceV4
+from tests.helpers.paged_runner import HybridPagedRunner
+from tests.helpers.v4_reference import REFERENCE_CONFIGS, RELEASE_SMALL, ReferenceV4
+from tests.helpers.engines import drive, make_engine
 
-RELEASE_SMALL = dict(  # the release's layer schedule in small, two index heads (many exact-zero ties), top-4
-    num_hidden_layers=6, head_dim=64, num_attention_heads=4, partial_rotary_factor=0.25, sliding_window=8,
-    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                 "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"],
-    mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe", "moe"],
-    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
-    index_topk=4, index_n_heads=2, index_head_dim=32)
-CONFIGS = {
-    "release_small": RELEASE_SMALL,
-    # rates that divide neither the block size nor each other, YaRN on the compress rotary, sigmoid routing,
-    # 8 query heads in 4 output groups, top-2 of two index heads
-    "odd_rates": dict(compress_rates={"compressed_sparse_attention": 3, "heavily_compressed_attention": 5},
-                      rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                                       "beta_fast": 32, "beta_slow": 1},
-                      sliding_window=6, index_topk=2, index_n_heads=2, index_head_dim=16, o_groups=4,
-                      num_attention_heads=8, scoring_func="sigmoid",
-                      layer_types=["heavily_compressed_attention", "compressed_sparse_attention",
-                                   "sliding_attention", "compressed_sparse_attention"],
-                      mlp_layer_types=["hash_moe", "moe", "hash_moe", "moe"]),
-    # one entry per query, two streams and few Sinkhorn rounds
-    "top1": dict(index_topk=1, index_n_heads=4, hc_mult=2, hc_sinkhorn_iters=3),
-    # more picks than closed windows at every length tested: the indexer keeps all
-    "top_wide": dict(index_topk=96, index_n_heads=2, index_head_dim=16),
-}
 # (context length, tokens prefilled before teacher-forced decode); release_small runs past 1,000 positions
 LENGTHS = {"release_small": (1100, 900), "odd_rates": (320, 200), "top1": (320, 200), "top_wide": (320, 200)}
 
@@ -56,12 +31,12 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=sorted(REFERENCE_CONFIGS))
 def case(request, tmp_path_factory):
     """(name, directory, reference) for one config."""
     name = request.param
     path = make_tiny("deepseek_v4", tmp_path_factory.mktemp(name), seed=11, initializer_range=0.15,
-                     overrides=CONFIGS[name])
+                     overrides=REFERENCE_CONFIGS[name])
     return name, path, ReferenceV4(path)
 
 
@@ -69,7 +44,8 @@ def _ours_teacher_forced(path, ids: list[int], prefill_len: int, chunks=(13, 7, 
     """Our model's logits at every position: the first ``prefill_len`` tokens in chunks of odd sizes, then one
     decode step per token, over shuffled paged blocks and a state slot (the model runner's inputs, built by hand)."""
     from backend_lib.models.loading.loader import load_model
-    run = PagedRunner(load_model(str(path), torch.float32, progress=False), num_blocks=len(ids) // 4 + 8)
+    model = load_model(str(path), torch.float32, progress=False, weight_format="dequantize")  # the reference's weights
+    run = HybridPagedRunner(model, num_blocks=len(ids) // 4 + 8)
     rows, start, i = [], 0, 0
     while start < prefill_len:
         n = min(chunks[i % len(chunks)], prefill_len - start)
@@ -97,19 +73,7 @@ def test_teacher_forced_logits_equal_the_reference_at_every_position(case):
     assert diff.max() <= 1e-4, f"first position off: {int((diff > 1e-4).nonzero()[0])}"
 
 
-def _engine(path, **settings) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_flat({"model": str(path), "max_model_len": 1024, "block_size": 16,
-                                             "max_num_seqs": 4, **settings}))
-
-
-def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list]:
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    outputs: dict[str, list] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).append(out)
-    return outputs
+ENGINE = {"max_model_len": 1024, "block_size": 16, "max_num_seqs": 4}
 
 
 def test_engine_greedy_equals_the_reference_batched_and_chunked(case):
@@ -118,7 +82,7 @@ def test_engine_greedy_equals_the_reference_batched_and_chunked(case):
     name, path, ref = case
     prompts = {f"r{n}": _tokens(n, 30 + n) for n in (5, 70, 400)}
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    outputs = _run(_engine(path, max_num_batched_tokens=61), {r: (p, params) for r, p in prompts.items()})
+    outputs = drive(make_engine(path, ENGINE, max_num_batched_tokens=61), {r: (p, params) for r, p in prompts.items()})
     for rid, prompt in prompts.items():
         assert [t for o in outputs[rid] for t in o.new_token_ids] == ref.greedy(prompt, 64), rid
 
@@ -127,14 +91,14 @@ def test_decode_logprobs_equal_a_prefill_of_the_same_tokens(case):
     """No outside oracle: the logprobs of tokens generated step by step equal the prompt logprobs of one prefill
     of prompt + output (the check that found decode and prefill picking different tied entries)."""
     name, path, _ = case
-    engine = _engine(path, max_num_batched_tokens=256)
+    engine = make_engine(path, ENGINE, max_num_batched_tokens=256)
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, logprobs=0)
     for n in (5, 30, 70, 400):
         prompt = _tokens(n, 50 + n)
-        out = _run(engine, {"gen": (prompt, params)})["gen"]
+        out = drive(engine, {"gen": (prompt, params)})["gen"]
         tokens = [t for o in out for t in o.new_token_ids]
         decoded = [lp.logprob for o in out for lp in o.new_logprobs]
-        again = _run(engine, {"pre": (prompt + tokens, SamplingParams(max_tokens=1, prompt_logprobs=0))})["pre"]
+        again = drive(engine, {"pre": (prompt + tokens, SamplingParams(max_tokens=1, prompt_logprobs=0))})["pre"]
         entries = next(o.prompt_logprobs for o in again if o.prompt_logprobs is not None).entries
         prefilled = [e.logprob for e in entries[n - 1:]]
         assert len(prefilled) == len(decoded) == 64
@@ -152,17 +116,17 @@ def test_preemption_and_session_turns_keep_the_reference_greedy_ids(release_smal
     """A pool small enough that requests are preempted and recomputed mid-decode, then a two-turn session whose
     second turn prefills only its new tokens on the kept state: the reference's tokens throughout."""
     path, ref = release_small
-    engine = _engine(path, max_num_batched_tokens=32, num_blocks=14)
+    engine = make_engine(path, ENGINE, max_num_batched_tokens=32, num_blocks=14)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     prompts = {f"r{n}": _tokens(n, 60 + n) for n in (3, 90, 50, 130)}
-    outputs = _run(engine, {r: (p, params) for r, p in prompts.items()})
+    outputs = drive(engine, {r: (p, params) for r, p in prompts.items()})
     for rid, prompt in prompts.items():
         assert [t for o in outputs[rid] for t in o.new_token_ids] == ref.greedy(prompt, 40), rid
     assert engine.stats().num_preemptions > 0
 
     def turn(rid: str, prompt: list[int], session: SessionControl) -> list[int]:
         engine.add_request(rid, prompt, params, session=session)
-        return [t for o in _run(engine, {})[rid] for t in o.new_token_ids]
+        return [t for o in drive(engine)[rid] for t in o.new_token_ids]
 
     first, second = _tokens(70, 71), _tokens(9, 72)
     turn1 = turn("t1", first, SessionControl("s", start=True))
@@ -172,8 +136,8 @@ def test_preemption_and_session_turns_keep_the_reference_greedy_ids(release_smal
 
 
 @pytest.mark.parametrize("settings", [
-    {"tensor_parallel_size": 2},
-    {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+    pytest.param({"tensor_parallel_size": 2}, marks=pytest.mark.slow),
+    pytest.param({"tensor_parallel_size": 2, "enable_expert_parallel": True}, marks=pytest.mark.slow),
     {"method": "ngram", "num_speculative_tokens": 3},
     {"method": "mtp", "num_speculative_tokens": 2},
 ])
@@ -202,12 +166,12 @@ def test_fp8_and_fp4_checkpoints_equal_the_reference_over_dequantized_weights(fp
 def test_compiled_decode_regions_equal_the_reference(release_small, tmp_path):
     """Decode graphs (static shapes: the tie rule is topk values, comparisons and a cumsum) pick the same entries."""
     path, ref = release_small
-    engine = _engine(path, num_blocks=64, max_num_batched_tokens=32, compile_backend="aot_eager",
+    engine = make_engine(path, ENGINE, num_blocks=64, max_num_batched_tokens=32, compile_backend="aot_eager",
                      batch_buckets="2", width_buckets="16", compile_progress=False,
                      compile_cache_dir=str(tmp_path / "cache"))
     prompts = {f"r{n}": _tokens(n, 90 + n) for n in (6, 61)}
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    outputs = _run(engine, {r: (p, params) for r, p in prompts.items()})
+    outputs = drive(engine, {r: (p, params) for r, p in prompts.items()})
     for rid, prompt in prompts.items():
         assert [t for o in outputs[rid] for t in o.new_token_ids] == ref.greedy(prompt, 40), rid
     assert engine.runner.model.stats.compiled_steps > 5

@@ -10,10 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from backend_lib.core.config import EngineConfig
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.core.outputs import SessionControl
-from backend_lib.engine.llm_engine import LLMEngine
 from backend_lib.engine.offline import LLM
 from backend_lib.models.engram.config import EngramConfig
 from backend_lib.models.engram.ngram_hash import EngramVocabulary, NgramHasher, compressed_vocabulary, head_table_sizes
@@ -21,6 +19,7 @@ from backend_lib.models.loading.loader import load_model
 from backend_lib.tools.tiny import make_tiny
 from tests.helpers.engram_reference import EngramReferenceV4, EngramTransformersV3, reference_lookup
 from tests.helpers.v4_reference import ReferenceV4
+from tests.helpers.engines import drive, make_engine
 
 # head counts, n-gram orders, conv widths, stream counts and layer placements (first, last, consecutive)
 CONFIGS = {
@@ -63,19 +62,8 @@ def with_mtp(tmp_path_factory):
     return path, EngramReferenceV4(path)
 
 
-def _engine(path, **settings) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_flat({"model": str(path), "max_model_len": 1024, "block_size": 16,
-                                             "max_num_seqs": 4, **settings}))
+ENGINE = {"max_model_len": 1024, "block_size": 16, "max_num_seqs": 4}
 
-
-def _run(engine: LLMEngine, requests: dict) -> dict[str, list]:
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    outputs: dict[str, list] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).append(out)
-    return outputs
 
 
 def _ids(outputs: list) -> list[int]:
@@ -120,20 +108,20 @@ def test_engine_greedy_equals_the_reference_batched_and_chunked(case):
     budget shared with the others' decodes), next to each other: the reference's greedy ids."""
     name, path, ref = case
     prompts = {f"r{n}": _tokens(n, 30 + n) for n in (1, 2, 5, 23, 150)}
-    outputs = _run(_engine(path, max_num_batched_tokens=7), {r: (p, GREEDY) for r, p in prompts.items()})
+    outputs = drive(make_engine(path, ENGINE, max_num_batched_tokens=7), {r: (p, GREEDY) for r, p in prompts.items()})
     for rid, prompt in prompts.items():
         assert _ids(outputs[rid]) == ref.greedy(prompt, 40), rid
 
 
 def test_decode_logprobs_equal_a_prefill_of_the_same_tokens(case):
     name, path, _ = case
-    engine = _engine(path, max_num_batched_tokens=256)
+    engine = make_engine(path, ENGINE, max_num_batched_tokens=256)
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, logprobs=0)
     for n in (3, 70):
         prompt = _tokens(n, 50 + n)
-        out = _run(engine, {"gen": (prompt, params)})["gen"]
+        out = drive(engine, {"gen": (prompt, params)})["gen"]
         decoded = [lp.logprob for o in out for lp in o.new_logprobs]
-        again = _run(engine, {"pre": (prompt + _ids(out), SamplingParams(max_tokens=1, prompt_logprobs=0))})["pre"]
+        again = drive(engine, {"pre": (prompt + _ids(out), SamplingParams(max_tokens=1, prompt_logprobs=0))})["pre"]
         entries = next(o.prompt_logprobs for o in again if o.prompt_logprobs is not None).entries
         prefilled = [e.logprob for e in entries[n - 1:]]
         assert max(abs(a - b) for a, b in zip(decoded, prefilled)) <= 1e-4, n
@@ -141,16 +129,16 @@ def test_decode_logprobs_equal_a_prefill_of_the_same_tokens(case):
 
 def test_preemption_and_session_turns_keep_the_reference_greedy_ids(with_mtp):
     path, ref = with_mtp
-    engine = _engine(path, max_num_batched_tokens=32, num_blocks=14)
+    engine = make_engine(path, ENGINE, max_num_batched_tokens=32, num_blocks=14)
     prompts = {f"r{n}": _tokens(n, 60 + n) for n in (3, 90, 50, 130)}
-    outputs = _run(engine, {r: (p, GREEDY) for r, p in prompts.items()})
+    outputs = drive(engine, {r: (p, GREEDY) for r, p in prompts.items()})
     for rid, prompt in prompts.items():
         assert _ids(outputs[rid]) == ref.greedy(prompt, 40), rid
     assert engine.stats().num_preemptions > 0
 
     def turn(rid: str, prompt: list[int], session: SessionControl) -> list[int]:
         engine.add_request(rid, prompt, GREEDY, session=session)
-        return _ids(_run(engine, {})[rid])
+        return _ids(drive(engine)[rid])
 
     first, second = _tokens(70, 71), _tokens(9, 72)
     turn1 = turn("t1", first, SessionControl("s", start=True))
@@ -160,8 +148,8 @@ def test_preemption_and_session_turns_keep_the_reference_greedy_ids(with_mtp):
 
 
 @pytest.mark.parametrize("settings", [
-    {"tensor_parallel_size": 2},
-    {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+    pytest.param({"tensor_parallel_size": 2}, marks=pytest.mark.slow),
+    pytest.param({"tensor_parallel_size": 2, "enable_expert_parallel": True}, marks=pytest.mark.slow),
     {"method": "ngram", "num_speculative_tokens": 3},
     {"method": "mtp", "num_speculative_tokens": 2},
 ])
@@ -214,11 +202,11 @@ def test_bad_engram_checkpoints_fail_the_load_naming_what_is_wrong(tmp_path, bre
 def test_compiled_decode_regions_gather_on_the_host_and_equal_the_reference(with_mtp, tmp_path):
     """Graphs see the gathered rows as a static-shape input (the int64 hash and the lookup stay outside)."""
     path, ref = with_mtp
-    engine = _engine(path, num_blocks=64, max_num_batched_tokens=32, compile_backend="aot_eager",
+    engine = make_engine(path, ENGINE, num_blocks=64, max_num_batched_tokens=32, compile_backend="aot_eager",
                      batch_buckets="2", width_buckets="16", compile_progress=False,
                      compile_cache_dir=str(tmp_path / "cache"))
     prompts = {f"r{n}": _tokens(n, 90 + n) for n in (6, 61)}
-    outputs = _run(engine, {r: (p, GREEDY) for r, p in prompts.items()})
+    outputs = drive(engine, {r: (p, GREEDY) for r, p in prompts.items()})
     for rid, prompt in prompts.items():
         assert _ids(outputs[rid]) == ref.greedy(prompt, 40), rid
     assert engine.runner.model.stats.compiled_steps > 5
@@ -233,7 +221,7 @@ def test_an_fp8_table_stays_fp8_and_equals_the_reference_over_its_dequantized_ro
     assert table.weight.dtype == torch.float8_e4m3fn and table.scale.shape == (table.weight.shape[0], 1)
     ref = EngramReferenceV4(path)
     prompts = {f"r{n}": _tokens(n, 40 + n) for n in (4, 77)}
-    outputs = _run(_engine(path, max_num_batched_tokens=16), {r: (p, GREEDY) for r, p in prompts.items()})
+    outputs = drive(make_engine(path, ENGINE, max_num_batched_tokens=16), {r: (p, GREEDY) for r, p in prompts.items()})
     for rid, prompt in prompts.items():
         assert _ids(outputs[rid]) == ref.greedy(prompt, 40), rid
 
@@ -249,22 +237,22 @@ def test_v3_greedy_equals_transformers_with_the_reference_engram(v3):
     """DeepSeek-V3 (one residual stream; its latent cache plus Engram's state slots): chunks of 1-7 tokens, batching,
     a pool small enough to preempt, then a two-turn session."""
     path, ref = v3
-    engine = _engine(path, max_num_batched_tokens=7, num_blocks=10)
+    engine = make_engine(path, ENGINE, max_num_batched_tokens=7, num_blocks=10)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = {f"r{n}": _tokens(n, 100 + n) for n in (2, 9, 45, 70)}
-    outputs = _run(engine, {r: (p, params) for r, p in prompts.items()})
+    outputs = drive(engine, {r: (p, params) for r, p in prompts.items()})
     for rid, prompt in prompts.items():
         assert _ids(outputs[rid]) == ref.greedy(prompt, 24), rid
     assert engine.stats().num_preemptions > 0
     first, second = _tokens(20, 7), _tokens(5, 8)
     engine.add_request("t1", first, params, session=SessionControl("s", start=True))
-    turn1 = _ids(_run(engine, {})["t1"])
+    turn1 = _ids(drive(engine)["t1"])
     engine.add_request("t2", second, params, session=SessionControl("s", end=True))
-    assert _ids(_run(engine, {})["t2"]) == ref.greedy(first + turn1 + second, 24)
+    assert _ids(drive(engine)["t2"]) == ref.greedy(first + turn1 + second, 24)
 
 
 @pytest.mark.parametrize("settings", [
-    {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+    pytest.param({"tensor_parallel_size": 2, "enable_expert_parallel": True}, marks=pytest.mark.slow),
     {"method": "mtp", "num_speculative_tokens": 2},
     {"method": "ngram", "num_speculative_tokens": 3},
 ])

@@ -85,7 +85,7 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:  # [len, vocab] float32
 
 @pytest.fixture(scope="session")
 def smollm2_ours(smollm2_path):
-    return load_model(smollm2_path, progress=False)
+    return load_model(smollm2_path, progress=False, weight_format="dequantize")  # the oracle: transformers' weights
 
 
 @pytest.fixture(scope="session")

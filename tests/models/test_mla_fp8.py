@@ -128,6 +128,7 @@ def test_v3_fp8_equals_the_dequantized_reference_cache(tiny_v3, monkeypatch, set
         assert stats.spec_draft_tokens > 0
 
 
+@pytest.mark.slow
 def test_v3_fp8_two_ranks_match_one(tiny_v3):
     one, _ = _run(tiny_v3, True)
     two, _ = _run(tiny_v3, True, tensor_parallel_size=2)

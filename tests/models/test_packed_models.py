@@ -3,9 +3,6 @@ Q4_1 holding the file's bytes (documented repack) at ~0.6 bytes a projection wei
 ``weight_format=dequantize`` (kernels/packed_gemm.py's int8 path: within its documented bound per logit)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -17,6 +14,7 @@ from backend_lib.frontend.triton.parameters import engine_config_from_parameters
 from backend_lib.models.deepseek_v3.moe import RoutedExperts
 from backend_lib.models.loading.gguf_file import GGUFFile
 from backend_lib.models.loading.gguf_loader import unpermute_rows
+from backend_lib.models.interfaces import keeps_hybrid_state
 from backend_lib.models.layers import resident_weight_bytes
 from backend_lib.models.loading.loader import load_model
 from backend_lib.models.parallel import ParallelContext
@@ -32,16 +30,19 @@ from kernels.packed_gemm import int8_error_bound
 from kernels.packed_weights import GGUF_LAYOUTS, pack_gguf
 from kernels.quant import dequantize_block_fp8, quantize_block_fp8
 
+# `make test` only (not test-fast): packs and runs SmolLM2 / the tiny V3 in every weight format, some on two ranks.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def smollm2_pair(smollm2_path):
     """(packed, dequantized) SmolLM2 models, fp32."""
     return (load_model(smollm2_path, progress=False, weight_format="packed"),
-            load_model(smollm2_path, progress=False))
+            load_model(smollm2_path, progress=False, weight_format="dequantize"))
 
 
 def test_setting_is_validated_and_refused_where_it_cannot_run():
-    assert ModelConfig().weight_format == "dequantize"
+    assert ModelConfig().weight_format == "auto"  # resolved at load: tests/models/test_weight_format_auto.py
     assert ModelConfig(weight_format="packed").weight_format == "packed"
     with pytest.raises(ValueError, match="weight_format must be one of"):
         ModelConfig(weight_format="int4")
@@ -128,13 +129,9 @@ WORKLOAD_TOKENS = 24
 
 
 def _workload_prompts() -> list:
-    path = Path(__file__).resolve().parents[3] / "shared" / "bench" / "workload.py"
-    if not path.is_file():
-        pytest.skip(f"the shared workload ({path}) is not in this checkout's tree")
-    spec = importlib.util.spec_from_file_location("shared_workload", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.prompts()[:WORKLOAD_PROMPTS]
+    from benchmarks.workload import prompts
+
+    return prompts()[:WORKLOAD_PROMPTS]
 
 
 @pytest.fixture(scope="module")
@@ -380,7 +377,7 @@ def test_deepseek_packed_regions_trace_and_pass_the_graph_lint(arch, tmp_path):
         step = wrapper._dummy_step(rows, queries, width, torch.device("cpu"))
         caches = []
         for _ in range(2):
-            if hasattr(model, "hybrid_cache_shapes"):
+            if keeps_hybrid_state(model):
                 paged, state = model.hybrid_cache_shapes(17, 4, 5)
                 caches.append([torch.zeros(s) for s in paged + state])
             else:

@@ -14,6 +14,11 @@ from backend_lib.engine.llm_engine import LLMEngine
 from backend_lib.engine.offline import LLM
 from backend_lib.tools.tiny import make_tiny
 from kernels.v4_fp8 import EntryRecord, IndexKeyRecord, store_entries
+from tests.helpers.engines import drive
+
+# `make test` only (not test-fast): the tiny V4 through the engine with and without fp8 KV, on one and two ranks,
+# compiled.
+pytestmark = pytest.mark.slow
 
 
 def _pow2_scale(values: torch.Tensor, fp8_max: float) -> torch.Tensor:
@@ -132,9 +137,8 @@ def test_v4_fp8_sessions(tiny_v4, monkeypatch):
         for i, (tokens, start, end) in enumerate([(list(range(5, 25)), True, False), ([7, 8, 9], False, False),
                                                   ([30, 31], False, True)]):
             engine.add_request(f"t{i}", tokens, GREEDY, SessionControl("s", start=start, end=end))
-            while engine.has_unfinished_requests():
-                turns += [(o.request_id, o.new_token_ids, [lp.logprob for lp in o.new_logprobs or []])
-                          for o in engine.step()]
+            turns += [(o.request_id, o.new_token_ids, [lp.logprob for lp in o.new_logprobs or []])
+                      for o in drive(engine)[f"t{i}"]]
         outputs.append(turns)
     assert outputs[0] == outputs[1] and len(outputs[0]) > 3
 

@@ -27,8 +27,8 @@ from backend_lib.neuron.platform import Platform
 from kernels.onednn_gemm import PackedWeight, onednn_gemm_available
 
 ROOT = Path(__file__).resolve().parents[2]
-HOST = Platform("cpu", "inductor", False, (), 448.0)
-NEURON = Platform("neuron", "neuron", False, (0,), 240.0)
+HOST = Platform("cpu", "inductor", False, (), fp8_max=448.0, kv_fp8_max=448.0)
+NEURON = Platform("neuron", "neuron", False, (0,), fp8_max=240.0, kv_fp8_max=224.0)
 PROMPT = [5, 17, 3, 42, 8, 9]
 NEW_TOKENS = 6
 

@@ -9,8 +9,10 @@ from backend_lib.core.config import EngineConfig
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.offline import LLM
 from backend_lib.tools.tiny import make_tiny
-from tests.conftest import hf_greedy, hf_greedy_choices
-from tests.neuron.test_regions import compiled_engine
+from tests.helpers.greedy_agreement import hf_greedy, hf_greedy_choices
+
+# `make test` only (not test-fast): compiles SmolLM2's regions (aot_eager) and runs them against the eager engine.
+pytestmark = pytest.mark.slow
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3, 4, 5,",
            [{"role": "user", "content": "What is the capital of France?"}]]
@@ -23,9 +25,7 @@ REGIONS = {"compile_backend": "aot_eager", "batch_buckets": "1,4", "width_bucket
 
 
 def _compiled_llm(flat: dict) -> LLM:
-    llm = LLM.__new__(LLM)
-    llm.engine = compiled_engine(EngineConfig.from_flat({**flat, **REGIONS}))
-    return llm
+    return LLM(config=EngineConfig.from_flat({**flat, **REGIONS}))
 
 
 def _ids(results) -> list[list[int]]:
@@ -35,8 +35,8 @@ def _ids(results) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def smol_flat(smollm2_path) -> dict:
     # max_model_len 128 = 8 blocks of 16: every decode fits the one width bucket.
-    return {"model": smollm2_path, "num_blocks": 64, "max_num_seqs": 4, "max_model_len": 128,
-            "max_num_batched_tokens": 64}
+    return {"model": smollm2_path, "weight_format": "dequantize", "num_blocks": 64, "max_num_seqs": 4,
+            "max_model_len": 128, "max_num_batched_tokens": 64}
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +78,8 @@ def tiny_ds(tmp_path_factory):
 @pytest.mark.parametrize("spec", [{}, {"method": "mtp", "num_speculative_tokens": 2}])
 def test_tiny_deepseek_compiled_greedy_equals_eager_and_transformers(tiny_ds, spec):
     from transformers import AutoModelForCausalLM
-    flat = {"model": str(tiny_ds), "num_blocks": 64, "max_num_seqs": 4, "max_model_len": 128,
-            "max_num_batched_tokens": 64, **spec}
+    flat = {"model": str(tiny_ds), "weight_format": "dequantize", "num_blocks": 64, "max_num_seqs": 4,
+            "max_model_len": 128, "max_num_batched_tokens": 64, **spec}
     prompts = [[5, 9, 200, 31, 7], [44, 3, 3, 3, 17, 90, 12], [300, 2, 77]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     compiled = _compiled_llm(flat)

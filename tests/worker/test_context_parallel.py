@@ -14,10 +14,14 @@ import torch
 from backend_lib.core.config import EngineConfig
 from backend_lib.core.outputs import SessionControl
 from backend_lib.core.sampling_params import SamplingParams
-from backend_lib.engine.llm_engine import LLMEngine
 from backend_lib.engine.offline import LLM
 from backend_lib.tools.tiny import make_tiny
 from backend_lib.worker.executor.workers import RankFailure
+from tests.helpers.engines import drive, make_engine, new_tokens
+
+# `make test` only (not test-fast): each test starts two-rank engines (processes, gloo groups, the model loaded per
+# rank).
+pytestmark = pytest.mark.slow
 
 STORY = "Once upon a time there was a lighthouse keeper who counted the ships. "
 PROMPTS = ["What is the capital of France?", STORY * 10, "0123456789 + - * / =", "Hi"]
@@ -112,18 +116,8 @@ def test_a_context_longer_than_one_ranks_pool_serves(tiny_dirs):
     _assert_same([roomy], [split])
 
 
-def _engine(model: str, **settings) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_flat({"model": model, "num_blocks": 160, "max_num_batched_tokens": 64,
-                                             **settings}))
+ENGINE = {"num_blocks": 160, "max_num_batched_tokens": 64}
 
-
-def _drain(engine: LLMEngine) -> dict[str, list[int]]:
-    """Each request's tokens (drafts make steps give several at once, so steps are not compared)."""
-    outputs: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
-    return outputs
 
 
 def test_sessions_ngram_drafts_and_preemption(tiny_dirs):
@@ -134,25 +128,25 @@ def test_sessions_ngram_drafts_and_preemption(tiny_dirs):
     copy_prompt = "a b c d e f g h a b c d e f g h a b c d e f g h a b c d"
 
     def run(tight_blocks: int, **settings) -> tuple[dict, dict, dict]:
-        engine = _engine(model, **settings)  # one multi-rank engine at a time in a process (one default group)
+        engine = make_engine(model, ENGINE, **settings)  # one multi-rank engine at a time in a process (one default group)
         try:
             session = {}
             for i, (text, start, end) in enumerate(turns):
                 engine.add_request(f"t{i}", text, GREEDY, SessionControl("s", start=start, end=end))
-                session.update(_drain(engine))
+                session.update(new_tokens(drive(engine)))
             for i, prompt in enumerate([copy_prompt, STORY * 10]):
                 engine.add_request(f"n{i}", prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
-            spec = _drain(engine)
+            spec = new_tokens(drive(engine))
         finally:
             engine.close()
         # The same global pool: 28 blocks on one rank, 14 on each of two.
-        tight = _engine(model, num_blocks=tight_blocks, max_num_seqs=4,
+        tight = make_engine(model, ENGINE, num_blocks=tight_blocks, max_num_seqs=4,
                         **{k: v for k, v in settings.items() if k.startswith("context")})
         try:
             for i in range(4):
                 tight.add_request(f"p{i}", f"{i} " + STORY * 2, SamplingParams(max_tokens=24, temperature=0.0,
                                                                                 ignore_eos=True))
-            preempted = _drain(tight)
+            preempted = new_tokens(drive(tight))
             stats = tight.stats()
             assert stats.kv_blocks_used == 0 and stats.num_preemptions > 0
             tight.scheduler.check_integrity()
@@ -216,12 +210,11 @@ def test_a_model_without_context_parallel_attention_is_refused_by_name(tmp_path,
 def test_deepseek_v4_two_context_ranks_give_the_reference_greedy(tmp_path, config):
     """DeepSeek-V4's compressed entries split across two ranks (the indexer's top-k taken over both ranks'
     scores, ties in entry order; the window and sinks on rank 0), against DeepSeek's own inference code (ported in
-    tests/helpers/v4_reference.py): prompts inside and far past the window, in 61-token chunks beside decodes, and with MTP
-    drafts."""
-    from tests.models.test_deepseek_v4_reference import CONFIGS
-    from tests.helpers.v4_reference import ReferenceV4
-    path = make_tiny("deepseek_v4", tmp_path / config, seed=11, initializer_range=0.15, overrides=CONFIGS[config],
-                     mtp_layers=1)
+    tests/helpers/v4_reference.py): prompts inside and far past the window, in 61-token chunks beside decodes, and
+    with MTP drafts."""
+    from tests.helpers.v4_reference import REFERENCE_CONFIGS, ReferenceV4
+    path = make_tiny("deepseek_v4", tmp_path / config, seed=11, initializer_range=0.15,
+                     overrides=REFERENCE_CONFIGS[config], mtp_layers=1)
     reference = ReferenceV4(path)
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in (5, 70, 300)]

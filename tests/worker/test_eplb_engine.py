@@ -15,6 +15,8 @@ PROMPTS = ["What is the capital of France?", "Once upon a time there was", "0123
            "The quick brown fox", "In the beginning"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 EP2 = {"tensor_parallel_size": 2, "enable_expert_parallel": True, "num_blocks": 128, "max_num_batched_tokens": 64}
+# `make test` only (not test-fast): two expert-parallel ranks per engine, two engines a model.
+pytestmark = pytest.mark.slow
 EPLB = {"enable_eplb": True, "num_redundant_experts": 2, "eplb_window_steps": 4, "eplb_interval_steps": 2}
 
 

@@ -24,9 +24,14 @@ from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.llm_engine import LLMEngine
 from backend_lib.engine.offline import LLM
 from backend_lib.frontend.triton.parameters import engine_config_from_parameters
+from backend_lib.neuron.platform import detect_platform
 from backend_lib.worker.kv_dtype import kv_storage_dtype
 from kernels.attention import write_kv
 from kernels.kv_fp8 import dequantize_kv, quantize_kv
+from tests.helpers.engines import drive, make_engine
+
+# `make test` only (not test-fast): fp8 KV engines against a reference engine (SmolLM2 among them), compiled too.
+pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
 
@@ -44,9 +49,8 @@ def reference_writes(monkeypatch):
 
 
 def _engine(path, reference: bool, **settings) -> LLMEngine:
-    flat = {"model": str(path), "max_model_len": 256, "num_blocks": 256, **settings,
-            "kv_cache_dtype": "auto" if reference else "fp8_e4m3"}
-    engine = LLMEngine(EngineConfig.from_flat(flat))
+    engine = make_engine(path, {"max_model_len": 256, "num_blocks": 256}, settings,
+                         kv_cache_dtype="auto" if reference else "fp8_e4m3")
     if reference:  # its writes must reach the patched write_kv: the module path for every write and layer
         model = engine.model
         model._decode_weight_lists = ()
@@ -113,9 +117,8 @@ def test_fp8_sessions_keep_their_codes_between_turns(tiny_llama_dir, reference_w
         for i, (text, flags) in enumerate([("Hello there,", (True, False)), (" and then", (False, False)),
                                            (" finally", (False, True))]):
             engine.add_request(f"t{i}", text, GREEDY, SessionControl("s", start=flags[0], end=flags[1]))
-            while engine.has_unfinished_requests():
-                turns += [(o.request_id, o.new_token_ids, [lp.logprob for lp in o.new_logprobs or []])
-                          for o in engine.step()]
+            turns += [(o.request_id, o.new_token_ids, [lp.logprob for lp in o.new_logprobs or []])
+                      for o in drive(engine)[f"t{i}"]]
         outputs.append(turns)
     assert outputs[0] == outputs[1] and len(outputs[0]) > 3
 
@@ -163,10 +166,11 @@ def test_fp8_pool_holds_twice_bf16_and_four_times_fp32_in_the_same_memory(tiny_l
 
 
 def test_models_without_fp8_kv_refuse_it_naming_the_setting():
+    host = detect_platform({}, neuron_importable=False)
     config = EngineConfig.from_flat({"kv_cache_dtype": "fp8"})
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_e4m3' is not supported for Linear yet"):
-        kv_storage_dtype(config, torch.nn.Linear(2, 2), torch.float32)  # a model class without use_fp8_kv
-    assert kv_storage_dtype(EngineConfig(), torch.nn.Linear(2, 2), torch.bfloat16) == torch.bfloat16  # auto
+        kv_storage_dtype(config, torch.nn.Linear(2, 2), torch.float32, host)  # a model class without use_fp8_kv
+    assert kv_storage_dtype(EngineConfig(), torch.nn.Linear(2, 2), torch.bfloat16, host) == torch.bfloat16  # auto
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig.from_flat({"kv_cache_dtype": "int8"})
     assert EngineConfig.from_flat({"kv_cache_dtype": "fp8"}).cache.kv_cache_dtype == "fp8_e4m3"

@@ -102,11 +102,12 @@ def test_the_cache_is_sized_after_the_host_layouts_take_their_memory(smollm2_pat
     seen = []
     measure = rank.kv_cache_blocks
 
-    def sizing(config, model, dtype, world_size=1, kv_dtype=None):
+    def sizing(config, model, *rest):
         seen.append(model.blocked_head is not None)
-        return measure(config, model, dtype, world_size, kv_dtype)
+        return measure(config, model, *rest)
 
     monkeypatch.setattr(rank, "kv_cache_blocks", sizing)
-    state = rank.build_rank(EngineConfig.from_flat({"model": smollm2_path, "max_num_seqs": 2, "max_model_len": 256}),
-                            ParallelContext())
+    # dequantize: the fp32 head's blocked copy is what this checks (the packed default keeps the head in Q8_0 blocks)
+    flat = {"model": smollm2_path, "weight_format": "dequantize", "max_num_seqs": 2, "max_model_len": 256}
+    state = rank.build_rank(EngineConfig.from_flat(flat), ParallelContext())
     assert state.model.blocked_head is not None and seen == [True]

@@ -10,6 +10,7 @@ from backend_lib.core.config import EngineConfig
 from backend_lib.core.outputs import SessionControl
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.llm_engine import LLMEngine
+from tests.helpers.engines import drive
 
 PROMPT = list(range(100, 140))  # 40 tokens: three chunks at max_num_batched_tokens 16
 
@@ -22,13 +23,6 @@ def reference(tiny_llama_dir) -> torch.Tensor:  # [39, vocab]: log-softmax of th
         logits = model(torch.tensor([PROMPT])).logits[0, :-1].float()
     return torch.log_softmax(logits, dim=-1)
 
-
-def _finals(engine: LLMEngine) -> dict:
-    outputs: dict[str, list] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).append(out)
-    return outputs
 
 
 def _check(prompt_logprobs, reference: torch.Tensor, top_n: int) -> None:
@@ -48,18 +42,18 @@ def test_prompt_logprobs_equal_transformers_through_chunks_and_the_prefix_cache(
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
     engine.add_request("plain", PROMPT, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     engine.add_request("first", PROMPT, params)
-    outputs = _finals(engine)
+    outputs = drive(engine)
     assert all(o.prompt_logprobs is None for o in outputs["plain"])
     carrying = [o for o in outputs["first"] if o.prompt_logprobs is not None]
     assert len(carrying) == 1 and carrying[0].new_token_ids  # once, with the first token
     _check(carrying[0].prompt_logprobs, reference, 2)
     # The same prompt again: its blocks are cached, but a prompt_logprobs request computes every position.
     engine.add_request("again", PROMPT, params)
-    again = [o for o in _finals(engine)["again"] if o.prompt_logprobs is not None]
+    again = [o for o in drive(engine)["again"] if o.prompt_logprobs is not None]
     _check(again[0].prompt_logprobs, reference, 2)
     assert again[0].num_cached_tokens == 0
     engine.add_request("cached", PROMPT, SamplingParams(max_tokens=1))  # without it, the cache serves as before
-    assert _finals(engine)["cached"][-1].num_cached_tokens > 0
+    assert drive(engine)["cached"][-1].num_cached_tokens > 0
 
 
 def test_preemption_recompute_does_not_repeat_entries(tiny_llama_dir, reference):
@@ -70,7 +64,7 @@ def test_preemption_recompute_does_not_repeat_entries(tiny_llama_dir, reference)
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
     for i in range(3):
         engine.add_request(f"r{i}", PROMPT, params)
-    outputs = _finals(engine)
+    outputs = drive(engine)
     assert engine.scheduler.num_preemptions > 0
     for i in range(3):
         carrying = [o for o in outputs[f"r{i}"] if o.prompt_logprobs is not None]

@@ -7,7 +7,6 @@ import inspect
 
 import pytest
 import torch
-from scipy.stats import chisquare
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from backend_lib.core.sampling_params import SamplingParams
@@ -105,6 +104,7 @@ def test_hash_matches_python_reference():
 
 
 def test_seeded_uniform_is_uniform_in_open_interval_and_batch_independent():
+    from scipy.stats import chisquare
     seeds = torch.arange(64, dtype=torch.int64) * 7919
     positions = torch.arange(64, dtype=torch.int64) % 9
     u = ops.seeded_uniform(seeds, positions, 1000)  # [64, 1000]
@@ -176,6 +176,7 @@ FILTERS = [dict(), dict(top_k=5), dict(top_p=0.7), dict(min_p=0.1), dict(top_k=8
 
 @pytest.mark.parametrize("filters", FILTERS, ids=[str(f) or "none" for f in FILTERS])
 def test_empirical_frequencies_match_filtered_softmax(filters):
+    from scipy.stats import chisquare
     vocab, n, temperature = 12, 6000, 0.8
     base = torch.linspace(-2.0, 2.0, vocab)[torch.randperm(vocab, generator=torch.Generator().manual_seed(1))]
     logits = base.expand(n, vocab).contiguous()

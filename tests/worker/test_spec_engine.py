@@ -13,6 +13,7 @@ from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.llm_engine import LLMEngine
 from backend_lib.engine.offline import LLM
 from backend_lib.tools.tiny import make_tiny
+from tests.helpers.engines import drive, make_engine, new_tokens
 
 TEXT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, and wrote the "
         "names of passing ships in a worn leather book.")
@@ -83,19 +84,8 @@ def tiny_mtp(tmp_path_factory):
     return make_tiny("deepseek_v3", tmp_path_factory.mktemp("tiny_mtp"), seed=7, mtp_layers=1)
 
 
-def _engine(path, **settings) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_flat({"model": str(path), "max_model_len": 256, "block_size": 4,
-                                             "max_num_batched_tokens": 16, **settings}))
+ENGINE = {"max_model_len": 256, "block_size": 4, "max_num_batched_tokens": 16}
 
-
-def _drive(engine: LLMEngine, abort_after: dict[str, int] | None = None) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if abort_after and out.request_id in abort_after and len(tokens[out.request_id]) >= abort_after[out.request_id]:
-                engine.abort(out.request_id)
-    return tokens
 
 
 def _workload(engine: LLMEngine) -> dict[str, list[int]]:
@@ -104,18 +94,18 @@ def _workload(engine: LLMEngine) -> dict[str, list[int]]:
     for i, n in enumerate((5, 19, 40, 11)):
         prompt = torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist()
         engine.add_request(f"r{i}", prompt, params)
-    out = _drive(engine)
+    out = new_tokens(drive(engine))
     engine.add_request("t1", [7, 8, 9, 10, 11, 12], params, session=SessionControl("s", start=True))
-    out.update(_drive(engine))
+    out.update(new_tokens(drive(engine)))
     engine.add_request("t2", [13, 14, 15], params, session=SessionControl("s", end=True))
-    out.update(_drive(engine))
+    out.update(new_tokens(drive(engine)))
     return out
 
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_mtp_greedy_equals_plain(tiny_mtp, k):
-    expected = _workload(_engine(tiny_mtp, num_blocks=40))
-    engine = _engine(tiny_mtp, num_blocks=40, method="mtp", num_speculative_tokens=k)
+    expected = _workload(make_engine(tiny_mtp, ENGINE, num_blocks=40))
+    engine = make_engine(tiny_mtp, ENGINE, num_blocks=40, method="mtp", num_speculative_tokens=k)
     assert _workload(engine) == expected
     stats = engine.stats()
     assert stats.num_preemptions > 0 and stats.spec_draft_tokens > 0
@@ -125,11 +115,18 @@ def test_mtp_greedy_equals_plain(tiny_mtp, k):
 
 
 def test_mtp_abort_mid_request_frees_blocks(tiny_mtp):
-    engine = _engine(tiny_mtp, num_blocks=64, method="mtp", num_speculative_tokens=2)
+    engine = make_engine(tiny_mtp, ENGINE, num_blocks=64, method="mtp", num_speculative_tokens=2)
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     engine.add_request("a", [5, 6, 7, 8, 9], params)
     engine.add_request("b", [9, 8, 7], params)
-    out = _drive(engine, abort_after={"a": 4})
+    tokens_of_a = []
+
+    def abort_a_after_four(out) -> None:
+        if out.request_id == "a":
+            tokens_of_a.extend(out.new_token_ids)
+            if len(tokens_of_a) >= 4:
+                engine.abort("a")
+    out = new_tokens(drive(engine, on_output=abort_a_after_four))
     assert 4 <= len(out["a"]) < 30 and len(out["b"]) == 30
     engine.scheduler.check_integrity()
     assert engine.stats().kv_blocks_used == 0

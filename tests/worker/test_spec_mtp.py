@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend_lib.core.config import EngineConfig
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.llm_engine import LLMEngine
 from backend_lib.tools.tiny import make_tiny
+from tests.helpers.engines import drive, make_engine, new_tokens
 
 TINY61 = dict(num_hidden_layers=61, first_k_dense_replace=0, hidden_size=32, intermediate_size=64,
               moe_intermediate_size=16, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
@@ -28,9 +28,7 @@ def tiny61(tmp_path_factory):
     return path, hf, MtpModel.from_pretrained(hf, device_map={"": "cpu"}).eval()
 
 
-def _engine(path, k: int) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_flat({"model": str(path), "max_model_len": 128, "num_blocks": 64, "block_size": 4,
-                                             "method": "mtp", "num_speculative_tokens": k}))
+ENGINE = {"max_model_len": 128, "num_blocks": 64, "block_size": 4}
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -54,16 +52,6 @@ def reference_drafts(hf, mtp, tokens: list[int], k: int) -> list[int]:
     return drafts
 
 
-def _run(engine: LLMEngine, rid: str, prompt: list[int], on_step=None) -> list[int]:
-    engine.add_request(rid, prompt, GREEDY)
-    tokens: list[int] = []
-    while engine.has_unfinished_requests():
-        if on_step is not None:
-            on_step(engine.scheduler.get_request(rid))
-        for out in engine.step():
-            tokens += out.new_token_ids
-    return tokens
-
 
 def test_k1_drafts_equal_transformers_mtp_generation(tiny61):
     from transformers.generation.candidate_generator import MTPCandidateGenerator
@@ -85,10 +73,14 @@ def test_k1_drafts_equal_transformers_mtp_generation(tiny61):
                                     use_mtp=True)[0, len(prompt):].tolist()
     finally:
         MTPCandidateGenerator.get_candidates = original
-    engine = _engine(path, 1)
+    engine = make_engine(path, ENGINE, method="mtp", num_speculative_tokens=1)
     ours: dict[int, list[int]] = {}
-    tokens = _run(engine, "a", prompt,
-                  lambda r: r is not None and r.draft_token_ids and ours.setdefault(r.num_tokens, list(r.draft_token_ids)))
+
+    def record(engine: LLMEngine) -> None:
+        r = engine.scheduler.get_request("a")
+        if r is not None and r.draft_token_ids:
+            ours.setdefault(r.num_tokens, list(r.draft_token_ids))
+    tokens = new_tokens(drive(engine, {"a": (prompt, GREEDY)}, on_step=record))["a"]
     assert tokens == generated
     assert len(theirs) >= 5
     assert {n: d for n, d in ours.items() if n in theirs} == theirs
@@ -98,13 +90,13 @@ def test_k1_drafts_equal_transformers_mtp_generation(tiny61):
 def test_k3_chain_equals_reference_after_accepts_and_rejects(tiny61):
     path, hf, mtp = tiny61
     prompt = _prompt(7, 2)
-    plain = _run(LLMEngine(EngineConfig.from_flat({"model": str(path), "max_model_len": 128, "num_blocks": 64,
-                                                   "block_size": 4})), "p", prompt)
-    engine = _engine(path, 3)
+    plain = new_tokens(drive(make_engine(path, ENGINE), {"p": (prompt, GREEDY)}))["p"]
+    engine = make_engine(path, ENGINE, method="mtp", num_speculative_tokens=3)
     checked = []
     step = [0]
 
-    def check_and_force(request):
+    def check_and_force(engine: LLMEngine) -> None:
+        request = engine.scheduler.get_request("a")
         if request is None or not request.draft_token_ids:
             return
         assert request.draft_token_ids == reference_drafts(hf, mtp, request.all_token_ids, 3)
@@ -118,7 +110,7 @@ def test_k3_chain_equals_reference_after_accepts_and_rejects(tiny61):
         elif step[0] == 2 and len(truth) >= 2:
             request.draft_token_ids = [truth[0], (truth[1] + 1) % 300, truth[1]]
 
-    tokens = _run(engine, "a", prompt, check_and_force)
+    tokens = new_tokens(drive(engine, {"a": (prompt, GREEDY)}, on_step=check_and_force))["a"]
     assert tokens == plain
     assert len(checked) >= 3
     stats = engine.stats()

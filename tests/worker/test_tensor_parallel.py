@@ -17,6 +17,10 @@ from backend_lib.engine.offline import LLM
 from backend_lib.tools.tiny import make_tiny
 from backend_lib.worker.executor.workers import RankFailure
 
+# `make test` only (not test-fast): each test starts multi-rank engines (processes, gloo groups, the model loaded per
+# rank).
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["What is the capital of France?", "Once upon a time there was", "0123456789 + - * / ="]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
 
@@ -93,7 +97,6 @@ def test_seeded_sampling_across_ranks(tiny_dirs, one_rank):
             == [r.token_ids for r in one_rank("llama", params)])
 
 
-@pytest.mark.slow
 def test_smollm2_uneven_heads_match_one_rank():
     """SmolLM2 has 3 KV heads: two ranks take 2 + 1 KV-head groups (6 + 3 query heads)."""
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 # Subcommands implemented in their own modules, each exposing main(argv) -> int | None.
@@ -26,6 +27,9 @@ def _generate(argv: list[str]) -> int:
     parser.add_argument("--top-k", type=int, default=-1)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--weight-format", default="auto", choices=["auto", "packed", "dequantize"],
+                        help="auto: quantized files stay packed (int8 activations on GGUF); dequantize: the file's "
+                             "exact weights in the model dtype (docs/CONFIGURATION.md)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (processes) the model is split over")
     parser.add_argument("--enable-expert-parallel", action="store_true",
                         help="partition MoE experts across the ranks instead of sharding each expert")
@@ -35,7 +39,9 @@ def _generate(argv: list[str]) -> int:
     from backend_lib.core.sampling_params import SamplingParams
     from backend_lib.engine.llm_engine import LLMEngine
 
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the load log says which weights it chose
     engine = LLMEngine(EngineConfig.from_flat({"model": args.model, "dtype": args.dtype,
+                                               "weight_format": args.weight_format,
                                                "tensor_parallel_size": args.tensor_parallel_size,
                                                "enable_expert_parallel": args.enable_expert_parallel}))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -50,6 +50,8 @@ class _SamplingFields(_Request):
     guided_choice: Any = None
     guided_grammar: Any = None
     guided_json_object: Any = None
+    # vLLM's scheduling priority (lower runs earlier; engine setting scheduling_policy "priority")
+    priority: int | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -30,7 +30,7 @@ SESSION_END_HEADER = "x-session-end"
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "frequency_penalty", "presence_penalty",
                 "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
                 "skip_special_tokens", "logit_bias", "structured_outputs", "guided_json", "guided_regex",
-                "guided_choice", "guided_grammar", "guided_json_object")
+                "guided_choice", "guided_grammar", "guided_json_object", "priority")
 _CONSTRAINT_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                       "guided_json_object")
 _INT32_MAX = 2**31 - 1

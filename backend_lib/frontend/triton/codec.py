@@ -20,12 +20,11 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from backend_lib.core.config import RequestLimits
 from backend_lib.core.errors import RequestError
 from backend_lib.core.outputs import SessionControl
 from backend_lib.core.sampling_params import SamplingParams
-from backend_lib.engine.intake import (SESSION_PARAMETERS, parse_input_ids, parse_json, parse_messages,
-                                       parse_sampling, parse_session, parse_text)
+from backend_lib.engine.intake import (SESSION_PARAMETERS, IntakeRequest, Prompt, RequestRules, parse_json,
+                                       parse_session, take_in)
 
 # Triton's request flags (tritonserver.h): the sequence protocol on gRPC.
 FLAG_SEQUENCE_START = 1
@@ -58,13 +57,23 @@ class OutputOptions:
 
 @dataclass
 class DecodedRequest:
-    prompt: str | list[int] | list[dict[str, str]]
-    params: SamplingParams
+    request: IntakeRequest  # what the engine runs: the intake's
     stream: bool = False
     prepend_text: str = ""  # the prompt text put before a non-streamed output ("" when excluded)
     prepend_ids: list[int] = field(default_factory=list)  # an input_ids prompt to decode and put there instead
-    session: SessionControl | None = None
     options: OutputOptions = field(default_factory=OutputOptions)
+
+    @property
+    def prompt(self) -> Prompt:
+        return self.request.prompt
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def session(self) -> SessionControl | None:
+        return self.request.session
 
 
 def _scalar(name: str, array: np.ndarray) -> Any:
@@ -93,39 +102,38 @@ def _bool_input(name: str, array: np.ndarray) -> bool:
     raise RequestError(name, f"input {name} must be BOOL, got {np.asarray(array).dtype}")
 
 
-def _decode_prompt(inputs: Mapping[str, np.ndarray]) -> str | list[int] | list[dict[str, str]]:
+def _prompt_input(inputs: Mapping[str, np.ndarray]) -> tuple[str, str | list[Any]]:
+    """The one prompt input's name and its value as plain Python (text, or a list of ids), unchecked."""
     given = [name for name in PROMPT_INPUTS if name in inputs]
     if len(given) != 1:
         raise RequestError(given[-1] if given else "text_input", f"give exactly one of the inputs "
                            f"{', '.join(PROMPT_INPUTS)}; got {', '.join(given) if given else 'none'}")
     name = given[0]
-    if name == "text_input":
-        return parse_text(name, _text(name, inputs[name]))
-    if name == "input_ids":
-        ids = np.asarray(inputs[name])
-        if ids.dtype.kind not in "iu":
-            raise RequestError(name, f"input_ids must be INT32, got {ids.dtype}")
-        # tolist() converts in C (Python ints, exact for uint64 too): the length cap is the engine's
-        # (RequestLimits.max_input_ids), and a per-element Python loop made a huge tensor cost seconds first.
-        return parse_input_ids(name, ids.reshape(-1).tolist())
-    return parse_messages(name, _text(name, inputs[name]))
+    if name != "input_ids":
+        return name, _text(name, inputs[name])
+    ids = np.asarray(inputs[name])
+    if ids.dtype.kind not in "iu":
+        raise RequestError(name, f"input_ids must be INT32, got {ids.dtype}")
+    # tolist() converts in C (Python ints, exact for uint64 too): the length cap is the intake's
+    # (RequestLimits.max_input_ids), and a per-element Python loop made a huge tensor cost seconds first.
+    return name, ids.reshape(-1).tolist()
 
 
 def decode_request(inputs: Mapping[str, np.ndarray], parameters_json: str = "{}",
                    correlation_id: int | str = 0, flags: int = 0,
-                   requested_outputs: Iterable[str] = (), limits: RequestLimits | None = None) -> DecodedRequest:
-    """Input tensors + request parameters (+ gRPC sequence controls) -> what the engine needs.
+                   requested_outputs: Iterable[str] = (), rules: RequestRules | None = None) -> DecodedRequest:
+    """Input tensors + request parameters (+ gRPC sequence controls) -> the intake -> what the engine needs.
 
     ``inputs`` holds the numpy arrays of the inputs the request carries. Sampling fields come from the
-    ``sampling_parameters`` JSON and/or request parameters (the JSON wins on a clash); ``limits`` are the server's
-    (the structured-output ones apply here). Raises RequestError naming the field; nothing is queued before this
-    succeeds.
+    ``sampling_parameters`` JSON and/or request parameters (the JSON wins on a clash); ``rules`` are the engine's
+    (``AsyncEngine.rules``; None: the default limits and no model, for unit tests). Raises RequestError naming the
+    field; nothing is queued before this succeeds.
     """
     unknown_inputs = [name for name in inputs if name not in INPUT_NAMES]
     if unknown_inputs:
         raise RequestError(unknown_inputs[0], f"unknown input {unknown_inputs[0]!r} (allowed: "
                            f"{', '.join(INPUT_NAMES)})")
-    prompt = _decode_prompt(inputs)
+    prompt_field, raw_prompt = _prompt_input(inputs)
 
     request_parameters = parse_json("request parameters", parameters_json or "{}")
     if not isinstance(request_parameters, dict):
@@ -140,7 +148,10 @@ def decode_request(inputs: Mapping[str, np.ndarray], parameters_json: str = "{}"
                                f"{type(from_json).__name__}")
         # vLLM clients send null for "use the default"; max_tokens' null is vLLM's "as many as fit" (SamplingParams).
         sampling.update({k: v for k, v in from_json.items() if v is not None or k == "max_tokens"})
-    params = parse_sampling(sampling, limits or RequestLimits())
+    session = parse_session(session_values, correlation_id, bool(flags & FLAG_SEQUENCE_START),
+                            bool(flags & FLAG_SEQUENCE_END))
+    request = take_in(rules or RequestRules(), raw_prompt, sampling, session=session, prompt_field=prompt_field)
+    prompt = request.prompt
 
     bools = {name: _bool_input(name, inputs[name]) for name in BOOL_INPUTS if name in inputs}
     stream = bools.get("stream", False)
@@ -154,16 +165,12 @@ def decode_request(inputs: Mapping[str, np.ndarray], parameters_json: str = "{}"
                                for name in BOOL_INPUTS if name.startswith("return_")},
                             requested=frozenset(requested_outputs))
     return DecodedRequest(
-        prompt=prompt,
-        params=params,
+        request=request,
         stream=stream,
         # A text prompt is repeated as given; input_ids are decoded only when the client asked by name
         # (exclude_input_in_output=false: OpenAI's echo), so the default output of an ids prompt stays the new text
         # alone, as it always was; chat messages have no text (documented choice).
         prepend_text=prompt if (prepend and isinstance(prompt, str)) else "",
-        prepend_ids=list(prompt) if "exclude_input_in_output" in bools and prepend and isinstance(prompt, list)
-        and prompt and isinstance(prompt[0], int) else [],
-        session=parse_session(session_values, correlation_id, bool(flags & FLAG_SEQUENCE_START),
-                              bool(flags & FLAG_SEQUENCE_END)),
+        prepend_ids=list(prompt) if "exclude_input_in_output" in bools and prepend and request.is_token_ids else [],
         options=options,
     )

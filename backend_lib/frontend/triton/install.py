@@ -22,6 +22,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from backend_lib.core import envs
 from backend_lib.core.processes import PROJECT_ROOT
 
 MODEL_NAME = "deepinfer"
@@ -30,8 +31,8 @@ STUB = Path("backends") / "python" / "triton_python_backend_stub"
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("DEEPINFER_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "deepinfer")
+    base = envs.read("DEEPINFER_CACHE") or os.path.join(
+        envs.read("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "deepinfer")
     return Path(base)
 
 
@@ -129,7 +130,7 @@ def checked_model_repository(repository: Path) -> Path:
 
 
 def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ if base is None else base)
+    env = envs.child_env(base)
     python_lib = sysconfig.get_config_var("LIBDIR") or ""
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(install.libs or ""), python_lib,
                                                          env.get("LD_LIBRARY_PATH", "")) if p)

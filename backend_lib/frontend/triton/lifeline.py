@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from backend_lib.core import envs
 from backend_lib.core.processes import PROJECT_ROOT, pid_alive, python_executable
 
 SHM_DIR = Path("/dev/shm")
@@ -78,8 +79,7 @@ class StubGuard:
         command = [python_executable(), "-m", "backend_lib.frontend.triton.lifeline", "--stub-pid",
                    str(os.getpid()), "--server-pid", str(os.getppid()), "--region", region or "",
                    "--poll-s", str(poll_s)]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p))
+        env = envs.child_env(pythonpath_first=(str(PROJECT_ROOT),))
         self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
 
     def stop(self) -> None:

@@ -11,6 +11,8 @@ from typing import Any
 from backend_lib.core.outputs import EngineStats, EplbStats, RequestOutput
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# The priority label's values: a request's priority, clamped into this range so the label set stays bounded.
+PRIORITY_LABEL_RANGE = (-10, 10)
 _LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 _TOKEN_BUCKETS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
 
@@ -72,6 +74,11 @@ class TritonMetrics:
                          "Mean time between output tokens after the first", buckets=_LATENCY_BUCKETS)
         self.e2e = make(histogram, "deepinfer_e2e_request_latency_seconds", "Arrival to finish",
                         buckets=_LATENCY_BUCKETS)
+        self._queue_time_family = family(
+            name="deepinfer_request_queue_time_seconds", kind=histogram,
+            description=f"Arrival to first scheduled, by request priority (clamped into {PRIORITY_LABEL_RANGE})")
+        self._families.append(self._queue_time_family)
+        self.queue_time_by_priority: dict[int, Any] = {}  # created when a priority first finishes
         self.prompt_len = make(histogram, "deepinfer_request_prompt_tokens", "Prompt length per request",
                                buckets=_TOKEN_BUCKETS)
         self.output_len = make(histogram, "deepinfer_request_generation_tokens", "Output length per request",
@@ -132,10 +139,20 @@ class TritonMetrics:
             return
         if m.finished_time is not None:
             self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+        if m.first_scheduled_time is not None:
+            self._queue_time(m.priority).observe(max(0.0, m.first_scheduled_time - m.arrival_time))
         if m.first_token_time is not None:
             self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
             if m.finished_time is not None and output.num_output_tokens > 1:
                 self.tpot.observe(max(0.0, m.finished_time - m.first_token_time) / (output.num_output_tokens - 1))
+
+    def _queue_time(self, priority: int) -> Any:
+        low, high = PRIORITY_LABEL_RANGE
+        label = min(max(priority, low), high)
+        if label not in self.queue_time_by_priority:
+            self.queue_time_by_priority[label] = self._queue_time_family.Metric(
+                labels={**self._labels, "priority": str(label)}, buckets=_LATENCY_BUCKETS)
+        return self.queue_time_by_priority[label]
 
     def refresh(self, stats: EngineStats) -> None:
         """Gauges from a stats snapshot; counters advance by the change of the engine's cumulative totals."""

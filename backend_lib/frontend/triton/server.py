@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backend_lib.core import envs
 from backend_lib.core.processes import PROJECT_ROOT, die_with_parent
 from backend_lib.frontend.triton import lifeline
 from backend_lib.frontend.triton.install import (MODEL_NAME, MODEL_SOURCE, checked_model_repository,
@@ -128,8 +129,7 @@ class TritonServer:
         command = [sys.executable, "-m", "backend_lib.frontend.openai", f"--port={self.openai_port}",
                    f"--grpc-url={self.grpc_url}", f"--triton-model={MODEL_NAME}", f"--parent-pid={os.getpid()}"]
         # Not tritonserver's environment: its LD_LIBRARY_PATH holds the wheel's bundled libraries.
-        front_env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p))
+        front_env = envs.child_env(pythonpath_first=(str(PROJECT_ROOT),))
         with self._output_to(work / "openai.log") as log:
             self.openai_process = subprocess.Popen(command, env=front_env, stdout=log, stderr=subprocess.STDOUT,
                                                    stdin=subprocess.DEVNULL)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from backend_lib.models.interfaces import ModelCapabilities, ServedModel
 from backend_lib.models.deepseek_v3.layers import (
     MOE_IMPLS, BlockLinear, DecoderLayer, DenseMLP, MLADims, MLAttention, MTPLayer, RMSNorm, WeightSlot, build_rope,
     rope_cos_sin,
@@ -130,8 +131,11 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
 
 
-class DeepseekV3ForCausalLM(nn.Module):
-    accepts_packed_weights = True  # weight_format=packed: the fp8 projections (loader.py)
+class DeepseekV3ForCausalLM(ServedModel):
+    # packed_weights: the fp8 projections; context_parallel: MLA attends held latents (not with Engram, below)
+    # hybrid_cache: with Engram only (has_hybrid_state), its ShortConv history in state slots
+    capabilities = ModelCapabilities(fp8_kv=True, hybrid_cache=True, mtp="latent", engram=True,
+                                     packed_weights=True, context_parallel=True, static_moe=True)
 
     def __init__(self, args: DeepseekV3Args, dtype: torch.dtype = torch.float32,
                  dequantize_fp8_at_load: bool = False, moe_impl: str = "dynamic",
@@ -163,8 +167,6 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.token_history = attach_engram_layers(self.layers, args.engram, engram_vocab, args.hidden_size, 1,
                                                   dtype, par)
         self.engram_prefetch = EngramPrefetch(overlap=par.world_size == 1)
-        if self.token_history:
-            self.hybrid_cache_shapes = self._engram_cache_shapes
         self.to(dtype)
         for module in self.modules():  # routing stays fp32 in every dtype
             if isinstance(module, MoE):
@@ -222,7 +224,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         return (f"MLA records of {self.record.num_bytes} B a token and layer (e4m3 latent, a power-of-two scale "
                 f"per 128 values from each token's amax, bf16 RoPE)")
 
-    def _engram_cache_shapes(self, num_blocks: int, block_size: int, num_state_slots: int,
+    @property
+    def has_hybrid_state(self) -> bool:
+        return bool(self.token_history)
+
+    def hybrid_cache_shapes(self, num_blocks: int, block_size: int, num_state_slots: int,
                              max_drafts: int = 0) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
         """With Engram the cache is hybrid: the latent cache's blocks, and the ShortConv history in state slots."""
         return (self.kv_cache_shapes(num_blocks * block_size),

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from backend_lib.models.interfaces import ModelCapabilities, ServedModel
 from backend_lib.models.deepseek_v3.layers import BlockLinear, RMSNorm, build_rope
 from backend_lib.models.deepseek_v4.args import DeepseekV4Args
 from backend_lib.models.deepseek_v4.attention import (
@@ -61,8 +62,11 @@ def _whole(tensor: Any) -> torch.Tensor:
     return tensor.narrow(0, 0, tensor.shape[0])
 
 
-class DeepseekV4ForCausalLM(nn.Module):
-    accepts_packed_weights = True  # weight_format=packed: the fp8 projections (loader.py)
+class DeepseekV4ForCausalLM(ServedModel):
+    # packed_weights: the fp8 projections; splits_context_rows: its compressors and rings need every row
+    capabilities = ModelCapabilities(fp8_kv=True, hybrid_cache=True, mtp="ring", engram=True, packed_weights=True,
+                                     context_parallel=True, splits_context_rows=False, static_moe=True,
+                                     host_packing=True, cpu_attention=True)
 
     def __init__(self, args: DeepseekV4Args, dtype: torch.dtype = torch.float32,
                  par: ParallelContext = ParallelContext(), moe_impl: str = "dynamic",
@@ -175,8 +179,6 @@ class DeepseekV4ForCausalLM(nn.Module):
     # ---- the model-runner contract -------------------------------------------------------------------
     # Context parallelism (models/deepseek_v4_attention.py ``_attend_held``): the compressed entries are split across
     # the context ranks by block; the rings and every row stay on every rank (the compressors read all of them).
-    supports_context_parallel = True
-    splits_context_rows = False
 
     def hybrid_cache_shapes(self, num_blocks: int, block_size: int, num_state_slots: int,
                             max_drafts: int = 0) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:

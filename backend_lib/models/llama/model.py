@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from backend_lib.models.context_parallel import context_attention
+from backend_lib.models.interfaces import ModelCapabilities, ServedModel
 from backend_lib.models.layers import (HostGemmPlan, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding, copy_into,
                                        linear, silu_and_mul)
 from backend_lib.models.llama.config import LlamaArchConfig
@@ -167,7 +168,10 @@ class LlamaDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(ServedModel):
+    capabilities = ModelCapabilities(fp8_kv=True, context_parallel=True, host_packing=True, cpu_attention=True,
+                                     greedy_head_screen=True, rope_extension=True, captures_hidden=True)
+
     def __init__(self, arch: LlamaArchConfig, dtype: torch.dtype = torch.float32,
                  options: "LoadOptions | None" = None) -> None:
         super().__init__()
@@ -194,13 +198,15 @@ class LlamaForCausalLM(nn.Module):
         self.kv_fp8 = False  # use_fp8_kv: e4m3 K/V (the one-op decode loop then takes each layer's scales)
         self._decode_weight_lists: tuple | None = None  # _host_decode_weights' lists, collected once
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings)
+        # Set by a block drafter (worker/spec_decode/dspark.py): forward then keeps the outputs of these layers (-1:
+        # the embedding output), concatenated, in ``captured_hidden`` [T, len(ids) * hidden].
+        self.capture_layer_ids: tuple[int, ...] = ()
+        self.captured_hidden: torch.Tensor | None = None
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], dtype: torch.dtype,
                        options: "LoadOptions | None" = None) -> "LlamaForCausalLM":
         return cls(LlamaArchConfig.from_hf_config(config), dtype, options)
-
-    supports_context_parallel = True  # attention over held blocks + log-sum-exp merge (models/context_parallel.py)
 
     def cover_positions(self, max_model_len: int) -> bool:
         """Extend the RoPE table to ``max_model_len`` positions when that is past the checkpoint's
@@ -228,6 +234,8 @@ class LlamaForCausalLM(nn.Module):
         hidden = vocab_parallel_lookup(input_ids, self.embed_tokens.lookup, self.vocab_rows.size,
                                        self.vocab_rows.start, self.par)
         rope = rope_at(self.rotary.cos, self.rotary.sin, positions, hidden.dtype)
+        if self.capture_layer_ids:
+            return self._forward_capturing(rope, hidden, k_caches, v_caches, meta)
         share = meta.context
         if share is not None:  # context parallelism: this rank's rows through the layers, every row at the end
             hidden = hidden[share.rows]
@@ -249,6 +257,21 @@ class LlamaForCausalLM(nn.Module):
             for i, layer in enumerate(self.layers):
                 hidden = layer(rope, hidden, k_caches[i], v_caches[i], meta)
         return fused.rms_norm(hidden, self.norm.weight, self.norm.eps)
+
+    def _forward_capturing(self, rope: tuple[torch.Tensor, torch.Tensor],
+                           hidden: torch.Tensor,  # [T, hidden] embedded
+                           k_caches: torch.Tensor, v_caches: torch.Tensor,  # [L, num_slots, Hkv, D]
+                           meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden], final-normed
+        """The layer-by-layer path (the one-op C++ decode loop keeps no intermediate states), keeping the outputs of
+        ``capture_layer_ids``; one rank, no context parallelism (the drafter's proposer refuses both)."""
+        ids = self.capture_layer_ids
+        kept = [hidden] if -1 in ids else []
+        for i, layer in enumerate(self.layers):
+            hidden = layer(rope, hidden, k_caches[i], v_caches[i], meta)
+            if i in ids:
+                kept.append(hidden)
+        self.captured_hidden = torch.cat(kept, dim=-1)
+        return self.norm(hidden)
 
     def _host_decode_weights(self, num_tokens: int,
                              meta: AttentionMetadata) -> tuple[list[torch.Tensor], list[torch.Tensor], int] | None:

@@ -20,7 +20,9 @@ from tqdm import tqdm
 from backend_lib.core.model_path import resolve_model_path
 from backend_lib.models.loading.gguf_loader import open_gguf
 from backend_lib.models.layers import describe_weight_formats, resident_weight_bytes
+from backend_lib.models.interfaces import capabilities_of
 from backend_lib.models.loading.options import LoadOptions
+from backend_lib.models.loading.weight_format import WeightFormatChoice, choose_for_gguf, choose_for_hf
 from backend_lib.models.parallel import ParallelContext
 from backend_lib.models.registry import get_model_class
 
@@ -98,7 +100,11 @@ def iter_safetensors(files: list[str], progress: bool) -> Iterator[tuple[str, La
                 bar.update(1)
 
 
-def _load_hf_directory(directory: str, options: LoadOptions) -> nn.Module:
+def _log_choice(path: str, choice: WeightFormatChoice) -> None:
+    logger.info("deepinfer: %s: %s weights (%s)", os.path.basename(path), choice.weight_format, choice.reason)
+
+
+def _load_hf_directory(directory: str, options: LoadOptions, device: str) -> nn.Module:
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"{directory}: not a Hugging Face model directory (no config.json)")
@@ -108,7 +114,11 @@ def _load_hf_directory(directory: str, options: LoadOptions) -> nn.Module:
     if not architectures:
         raise ValueError(f"{config_path}: 'architectures' is missing or empty")
     cls = get_model_class(architectures[0])
-    if options.packed and not getattr(cls, "accepts_packed_weights", False):
+    packable = capabilities_of(cls).packed_weights
+    choice = choose_for_hf(options, device, config, packable)
+    _log_choice(directory, choice)
+    options = replace(options, weight_format=choice.weight_format)
+    if options.packed and not packable:
         raise ValueError(f"weight_format=packed: {directory} is a {architectures[0]} Hugging Face directory; packed "
                          "weights are wired for GGUF checkpoints (Q8_0 / Q4_0 / Q4_1 / Q4_K) and DeepSeek-V3 / V4 fp8 "
                          "projections only so far: use weight_format=dequantize")
@@ -120,8 +130,11 @@ def _load_hf_directory(directory: str, options: LoadOptions) -> nn.Module:
     return model
 
 
-def _load_gguf(path: str, options: LoadOptions) -> nn.Module:
+def _load_gguf(path: str, options: LoadOptions, device: str) -> nn.Module:
     checkpoint = open_gguf(path)
+    choice = choose_for_gguf(options, device, checkpoint.reader.tensors)
+    _log_choice(path, choice)
+    options = replace(options, weight_format=choice.weight_format)
     model = get_model_class(checkpoint.architecture).from_hf_config(checkpoint.config, options.dtype, options=options)
     with tqdm(checkpoint.tensors(keep_blocks=options.packed), total=checkpoint.num_tensors, desc="loading GGUF",
               unit="tensor", disable=not options.progress) as tensors:
@@ -139,18 +152,19 @@ def _log_resident_bytes(model: nn.Module) -> None:
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, progress: bool = True, *,
                dequantize_fp8_at_load: bool = False, par: ParallelContext | None = None,
-               weight_format: str = "dequantize", packed_gemm_path: str = "auto",
-               host_steps: bool = True) -> nn.Module:
+               weight_format: str = "auto", packed_gemm_path: str = "auto",
+               host_steps: bool = True, device: str = "cpu") -> nn.Module:
     """A ready model (eval mode) from a .gguf file or a Hugging Face directory; "" loads the bundled default.
-    With ``par`` the model holds only that rank's shard; ``weight_format="packed"`` keeps GGUF blocks in memory."""
+    With ``par`` the model holds only that rank's shard; ``weight_format="packed"`` keeps GGUF blocks in memory,
+    ``"auto"`` does for quantized checkpoints where the packed GEMMs run on ``device`` (weight_format.py)."""
     options = LoadOptions(dtype=dtype, progress=progress, dequantize_fp8_at_load=dequantize_fp8_at_load,
                           par=par or ParallelContext(), weight_format=weight_format,
                           packed_gemm_path=packed_gemm_path, host_steps=host_steps)
     resolved = resolve_model_path(path)
     if os.path.isdir(resolved):
-        model = _load_hf_directory(resolved, options)
+        model = _load_hf_directory(resolved, options, device)
     elif _is_gguf(resolved):
-        model = _load_gguf(resolved, options)
+        model = _load_gguf(resolved, options, device)
     else:
         raise ValueError(f"model path {resolved!r} is neither a GGUF file nor a directory with config.json")
     return model.eval()

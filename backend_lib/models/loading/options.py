@@ -26,16 +26,17 @@ class LoadOptions:
     # weight, and the static MoE widens inside the graph)
     host_steps: bool = True
     par: ParallelContext = field(default_factory=ParallelContext)  # which shard this rank loads
-    # "packed": quantized checkpoint tensors stay in their blocks (ModelConfig.weight_format)
-    weight_format: str = "dequantize"
+    # "packed": quantized checkpoint tensors stay in their blocks (ModelConfig.weight_format); "auto" is resolved
+    # by the loader (weight_format.py) before a model class sees the options
+    weight_format: str = "auto"
     packed_gemm_path: str = "auto"  # ModelConfig.packed_gemm_path: auto, fp32 or int8
     checkpoint_dir: str = ""  # set by the loader: files beside the weights a model may read (Engram's tokenizer)
 
     def __post_init__(self) -> None:
         if self.dtype not in _LOAD_DTYPES:
             raise ValueError(f"load dtype must be one of {_LOAD_DTYPES}, got {self.dtype}")
-        if self.weight_format not in ("dequantize", "packed"):
-            raise ValueError(f"weight_format must be 'dequantize' or 'packed', got {self.weight_format!r}")
+        if self.weight_format not in ("auto", "dequantize", "packed"):
+            raise ValueError(f"weight_format must be 'auto', 'dequantize' or 'packed', got {self.weight_format!r}")
 
     @property
     def packed(self) -> bool:

@@ -15,13 +15,14 @@ import torch
 
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.models.loading.loader import load_model
+from backend_lib.models.interfaces import keeps_hybrid_state
 from backend_lib.models.parallel import ParallelContext
 from backend_lib.neuron.graph_lint import GraphLintError, lint_region
 from backend_lib.tools.tiny import make_tiny
 from backend_lib.neuron.buckets import BucketSpec
 from backend_lib.neuron.regions import CompiledModel, layer_views
 from backend_lib.worker.compiled_sampler import SAMPLER_VARIANTS, warm_up_meta
-from backend_lib.worker.kv_dtype import KV_FP8_MAX_NEURON
+from backend_lib.neuron.platform import KV_FP8_MAX_NEURON
 from backend_lib.worker.sampler import SamplingMetadata, SamplingRow, masked_sample
 from backend_lib.worker.spec_decode.rejection import DraftLayout, rejection_sample
 
@@ -46,7 +47,7 @@ def _tiny_model(arch: str, directory: str, par: ParallelContext | None = None) -
 
 
 def _model_regions(arch: str, model: torch.nn.Module) -> Iterator[tuple[str, object]]:
-    if hasattr(model, "hybrid_cache_shapes"):
+    if keeps_hybrid_state(model):
         paged, state = model.hybrid_cache_shapes(NUM_BLOCKS + 1, BLOCK_SIZE, NUM_STATE_SLOTS + 1)
         paged_dtype = torch.uint8 if getattr(model, "records", None) is not None else torch.float32  # fp8 records
         caches = [torch.zeros(s, dtype=paged_dtype) for s in paged] + [torch.zeros(s) for s in state]

@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 
+from backend_lib.core import envs
 from backend_lib.core.config import EngineConfig
 from backend_lib.core.processes import PROJECT_ROOT, python_executable
 from backend_lib.worker.executor.process_group import join_rendezvous
@@ -41,8 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--nnodes={args.nnodes} but the driver was started with nnodes={parallel.nnodes}")
     command = torchrun_command(args.node_rank, parallel.ranks_per_node, args.master_addr, args.master_port,
                                args.timeout)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
+    env = envs.child_env(pythonpath_first=(str(PROJECT_ROOT),))
     sys.stdout.flush()
     os.execvpe(command[0], command, env)  # torchrun takes over this process: Ctrl-C and SIGTERM reach it
     return 0

@@ -4,17 +4,19 @@ pair up only if every rank runs the same code)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from backend_lib.core.config import EngineConfig
+from backend_lib.models.interfaces import capabilities_of
 from backend_lib.models.layers import HostGemmPlan
 from backend_lib.core.model_path import resolve_model_path
 from backend_lib.models.loading.loader import load_model
 from backend_lib.models.parallel import ParallelContext
-from backend_lib.neuron.platform import detect_platform
+from backend_lib.neuron.platform import Platform, detect_platform
 from backend_lib.neuron.regions import resolve_backend
 from backend_lib.worker.kv_dtype import kv_storage_dtype
 from backend_lib.worker.kv_sizing import kv_cache_num_blocks
@@ -49,7 +51,7 @@ def num_state_slots(config: EngineConfig, model: torch.nn.Module) -> int:
 
 
 def kv_cache_blocks(config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype, world_size: int = 1,
-                    kv_dtype: torch.dtype | None = None) -> int:
+                    kv_dtype: torch.dtype | None = None, device: torch.device = torch.device("cpu")) -> int:
     """Blocks of the KV pool for this rank's shard (backend_lib/worker/kv_sizing.py: ``num_blocks``,
     ``kv_cache_memory_gb``, or a fraction of the free memory, which the ranks of one host share); a hybrid model's
     state slots (and the scratch slot) come off the budget first. ``kv_dtype``: the paged cache's element type (uint8
@@ -58,7 +60,7 @@ def kv_cache_blocks(config: EngineConfig, model: torch.nn.Module, dtype: torch.d
     per_block = kv_bytes_per_block(model, block_size, kv_dtype or dtype, drafts)
     slots = num_state_slots(config, model)
     fixed = (slots + 1) * state_bytes_per_slot(model, block_size, dtype, drafts) if slots else 0
-    return kv_cache_num_blocks(config, per_block, torch.device(config.model.device), share=world_size,
+    return kv_cache_num_blocks(config, per_block, device, share=world_size,
                                fixed_bytes=fixed, fixed_what=f"{slots} state slots (max_num_seqs + max_sessions)",
                                kv_dtype=config.kv_dtype_name)
 
@@ -83,19 +85,24 @@ def host_gemm_plan(host_gemm: str, device: torch.device, dtype: torch.dtype,
     return HostGemmPlan(onednn=onednn, blocked=blocked, policy=policy, screen_head=greedy_head_screen)
 
 
-def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
-    device, dtype = torch.device(config.model.device), DTYPES[config.model.dtype]
+def build_rank(config: EngineConfig, par: ParallelContext,
+               detect: Callable[..., Platform] = detect_platform) -> RankState:
+    """``detect``: how the platform is found (once, here; everything below is handed this one)."""
+    platform = detect(device=config.model.device)
+    device, dtype = platform.torch_device, DTYPES[config.model.dtype]
     model = load_model(resolve_model_path(config.model.model), dtype=dtype, progress=par.is_driver,
                        par=par, weight_format=config.model.weight_format,
                        packed_gemm_path=config.model.packed_gemm_path,
-                       host_steps=resolve_backend(config.compile, detect_platform()) != "neuron").to(device).eval()
-    if hasattr(model, "cover_positions") and model.cover_positions(config.model.max_model_len) and par.is_driver:
+                       host_steps=resolve_backend(config.compile, platform) != "neuron",
+                       device=platform.device_type).to(device).eval()
+    capabilities = capabilities_of(model)
+    if capabilities.rope_extension and model.cover_positions(config.model.max_model_len) and par.is_driver:
         log.warning("max_model_len %d is past the checkpoint's max_position_embeddings %d: RoPE extrapolates there",
                     config.model.max_model_len, model.arch.max_position_embeddings)
     # Before the runner: compiled regions trace the packed GEMMs (opaque custom ops) that eager steps call. Before
     # the KV cache's sizing: the packed and blocked copies and the screened heads take memory the cache must not.
     plan = host_gemm_plan(config.model.host_gemm, device, dtype, config.model.greedy_head_screen)
-    if hasattr(model, "pack_for_cpu") and (plan.onednn or plan.blocked):
+    if capabilities.host_packing and (plan.onednn or plan.blocked):
         model.pack_for_cpu(plan)
         if plan.blocked:  # the layouts every decode step streams, in the model's order, on huge pages
             move_buffers_to_huge_pages([(module, name) for module in model.modules()
@@ -107,18 +114,18 @@ def build_rank(config: EngineConfig, par: ParallelContext) -> RankState:
         move_buffers_to_huge_pages(quantized)
         for module, _ in quantized:
             module.rebind_quantized()
-    kv_dtype = kv_storage_dtype(config, model, dtype)  # refuses fp8 where the model cannot store it
+    kv_dtype = kv_storage_dtype(config, model, dtype, platform)  # refuses fp8 where the model cannot store it
     parallel = config.parallel
-    num_blocks = _agree_on_blocks(kv_cache_blocks(config, model, dtype, parallel.ranks_per_node, kv_dtype),
+    num_blocks = _agree_on_blocks(kv_cache_blocks(config, model, dtype, parallel.ranks_per_node, kv_dtype, device),
                                   parallel.world_size)
-    if (config.model.host_attention == "cpp" and hasattr(model, "use_cpu_attention")
+    if (config.model.host_attention == "cpp" and capabilities.cpu_attention
             and cpu_kernels_supported(device, dtype) and load_cpu_kernels()):
         model.use_cpu_attention()
     global_rank = par.context.rank * par.world_size + par.rank
     channel = StepChannel(global_rank, parallel.world_size) if parallel.world_size > 1 else None
     link = StepLink(channel) if channel is not None and channel.is_driver else None
     slots = num_state_slots(config, model)
-    runner = ModelRunner(model, num_blocks, config.cache.block_size, model.arch.vocab_size, device, dtype,
+    runner = ModelRunner(model, num_blocks, config.cache.block_size, model.arch.vocab_size, platform, dtype,
                          spec=config.spec, compile_config=config.compile,
                          max_num_seqs=config.scheduler.max_num_seqs, max_model_len=config.model.max_model_len,
                          link=link, is_driver=global_rank == 0, num_state_slots=slots, kv_dtype=kv_dtype,

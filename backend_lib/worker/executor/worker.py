@@ -12,6 +12,7 @@ import os
 import sys
 import traceback
 
+from backend_lib.core import envs
 from backend_lib.core.config import EngineConfig
 from backend_lib.worker.executor.process_group import (die_with_parent, error_key, init_group, join_rendezvous,
                                                        leave_group, pin_rank_threads)
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, default=0, help="exit with this process (0: the actual parent)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to reach the driver's store")
     args = parser.parse_args(argv)
-    rank = args.rank if args.rank is not None else args.rank_base + int(os.environ["LOCAL_RANK"])
+    rank = args.rank if args.rank is not None else args.rank_base + envs.required("LOCAL_RANK")
     die_with_parent(args.parent_pid or os.getppid())
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(message)s")
     return run_worker(rank, args.master_addr, args.master_port, args.timeout)

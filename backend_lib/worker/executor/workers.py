@@ -11,6 +11,7 @@ import os
 import subprocess
 import time
 
+from backend_lib.core import envs
 from backend_lib.core.processes import PROJECT_ROOT, python_executable
 from backend_lib.worker.executor.process_group import Rendezvous, error_key, joined_key
 from backend_lib.worker.failures import FatalEngineError
@@ -44,8 +45,7 @@ class WorkerPool:
         self.rendezvous, self.timeout_s = rendezvous, timeout_s
         self.sizes = (tensor_parallel_size, context_parallel_size)
         self.world_size = tensor_parallel_size * context_parallel_size
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
+        env = envs.child_env(pythonpath_first=(str(PROJECT_ROOT),))
         self.procs = {rank: subprocess.Popen(
             [python_executable(), "-m", "backend_lib.worker.executor.worker", "--rank", str(rank),
              "--master-addr", rendezvous.master_addr, "--master-port", str(rendezvous.master_port),

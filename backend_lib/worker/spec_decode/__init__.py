@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from backend_lib.models.interfaces import capabilities_of
 from backend_lib.worker.spec_decode.mtp import MTPProposer
 from backend_lib.worker.spec_decode.mtp_v4 import V4MTPProposer
 
@@ -12,6 +13,10 @@ def make_mtp_proposer(model: torch.nn.Module, kv_caches: list[torch.Tensor], num
                       num_speculative_tokens: int, device: torch.device,
                       dtype: torch.dtype, share=None) -> MTPProposer | V4MTPProposer:
     """V4 (its MTP ring is part of the hybrid cache) or V3 (the proposer owns a latent cache of ``num_slots``)."""
-    if hasattr(model, "mtp_window"):
+    kind = capabilities_of(model).mtp
+    if not kind:
+        raise ValueError(f"spec_method 'mtp' needs a model that drafts with MTP layers (DeepSeek-V3 / V4 "
+                         f"checkpoints); {type(model).__name__} has none: use spec_method 'ngram' or 'none'")
+    if kind == "ring":
         return V4MTPProposer(model, kv_caches, num_speculative_tokens)
     return MTPProposer(model, num_slots, num_speculative_tokens, device, dtype, share)

@@ -35,7 +35,7 @@ class MTPProposer:
     def __init__(self, model: torch.nn.Module, num_slots: int, num_speculative_tokens: int,
                  device: torch.device, dtype: torch.dtype,
                  share: Callable[[AttentionMetadata, torch.Tensor], AttentionMetadata] | None = None) -> None:
-        if not getattr(model, "has_mtp_weights", False):
+        if not model.has_mtp_weights:
             raise ValueError("spec method 'mtp' needs a DeepSeek-V3 checkpoint with MTP weights "
                              "(num_nextn_predict_layers >= 1); this model has none")
         if num_speculative_tokens < 1:

@@ -28,7 +28,7 @@ class V4MTPProposer:
     needs_eager_model = True
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], num_speculative_tokens: int) -> None:
-        if not getattr(model, "has_mtp_weights", False):
+        if not model.has_mtp_weights:
             raise ValueError("spec method 'mtp' needs a DeepSeek-V4 checkpoint with MTP weights (mtp.0.* tensors and "
                              "num_nextn_predict_layers >= 1); this model has none")
         if num_speculative_tokens < 1:

@@ -1,7 +1,7 @@
 """Triton Python-backend model: lifecycle and translation only.
 
 Lifecycle: initialize builds the engine through ``parameters.build_engine``; execute decodes each request
-with ``codec.decode_request`` (which runs the engine's intake) and hands it to the engine (returning None:
+with ``codec.decode_request`` (which runs the engine's intake, once) and submits it to the engine (returning None:
 decoupled); a refusal is a RequestError, sent with its kind's Triton code and ``to_wire``'s message. One response
 thread drains every request's stream, sends the deltas, polls cancellation (-> engine.abort) and ends
 every request, errors included, with TRITONSERVER_RESPONSE_COMPLETE_FINAL; finalize shuts the engine
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import queue
 import threading
@@ -74,6 +75,7 @@ class _Active:
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         self._logger = pb_utils.Logger
+        logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's load log, in the server's log
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise ValueError("deepinfer needs model_transaction_policy { decoupled: true } in config.pbtxt")
@@ -116,7 +118,7 @@ class TritonPythonModel:
                 if self._closing.is_set() or self._server_stopping():
                     raise RequestError(None, "the server is shutting down", ErrorKind.BUSY)
                 decoded = self._decode(request)
-                stream = self._engine.add_request(request_id, decoded.prompt, decoded.params, decoded.session)
+                stream = self._engine.submit(request_id, decoded.request)
             except RequestError as exc:  # the intake or admission refused it: its kind says whose fault
                 self._send_error(sender, exc)
                 continue
@@ -137,7 +139,7 @@ class TritonPythonModel:
             if tensor is not None:
                 inputs[name] = tensor.as_numpy()
         return codec.decode_request(inputs, request.parameters(), request.correlation_id(), request.flags(),
-                                    request.requested_output_names(), self._engine.config.limits)
+                                    request.requested_output_names(), self._engine.rules)
 
     def _send_error(self, sender: Any, error: RequestError, code: Any = None) -> None:
         """The error as its kind's Triton code (or ``code``), its field and kind in the message (core/errors.py's

@@ -1,0 +1,1 @@
+"""DSpark and DFlash block drafters for Llama-family targets (DeepSpec's drafter directories)."""
