@@ -10,7 +10,7 @@ from backend_lib.models.loading.loader import load_model
 from backend_lib.tools.tiny import make_tiny
 from tests.helpers.deepseek_v41_cases import CONFIGS, tokens
 from tests.helpers.deepseek_v41_reference import ReferenceV41
-from tests.models.test_deepseek_v4 import PagedRunner
+from tests.helpers.paged_runner import HybridPagedRunner
 
 # (context length, tokens prefilled before the teacher-forced decode steps); default runs past 1,000 positions
 LENGTHS = {"default": (1040, 900), "two_groups": (300, 180), "reindex_r2": (300, 180), "wide": (300, 180)}
@@ -35,7 +35,7 @@ def _ours_teacher_forced(path, ids: list[int], prefill_len: int, qat: bool = Fal
                          chunks=(13, 7, 61, 1, 29)) -> torch.Tensor:
     model = load_model(str(path), torch.float32, progress=False)
     model.qat = qat
-    run = PagedRunner(model, num_blocks=len(ids) // 4 + 8)
+    run = HybridPagedRunner(model, num_blocks=len(ids) // 4 + 8)
     rows, start, i = [], 0, 0
     while start < prefill_len:
         n = min(chunks[i % len(chunks)], prefill_len - start)

@@ -10,7 +10,7 @@ from backend_lib.models.loading.loader import load_model
 from backend_lib.tools.tiny import make_tiny
 from tests.helpers.deepseek_v41_cases import tokens
 from tests.helpers.deepseek_v41_reference import ReferenceV41
-from tests.models.test_deepseek_v4 import PagedRunner
+from tests.helpers.paged_runner import HybridPagedRunner
 
 
 class HistoryRunner(PagedRunner):

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from backend_lib.models.loading.loader import load_model
 from backend_lib.tools.tiny import main
 from tests.helpers.deepseek_v41_cases import tokens
-from tests.models.test_deepseek_v4 import PagedRunner
+from tests.helpers.paged_runner import HybridPagedRunner
 
 
 def _tensors(path) -> dict[str, torch.Tensor]:
@@ -53,7 +53,7 @@ def test_make_tiny_writes_the_release_layout(tiny):
 
 def test_transformers_renamed_form_loads_the_same(tiny, tmp_path):
     ids = tokens(30, 0)
-    expected = PagedRunner(load_model(str(tiny), torch.float32, progress=False)).step([], [("r", ids)])
+    expected = HybridPagedRunner(load_model(str(tiny), torch.float32, progress=False)).step([], [("r", ids)])
     renamed = tmp_path / "renamed"
     renamed.mkdir()
     for file in ("config.json", "tokenizer.json", "tokenizer_config.json"):
@@ -61,7 +61,7 @@ def test_transformers_renamed_form_loads_the_same(tiny, tmp_path):
     tensors = {("lm_head.weight" if n == "head.weight" else f"model.{n}"): t for n, t in _tensors(tiny).items()}
     tensors["mtp.0.attn_norm.weight"] = torch.ones(4)  # DSpark layers: skipped (logged) by a text-only load
     _rewrite(renamed, tensors)
-    got = PagedRunner(load_model(str(renamed), torch.float32, progress=False)).step([], [("r", ids)])
+    got = HybridPagedRunner(load_model(str(renamed), torch.float32, progress=False)).step([], [("r", ids)])
     assert torch.equal(got, expected)
 
 

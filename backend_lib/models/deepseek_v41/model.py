@@ -32,6 +32,7 @@ from backend_lib.models.deepseek_v41.engram import V41Engram, V41EngramHash
 from backend_lib.models.deepseek_v41.layers import V41DecoderLayer, V41MoE
 from backend_lib.models.deepseek_v4.attention import LayerCache, StepContext, V4Rope
 from backend_lib.models.deepseek_v4.layers import V4MoEDims
+from backend_lib.models.interfaces import ModelCapabilities, ServedModel
 from backend_lib.models.parallel import ParallelContext, Shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
 from kernels.compressed_attention import ChunkPages, TokenPages, entry_rows_per_block
@@ -52,10 +53,12 @@ def _whole(tensor: Any) -> torch.Tensor:
     return tensor.narrow(0, 0, tensor.shape[0])
 
 
-class DeepseekV41ForCausalLM(nn.Module):
+class DeepseekV41ForCausalLM(ServedModel):
+    capabilities = ModelCapabilities(hybrid_cache=True, engram=True)
     # the quantization-aware activations are the model's math (on); exact fp32 comparisons turn them off, since
     # summation-order noise flips their roundings
     qat_activations = True
+
     def __init__(self, config: DeepseekV41Config, dtype: torch.dtype = torch.float32,
                  par: ParallelContext = ParallelContext(), qat: bool | None = None,
                  engram_hash: V41EngramHash | None = None) -> None:
