@@ -13,7 +13,7 @@ from tests.helpers.deepseek_v41_reference import ReferenceV41
 from tests.helpers.paged_runner import HybridPagedRunner
 
 
-class HistoryRunner(PagedRunner):
+class HistoryRunner(HybridPagedRunner):
     """PagedRunner plus the ids before each token (what the model runner sends models with ``token_history``)."""
 
     def __init__(self, model, **kwargs) -> None:
