@@ -21,7 +21,8 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # (longest first): a slow file handed out last keeps one worker busy while the other idles. A file not listed goes
 # after them; a stale number only moves a file in the queue.
 HEAVY_FILES = {
-    "tests/models/test_deepseek_v4.py": 200, "tests/worker/test_context_parallel.py": 180,
+    "tests/models/test_deepseek_v4.py": 200, "tests/models/test_deepseek_v41_engine.py": 150,
+    "tests/models/test_deepseek_v41_engram.py": 70, "tests/worker/test_context_parallel.py": 180,
     "tests/worker/test_tensor_parallel.py": 170, "tests/neuron/test_graph_lint.py": 160,
     "tests/e2e/test_spec_e2e.py": 150, "tests/models/test_packed_models.py": 140,
     "tests/engine/test_engine_oracle.py": 130, "tests/neuron/test_engine.py": 130,

@@ -24,7 +24,9 @@ class ModelCapabilities:
     # spec_method=mtp: "latent" (DeepSeek-V3: the proposer keeps its own latent cache), "ring" (DeepSeek-V4:
     # mtp_window(caches), and keep_streams makes forward keep the pre-hc_head streams); "" = none.
     mtp: str = ""
-    engram: bool = False  # token_history and engram_gather(input_ids, token_history)
+    # token_history > 0 (Engram): the runner hands the model each token's preceding ids (meta.token_history); a
+    # model that also compiles (static_moe) brings engram_gather(input_ids, token_history), the host-side gather
+    engram: bool = False
     packed_weights: bool = False  # weight_format=packed from a Hugging Face directory (loader.py)
     context_parallel: bool = False  # attention over held blocks merged by log-sum-exp (models/context_parallel.py)
     splits_context_rows: bool = True  # False: every layer needs every row (V4's compressors), CP splits only the KV

@@ -13,6 +13,7 @@ _ARCHITECTURES = MappingProxyType({
     "MistralForCausalLM": ("backend_lib.models.llama.model", "LlamaForCausalLM"),
     "DeepseekV3ForCausalLM": ("backend_lib.models.deepseek_v3.model", "DeepseekV3ForCausalLM"),
     "DeepseekV4ForCausalLM": ("backend_lib.models.deepseek_v4.model", "DeepseekV4ForCausalLM"),
+    "DeepseekV41ForCausalLM": ("backend_lib.models.deepseek_v41.model", "DeepseekV41ForCausalLM"),
 })
 
 _GGUF_ARCHITECTURES = MappingProxyType({

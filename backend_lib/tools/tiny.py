@@ -26,9 +26,10 @@ import torch
 from safetensors.torch import save_file
 
 from backend_lib.tools.tiny_engram import add_engram
+from backend_lib.tools.tiny_v41 import add_engram_v41, quantize_v41, v41_config, v41_tensors
 from kernels.quant import DEFAULT_BLOCK, quantize_block_fp8
 
-ARCHS = ("deepseek_v3", "deepseek_v4", "llama")
+ARCHS = ("deepseek_v3", "deepseek_v4", "deepseek_v41", "llama")
 TOKENIZER_VOCAB = 320
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
 _CORPUS = (
@@ -280,8 +281,8 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
     Engram modules on those layers (``engram``: EngramConfig fields replacing the tiny defaults)."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    if fp4_experts and arch != "deepseek_v4":
-        raise ValueError("fp4_experts is only defined for arch 'deepseek_v4'")
+    if fp4_experts and arch not in ("deepseek_v4", "deepseek_v41"):
+        raise ValueError("fp4_experts is only defined for archs 'deepseek_v4' and 'deepseek_v41'")
     if fp8 and arch == "llama":
         raise ValueError("fp8 is only supported for the DeepSeek archs")
     if mtp_layers < 0 or (mtp_layers and arch == "llama"):
@@ -302,6 +303,18 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
         raise ValueError(f"vocab_size must be >= the tokenizer's {tok_vocab}, got {kwargs['vocab_size']}")
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
+    if arch == "deepseek_v41":  # no transformers release has V4.1: drawn by name (tools/tiny_v41.py)
+        if mtp_layers:
+            raise ValueError("deepseek_v41: mtp_layers (DSpark) are not written yet")
+        config = v41_config(overrides)
+        tensors = v41_tensors(config, gen)
+        if engram_layers:
+            add_engram_v41(config, tensors, out / "tokenizer.json", list(engram_layers), gen, engram_fp8_table)
+        if fp8 or fp4_experts:
+            quantize_v41(config, tensors, fp8, fp4_experts)
+        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        _write_shards(tensors, out, num_shards)
+        return out
     if arch == "deepseek_v4":
         _make_tiny_v4(out, {**kwargs, "num_nextn_predict_layers": mtp_layers}, gen, num_shards)
         if fp8 or fp4_experts:
