@@ -35,9 +35,8 @@ serve: install
 # are built once: much of the suite waits on one core (gcc under inductor, server starts, transformers' loads).
 # Each worker keeps torch's 2 threads (tests/conftest.py); OMP_WAIT_POLICY=PASSIVE keeps an idle OpenMP thread
 # from spinning on the core the other worker needs. tests/conftest.py hands the heaviest files out first (HEAVY_FILES).
-# Suite time on 2 cores (aim: `make test` <= 15 min, `make test-fast` <= 5 min): `make test` 22.3 min for 1,494
-# tests (AMD EPYC Zen 5, 2026-12-04, warm kernel cache, a helper's tests running beside it part of the time);
-# test-fast not yet measured whole.
+# Suite time on 2 cores (aim: `make test` <= 15 min, `make test-fast` <= 5 min): `make test` 20.6 min for 1,543
+# tests (AMD EPYC Zen 5, 2026-12-04, quiet, warm kernel cache): over the aim; test-fast not yet measured whole.
 TEST_WORKERS ?= 2
 PYTEST := OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile
 
