@@ -34,13 +34,14 @@ from backend_lib.models.deepseek_v4.attention import (
 )
 from backend_lib.models.deepseek_v4.layers import HASH_MOE, MOE_IMPLS, V4DecoderLayer, V4MoE, V4MoEDims
 from backend_lib.models.deepseek_v4.mtp import V4MTPLayer
+from backend_lib.models.deepseek_v4.step_pages import chunk_groups, token_pages
 from backend_lib.models.engram.layer import (
     EngramPrefetch, attach_engram_layers, engram_gather, engram_ring_shape, engram_vocabulary_of,
 )
 from backend_lib.models.engram.loading import EngramLoader
 from backend_lib.models.parallel import ParallelContext, Shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
-from kernels.compressed_attention import ChunkPages, TokenPages, entry_rows_per_block
+from kernels.compressed_attention import entry_rows_per_block
 from kernels.cpu_kernels import load_cpu_kernels
 from kernels.hyper_connections import HyperConnectionSpec, hc_head_collapse
 from kernels.v4_fp8 import EntryRecord, IndexKeyRecord
@@ -240,35 +241,6 @@ class DeepseekV4ForCausalLM(ServedModel):
         return LayerCache(window[index], state=csa_state[k], entries=csa_entries[k], index_state=index_state[k],
                           index_entries=index_entries[k], **engram)
 
-    def _pages(self, positions: torch.Tensor, meta: AttentionMetadata) -> TokenPages:
-        """Each token's block table: decode rows repeated per query, prefill rows per chunk token. Columns past a
-        table's end read block 0: every entry there is masked (past the token's position)."""
-        tables = []
-        if meta.num_decodes:
-            tables.append(meta.decode_block_tables.repeat_interleave(meta.decode_query_len, dim=0))
-        if meta.num_prefills:
-            lens = torch.tensor(meta.prefill_query_lens, device=positions.device)
-            tables.append(meta.prefill_block_tables.repeat_interleave(lens, dim=0,
-                                                                      output_size=sum(meta.prefill_query_lens)))
-        width = max(t.shape[1] for t in tables)
-        padded = [torch.nn.functional.pad(t.long(), (0, width - t.shape[1]), value=0) for t in tables]
-        return TokenPages(positions, torch.cat(padded), meta.block_size)
-
-    @staticmethod
-    def _groups(pages: TokenPages, meta: AttentionMetadata) -> tuple:
-        """Decode rows keep per-token keys; each prefill chunk shares one gather of its context's keys."""
-        groups: list = []
-        nd = meta.num_decode_tokens
-        if nd:
-            groups.append((0, nd, TokenPages(pages.positions[:nd], pages.block_tables[:nd], meta.block_size)))
-        start = nd
-        for i, length in enumerate(meta.prefill_query_lens):
-            first = meta.prefill_seq_lens[i] - length
-            table = meta.prefill_block_tables[i:i + 1].long()
-            groups.append((start, start + length, ChunkPages(first, length, table, meta.block_size)))
-            start += length
-        return tuple(groups)
-
     def forward(self, input_ids: torch.Tensor,  # [T] int64
                 positions: torch.Tensor,  # [T] int64
                 kv_caches: list,  # see hybrid_cache_shapes: layer-major roots, or per-layer views (compiled regions)
@@ -299,10 +271,10 @@ class DeepseekV4ForCausalLM(ServedModel):
         if meta.state is None:
             raise ValueError("DeepSeek-V4 needs meta.state (its requests' state slots): run it through a runner that "
                              "allocates hybrid_cache_shapes")
-        pages = self._pages(positions, meta)
+        pages = token_pages(positions, meta)
         chunks = ([meta.decode_query_len] if meta.num_decodes else []) + list(meta.prefill_query_lens)
         return StepContext(pages, meta.slot_mapping, meta.state, self.main_rope.at(positions, dtype),
-                           self.compress_rope.at(positions, dtype), self._groups(pages, meta),
+                           self.compress_rope.at(positions, dtype), chunk_groups(pages, meta),
                            meta.decode_query_len, max(chunks, default=None), context=meta.context)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32

@@ -32,10 +32,11 @@ from backend_lib.models.deepseek_v41.engram import V41Engram, V41EngramHash
 from backend_lib.models.deepseek_v41.layers import V41DecoderLayer, V41MoE
 from backend_lib.models.deepseek_v4.attention import LayerCache, StepContext, V4Rope
 from backend_lib.models.deepseek_v4.layers import V4MoEDims
+from backend_lib.models.deepseek_v4.step_pages import chunk_groups, token_pages
 from backend_lib.models.interfaces import ModelCapabilities, ServedModel
 from backend_lib.models.parallel import ParallelContext, Shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
-from kernels.compressed_attention import ChunkPages, TokenPages, entry_rows_per_block
+from kernels.compressed_attention import entry_rows_per_block
 from kernels.hyper_connections import HyperConnectionSpec, hc_collapse
 
 if TYPE_CHECKING:
@@ -143,44 +144,15 @@ class DeepseekV41ForCausalLM(ServedModel):
         state = state_r2[k] if role.ratio == 2 and role.mode == FULL else None
         return LayerCache(window[index], state=state, entries=entries[k], index_entries=keys[k])
 
-    def _pages(self, positions: torch.Tensor,  # [T] int64
-               meta: AttentionMetadata) -> TokenPages:
-        """Each token's block table (decode rows repeated per query, prefill rows per chunk token), as V4's."""
-        tables = []
-        if meta.num_decodes:
-            tables.append(meta.decode_block_tables.repeat_interleave(meta.decode_query_len, dim=0))
-        if meta.num_prefills:
-            lens = torch.tensor(meta.prefill_query_lens, device=positions.device)
-            tables.append(meta.prefill_block_tables.repeat_interleave(lens, dim=0,
-                                                                      output_size=sum(meta.prefill_query_lens)))
-        width = max(t.shape[1] for t in tables)
-        padded = [torch.nn.functional.pad(t.long(), (0, width - t.shape[1]), value=0) for t in tables]
-        return TokenPages(positions, torch.cat(padded), meta.block_size)
-
-    @staticmethod
-    def _groups(pages: TokenPages, meta: AttentionMetadata) -> tuple:
-        """Decode rows keep per-token keys; each prefill chunk shares one gather of its context's keys."""
-        groups: list = []
-        nd = meta.num_decode_tokens
-        if nd:
-            groups.append((0, nd, TokenPages(pages.positions[:nd], pages.block_tables[:nd], meta.block_size)))
-        start = nd
-        for i, length in enumerate(meta.prefill_query_lens):
-            first = meta.prefill_seq_lens[i] - length
-            groups.append((start, start + length,
-                           ChunkPages(first, length, meta.prefill_block_tables[i:i + 1].long(), meta.block_size)))
-            start += length
-        return tuple(groups)
-
     def step_context(self, positions: torch.Tensor,  # [T] int64
                      meta: AttentionMetadata, dtype: torch.dtype) -> StepContext:
         if meta.state is None:
             raise ValueError("DeepSeek-V4.1 needs meta.state (its requests' state slots): run it through a runner "
                              "that allocates hybrid_cache_shapes")
-        pages = self._pages(positions, meta)
+        pages = token_pages(positions, meta)
         chunks = ([meta.decode_query_len] if meta.num_decodes else []) + list(meta.prefill_query_lens)
         return StepContext(pages, meta.slot_mapping, meta.state, self.main_rope.at(positions, dtype),
-                           self.compress_rope.at(positions, dtype), self._groups(pages, meta),
+                           self.compress_rope.at(positions, dtype), chunk_groups(pages, meta),
                            meta.decode_query_len, max(chunks, default=None))
 
     def forward(self, input_ids: torch.Tensor,  # [T] int64
