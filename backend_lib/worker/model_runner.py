@@ -44,8 +44,7 @@ from backend_lib.worker.model_inputs import ModelInputs
 from backend_lib.worker.prompt_logprobs import head_slices, prompt_rows
 from backend_lib.worker.prompt_logprobs import compute as compute_prompt_logprobs
 from backend_lib.worker.sampler import Sampler, SamplingMetadata, SamplingRow
-from backend_lib.worker.spec_decode import make_mtp_proposer
-from backend_lib.worker.spec_decode.dspark import BlockDraftProposer
+from backend_lib.worker.spec_decode import make_block_drafter, make_mtp_proposer
 from backend_lib.worker.spec_decode.ngram import NgramProposer
 from backend_lib.worker.spec_decode.rejection import DraftLayout, greedy_verify, num_accepted, rejection_sample
 from backend_lib.worker.step_messages import StepLink
@@ -124,7 +123,7 @@ class ModelRunner:
         self.mtp = (make_mtp_proposer(model, self.kv_caches, num_slots, k, device, kv_dtype or dtype,
                                       self._share_meta if context.size > 1 else None)
                     if self.spec_method == "mtp" else None)
-        self.block_drafter = (BlockDraftProposer(model, spec, num_slots, max_model_len or num_slots, device, dtype)
+        self.block_drafter = (make_block_drafter(model, spec, num_slots, max_model_len or num_slots, device, dtype)
                               if self.spec_method in ("dspark", "dflash") else None)
         if context.size > 1 and self.block_drafter is not None:
             raise ValueError(f"spec_method {self.spec_method!r} runs without context parallelism: set "

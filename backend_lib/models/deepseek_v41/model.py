@@ -55,7 +55,8 @@ def _whole(tensor: Any) -> torch.Tensor:
 
 
 class DeepseekV41ForCausalLM(ServedModel):
-    capabilities = ModelCapabilities(hybrid_cache=True, engram=True, captures_hidden=True)
+    capabilities = ModelCapabilities(hybrid_cache=True, engram=True, captures_hidden=True,
+                                     checkpoint_drafter=True)
     # the quantization-aware activations are the model's math (on); exact fp32 comparisons turn them off, since
     # summation-order noise flips their roundings
     qat_activations = True

@@ -62,16 +62,20 @@ class BlockDraftProposer:
         # DFlash is the same backbone without the heads (a DSpark drafter with its heads off is DFlash's baseline)
         self.markov = drafter.markov_head if method == "dspark" else None
         self.confidence = drafter.confidence_head if method == "dspark" else None
-        self.k, self.block_size = spec.num_speculative_tokens, config.block_size
-        self.fixed_length = spec.spec_schedule == "fixed"
-        self.threshold = spec.dspark_confidence_threshold
-        self.schedule = VerifyLengthSchedule(self.k, self.block_size)
+        self._init_schedule(spec, config.block_size)
         arch = config.arch
         shape = (arch.num_layers, num_slots, arch.num_kv_heads, arch.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.last_survival: dict[str, list[float]] = {}  # request id -> survival of the drafts it proposed
         model.capture_layer_ids = config.target_layer_ids
+
+    def _init_schedule(self, spec: SpecConfig, block_size: int) -> None:
+        """What ``draft_for`` / ``proposals`` read, the same for every drafter family."""
+        self.k, self.block_size = spec.num_speculative_tokens, block_size
+        self.fixed_length = spec.spec_schedule == "fixed"
+        self.threshold = spec.dspark_confidence_threshold
+        self.schedule = VerifyLengthSchedule(self.k, self.block_size)
+        self.last_survival: dict[str, list[float]] = {}  # request id -> survival of the drafts it proposed
 
     def write_context(self, positions: torch.Tensor,  # [T] int64: the rows the target ran this step
                       slot_mapping: torch.Tensor) -> None:  # [T] int64: their slots (padding rows: the scratch block)
