@@ -22,8 +22,10 @@ def add_dspark_v41(config: dict[str, Any], tensors: dict[str, torch.Tensor], gen
                    std: float = 2.0) -> None:
     """In place: the drafter's config fields and ``mtp.*`` tensors (random, unit-scale like the target's)."""
     text = config["text_config"]
-    n, layers = text["num_hidden_layers"], DSPARK_DEFAULTS["num_nextn_predict_layers"]
-    text.update(DSPARK_DEFAULTS)
+    text["num_nextn_predict_layers"] = text.get("num_nextn_predict_layers") or 3  # the tiny target's default is 0
+    for name, value in DSPARK_DEFAULTS.items():  # an override (make_tiny's ``overrides``) wins
+        text.setdefault(name, value)
+    n, layers = text["num_hidden_layers"], text["num_nextn_predict_layers"]
     text.setdefault("dspark_noise_token_id", text["vocab_size"] - 2)  # vocab - 1 is the tiny image token
     text.setdefault("dspark_target_layer_ids", [n - 3, n - 2, n - 1])
     text["compress_ratios"] = list(text["compress_ratios"][:n]) + [0] * layers
