@@ -92,7 +92,9 @@ def test_confidence_schedule_keeps_the_tokens(case, dspark):
     drafter.fixed_length = False
     try:
         some = {r: PROMPTS[r] for r in ("r3", "r50")}
+        before = sum(dspark.stats().spec_chosen_lengths)
         assert _tokens(drive(dspark, {r: (p, PARAMS) for r, p in some.items()})) == {r: case[1][r] for r in some}
+        assert sum(dspark.stats().spec_chosen_lengths) > before  # each decode step's choice counted (/metrics)
     finally:
         drafter.fixed_length = True
 
