@@ -128,3 +128,21 @@ def test_rollback_leaves_the_drafter_cache_as_without_the_rejected_drafts(case, 
     dspark.abort("decoding")
     dspark.abort("prefill")
     drive(dspark)
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one(case, monkeypatch):
+    """tensor_parallel_size=2: the target and the drafter split (heads, output groups, experts' intermediate units),
+    every rank running the draft pass the driver plans: the one-rank tokens. QAT on (the worker processes build
+    the model class as shipped), against one rank without speculation with QAT on."""
+    path = case[0]
+    monkeypatch.setattr(DeepseekV41ForCausalLM, "qat_activations", True)
+    some = {r: PROMPTS[r] for r in ("r3", "r90")}
+    expected = _tokens(drive(make_engine(path, FLAT), {r: (p, PARAMS) for r, p in some.items()}))
+    engine = make_engine(path, FLAT, method="dspark", num_speculative_tokens=3, speculative_model=str(path),
+                         spec_schedule="fixed", tensor_parallel_size=2, num_blocks=48)
+    try:
+        assert _tokens(drive(engine, {r: (p, PARAMS) for r, p in some.items()})) == expected
+        assert engine.stats().spec_accepted_tokens > 0
+    finally:
+        engine.close()

@@ -7,7 +7,9 @@ slot mapping as dspark.py's): every row the target runs writes ``rope(kv_norm(wk
 block anchored at ``p`` reads the ``sliding_window`` positions ``p - W .. p - 1`` through the request's block table.
 Rollback is dspark.py's argument: rejected rows wrote positions ``>= p``, which no block reads before the target's
 next rows rewrite them, so the window a block reads is what a run without the rejected drafts holds (the target's own
-window rings, compressor rings and Engram history roll back in the model, as for every drafter). Eager, one rank.
+window rings, compressor rings and Engram history roll back in the model, as for every drafter). Eager; under
+tensor parallelism every rank runs the drafter on its share of the heads / experts, as the target (the driver sends
+the plan and the verified tokens: model_runner.py).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch
 
 from backend_lib.core.config import SpecConfig
 from backend_lib.models.dspark.deepseek_v41 import load_v41_drafter
-from backend_lib.worker.spec_decode.dspark import BlockDraftProposer, BlockDrafts
+from backend_lib.worker.spec_decode.dspark import BlockDraftProposer, BlockDrafts, BlockPlan
 from backend_lib.worker.spec_decode.rejection import num_accepted
 
 
@@ -23,8 +25,6 @@ class V41BlockDraftProposer(BlockDraftProposer):
     def __init__(self, model: torch.nn.Module, spec: SpecConfig, num_slots: int, device: torch.device,
                  dtype: torch.dtype) -> None:
         method = spec.method
-        if model.par.world_size > 1:
-            raise ValueError(f"spec_method {method!r} runs on one rank: set tensor_parallel_size 1")
         drafter = load_v41_drafter(model, spec.speculative_model)
         if method == "dspark" and drafter.markov is None:
             raise ValueError(f"spec_method 'dspark': the checkpoint at speculative_model {spec.speculative_model!r} "
@@ -43,14 +43,13 @@ class V41BlockDraftProposer(BlockDraftProposer):
             self.cache[layer].index_copy_(0, slot_mapping, kv.to(self.cache.dtype))
 
     def draft(self, verified: torch.Tensor,  # [S, W] rejection output (-1 padded)
-              last_positions: list[int],  # per request: the position of its last token before its drafts
-              context_bound: int,  # unused: a block reads its window, not the whole context
+              plan: BlockPlan,  # its context_bound unused: a block reads its window, not the whole context
               block_tables: torch.Tensor,  # [S, Wb] int32
               block_size: int) -> BlockDrafts:
         accepted = num_accepted(verified)
         anchors = verified.gather(1, accepted[:, None]).squeeze(1)
         device = verified.device
-        anchor_pos = torch.tensor(last_positions, dtype=torch.int64, device=device) + accepted + 1
+        anchor_pos = plan.last_positions + accepted + 1
         positions = anchor_pos[:, None] - self.window + torch.arange(self.window, device=device)[None, :]  # [S, W]
         valid = positions >= 0
         positions = positions.clamp(min=0)
