@@ -4,10 +4,13 @@ fp32, random weights: the target's captured features, the block's states and log
 confidences."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from backend_lib.models.dspark.deepseek_v41 import load_v41_drafter
+from backend_lib.models.dspark.v41_config import V41DSparkArgs
 from backend_lib.models.loading.loader import load_model
 from backend_lib.tools.tiny import make_tiny
 from tests.helpers.deepseek_v41_cases import tokens
@@ -59,3 +62,14 @@ def test_features_block_drafts_and_confidence_equal_the_oracle(tiny):
     ref_drafts, ref_conf, _ = ref.heads(ref_h, ref_base, ids[p])
     assert drafts[0].tolist() == ref_drafts
     assert (conf[0] - ref_conf).abs().max() <= TOL
+
+
+def test_dflash_is_the_plain_argmax_and_bad_fields_are_refused_by_name(tiny):
+    _, model, drafter, _ = tiny
+    base, hidden = torch.randn(2, 4, model.args.vocab_size), torch.randn(2, 4, model.args.hidden_size)
+    drafts, conf = drafter.draft(base, hidden, torch.tensor([5, 6]), heads=False)
+    assert conf is None and torch.equal(drafts, base.argmax(-1))
+    with pytest.raises(ValueError, match="num_nextn_predict_layers"):
+        V41DSparkArgs.from_text_config({})
+    with pytest.raises(ValueError, match="dspark_target_layer_ids"):
+        replace(drafter.d, target_layer_ids=(model.args.num_hidden_layers,)).check_target(model.args)

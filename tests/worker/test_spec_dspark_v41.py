@@ -99,6 +99,12 @@ def test_confidence_schedule_keeps_the_tokens(case, dspark):
         drafter.fixed_length = True
 
 
+def test_seeded_sampling_equals_no_speculation(case, dspark):
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True)
+    some = {r: (PROMPTS[r], params) for r in ("r3", "r50")}
+    assert _tokens(drive(dspark, some)) == _tokens(drive(make_engine(case[0], FLAT), some))
+
+
 def _running(engine, request_id: str):
     return next((r for r in engine.scheduler.running if r.request_id == request_id), None)
 
