@@ -2,7 +2,7 @@
 through the engine: greedy output equals no speculation token for token with chunked prefill, four requests
 batched, a pool small enough to preempt them, and a two-turn session; the drafter's Markov head planted with the
 target's own bigrams (tests/helpers/dspark_v41_cases.py), so drafts are partly accepted and the rejected rest rolls
-back (the target's window / compressor rings, the drafter's context cache); that cache, read after many rejections,
+back (the target's window / compressor rings and Engram history, the drafter's context cache); that cache, read after many rejections,
 equals what a plain prefill of the same tokens writes."""
 from __future__ import annotations
 
@@ -48,8 +48,9 @@ def _two_turns(engine) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
+    # Engram on layer 2: its token history rolls back with the rejected drafts too
     path = make_tiny("deepseek_v41", tmp_path_factory.mktemp("v41_dspark"), seed=5, dspark=True,
-                     overrides={"dspark_markov_rank": 160})
+                     overrides={"dspark_markov_rank": 160}, engram_layers=(2,))
     plain = make_engine(path, FLAT)
     expected = _tokens(drive(plain, {r: (p, PARAMS) for r, p in PROMPTS.items()}))
     turns = _two_turns(plain)
