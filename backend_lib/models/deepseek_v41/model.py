@@ -11,8 +11,8 @@
   may roll back ``drafts`` positions). Ratio 1 keeps no state.
 
 Ring state is valid only at the position its request reached, so prefix caching is off, as for V4. Not yet here:
-context parallelism, weight_format=packed, fp8 KV records, Engram tables sharded over ranks, DSpark (``mtp.*`` ignored,
-said in the load log), compiled regions.
+context parallelism, weight_format=packed, fp8 KV records, Engram tables sharded over ranks, compiled regions. The
+``mtp.*`` tensors (skipped here, said in the load log) are the DSpark drafter's: models/dspark/deepseek_v41.py.
 """
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ class DeepseekV41ForCausalLM(ServedModel):
         self.sources = {r: [role.layer for role in a.roles if role.mode == FULL and role.ratio == r] for r in (1, 2)}
         # Engram: the runner sends the N - 1 ids before each token (AttentionMetadata.token_history)
         self.engram_hash = engram_hash
-        # Set by the DSpark proposer (worker/spec_decode/dspark.py): forward then keeps the hc-mean of the streams
+        # Set by the DSpark proposer (worker/spec_decode/dspark_v41.py): forward then keeps the hc-mean of the streams
         # entering these layers (before their Engram; vLLM's ``previous_post.mean``), concatenated, in
         # ``captured_hidden`` [T, len(ids) * hidden].
         self.capture_layer_ids: tuple[int, ...] = ()
