@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from backend_lib.tools.tiny_engram import add_engram
-from backend_lib.tools.tiny_dspark_v41 import add_dspark_v41
+from backend_lib.tools.tiny_dspark_v41 import add_dspark_v41, quantize_dspark_v41
 from backend_lib.tools.tiny_v41 import add_engram_v41, quantize_v41, v41_config, v41_tensors
 from kernels.quant import DEFAULT_BLOCK, quantize_block_fp8
 
@@ -319,6 +319,8 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
             add_engram_v41(config, tensors, out / "tokenizer.json", list(engram_layers), gen, engram_fp8_table)
         if fp8 or fp4_experts:
             quantize_v41(config, tensors, fp8, fp4_experts)
+        if fp8 and dspark:
+            quantize_dspark_v41(tensors)
         (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         _write_shards(tensors, out, num_shards)
         return out

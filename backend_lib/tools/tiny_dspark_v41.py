@@ -8,6 +8,7 @@ three window-only (0) entries appended to ``compress_ratios``. The tiny target's
 as the release's [37, 38, 39] of 40 do."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -67,3 +68,17 @@ def add_dspark_v41(config: dict[str, Any], tensors: dict[str, torch.Tensor], gen
     tensors[last + "markov_head.embed.weight"] = torch.randn(vocab, rank, generator=gen)
     tensors[last + "markov_head.head.weight"] = _linear(vocab, rank, std, gen)
     tensors[last + "confidence_head.proj.weight"] = _linear(1, h + rank, 1.0, gen)
+
+
+_FP8 = re.compile(r"^mtp\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|ffn\.shared_experts\.w[123])\.weight$")
+
+
+def quantize_dspark_v41(tensors: dict[str, torch.Tensor]) -> None:
+    """In place, with ``--fp8``: the draft blocks' attention and shared-expert projections fp8 e4m3 over 32x32 ue8m0
+    blocks as the target's (vLLM loads ``mtp.*`` through the checkpoint's quantization config); their routed
+    experts follow the target's (tiny_v41.quantize_v41 matches every ``.ffn.experts.``)."""
+    from kernels.quant import quantize_block_fp8
+
+    for name in [n for n in tensors if _FP8.match(n)]:
+        tensors[name], tensors[name[: -len(".weight")] + ".scale"] = quantize_block_fp8(tensors[name], (32, 32),
+                                                                                         "ue8m0")

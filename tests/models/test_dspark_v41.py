@@ -37,7 +37,20 @@ def tiny(tmp_path_factory):
 
 
 def test_features_block_drafts_and_confidence_equal_the_oracle(tiny):
-    path, model, drafter, ref = tiny
+    _check_against_the_oracle(*tiny)
+
+
+def test_fp8_fp4_drafter_equals_the_oracle_over_dequantized_weights(tmp_path):
+    """fp8 projections (32x32 ue8m0 blocks, kept fp8) and fp4 routed experts (kept packed) in the draft blocks."""
+    path = make_tiny("deepseek_v41", tmp_path, seed=5, dspark=True, fp8=True, fp4_experts=True)
+    model = load_model(str(path), torch.float32, progress=False)
+    model.qat = False
+    drafter = load_v41_drafter(model, str(path))
+    assert drafter.mtp[0].attn.wq_a.weight.dtype == torch.float8_e4m3fn and drafter.mtp[0].ffn.packed_fp4
+    _check_against_the_oracle(path, model, drafter, ReferenceV41DSpark(path))
+
+
+def _check_against_the_oracle(path, model, drafter, ref):
     ids = tokens(29, 4)
     p = len(ids) - 1  # the anchor: ids[p] at position p, the target ran 0 .. p - 1
     model.capture_layer_ids = drafter.d.target_layer_ids
