@@ -147,6 +147,8 @@ class EngineStats:
     # Per draft position j (0-based): drafts verified there, and accepted there (cumulative).
     spec_drafts_per_position: list[int] = field(default_factory=list)
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    # Index L: request-steps whose proposer chose L drafts for the next step, 0 included (cumulative).
+    spec_chosen_lengths: list[int] = field(default_factory=list)
     # Admission refusals (AsyncEngine, cumulative): past max_waiting_requests, and session STARTs past max_sessions.
     num_refused_waiting: int = 0
     num_refused_sessions: int = 0

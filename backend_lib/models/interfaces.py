@@ -38,6 +38,9 @@ class ModelCapabilities:
     # spec_method=dspark / dflash: capture_layer_ids (set by the proposer) makes forward keep those layers' outputs
     # in captured_hidden [T, len(ids) * hidden] for a block drafter
     captures_hidden: bool = False
+    # spec_method=dspark / dflash drafts with the checkpoint's own drafter (DeepSeek-V4.1's mtp.*, read from
+    # speculative_model) instead of a DeepSpec drafter directory (worker/spec_decode/dspark_v41.py)
+    checkpoint_drafter: bool = False
 
     def __post_init__(self) -> None:
         if self.mtp not in MTP_KINDS:

@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from backend_lib.tools.tiny_engram import add_engram
+from backend_lib.tools.tiny_dspark_v41 import add_dspark_v41, quantize_dspark_v41
 from backend_lib.tools.tiny_v41 import add_engram_v41, quantize_v41, v41_config, v41_tensors
 from kernels.quant import DEFAULT_BLOCK, quantize_block_fp8
 
@@ -279,9 +280,10 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
               scale_fmt: str = "float", num_shards: int = 2, initializer_range: float = 0.2,
               overrides: dict[str, Any] | None = None, fp4_experts: bool = False,
               engram_layers: Sequence[int] = (), engram: dict[str, Any] | None = None,
-              engram_fp8_table: bool = False) -> Path:
+              engram_fp8_table: bool = False, dspark: bool = False) -> Path:
     """Write a tiny random ``arch`` model to ``out_dir``; ``overrides`` replaces config fields. ``engram_layers``:
-    Engram modules on those layers (``engram``: EngramConfig fields replacing the tiny defaults)."""
+    Engram modules on those layers (``engram``: EngramConfig fields replacing the tiny defaults). ``dspark``
+    (deepseek_v41): the DSpark drafter ``mtp.{0,1,2}`` too (tools/tiny_dspark_v41.py)."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     if fp4_experts and arch not in ("deepseek_v4", "deepseek_v41"):
@@ -290,6 +292,8 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
         raise ValueError("fp8 is only supported for the DeepSeek archs")
     if mtp_layers < 0 or (mtp_layers and arch == "llama"):
         raise ValueError(f"mtp_layers must be >= 0 and only set for the DeepSeek archs, got {mtp_layers} for {arch}")
+    if dspark and arch != "deepseek_v41":
+        raise ValueError(f"dspark: the DSpark drafter is written for arch 'deepseek_v41' only, got {arch!r}")
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     if engram_layers and arch == "llama":
@@ -311,10 +315,15 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
             raise ValueError("deepseek_v41: mtp_layers (DSpark) are not written yet")
         config = v41_config(overrides)
         tensors = v41_tensors(config, gen)
+        if dspark:
+            add_dspark_v41(config, tensors, gen)
+            v41_config(config["text_config"])  # the drafter's fields parse
         if engram_layers:
             add_engram_v41(config, tensors, out / "tokenizer.json", list(engram_layers), gen, engram_fp8_table)
         if fp8 or fp4_experts:
             quantize_v41(config, tensors, fp8, fp4_experts)
+        if fp8 and dspark:
+            quantize_dspark_v41(tensors)
         (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         _write_shards(tensors, out, num_shards)
         return out
@@ -365,11 +374,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="deepseek_v4: e2m1 routed experts with ue8m0 scales per 32 inputs")
     parser.add_argument("--mtp-layers", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dspark", action="store_true", help="deepseek_v41: also the DSpark drafter (mtp.{0,1,2})")
     parser.add_argument("--engram-layers", default="", help="DeepSeek archs: comma-separated layers with Engram")
     args = parser.parse_args(argv)
     engram_layers = [int(v) for v in args.engram_layers.split(",") if v.strip()]
     path = make_tiny(args.arch, args.out, fp8=args.fp8, mtp_layers=args.mtp_layers, seed=args.seed,
-                     scale_fmt=args.scale_fmt, fp4_experts=args.fp4_experts, engram_layers=engram_layers)
+                     scale_fmt=args.scale_fmt, fp4_experts=args.fp4_experts, engram_layers=engram_layers, dspark=args.dspark)
     print(f"wrote a tiny {args.arch} model to {path}")
     return 0
 

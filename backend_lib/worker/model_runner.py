@@ -44,8 +44,8 @@ from backend_lib.worker.model_inputs import ModelInputs
 from backend_lib.worker.prompt_logprobs import head_slices, prompt_rows
 from backend_lib.worker.prompt_logprobs import compute as compute_prompt_logprobs
 from backend_lib.worker.sampler import Sampler, SamplingMetadata, SamplingRow
-from backend_lib.worker.spec_decode import make_mtp_proposer
-from backend_lib.worker.spec_decode.dspark import BlockDraftProposer
+from backend_lib.worker.spec_decode import make_block_drafter, make_mtp_proposer
+from backend_lib.worker.spec_decode.dspark import BlockPlan
 from backend_lib.worker.spec_decode.ngram import NgramProposer
 from backend_lib.worker.spec_decode.rejection import DraftLayout, greedy_verify, num_accepted, rejection_sample
 from backend_lib.worker.step_messages import StepLink
@@ -124,7 +124,7 @@ class ModelRunner:
         self.mtp = (make_mtp_proposer(model, self.kv_caches, num_slots, k, device, kv_dtype or dtype,
                                       self._share_meta if context.size > 1 else None)
                     if self.spec_method == "mtp" else None)
-        self.block_drafter = (BlockDraftProposer(model, spec, num_slots, max_model_len or num_slots, device, dtype)
+        self.block_drafter = (make_block_drafter(model, spec, num_slots, max_model_len or num_slots, device, dtype)
                               if self.spec_method in ("dspark", "dflash") else None)
         if context.size > 1 and self.block_drafter is not None:
             raise ValueError(f"spec_method {self.spec_method!r} runs without context parallelism: set "
@@ -242,6 +242,8 @@ class ModelRunner:
         verified tokens, which it sends after sampling)."""
         self._share(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if self.block_drafter is not None:
+            self.block_drafter.write_context(inputs.positions, inputs.meta.slot_mapping)
         # Context ranks past the first: their tensor-parallel group does not compute the sampled logits (the first
         # one's does), but runs the MTP passes (their attention spans every context rank).
         if inputs.logits_indices.numel() and not self.context.rank:
@@ -251,6 +253,9 @@ class ModelRunner:
                              next_verified())
         elif "mtp_next_ids" in extra:
             self.mtp.first_pass(extra["mtp_next_ids"], hidden, inputs.positions, inputs.meta)
+        if "block_last" in extra:  # the driver's block draft pass (its collectives pair with ours)
+            plan = BlockPlan(extra["block_last"], int(extra["block_bound"][0]))
+            self.block_drafter.draft(next_verified(), plan, extra["block_tables"], self.block_size)
         if "prompt_logits_indices" in extra and not self.context.rank:  # the driver's prompt logprobs' head calls
             for _ in head_slices(self.model, hidden, extra["prompt_logits_indices"]):
                 pass
@@ -269,6 +274,7 @@ class ModelRunner:
         chunks = scheduler_output.chunks
         inputs = self.prepare(scheduler_output)
         mtp_host = self._mtp_host_inputs(chunks, inputs)
+        block_plan = self._block_plan(chunks, inputs, mtp_host)
         if self.link is not None:
             self.link.send_step(inputs, mtp_host)
         self._share(inputs)
@@ -276,7 +282,7 @@ class ModelRunner:
         if self.block_drafter is not None:
             self.block_drafter.write_context(inputs.positions, inputs.meta.slot_mapping)
         if self.spec_method != "none" or any(c.draft_token_ids for c in chunks):
-            output = self._execute_spec(chunks, inputs, hidden, mtp_host)
+            output = self._execute_spec(chunks, inputs, hidden, mtp_host, block_plan)
         else:
             output = self._execute_plain(chunks, inputs, hidden)
         if inputs.prompt_rows is not None:
@@ -343,7 +349,7 @@ class ModelRunner:
         return rows
 
     def _execute_spec(self, chunks: list[ScheduledChunk], inputs: ModelInputs, hidden: torch.Tensor,
-                      mtp_host: dict[str, torch.Tensor]) -> RunnerOutput:
+                      mtp_host: dict[str, torch.Tensor], block_plan: BlockPlan | None = None) -> RunnerOutput:
         sampled: list[list[int]] = [[] for _ in chunks]
         proposals: list[list[int]] = [[] for _ in chunks]
         sampling = inputs.sampling_chunks
@@ -369,10 +375,11 @@ class ModelRunner:
                                       mtp_host["mtp_tables"], verified.token_ids)
             to_read.append(drafts.flatten())
         block = None
-        if self.block_drafter is not None:
-            block = self.block_drafter.draft_for([chunks[i] for i in sampling], verified.token_ids,
-                                                 self._block_table([chunks[i].block_ids for i in sampling]),
-                                                 self.block_size)
+        if block_plan is not None:
+            if self.link is not None:  # the other tensor-parallel ranks run the same draft pass
+                self.link.send_verified(verified.token_ids)
+            block = self.block_drafter.draft(verified.token_ids, block_plan, mtp_host["block_tables"],
+                                             self.block_size)
         if block is not None:
             to_read.append(block.token_ids.flatten())
         # The one host sync of the step: verified tokens (and MTP drafts) together.
@@ -438,6 +445,20 @@ class ModelRunner:
             row = inputs.row_starts[i]
             next_ids[row:row + known_end - chunk.start] = tokens[chunk.start + 1:known_end + 1]
         return next_ids
+
+    def _block_plan(self, chunks: list[ScheduledChunk], inputs: ModelInputs,
+                    host: dict[str, torch.Tensor]) -> BlockPlan | None:
+        """The block drafter's pass of this step, fixed before it runs, and its inputs added to ``host`` (what the
+        driver sends the other ranks)."""
+        sampling = inputs.sampling_chunks
+        if self.block_drafter is None or not sampling:
+            return None
+        plan = self.block_drafter.plan([chunks[i] for i in sampling], self.device)
+        if plan is not None:
+            host["block_last"] = plan.last_positions
+            host["block_bound"] = torch.tensor([plan.context_bound], dtype=torch.int64, device=self.device)
+            host["block_tables"] = self._block_table([chunks[i].block_ids for i in sampling])
+        return plan
 
     def _mtp_host_inputs(self, chunks: list[ScheduledChunk], inputs: ModelInputs) -> dict[str, torch.Tensor]:
         """What the MTP passes need from the host: the known next token of every row and, when the step

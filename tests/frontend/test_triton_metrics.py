@@ -105,6 +105,12 @@ def test_spec_counters_and_gauges_follow_engine_stats(pb):
     family = "deepinfer_spec_decode_acceptance_rate_per_position"
     assert pb.kind(family) == "gauge"
     assert [pb.value(family, position=str(j)) for j in range(3)] == pytest.approx([1.0, 0.5, 0.25])
+    # the lengths the proposer chose: twice none (drafting off), four times 3
+    metrics.refresh(_stats(spec_draft_tokens=12, spec_chosen_lengths=[2, 0, 0, 4]))
+    metrics.refresh(_stats(spec_draft_tokens=12, spec_chosen_lengths=[2, 0, 0, 4]))
+    family = "deepinfer_spec_decode_chosen_length_total"
+    assert pb.kind(family) == "counter"
+    assert [pb.value(family, length=str(n)) for n in range(4)] == [2, 0, 0, 4]
 
     # Same snapshot again: counters do not double count.
     metrics.refresh(stats)

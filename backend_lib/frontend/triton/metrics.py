@@ -115,6 +115,11 @@ class TritonMetrics:
         self._families.append(self._position_family)
         # One gauge per draft position, created when the engine first reports that position.
         self.spec_acceptance_per_position: list[Any] = []
+        self._length_family = family(name="deepinfer_spec_decode_chosen_length_total",
+                                     description="Request-steps whose proposer chose this many drafts for the next "
+                                                 "step (0: drafting off), by length", kind=counter)
+        self._families.append(self._length_family)
+        self.spec_chosen_lengths: list[_CumulativeCounter] = []  # one per length, created when first reported
         # EPLB (enable_eplb): the window's busiest expert-parallel rank's tokens / the mean, per MoE layer (label
         # "layer": its index among the EPLB layers, created when first reported) and of the worst layer.
         self._imbalance_family = family(name="deepinfer_expert_load_imbalance",
@@ -180,6 +185,12 @@ class TritonMetrics:
                 self._position_family.Metric(labels={**self._labels, "position": str(position)}))
         for gauge, rate in zip(self.spec_acceptance_per_position, rates):
             gauge.set(rate)
+        while len(self.spec_chosen_lengths) < len(stats.spec_chosen_lengths):
+            length = len(self.spec_chosen_lengths)
+            self.spec_chosen_lengths.append(_CumulativeCounter(
+                self._length_family.Metric(labels={**self._labels, "length": str(length)})))
+        for counter, total in zip(self.spec_chosen_lengths, stats.spec_chosen_lengths):
+            counter.advance_to(total)
         if stats.eplb is not None:
             self._refresh_eplb(stats.eplb)
 

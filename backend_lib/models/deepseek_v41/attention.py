@@ -166,7 +166,12 @@ class V41Attention(nn.Module):
         parts = [self._attend(q[start:end], index_q, kv, step, start, end, pages, cache)
                  for start, end, pages in ctx.groups]
         write_recent(cache.window, kv, ctx.rows, ctx.pages.positions, ring_write_index(ctx, cache.window))
-        out = apply_tail_rope(torch.cat(parts) if len(parts) > 1 else parts[0], cos, -sin)
+        return self.project_output(torch.cat(parts) if len(parts) > 1 else parts[0], cos, sin)
+
+    def project_output(self, out: torch.Tensor,  # [T, H, D] attended values (post-RoPE)
+                       cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        """RoPE undone, then the grouped ``wo_a`` and ``wo_b`` (also the DSpark drafter's, models/dspark/)."""
+        out = apply_tail_rope(out, cos, -sin)
         groups = out.reshape(out.shape[0], self.o_groups, -1).transpose(0, 1)  # [G, T, H * D / G]
         weight = self.wo_a.dense_weight(out.dtype)
         weight = weight.view(self.o_groups, -1, weight.shape[-1]).transpose(1, 2)  # block-diagonal [G, H D / G, R]

@@ -11,8 +11,8 @@
   may roll back ``drafts`` positions). Ratio 1 keeps no state.
 
 Ring state is valid only at the position its request reached, so prefix caching is off, as for V4. Not yet here:
-context parallelism, weight_format=packed, fp8 KV records, Engram tables sharded over ranks, DSpark (``mtp.*`` ignored,
-said in the load log), compiled regions.
+context parallelism, weight_format=packed, fp8 KV records, Engram tables sharded over ranks, compiled regions. The
+``mtp.*`` tensors (skipped here, said in the load log) are the DSpark drafter's: models/dspark/deepseek_v41.py.
 """
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def _whole(tensor: Any) -> torch.Tensor:
 
 
 class DeepseekV41ForCausalLM(ServedModel):
-    capabilities = ModelCapabilities(hybrid_cache=True, engram=True)
+    capabilities = ModelCapabilities(hybrid_cache=True, engram=True, captures_hidden=True,
+                                     checkpoint_drafter=True)
     # the quantization-aware activations are the model's math (on); exact fp32 comparisons turn them off, since
     # summation-order noise flips their roundings
     qat_activations = True
@@ -99,6 +100,11 @@ class DeepseekV41ForCausalLM(ServedModel):
         self.sources = {r: [role.layer for role in a.roles if role.mode == FULL and role.ratio == r] for r in (1, 2)}
         # Engram: the runner sends the N - 1 ids before each token (AttentionMetadata.token_history)
         self.engram_hash = engram_hash
+        # Set by the DSpark proposer (worker/spec_decode/dspark_v41.py): forward then keeps the hc-mean of the streams
+        # entering these layers (before their Engram; vLLM's ``previous_post.mean``), concatenated, in
+        # ``captured_hidden`` [T, len(ids) * hidden].
+        self.capture_layer_ids: tuple[int, ...] = ()
+        self.captured_hidden: torch.Tensor | None = None
         self.token_history = a.engram_max_ngram_size - 1 if a.engram_layer_ids else 0
         if a.engram_layer_ids and engram_hash is None:
             raise ValueError("DeepSeek-V4.1 with Engram needs the checkpoint's tokenizer.json (its hash)")
@@ -170,9 +176,14 @@ class DeepseekV41ForCausalLM(ServedModel):
                 raise ValueError("DeepSeek-V4.1 with Engram needs meta.token_history (model.token_history ids)")
             hashes = self.engram_hash(input_ids, meta.token_history)
         engram_index = {layer: k for k, layer in enumerate(self.args.engram_layer_ids)}
+        kept = []
         for i, layer in enumerate(self.layers):
+            if i in self.capture_layer_ids:
+                kept.append(streams.mean(1))
             rows = hashes[:, engram_index[i]] if i in engram_index else None
             streams, pre = layer(streams, pre, input_ids, step, self._layer_cache(i, kv_caches), rows)
+        if kept:
+            self.captured_hidden = torch.cat(kept, dim=-1)
         return self.norm(hc_collapse(streams, pre))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
