@@ -12,8 +12,9 @@ from torch import nn
 
 from backend_lib.models.deepseek_v41.vision.aligner import VisionAligner
 from backend_lib.models.deepseek_v41.vision.config import VisionArgs
-from backend_lib.models.deepseek_v41.vision.span import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START, llm_grid, \
-    span_roles
+from backend_lib.models.deepseek_v41.vision.preprocess import PreprocessedImage
+from backend_lib.models.deepseek_v41.vision.span import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_PLACEHOLDER, \
+    IMAGE_START, llm_grid, span_roles
 from backend_lib.models.deepseek_v41.vision.tower import VisionTower
 
 _PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline", "image_pad")
@@ -24,9 +25,11 @@ def is_vision_tensor(name: str) -> bool:
 
 
 class V41VisionEncoder(nn.Module):
-    def __init__(self, args: VisionArgs, dtype: torch.dtype = torch.float32) -> None:
+    placeholder = IMAGE_PLACEHOLDER
+
+    def __init__(self, args: VisionArgs, dtype: torch.dtype = torch.float32, image_token_id: int = 129264) -> None:
         super().__init__()
-        self.args, self.dtype = args, dtype
+        self.args, self.dtype, self.image_token_id = args, dtype, image_token_id
         self.vision = VisionTower(args)
         self.aligner = VisionAligner(args)
         for name in ("image_start", "image_end", "image_newline"):
@@ -75,3 +78,7 @@ class V41VisionEncoder(nn.Module):
         out[roles == IMAGE_NEW_LINE] = self.image_newline.to(rows.dtype)
         out[roles == IMAGE_END] = self.image_end.to(rows.dtype)
         return out
+
+    def encode(self, image: PreprocessedImage) -> torch.Tensor:  # [image.num_tokens, hidden]
+        device = self.aligner.w1.weight.device
+        return self.span_embeddings(image.patches.to(device), image.n_vit_h, image.n_vit_w)

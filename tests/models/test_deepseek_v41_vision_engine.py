@@ -1,0 +1,97 @@
+"""Images through the engine on a tiny vision V4.1 (``make-tiny --arch deepseek_v41 --vision``): greedy ids equal
+the oracles' (tests/helpers/deepseek_v41_vision_reference.py for the spans, the V4.1 text oracle fed their input
+embeddings, with bias_vl on image tokens) for one and two images, with prefill chunks of 7 tokens that cut inside
+the spans, batched with a text-only request and a text prompt with the placeholder string; bad images refused
+naming the field, nothing left behind."""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from backend_lib.core.config import EngineConfig
+from backend_lib.core.errors import RequestError
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.engine.llm_engine import LLMEngine
+from backend_lib.models.deepseek_v41.model import DeepseekV41ForCausalLM
+from backend_lib.models.deepseek_v41.vision.span import IMAGE_PLACEHOLDER
+from backend_lib.tools.tiny import make_tiny
+from tests.helpers import deepseek_v41_vision_reference as vref
+from tests.helpers.deepseek_v41_cases import tokens
+from tests.helpers.deepseek_v41_reference import ReferenceV41
+from tests.helpers.engines import drive, new_tokens
+
+NEW = 8
+
+
+def _image(width: int, height: int, seed: int) -> bytes:
+    gen = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (height, width, 3), generator=gen, dtype=torch.uint8).numpy()
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = make_tiny("deepseek_v41", tmp_path_factory.mktemp("v41_vision_engine"), seed=7, vision=True)
+    with pytest.MonkeyPatch.context() as mp:  # exact fp32 comparisons: the QAT roundings off (as the text tests)
+        mp.setattr(DeepseekV41ForCausalLM, "qat_activations", False)
+        engine = LLMEngine(EngineConfig.from_flat({"model": str(path), "max_model_len": 256, "block_size": 16,
+                                                   "max_num_seqs": 4, "max_num_batched_tokens": 7}))
+    return path, engine, ReferenceV41(path, qat=False)
+
+
+def _oracle(ref: ReferenceV41, vision: dict, ids: list[int], images: list[bytes]) -> list[int]:
+    """The placeholders expanded by the oracle's preprocessing, the spans' embeddings by its tower."""
+    out, embeds, k = [], {}, 0
+    for t in ids:
+        if t != ref.image_token_id:
+            out.append(t)
+            continue
+        patches, n_h, n_w, _, _ = vref.load_image(Image.open(io.BytesIO(images[k])), vision)
+        span = vref.image_span(ref.w, vision, patches, n_h, n_w)
+        embeds.update({len(out) + j: row for j, row in enumerate(span)})
+        out += [ref.image_token_id] * span.shape[0]
+        k += 1
+    return ref.greedy(out, NEW, embeds)
+
+
+def test_images_give_the_oracle_greedy_ids_chunked_and_batched(setup):
+    path, engine, ref = setup
+    vision = engine.model.image_encoder.args.__dict__
+    img = ref.image_token_id
+    a, b = _image(120, 90, 1), _image(61, 47, 2)
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    requests = {"one": (tokens(5, 1) + [img] + tokens(9, 2), [a]),
+                "two": (tokens(3, 3) + [img] + tokens(4, 4) + [img] + tokens(2, 5), [b, a]),
+                "text": (tokens(20, 6), None)}
+    for rid, (prompt, images) in requests.items():
+        engine.add_request(rid, prompt, params, images=images)
+    text = "a picture " + IMAGE_PLACEHOLDER + " of noise"
+    engine.add_request("placeholder", text, params, images=[b])
+    got = new_tokens(drive(engine))
+    for rid, (prompt, images) in requests.items():
+        assert got[rid] == _oracle(ref, vision, prompt, images or []), rid
+    tok = engine.tokenizer
+    ids = tok.encode("a picture ") + [img] + tok.encode(" of noise", add_special_tokens=False)
+    assert got["placeholder"] == _oracle(ref, vision, ids, [b])
+    assert not engine.has_unfinished_requests()
+
+
+def test_bad_images_are_refused_and_nothing_is_left(setup):
+    _, engine, ref = setup
+    params = SamplingParams(max_tokens=2)
+    prompt = tokens(4, 7) + [ref.image_token_id]
+    cases = [([b"GIF89a not really"], "image[0]"), ([_image(30, 30, 3)[:60]], "image[0]"),
+             ([_image(30, 30, 3), _image(30, 30, 4)], "image"), (None, "image")]
+    for images, field in cases:
+        with pytest.raises(RequestError) as err:
+            engine.add_request("bad", prompt, params, images=images)
+        assert err.value.field == field, images
+    with pytest.raises(RequestError, match="max_images_per_request") as err:
+        engine.add_request("bad", prompt * 9, params, images=[_image(30, 30, 5)] * 9)
+    assert err.value.limit == "max_images_per_request"
+    assert not engine.has_unfinished_requests() and engine.scheduler.kv.num_free_blocks() >= 0
