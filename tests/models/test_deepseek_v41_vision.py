@@ -22,6 +22,13 @@ from tests.helpers import deepseek_v41_vision_reference as ref
 LIMITS = ImageLimits(max_image_bytes=1 << 20, max_image_pixels=1 << 20)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: a second OpenMP thread only waits on a busy 2-core machine
+    yield
+    torch.set_num_threads(threads)
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     out = make_tiny("deepseek_v41", tmp_path_factory.mktemp("v41_vision"), vision=True, num_shards=1)
