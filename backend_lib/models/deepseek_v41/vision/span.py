@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from backend_lib.models.deepseek_v41.vision.placeholder import IMAGE_PLACEHOLDER
+
+__all__ = ["IMAGE_PLACEHOLDER", "IMAGE_START", "IMAGE", "IMAGE_NEW_LINE", "IMAGE_END", "span_length", "span_roles",
+           "llm_grid"]
 IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END = range(4)
-# the prompt's mark for one image (the release tokenizer's id for it is image_token_id, 129264)
-IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
 
 
 def span_length(n_llm_h: int, n_llm_w: int) -> int:
