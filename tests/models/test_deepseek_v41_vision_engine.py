@@ -51,7 +51,7 @@ def setup(tmp_path_factory):
     return path, engine, ReferenceV41(path, qat=False)
 
 
-def _oracle(ref: ReferenceV41, vision: dict, ids: list[int], images: list[bytes]) -> list[int]:
+def _oracle(ref: ReferenceV41, vision: dict, ids: list[int], images: list[bytes], new: int = NEW) -> list[int]:
     """The placeholders expanded by the oracle's preprocessing, the spans' embeddings by its tower."""
     out, embeds, k = [], {}, 0
     for t in ids:
@@ -63,7 +63,7 @@ def _oracle(ref: ReferenceV41, vision: dict, ids: list[int], images: list[bytes]
         embeds.update({len(out) + j: row for j, row in enumerate(span)})
         out += [ref.image_token_id] * span.shape[0]
         k += 1
-    return ref.greedy(out, NEW, embeds)
+    return ref.greedy(out, new, embeds)
 
 
 def test_images_give_the_oracle_greedy_ids_chunked_and_batched(setup):
@@ -103,3 +103,27 @@ def test_bad_images_are_refused_and_nothing_is_left(setup):
     assert err.value.limit == "max_images_per_request"
     stats = engine.stats()
     assert not engine.has_unfinished_requests() and stats.kv_blocks_used == 0 and stats.num_waiting == 0
+
+
+def test_preemption_recomputes_the_spans_from_their_embeddings(setup):
+    """Too few blocks for both requests: one is preempted (its KV dropped) and recomputed from the embeddings its
+    request keeps, without re-encoding; the oracle's ids all the same."""
+    path, engine, ref = setup
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DeepseekV41ForCausalLM, "qat_activations", False)
+        small = LLMEngine(EngineConfig.from_flat({"model": str(path), "max_model_len": 256, "block_size": 16,
+                                                  "max_num_seqs": 2, "max_num_batched_tokens": 16, "num_blocks": 4}))
+    vision = small.model.image_encoder.args.__dict__
+    img = ref.image_token_id
+    a, b = _image(120, 90, 5), _image(90, 120, 6)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    requests = {"p": (tokens(6, 8) + [img] + tokens(3, 9), [a]), "q": (tokens(4, 10) + [img], [b])}
+    calls = []
+    encode = small.model.image_encoder.encode
+    small.model.image_encoder.encode = lambda image: calls.append(1) or encode(image)
+    for rid, (prompt, images) in requests.items():
+        small.add_request(rid, prompt, params, images=images)
+    got = new_tokens(drive(small))
+    assert small.stats().num_preemptions > 0 and len(calls) == 2
+    for rid, (prompt, images) in requests.items():
+        assert got[rid] == _oracle(ref, vision, prompt, images, 12), rid
