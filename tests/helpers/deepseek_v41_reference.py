@@ -48,7 +48,8 @@ Three departures from the stored transformers file, on purpose:
 - image tokens (vLLM ``deepseek_v41/nvidia/vl_model.py``): ``forward(..., embeds=)`` replaces the embedding rows
   where given (an image span's, from tests/helpers/deepseek_v41_vision_reference.py) before the hc expansion, and
   the router biases positions whose id is ``image_token_id`` with ``bias_vl`` instead of ``bias``.
-Engram's DEAD image slots and DSpark ``mtp.*`` are not in this oracle.
+  Engram treats image tokens as DEAD: a look-back slot from one on is padding, and their gate is zero.
+DSpark ``mtp.*`` is not in this oracle.
 """
 from __future__ import annotations
 
@@ -326,7 +327,7 @@ class ReferenceV41:
         history = ids.tolist() if cache is None else cache.ids + ids.tolist()
         if cache is not None:
             cache.ids = history
-        hashes = None if self.engram is None else self.engram(history)[start:]  # [S, L_e, cols]
+        hashes = None if self.engram is None else self.engram(history, self.image_token_id)[start:]  # [S, L_e, cols]
         x = self.w["embed.weight"][ids]
         if embeds:
             x = x.clone()
@@ -479,6 +480,7 @@ class ReferenceV41:
         rstd = torch.rsqrt(streams.square().mean(-1) + a.eps) * torch.rsqrt(key.square().mean(-1) + a.eps)
         dot = (streams * w[p + "q_weight"] * w[p + "k_weight"] * key).sum(-1) * rstd * a.dim ** -0.5
         gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        gate = gate * ~self._image[:, None]  # image tokens are DEAD: no memory added
         return streams + gate[..., None] * value[:, None, :]
 
     # ---- MoE -------------------------------------------------------------------------------------------

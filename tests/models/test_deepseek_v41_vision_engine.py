@@ -127,3 +127,19 @@ def test_preemption_recomputes_the_spans_from_their_embeddings(setup):
     assert small.stats().num_preemptions > 0 and len(calls) == 2
     for rid, (prompt, images) in requests.items():
         assert got[rid] == _oracle(ref, vision, prompt, images, 12), rid
+
+
+def test_engram_treats_image_tokens_as_dead(tmp_path):
+    """Engram on layers 0 and 3 with an image: the image positions' gates zero and the n-grams reaching back into
+    the span padded, as the oracle does; ids after the span still hash the text before it only through padding."""
+    path = make_tiny("deepseek_v41", tmp_path, seed=10, vision=True, engram_layers=[0, 3])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DeepseekV41ForCausalLM, "qat_activations", False)
+        engine = LLMEngine(EngineConfig.from_flat({"model": str(path), "max_model_len": 256, "block_size": 16,
+                                                   "max_num_seqs": 2, "max_num_batched_tokens": 9}))
+    ref = ReferenceV41(path, qat=False)
+    prompt, images = tokens(6, 11) + [ref.image_token_id] + tokens(5, 12), [_image(64, 80, 7)]
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    engine.add_request("e", prompt, params, images=images)
+    got = new_tokens(drive(engine))["e"]
+    assert got == _oracle(ref, engine.model.image_encoder.args.__dict__, prompt, images)

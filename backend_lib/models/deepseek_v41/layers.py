@@ -69,7 +69,7 @@ class V41DecoderLayer(nn.Module):
                 hash_ids: torch.Tensor | None = None,  # [T, cols] this layer's Engram rows
                 ) -> tuple[torch.Tensor, torch.Tensor]:  # streams, this FFN's pre
         if self.engram is not None:  # on the streams the previous layer left, before this layer's coefficients
-            streams = self.engram(streams, hash_ids)
+            streams = self.engram(streams, hash_ids, input_ids)
         attn_pre, post, comb = hc_mixes(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.hc)
         x = hc_collapse(streams, pre_mix)
         streams = hc_post(self.attn(self.attn_norm(x), step, cache), streams, post, comb, self.hc)

@@ -107,7 +107,7 @@ class DeepseekV41ForCausalLM(ServedModel):
         if a.engram_layer_ids and engram_hash is None:
             raise ValueError("DeepSeek-V4.1 with Engram needs the checkpoint's tokenizer.json (its hash)")
         for k, (layer, rows) in enumerate(zip(a.engram_layer_ids, a.engram_num_embeddings)):
-            self.layers[layer].engram = V41Engram(a, rows, block)
+            self.layers[layer].engram = V41Engram(a, rows, block, config.image_token_id)
         self.to(dtype)
         for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
             if _KEEP_FP32.search(name) and tensor.is_floating_point():
@@ -120,7 +120,8 @@ class DeepseekV41ForCausalLM(ServedModel):
         parsed = DeepseekV41Config.from_hf_config(config)
         engram = None
         if parsed.text.engram_layer_ids:
-            engram = V41EngramHash.build(parsed.text, Path(getattr(options, "checkpoint_dir", "")) / "tokenizer.json")
+            engram = V41EngramHash.build(parsed.text, Path(getattr(options, "checkpoint_dir", "")) / "tokenizer.json",
+                                         parsed.image_token_id)
         return cls(parsed, dtype=dtype, par=par, engram_hash=engram)
 
     # ---- the model-runner contract -------------------------------------------------------------------
