@@ -105,6 +105,7 @@ def test_bad_images_are_refused_and_nothing_is_left(setup):
     assert not engine.has_unfinished_requests() and stats.kv_blocks_used == 0 and stats.num_waiting == 0
 
 
+@pytest.mark.slow
 def test_preemption_recomputes_the_spans_from_their_embeddings(setup):
     """Too few blocks for both requests: one is preempted (its KV dropped) and recomputed from the embeddings its
     request keeps, without re-encoding; the oracle's ids all the same."""
@@ -129,6 +130,7 @@ def test_preemption_recomputes_the_spans_from_their_embeddings(setup):
         assert got[rid] == _oracle(ref, vision, prompt, images, 12), rid
 
 
+@pytest.mark.slow
 def test_engram_treats_image_tokens_as_dead(tmp_path):
     """Engram on layers 0 and 3 with an image: the image positions' gates zero and the n-grams reaching back into
     the span padded, as the oracle does; ids after the span still hash the text before it only through padding."""
