@@ -62,13 +62,13 @@ class ImagePrompts:
 
 
 def image_prompts_for(model: Any, config: EngineConfig) -> ImagePrompts | None:
-    """The engine's image path, or None when the model takes no images. Tensor / context parallelism: the spans'
-    embeddings would have to reach every rank's step (not sent yet), so images stay off there (logged)."""
+    """The engine's image path, or None when the model takes no images. Tensor parallelism: the driver encodes (the
+    tower is replicated on every rank, whole: it is small beside the text model, and splitting it would add two
+    all-reduces per layer for a few thousand rows) and the step message carries the spans' embeddings to the other
+    ranks. Context parallelism: images off (logged; no image model runs it)."""
     if not capabilities_of(model).images or model.image_encoder is None:
         return None
-    if config.parallel.tensor_parallel_size * config.parallel.context_parallel_size > 1:
-        log.warning("images are off: the vision tower runs with one rank only for now (tensor_parallel_size %d, "
-                    "context_parallel_size %d)", config.parallel.tensor_parallel_size,
-                    config.parallel.context_parallel_size)
+    if config.parallel.context_parallel_size > 1:
+        log.warning("images are off with context_parallel_size %d", config.parallel.context_parallel_size)
         return None
     return ImagePrompts(model.image_encoder, config.limits)

@@ -145,3 +145,18 @@ def test_engram_treats_image_tokens_as_dead(tmp_path):
     engine.add_request("e", prompt, params, images=images)
     got = new_tokens(drive(engine))["e"]
     assert got == _oracle(ref, engine.model.image_encoder.args.__dict__, prompt, images)
+
+
+@pytest.mark.slow
+def test_two_ranks_keep_the_oracle_greedy_ids_with_an_image(setup):
+    """TP=2, QAT on: the driver encodes, the step message carries the span's embeddings to the other rank."""
+    from backend_lib.engine.offline import LLM
+    path, _, _ = setup
+    ref = ReferenceV41(path, qat=True)
+    prompt, images = tokens(5, 13) + [ref.image_token_id] + tokens(4, 14), [_image(100, 70, 8)]
+    with LLM(str(path), num_blocks=32, max_num_batched_tokens=16, tensor_parallel_size=2) as llm:
+        llm.engine.add_request("tp", prompt, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True),
+                               images=images)
+        got = new_tokens(drive(llm.engine))["tp"]
+        vision = llm.engine.model.image_encoder.args.__dict__
+    assert got == _oracle(ref, vision, prompt, images)
