@@ -20,8 +20,9 @@ from tests.helpers.triton_server import StreamClient, new_server
 
 pytestmark = pytest.mark.e2e
 
+# one torch thread, in the server and offline: tiny ops, and a second OpenMP thread only spins on a busy machine
 SETTINGS = {"max_model_len": "256", "num_blocks": "32", "block_size": "16", "max_num_seqs": "2",
-            "max_num_batched_tokens": "64"}
+            "max_num_batched_tokens": "64", "num_threads": "1"}
 PROMPT = f"Describe {IMAGE_PLACEHOLDER} briefly."
 
 
@@ -45,7 +46,14 @@ def served(tmp_path_factory, vision_dir):
         yield server
 
 
-def test_triton_image_and_openai_image_url_give_the_offline_tokens(served, vision_dir):
+@pytest.fixture()
+def threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)  # the offline engine set one for this process
+
+
+def test_triton_image_and_openai_image_url_give_the_offline_tokens(served, vision_dir, threads):
     image = _png(1)
     llm = LLM(str(vision_dir), **{k: int(v) for k, v in SETTINGS.items()})
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
