@@ -10,6 +10,7 @@ tokenizing, so the rule holds whatever the tokenizer makes of the string; in ``i
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from backend_lib.core.config import EngineConfig, RequestLimits
@@ -28,10 +29,10 @@ class ImagePrompts:
         self.image_token_id: int = encoder.image_token_id
         self.limits = ImageLimits(limits.max_image_bytes, limits.max_image_pixels)
 
-    def tokenize(self, tokenizer: Tokenizer, prompt: Any) -> list[int]:
+    def tokenize(self, tokenizer: Tokenizer, prompt: Any, add_special_tokens: bool = True) -> list[int]:
         """The prompt's ids with one ``image_token_id`` per placeholder (token-id prompts as they are)."""
         if isinstance(prompt, str):
-            text, specials = prompt, True
+            text, specials = prompt, add_special_tokens
         elif prompt and isinstance(prompt[0], dict):
             text, specials = tokenizer.render_chat(prompt), False  # the template writes BOS itself
         else:
@@ -59,6 +60,15 @@ class ImagePrompts:
             out += [self.image_token_id] * image.num_tokens
             previous = slot + 1
         return out + ids[previous:], tuple(spans)
+
+
+    def turn(self, tokenizer: Tokenizer, prompt: Any, history: list[int], kept: tuple[PromptImage, ...],
+             images: tuple[bytes, ...]) -> tuple[list[int], tuple[PromptImage, ...]]:
+        """A session turn: ``history`` (a text session's ids, whose spans are ``kept``) and the new prompt's ids with
+        its ``images`` expanded after it. A chat turn passes the whole conversation, no history, every image."""
+        ids, spans = self.expand(self.tokenize(tokenizer, prompt, add_special_tokens=not history), images)
+        shifted = tuple(replace(span, start=span.start + len(history)) for span in spans)
+        return history + ids, kept + shifted
 
 
 def image_prompts_for(model: Any, config: EngineConfig) -> ImagePrompts | None:

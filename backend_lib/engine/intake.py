@@ -120,9 +120,6 @@ def take_in(rules: RequestRules, prompt: Any, sampling: Mapping[str, Any] | Samp
         check_ids("input_ids", prompt, rules.vocab_size)
     if session is not None:
         check_turn_fields(params)
-        if images:  # an earlier turn's image would have to be re-encoded on a preemption: not kept yet
-            raise RequestError("image", "images are not available on a session turn (sequence_id) yet; send the "
-                               "conversation as a request of its own")
     return request
 
 

@@ -204,7 +204,14 @@ class LLMEngine:
             prompt = (previous.messages if previous is not None else []) + list(prompt)
         elif previous is not None:
             history = sessions.history(sid)
-        prompt_ids = history + self.tokenize(prompt, add_special_tokens=not history)
+        images: tuple[PromptImage, ...] = ()
+        image_data = (previous.image_data if previous is not None and chat else ()) + request.images
+        if self.image_prompts is None:
+            prompt_ids = history + self.tokenize(prompt, add_special_tokens=not history)
+        else:  # the earlier turns' spans ride along: a recompute of the history needs them (engine/images.py)
+            kept = previous.images if previous is not None and not chat else ()
+            prompt_ids, images = self.image_prompts.turn(self.tokenizer, prompt, history, kept, image_data)
+            check_ids("input_ids", prompt_ids, self.vocab_size)
         check_context(len(prompt_ids), params, self.config.model.max_model_len, " (session history included)")
         if session.start:
             if sessions.get(sid) is not None:  # START again, no turn running (check_turn): a new conversation
@@ -216,9 +223,10 @@ class LLMEngine:
         # The constraint applies to this turn only: the next turn's params carry their own (or none).
         self._queue(request_id, prompt_ids, params, session=session, num_history_tokens=len(history),
                     text_turn=not chat, grammar=self._submit_grammar(params),  # a text turn: marked in flight
-                    priority=priority)
+                    priority=priority, images=images)
         if chat:
-            sessions.begin_turn(sid, request_id).messages = list(prompt)
+            turn = sessions.begin_turn(sid, request_id)
+            turn.messages, turn.image_data = list(prompt), image_data
 
     def _queue(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                session: SessionControl | None = None, num_history_tokens: int = 0, text_turn: bool = True,

@@ -121,3 +121,21 @@ def test_models_endpoint_knows_a_vision_checkpoint(vision_engine, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vision_config": {"patch_size": 14}}))  # a config, no tower
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"embed.weight": "a"}}))
     assert not checkpoint_takes_images(str(tmp_path)) and not checkpoint_takes_images(str(tmp_path / "none"))
+
+
+def test_a_chat_session_renders_its_earlier_images_again(vision_engine):
+    """A chat session's second turn renders the whole conversation: its first turn's image expands again, before
+    the new one; equal to one request of that conversation."""
+    from backend_lib.core.outputs import SessionControl
+    _, engine = vision_engine
+    one, two = _png(4), _png(5, (41, 29))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    ask = [{"role": "user", "content": f"see {IMAGE_PLACEHOLDER}"}]
+    engine.submit("c1", engine.take_in(ask, params, SessionControl("chat", start=True), images=[one]))
+    drive(engine)
+    answer = engine.scheduler.sessions.get("chat").messages[-1]
+    more = [{"role": "user", "content": f"and {IMAGE_PLACEHOLDER}"}]
+    engine.submit("c2", engine.take_in(more, params, SessionControl("chat", end=True), images=[two]))
+    turn2 = new_tokens(drive(engine))["c2"]
+    whole = _run(engine, "whole", engine.take_in(ask + [answer] + more, params, images=[one, two]))
+    assert answer["role"] == "assistant" and turn2 == whole

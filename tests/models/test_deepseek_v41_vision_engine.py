@@ -160,3 +160,22 @@ def test_two_ranks_keep_the_oracle_greedy_ids_with_an_image(setup):
         got = new_tokens(drive(llm.engine))["tp"]
         vision = llm.engine.model.image_encoder.args.__dict__
     assert got == _oracle(ref, vision, prompt, images)
+
+
+def test_a_two_turn_session_keeps_its_first_image(setup):
+    """Turn 1 with an image, its KV evicted, turn 2 with another: the history is recomputed with turn 1's span from
+    the embeddings the session kept; both turns give the oracle's ids."""
+    from backend_lib.core.outputs import SessionControl
+    _, engine, ref = setup
+    vision = engine.model.image_encoder.args.__dict__
+    img = ref.image_token_id
+    a, b = _image(70, 50, 9), _image(50, 70, 10)
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    first, second = tokens(4, 15) + [img] + tokens(3, 16), tokens(2, 17) + [img]
+    engine.add_request("t1", first, params, session=SessionControl("s", start=True), images=[a])
+    turn1 = new_tokens(drive(engine))["t1"]
+    assert engine.scheduler.sessions.evict_kv()  # the next turn recomputes the whole history
+    engine.add_request("t2", second, params, session=SessionControl("s", end=True), images=[b])
+    turn2 = new_tokens(drive(engine))["t2"]
+    assert turn1 == _oracle(ref, vision, first, [a])
+    assert turn2 == _oracle(ref, vision, first + turn1 + second, [a, b])
