@@ -1,4 +1,5 @@
-"""DeepSeek-V4.1 causal LM (``DeepseekV41ForCausalLM``, text only) over the hybrid KV cache.
+"""DeepSeek-V4.1 causal LM (``DeepseekV41ForCausalLM``) over the hybrid KV cache; a checkpoint with ``vision.*``
+also loads its vision encoder (``vision/``), whose image spans enter ``forward`` as ``embed_rows``.
 
 ``hybrid_cache_shapes`` (``backend_lib/core/hybrid_kv.py`` keeps the books):
 
