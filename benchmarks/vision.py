@@ -118,7 +118,8 @@ def main() -> None:
              f"- preprocessing one 120x90 PNG (decode, resize / pad, patches): {preprocess_s * 1e3:.2f} ms",
              f"- encoder, one image ({pre[0].n_vit_h}x{pre[0].n_vit_w} patches, {pre[0].num_tokens}-token span): "
              f"{encode * 1e3:.2f} ms", "",
-             "| images | prompt tokens | time to first token | text-only, same length | ratio |", "|---|---|---|---|---|"]
+             "| images | prompt tokens | time to first token | text-only, same length | ratio |",
+             "|---|---|---|---|---|"]
     lines += [f"| {c} | {n} | {w * 1e3:.1f} ms | {t * 1e3:.1f} ms | {w / t:.2f}x |" for c, n, w, t in rows]
     lines += ["", f"Release tower, one block (width 1024, 16 heads, intermediate 2816), median of {args.repeats}:", "",
               "| dtype | measured at | per layer | scaled to 93x96 patches (1,024-token span) | x 32 layers | "

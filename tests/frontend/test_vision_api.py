@@ -71,7 +71,8 @@ def test_openai_image_url_and_triton_image_equal_the_offline_engine(vision_engin
     one, two = _png(1), _png(2, (33, 70))
     url = "data:image/png;base64," + base64.b64encode(one).decode()
     chat = ChatCompletionRequest(model="deepinfer", max_tokens=6, temperature=0, messages=[
-        {"role": "user", "content": [{"type": "text", "text": "look: "}, {"type": "image_url", "image_url": {"url": url}},
+        {"role": "user", "content": [{"type": "text", "text": "look: "},
+                                     {"type": "image_url", "image_url": {"url": url}},
                                      {"type": "text", "text": " and say"}]}])
     [model_request] = translate.chat_requests(chat, None)
     assert len(model_request.images) == 1 and IMAGE_PLACEHOLDER in json.loads(model_request.prompt)[0]["content"]
