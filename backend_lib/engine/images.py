@@ -61,7 +61,6 @@ class ImagePrompts:
             previous = slot + 1
         return out + ids[previous:], tuple(spans)
 
-
     def turn(self, tokenizer: Tokenizer, prompt: Any, history: list[int], kept: tuple[PromptImage, ...],
              images: tuple[bytes, ...]) -> tuple[list[int], tuple[PromptImage, ...]]:
         """A session turn: ``history`` (a text session's ids, whose spans are ``kept``) and the new prompt's ids with
