@@ -140,3 +140,41 @@ def test_a_chat_session_renders_its_earlier_images_again(vision_engine):
     turn2 = new_tokens(drive(engine))["c2"]
     whole = _run(engine, "whole", engine.take_in(ask + [answer] + more, params, images=[one, two]))
     assert answer["role"] == "assistant" and turn2 == whole
+
+
+def test_remote_image_urls_are_fetched_only_when_allowed():
+    """--allow-remote-images: an http image part becomes the data URL of what the server sent (a local server)."""
+    import asyncio
+    import http.server
+    import threading
+
+    from backend_lib.frontend.openai.images import fetch_remote
+
+    png = _png(6)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_response(200 if self.path == "/cat.png" else 404)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            self.wfile.write(png if self.path == "/cat.png" else b"")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_port}"
+        chat = ChatCompletionRequest(model="deepinfer", messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": base + "/cat.png"}}]}])
+        asyncio.run(fetch_remote(chat.messages))
+        [model_request] = translate.chat_requests(chat, None)
+        assert [base64.b64decode(i) for i in model_request.images] == [png]
+        missing = ChatCompletionRequest(model="deepinfer", messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": base + "/none.png"}}]}])
+        with pytest.raises(OpenAIError, match="could not fetch") as err:
+            asyncio.run(fetch_remote(missing.messages))
+        assert err.value.param == "messages[0].content[0].image_url.url"
+    finally:
+        server.shutdown()

@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend_lib.frontend.openai import fan_out, tools, translate
 from backend_lib.frontend.openai.errors import OpenAIError, body_error
-from backend_lib.frontend.openai.images import checkpoint_takes_images
+from backend_lib.frontend.openai.images import checkpoint_takes_images, fetch_remote
 from backend_lib.frontend.openai.schema import (ChatCompletionChunk, ChatCompletionRequest, Completion,
                                                 CompletionRequest, ModelCard, ModelList)
 from backend_lib.frontend.openai.translate import ModelDelta, ModelRequest, Totals
@@ -47,6 +47,7 @@ class FrontSettings:
     # The tokenizer (chat template) of tools requests: a .gguf file or a Hugging Face directory; None = the model
     # path of the Triton model's config (its "model" parameter), read on the first tools request.
     tokenizer: str | None = None
+    allow_remote_images: bool = False  # chat image_url parts with http(s) URLs fetched (images.py), else refused
 
 
 def _sse(payload: BaseModel | dict) -> bytes:
@@ -288,6 +289,8 @@ def create_app(settings: FrontSettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         front.check_model(body.model)
+        if settings.allow_remote_images:
+            await fetch_remote(body.messages)
         renderer = await front.renderer() if tools.needs_renderer(body) else None
         choices = translate.chat_requests(body, translate.session_from_headers(request.headers), renderer)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

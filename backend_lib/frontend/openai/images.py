@@ -1,12 +1,18 @@
 """Images in the OpenAI chat API: ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``
 content parts become the model's image placeholder in the message text, in place, and the part's base64 payload
-one element of the Triton model's ``image`` input (engine/images.py expands and checks them). Only ``data:`` URLs:
-this front does not fetch remote images (``http(s)://`` is refused, naming the part); and whether the served model
-takes images at all, read from its checkpoint without loading it (``/v1/models``)."""
+one element of the Triton model's ``image`` input (engine/images.py expands and checks them). ``http(s)://`` URLs
+are refused, naming the part, unless the front was started with ``--allow-remote-images``: then ``fetch_remote``
+downloads them first (off the event loop; at most ``REMOTE_MAX_BYTES``, ``REMOTE_TIMEOUT_S``) and they go on as
+data URLs. And whether the served model takes images at all, read from its checkpoint without loading it
+(``/v1/models``)."""
 from __future__ import annotations
 
+import asyncio
+import base64
 import json
 import struct
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +20,41 @@ from backend_lib.frontend.openai.errors import bad_request
 from backend_lib.models.deepseek_v41.vision.placeholder import IMAGE_PLACEHOLDER
 
 _DATA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp")
+REMOTE_MAX_BYTES = 20 * 1024 * 1024  # the engine's default max_image_bytes
+REMOTE_TIMEOUT_S = 10.0
+
+
+def _download(url: str, param: str) -> str:
+    """A remote image as a data URL (its Content-Type kept; the engine decodes and checks the bytes)."""
+    try:
+        with urllib.request.urlopen(url, timeout=REMOTE_TIMEOUT_S) as response:
+            data = response.read(REMOTE_MAX_BYTES + 1)
+            mime = response.headers.get_content_type()
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise bad_request(f"{param}: could not fetch the image ({exc})", param=param) from exc
+    if len(data) > REMOTE_MAX_BYTES:
+        raise bad_request(f"{param}: the image is over {REMOTE_MAX_BYTES} bytes", param=param)
+    return f"data:{mime};base64," + base64.b64encode(data).decode("ascii")
+
+
+async def fetch_remote(messages: list[Any]) -> None:
+    """In place: every ``http(s)://`` image part of ``messages`` becomes the data URL of what it points at."""
+    for index, message in enumerate(messages):
+        if not isinstance(message.content, list):
+            continue
+        for k, part in enumerate(message.content):
+            if part.type == "image_url" and part.image_url is not None and \
+                    part.image_url.url.startswith(("http://", "https://")):
+                param = f"messages[{index}].content[{k}].image_url.url"
+                part.image_url.url = await asyncio.to_thread(_download, part.image_url.url, param)
 
 
 def data_url_payload(url: str, param: str) -> str:
     """The base64 text of a ``data:image/...;base64,`` URL."""
     if url.startswith(("http://", "https://")):
-        raise bad_request(f"{param}: remote image URLs are not fetched by this server; send the image inline as a "
-                          "data:image/png;base64,... URL", param=param)
+        raise bad_request(f"{param}: remote image URLs are not fetched by this server (start the OpenAI front with "
+                          "--allow-remote-images to allow it); send the image inline as a data:image/png;base64,... "
+                          "URL", param=param)
     head, comma, payload = url.partition(",")
     if not url.startswith("data:") or not comma or not head.endswith(";base64"):
         raise bad_request(f"{param}: an image URL must be data:image/png|jpeg|webp;base64,<data>", param=param)
