@@ -70,7 +70,9 @@ class DeepseekV41ForCausalLM(ServedModel):
         qat = self.qat_activations if qat is None else qat
         a = config.text
         self.config, self.args, self.dtype, self.par, self.qat = config, a, dtype, par, qat
-        self.image_encoder: V41VisionEncoder | None = None  # built by load_weights when the checkpoint has vision.*
+        # built by load_weights when the checkpoint has vision.*; kept off the module tree, so that moving the model
+        # to a device (Neuron) leaves the tower in host memory and only its output goes to the device
+        self._host_modules: dict[str, V41VisionEncoder] = {}
         block = (config.quantization.weight_block_size if config.quantization else (32, 32))
         # fp4 routed experts stay packed (two codes a byte, a ue8m0 scale per 32 inputs), dequantized per expert
         # when it runs; fp8 projections stay fp8, dequantized block-wise inside the linear
@@ -239,7 +241,7 @@ class DeepseekV41ForCausalLM(ServedModel):
         encoder = V41VisionEncoder(VisionArgs.from_dict(self.config.vision, self.args.hidden_size), self.dtype,
                                    self.config.image_token_id)
         encoder.load_weights(tensors)
-        self.image_encoder = encoder
+        self._host_modules["image_encoder"] = encoder
         _LOG.info("DeepSeek-V4.1: vision tower loaded (%d layers of width %d): images in, text out",
                   encoder.args.num_hidden_layers, encoder.args.hidden_size)
 
@@ -302,6 +304,10 @@ class DeepseekV41ForCausalLM(ServedModel):
             names |= {f"layers.{i}.ffn.experts.{e}.{w}.weight" for e in layer.ffn.held_experts()
                       for w in ("w1", "w2", "w3")}
         return names
+
+    @property
+    def image_encoder(self) -> V41VisionEncoder | None:
+        return self._host_modules.get("image_encoder")
 
     @property
     def arch(self) -> DeepseekV41TextArgs:
