@@ -420,6 +420,7 @@ class Scheduler:
             slot, request.state_slot = request.state_slot, None
             blocks = self.kv_cache.detach(request)
             session.token_ids = request.all_token_ids
+            session.images = request.images  # the history's image spans, with it
             self.sessions.store_kv(session, blocks, request.num_computed_tokens, slot)
         elif session.block_ids:  # aborted before admission: the session still has its previous state
             self.kv_cache.free(request)

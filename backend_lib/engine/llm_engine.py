@@ -27,10 +27,11 @@ from backend_lib.core.errors import RequestError
 from backend_lib.core.grammar import RequestGrammar
 from backend_lib.core.outputs import (EngineStats, PromptLogprobs, RequestMetrics, RequestOutput, RunnerOutput,
                                       SessionControl, TokenLogprob)
-from backend_lib.core.request import Request, RequestStatus, check_unused
+from backend_lib.core.request import PromptImage, Request, RequestStatus, check_unused
 from backend_lib.core.sampling_params import SEED_LIMIT, SamplingParams
 from backend_lib.core.scheduler import Scheduler
 from backend_lib.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from backend_lib.engine.images import image_prompts_for
 from backend_lib.engine.intake import (IntakeRequest, Prompt, RequestRules, check_context, check_ids,
                                        check_session_room, take_in)
 from backend_lib.engine.tokenizer import Tokenizer
@@ -78,6 +79,7 @@ class PreparedRequest:
     arrival_time: float = field(default_factory=time.monotonic)  # when it came in, not when a step took it
     priority: int = 0  # scheduling_policy "priority": lower runs earlier
     grammar: RequestGrammar | None = None  # structured output: its grammar, compiling since preparation
+    images: tuple[PromptImage, ...] = ()  # image spans, encoded (engine/images.py)
 
 
 class LLMEngine:
@@ -91,7 +93,9 @@ class LLMEngine:
         self.executor = Executor(config)
         self.model, self.runner = self.executor.model, self.executor.runner
         self.vocab_size = self.model.arch.vocab_size
-        self.rules = RequestRules(config.limits, self.vocab_size, config.model.max_model_len)
+        self.image_prompts = image_prompts_for(self.model, config)  # None: no images
+        self.rules = RequestRules(config.limits, self.vocab_size, config.model.max_model_len,
+                                  images=self.image_prompts is not None)
         num_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.model.max_model_len,
                                    num_lookahead_slots=self.runner.num_lookahead_slots,
@@ -108,10 +112,11 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def take_in(self, prompt: Prompt, params: SamplingParams | None = None, session: SessionControl | None = None,
-                priority: int | None = None) -> IntakeRequest:
+                priority: int | None = None, images: list[bytes] | None = None) -> IntakeRequest:
         """The intake (engine/intake.py) for callers in Python: a prompt and SamplingParams under this engine's
         rules; raises RequestError naming the field."""
-        return take_in(self.rules, prompt, params or SamplingParams(), session=session, priority=priority)
+        return take_in(self.rules, prompt, params or SamplingParams(), session=session, priority=priority,
+                       images=images)
 
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         """The ids of a prompt the intake checked; text and chat prompts' ids must fit the model's vocabulary too (a
@@ -132,10 +137,16 @@ class LLMEngine:
         runs: AsyncEngine does, so that a new request never waits for the step in flight."""
         assert request.rules == self.rules, "the request was taken in under another engine's rules"
         assert request.session is None, "a session turn is tokenized against its history (submit)"
-        prompt_ids = self.tokenize(request.prompt)
+        images: tuple[PromptImage, ...] = ()
+        if self.image_prompts is None:
+            prompt_ids = self.tokenize(request.prompt)
+        else:  # placeholders -> image spans, the images encoded here (off the step loop)
+            ids = self.image_prompts.tokenize(self.tokenizer, request.prompt)
+            prompt_ids, images = self.image_prompts.expand(ids, request.images)
+            check_ids("input_ids", prompt_ids, self.vocab_size)
         check_context(len(prompt_ids), request.params, self.config.model.max_model_len)
         return PreparedRequest(request_id, prompt_ids, request.params, priority=request.priority or 0,
-                               grammar=self._submit_grammar(request.params))
+                               grammar=self._submit_grammar(request.params), images=images)
 
     def add_prepared(self, prepared: PreparedRequest) -> None:
         """Queue a request from ``prepare_request``; raises RequestError (nothing queued) if its id is in use."""
@@ -146,7 +157,7 @@ class LLMEngine:
                 prepared.grammar.release()
             raise
         self._queue(prepared.request_id, prepared.prompt_ids, prepared.params, arrival_time=prepared.arrival_time,
-                    grammar=prepared.grammar, priority=prepared.priority)
+                    grammar=prepared.grammar, priority=prepared.priority, images=prepared.images)
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -168,10 +179,11 @@ class LLMEngine:
                               partial(GrammarMatcher, max_rollback_tokens=drafts))
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    session: SessionControl | None = None, priority: int | None = None) -> None:
+                    session: SessionControl | None = None, priority: int | None = None,
+                    images: list[bytes] | None = None) -> None:
         """Take in and queue a request; raises RequestError (nothing queued, no session opened) for bad input, a
-        session protocol error or max_sessions."""
-        self.submit(request_id, self.take_in(prompt, params, session, priority))
+        session protocol error or max_sessions. ``images``: encoded images, one per placeholder of the prompt."""
+        self.submit(request_id, self.take_in(prompt, params, session, priority, images))
 
     def submit(self, request_id: str, request: IntakeRequest) -> None:
         """Queue a request the intake took in; raises RequestError as add_request."""
@@ -192,7 +204,14 @@ class LLMEngine:
             prompt = (previous.messages if previous is not None else []) + list(prompt)
         elif previous is not None:
             history = sessions.history(sid)
-        prompt_ids = history + self.tokenize(prompt, add_special_tokens=not history)
+        images: tuple[PromptImage, ...] = ()
+        image_data = (previous.image_data if previous is not None and chat else ()) + request.images
+        if self.image_prompts is None:
+            prompt_ids = history + self.tokenize(prompt, add_special_tokens=not history)
+        else:  # the earlier turns' spans ride along: a recompute of the history needs them (engine/images.py)
+            kept = previous.images if previous is not None and not chat else ()
+            prompt_ids, images = self.image_prompts.turn(self.tokenizer, prompt, history, kept, image_data)
+            check_ids("input_ids", prompt_ids, self.vocab_size)
         check_context(len(prompt_ids), params, self.config.model.max_model_len, " (session history included)")
         if session.start:
             if sessions.get(sid) is not None:  # START again, no turn running (check_turn): a new conversation
@@ -204,19 +223,21 @@ class LLMEngine:
         # The constraint applies to this turn only: the next turn's params carry their own (or none).
         self._queue(request_id, prompt_ids, params, session=session, num_history_tokens=len(history),
                     text_turn=not chat, grammar=self._submit_grammar(params),  # a text turn: marked in flight
-                    priority=priority)
+                    priority=priority, images=images)
         if chat:
-            sessions.begin_turn(sid, request_id).messages = list(prompt)
+            turn = sessions.begin_turn(sid, request_id)
+            turn.messages, turn.image_data = list(prompt), image_data
 
     def _queue(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                session: SessionControl | None = None, num_history_tokens: int = 0, text_turn: bool = True,
-               arrival_time: float | None = None, grammar: RequestGrammar | None = None, priority: int = 0) -> None:
+               arrival_time: float | None = None, grammar: RequestGrammar | None = None, priority: int = 0,
+               images: tuple[PromptImage, ...] = ()) -> None:
         seed = params.seed if params.seed is not None else self._seeds.randrange(SEED_LIMIT)
         request = Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params, seed=seed,
                           arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                           eos_token_ids=self.tokenizer.eos_token_ids,
                           session_id=session.session_id if session is not None and text_turn else None,
-                          num_history_tokens=num_history_tokens, grammar=grammar, priority=priority)
+                          num_history_tokens=num_history_tokens, grammar=grammar, priority=priority, images=images)
         try:
             self.scheduler.add_request(request)  # first: a refusal there leaves no text state behind
         except Exception:  # released, then raised on

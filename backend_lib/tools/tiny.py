@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from backend_lib.tools.tiny_engram import add_engram
 from backend_lib.tools.tiny_dspark_v41 import add_dspark_v41, quantize_dspark_v41
-from backend_lib.tools.tiny_v41 import add_engram_v41, quantize_v41, v41_config, v41_tensors
+from backend_lib.tools.tiny_v41 import add_engram_v41, add_vision_v41, quantize_v41, v41_config, v41_tensors
 from kernels.quant import DEFAULT_BLOCK, quantize_block_fp8
 
 ARCHS = ("deepseek_v3", "deepseek_v4", "deepseek_v41", "llama")
@@ -280,10 +280,12 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
               scale_fmt: str = "float", num_shards: int = 2, initializer_range: float = 0.2,
               overrides: dict[str, Any] | None = None, fp4_experts: bool = False,
               engram_layers: Sequence[int] = (), engram: dict[str, Any] | None = None,
-              engram_fp8_table: bool = False, dspark: bool = False) -> Path:
+              engram_fp8_table: bool = False, dspark: bool = False, vision: bool = False,
+              vision_overrides: dict[str, Any] | None = None) -> Path:
     """Write a tiny random ``arch`` model to ``out_dir``; ``overrides`` replaces config fields. ``engram_layers``:
     Engram modules on those layers (``engram``: EngramConfig fields replacing the tiny defaults). ``dspark``
-    (deepseek_v41): the DSpark drafter ``mtp.{0,1,2}`` too (tools/tiny_dspark_v41.py)."""
+    (deepseek_v41): the DSpark drafter ``mtp.{0,1,2}`` too (tools/tiny_dspark_v41.py). ``vision`` (deepseek_v41): a
+    tiny vision tower, aligner and image delimiters (``vision_overrides``: vision_config fields)."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     if fp4_experts and arch not in ("deepseek_v4", "deepseek_v41"):
@@ -296,6 +298,8 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
         raise ValueError(f"dspark: the DSpark drafter is written for arch 'deepseek_v41' only, got {arch!r}")
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if (vision or vision_overrides) and arch != "deepseek_v41":
+        raise ValueError("vision: a vision tower is written for arch 'deepseek_v41' only")
     if engram_layers and arch == "llama":
         raise ValueError("engram_layers: Engram is defined for the DeepSeek archs only")
     import transformers
@@ -318,6 +322,8 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
         if dspark:
             add_dspark_v41(config, tensors, gen)
             v41_config(config["text_config"])  # the drafter's fields parse
+        if vision or vision_overrides:
+            add_vision_v41(config, tensors, gen, vision_overrides)
         if engram_layers:
             add_engram_v41(config, tensors, out / "tokenizer.json", list(engram_layers), gen, engram_fp8_table)
         if fp8 or fp4_experts:
@@ -376,10 +382,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dspark", action="store_true", help="deepseek_v41: also the DSpark drafter (mtp.{0,1,2})")
     parser.add_argument("--engram-layers", default="", help="DeepSeek archs: comma-separated layers with Engram")
+    parser.add_argument("--vision", action="store_true",
+                        help="deepseek_v41: a tiny vision tower + aligner (vision.*, aligner.*, image_*)")
     args = parser.parse_args(argv)
     engram_layers = [int(v) for v in args.engram_layers.split(",") if v.strip()]
     path = make_tiny(args.arch, args.out, fp8=args.fp8, mtp_layers=args.mtp_layers, seed=args.seed,
-                     scale_fmt=args.scale_fmt, fp4_experts=args.fp4_experts, engram_layers=engram_layers, dspark=args.dspark)
+                     scale_fmt=args.scale_fmt, fp4_experts=args.fp4_experts, engram_layers=engram_layers,
+                     dspark=args.dspark, vision=args.vision)
     print(f"wrote a tiny {args.arch} model to {path}")
     return 0
 

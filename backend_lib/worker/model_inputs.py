@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from backend_lib.models.interfaces import InputEmbeddingRows
 from backend_lib.worker.prompt_logprobs import PromptRows
 from kernels.attention_metadata import AttentionMetadata
 
@@ -20,3 +21,8 @@ class ModelInputs:
     sampling_chunks: list[int]  # chunk indices that sample, aligned with logits_indices
     row_starts: list[int]  # per chunk index: its first row in the flattened tokens
     prompt_rows: PromptRows | None = None  # rows that predict prompt tokens of prompt_logprobs requests
+    embed_rows: InputEmbeddingRows | None = None  # rows inside image spans, with their input embeddings
+
+    def forward_kwargs(self) -> dict:
+        """The model's optional inputs this step has (a model without images is never passed embed_rows)."""
+        return {} if self.embed_rows is None else {"embed_rows": self.embed_rows}

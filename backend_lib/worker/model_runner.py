@@ -40,6 +40,7 @@ from backend_lib.worker.compiled_sampler import build_regions
 from backend_lib.worker.context_share import share_step
 from backend_lib.worker.kv_sizing import is_hybrid
 from backend_lib.worker.grammar_bitmask import StepBitmask
+from backend_lib.worker.image_rows import image_rows
 from backend_lib.worker.model_inputs import ModelInputs
 from backend_lib.worker.prompt_logprobs import head_slices, prompt_rows
 from backend_lib.worker.prompt_logprobs import compute as compute_prompt_logprobs
@@ -232,6 +233,7 @@ class ModelRunner:
             sampling_chunks=sampling_chunks,
             row_starts=row_starts,
             prompt_rows=prompt_rows(chunks, row_starts),
+            embed_rows=image_rows(chunks, row_starts, self.device),
         )
 
     @torch.inference_mode()
@@ -241,7 +243,7 @@ class ModelRunner:
         the same forward, the head calls the driver makes, and MTP's passes (``next_verified``: the driver's
         verified tokens, which it sends after sampling)."""
         self._share(inputs)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, **inputs.forward_kwargs())
         if self.block_drafter is not None:
             self.block_drafter.write_context(inputs.positions, inputs.meta.slot_mapping)
         # Context ranks past the first: their tensor-parallel group does not compute the sampled logits (the first
@@ -278,7 +280,7 @@ class ModelRunner:
         if self.link is not None:
             self.link.send_step(inputs, mtp_host)
         self._share(inputs)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, **inputs.forward_kwargs())
         if self.block_drafter is not None:
             self.block_drafter.write_context(inputs.positions, inputs.meta.slot_mapping)
         if self.spec_method != "none" or any(c.draft_token_ids for c in chunks):

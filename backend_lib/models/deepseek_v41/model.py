@@ -1,4 +1,5 @@
-"""DeepSeek-V4.1 causal LM (``DeepseekV41ForCausalLM``, text only) over the hybrid KV cache.
+"""DeepSeek-V4.1 causal LM (``DeepseekV41ForCausalLM``) over the hybrid KV cache; a checkpoint with ``vision.*``
+also loads its vision encoder (``vision/``), whose image spans enter ``forward`` as ``embed_rows``.
 
 ``hybrid_cache_shapes`` (``backend_lib/core/hybrid_kv.py`` keeps the books):
 
@@ -30,10 +31,12 @@ from backend_lib.models.deepseek_v41.attention import V41Attention, V41Dims, V41
 from backend_lib.models.deepseek_v41.config import FULL, DeepseekV41Config, DeepseekV41TextArgs
 from backend_lib.models.deepseek_v41.engram import V41Engram, V41EngramHash
 from backend_lib.models.deepseek_v41.layers import V41DecoderLayer, V41MoE
+from backend_lib.models.deepseek_v41.vision.config import VisionArgs
+from backend_lib.models.deepseek_v41.vision.encoder import V41VisionEncoder, is_vision_tensor
 from backend_lib.models.deepseek_v4.attention import LayerCache, StepContext, V4Rope
 from backend_lib.models.deepseek_v4.layers import V4MoEDims
 from backend_lib.models.deepseek_v4.step_pages import chunk_groups, token_pages
-from backend_lib.models.interfaces import ModelCapabilities, ServedModel
+from backend_lib.models.interfaces import InputEmbeddingRows, ModelCapabilities, ServedModel
 from backend_lib.models.parallel import ParallelContext, Shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
 from kernels.compressed_attention import entry_rows_per_block
@@ -44,7 +47,7 @@ if TYPE_CHECKING:
 
 _LOG = logging.getLogger(__name__)
 _EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
-_IGNORED = re.compile(r"^(mtp\.|vision\.|aligner\.|image_(start|end|newline|pad)$)")
+_IGNORED = re.compile(r"^mtp\.")
 _QUANTIZED = (torch.float8_e4m3fn, torch.int8, torch.uint8)
 _KEEP_FP32 = re.compile(r"(hc_\w+|attn_sink|ffn\.gate\.\w+|norm\.weight)$")
 
@@ -56,7 +59,7 @@ def _whole(tensor: Any) -> torch.Tensor:
 
 class DeepseekV41ForCausalLM(ServedModel):
     capabilities = ModelCapabilities(hybrid_cache=True, engram=True, captures_hidden=True,
-                                     checkpoint_drafter=True)
+                                     checkpoint_drafter=True, images=True)
     # the quantization-aware activations are the model's math (on); exact fp32 comparisons turn them off, since
     # summation-order noise flips their roundings
     qat_activations = True
@@ -68,6 +71,9 @@ class DeepseekV41ForCausalLM(ServedModel):
         qat = self.qat_activations if qat is None else qat
         a = config.text
         self.config, self.args, self.dtype, self.par, self.qat = config, a, dtype, par, qat
+        # built by load_weights when the checkpoint has vision.*; kept off the module tree, so that moving the model
+        # to a device (Neuron) leaves the tower in host memory and only its output goes to the device
+        self._host_modules: dict[str, V41VisionEncoder] = {}
         block = (config.quantization.weight_block_size if config.quantization else (32, 32))
         # fp4 routed experts stay packed (two codes a byte, a ue8m0 scale per 32 inputs), dequantized per expert
         # when it runs; fp8 projections stay fp8, dequantized block-wise inside the linear
@@ -88,7 +94,8 @@ class DeepseekV41ForCausalLM(ServedModel):
         self.embed.weight = nn.Parameter(torch.zeros(vocab_local, a.hidden_size), requires_grad=False)
         self.layers = nn.ModuleList(
             V41DecoderLayer(V41Attention(dims, role, self.main_rope, self.compress_rope, par),
-                            V41MoE(moe, par, block, a.gate_temp, a.norm_topk_prob, packed_fp4=self.packed_fp4),
+                            V41MoE(moe, par, block, a.gate_temp, a.norm_topk_prob, packed_fp4=self.packed_fp4,
+                                   image_token_id=config.image_token_id),
                             a.hidden_size, a.rms_norm_eps,
                             self.hc)
             for role in a.roles)
@@ -109,7 +116,7 @@ class DeepseekV41ForCausalLM(ServedModel):
         if a.engram_layer_ids and engram_hash is None:
             raise ValueError("DeepSeek-V4.1 with Engram needs the checkpoint's tokenizer.json (its hash)")
         for k, (layer, rows) in enumerate(zip(a.engram_layer_ids, a.engram_num_embeddings)):
-            self.layers[layer].engram = V41Engram(a, rows, block)
+            self.layers[layer].engram = V41Engram(a, rows, block, config.image_token_id)
         self.to(dtype)
         for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
             if _KEEP_FP32.search(name) and tensor.is_floating_point():
@@ -122,7 +129,8 @@ class DeepseekV41ForCausalLM(ServedModel):
         parsed = DeepseekV41Config.from_hf_config(config)
         engram = None
         if parsed.text.engram_layer_ids:
-            engram = V41EngramHash.build(parsed.text, Path(getattr(options, "checkpoint_dir", "")) / "tokenizer.json")
+            engram = V41EngramHash.build(parsed.text, Path(getattr(options, "checkpoint_dir", "")) / "tokenizer.json",
+                                         parsed.image_token_id)
         return cls(parsed, dtype=dtype, par=par, engram_hash=engram)
 
     # ---- the model-runner contract -------------------------------------------------------------------
@@ -164,8 +172,12 @@ class DeepseekV41ForCausalLM(ServedModel):
     def forward(self, input_ids: torch.Tensor,  # [T] int64
                 positions: torch.Tensor,  # [T] int64
                 kv_caches: list,  # hybrid_cache_shapes' tensors, paged then fixed
-                meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden] final-normed hidden states
+                meta: AttentionMetadata,
+                embed_rows: InputEmbeddingRows | None = None,  # image spans' rows: they enter before the hc expansion
+                ) -> torch.Tensor:  # [T, hidden] final-normed hidden states
         h = vocab_parallel_embedding(input_ids, self.embed.weight, self.vocab_start, self.par)
+        if embed_rows is not None:
+            h = h.index_copy(0, embed_rows.rows, embed_rows.embeddings.to(h.dtype))
         step = V41Step(self.step_context(positions, meta, h.dtype), self.qat)
         streams = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
         pre = torch.zeros(h.shape[0], self.args.hc_mult, device=h.device)
@@ -192,14 +204,19 @@ class DeepseekV41ForCausalLM(ServedModel):
     # ---- weights -------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Release-layout tensors (``layers.N.attn.wq_a.weight``; transformers main's ``model.`` and ``lm_head``
-        accepted). ``mtp.*``, ``vision.*``, ``aligner.*`` and the image embeddings are skipped (logged)."""
+        accepted). ``mtp.*`` is skipped (logged); ``vision.*``, ``aligner.*`` and ``image_*`` go to the vision encoder,
+        built only when the checkpoint has them (vision/encoder.py)."""
         shards = {f"{prefix}.{key}" if prefix else key: shard for prefix, module in self.named_modules()
                   for key, shard in getattr(module, "shards", {}).items()}
         loaded: set[str] = set()
         skipped = 0
         pending: dict[str, dict[str, Any]] = {}  # quantized module -> {"weight", "scale"} until both arrived
+        vision: list[tuple[str, Any]] = []
         for raw_name, tensor in weights:
             name = raw_name.removeprefix("model.").replace("lm_head.", "head.")
+            if is_vision_tensor(name):
+                vision.append((name, tensor))
+                continue
             if _IGNORED.match(name):
                 skipped += 1
                 continue
@@ -221,11 +238,23 @@ class DeepseekV41ForCausalLM(ServedModel):
         if pending:
             raise ValueError(f"quantized weights without their scale (or scales without weights): {sorted(pending)}")
         if skipped:
-            _LOG.info("DeepSeek-V4.1: %d tensors of mtp.* (DSpark) / vision.* / aligner.* / image_* skipped: only "
-                      "the text model is served", skipped)
+            _LOG.info("DeepSeek-V4.1: %d tensors of mtp.* (DSpark) skipped", skipped)
         missing = sorted(self._expected_names() - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        if vision:
+            self._load_vision(vision)
+
+    def _load_vision(self, tensors: list[tuple[str, Any]]) -> None:
+        if self.config.vision is None:
+            raise ValueError("checkpoint has vision.* tensors but config.json has no vision_config")
+        # replicated on every rank (tensor parallelism splits only the text model); only the driver runs it
+        encoder = V41VisionEncoder(VisionArgs.from_dict(self.config.vision, self.args.hidden_size), self.dtype,
+                                   self.config.image_token_id)
+        encoder.load_weights(tensors)
+        self._host_modules["image_encoder"] = encoder
+        _LOG.info("DeepSeek-V4.1: vision tower loaded (%d layers of width %d): images in, text out",
+                  encoder.args.num_hidden_layers, encoder.args.hidden_size)
 
     def _set_expert(self, expert: re.Match, weight: Any, scale: Any) -> None:
         moe = self.layers[int(expert.group(1))].ffn
@@ -286,6 +315,10 @@ class DeepseekV41ForCausalLM(ServedModel):
             names |= {f"layers.{i}.ffn.experts.{e}.{w}.weight" for e in layer.ffn.held_experts()
                       for w in ("w1", "w2", "w3")}
         return names
+
+    @property
+    def image_encoder(self) -> V41VisionEncoder | None:
+        return self._host_modules.get("image_encoder")
 
     @property
     def arch(self) -> DeepseekV41TextArgs:
