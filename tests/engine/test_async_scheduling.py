@@ -1,0 +1,152 @@
+"""Zero-overhead scheduling (async_scheduling): the same streams as without it, token for token, through stop tokens,
+stop strings, length limits, penalties and logprobs, grammars, preemption, cancels mid-stream, session turns and the
+server loop (AsyncEngine); speculation (n-gram, MTP) steps in turn with the same tokens; no block leaks."""
+from __future__ import annotations
+
+import pytest
+
+from backend_lib.core.async_scheduler import AsyncScheduler
+from backend_lib.core.config import EngineConfig
+from backend_lib.core.outputs import SessionControl
+from backend_lib.core.sampling_params import SamplingParams
+from backend_lib.engine.async_engine import AsyncEngine
+from backend_lib.structured_output.constraints import parse_constraint
+from backend_lib.tools.tiny import make_tiny
+from tests.helpers.engines import drive, final_outputs, full_texts, make_engine, new_tokens
+
+# A pool small enough that the mixed workload preempts.
+ENGINE = {"max_model_len": 256, "num_blocks": 40, "block_size": 4, "max_num_batched_tokens": 32, "max_num_seqs": 12}
+SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                           "ok": {"type": "boolean"}},
+          "required": ["id", "ok"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny("llama", tmp_path_factory.mktemp("async_llama"))
+
+
+@pytest.fixture(scope="module")
+def pair(tiny):
+    """(off, on): the same engine without and with async_scheduling."""
+    off, on = make_engine(tiny, ENGINE), make_engine(tiny, ENGINE, async_scheduling=True)
+    assert isinstance(on.scheduler, AsyncScheduler) and not isinstance(off.scheduler, AsyncScheduler)
+    yield off, on
+    off.close()
+    on.close()
+
+
+def _clean(engine) -> None:
+    engine.scheduler.check_integrity()
+    assert engine.stats().kv_blocks_used == 0 and not engine.has_unfinished_requests()
+
+
+def _summary(outputs) -> dict[str, tuple]:
+    """Per request: its streamed ids, text, finish and stop reasons, and logprobs."""
+    finals, texts, ids = final_outputs(outputs), full_texts(outputs), new_tokens(outputs)
+    logprobs = {rid: [(lp.token_id, round(lp.logprob, 4)) for out in outs for lp in out.new_logprobs or []]
+                for rid, outs in outputs.items()}
+    return {rid: (ids[rid], texts[rid], finals[rid].finish_reason, finals[rid].stop_reason, logprobs[rid])
+            for rid in outputs}
+
+
+def _workload() -> dict[str, tuple[list[int], SamplingParams]]:
+    json_schema = parse_constraint({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}})
+    regex = parse_constraint({"guided_regex": r"[a-z]{2,6}-[0-9]{1,3}"})
+    requests = {}
+    for i in range(16):
+        kind = i % 8
+        params = SamplingParams(max_tokens=6 + 3 * i, temperature=0.0 if i % 3 else 1.0, seed=i, ignore_eos=True)
+        if kind == 1:
+            params = params.clone(stop=["e", "or"])
+        elif kind == 2:
+            params = params.clone(stop=["a"], include_stop_str_in_output=True)
+        elif kind == 3:
+            params = params.clone(ignore_eos=False, stop_token_ids=list(range(40, 100)))
+        elif kind == 4:
+            params = params.clone(repetition_penalty=1.3, frequency_penalty=0.5, logprobs=2)
+        elif kind == 5:
+            params = params.clone(structured_outputs=json_schema, max_tokens=60, ignore_eos=False)
+        elif kind == 6:
+            params = params.clone(structured_outputs=regex, max_tokens=30, ignore_eos=False)
+        requests[f"r{i}"] = ([5 + i, 9, 17, 30 + i] * (1 + i % 4), params)
+    return requests
+
+
+def test_mixed_workload_gives_the_same_streams(pair):
+    off, on = pair
+    preemptions = on.stats().num_preemptions
+    expected, got = _summary(drive(off, _workload())), _summary(drive(on, _workload()))
+    assert got == expected
+    reasons = {s[2] for s in got.values()}
+    assert {"stop", "length"} <= reasons and any(isinstance(s[3], str) for s in got.values())  # a stop string hit
+    assert on.stats().num_preemptions > preemptions
+    _clean(off)
+    _clean(on)
+
+
+def test_cancel_mid_stream_streams_nothing_after_it(pair):
+    off, on = pair
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    streams = {}
+    for engine in pair:
+        outputs: dict[str, list] = {}
+        requests = {f"c{i}": ([7, 8 + i, 9], params) for i in range(4)}
+
+        def cancel(out, engine=engine, outputs=outputs):
+            outputs.setdefault(out.request_id, []).append(out)
+            if out.request_id in ("c1", "c2") and len(outputs[out.request_id]) == 3 + int(out.request_id[1]):
+                final = engine.abort(out.request_id)
+                assert final.finish_reason == "abort" and not final.new_token_ids
+        drive(engine, requests, on_output=cancel)
+        streams[engine is on] = {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in outputs.items()}
+        _clean(engine)
+    assert streams[True] == streams[False]
+    assert len(streams[True]["c1"]) == 4 and len(streams[True]["c0"]) == 40
+
+
+def test_session_turns_give_the_same_tokens(pair):
+    turns = [([5, 6, 7], SessionControl("s", start=True)), ([8, 9], SessionControl("s")),
+             ([10, 11, 12], SessionControl("s", end=True))]
+    got = {}
+    for engine in pair:
+        ids, cached = [], []
+        for n, (prompt, control) in enumerate(turns):
+            engine.add_request(f"t{n}", prompt, SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),
+                               session=control)
+            final = final_outputs(outputs := drive(engine))[f"t{n}"]
+            ids.append(new_tokens(outputs)[f"t{n}"])
+            cached.append(final.num_cached_tokens)
+        got[engine is pair[1]] = (ids, cached)
+        _clean(engine)
+    assert got[True] == got[False] and got[True][1][1] > 0  # the second turn reused the session's KV
+
+
+def test_the_server_loop_gives_the_same_tokens(tiny):
+    params = [SamplingParams(max_tokens=12, temperature=t, seed=s, ignore_eos=True)
+              for t, s in [(0.0, 0), (1.0, 1), (0.8, 2)]]
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12]]
+
+    results = []
+    for flag in (False, True):
+        engine = AsyncEngine(EngineConfig.from_flat({"model": str(tiny), **ENGINE, "async_scheduling": flag}))
+        try:
+            streams = [engine.add_request(f"a{i}", prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params))]
+            results.append([[t for out in stream for t in out.new_token_ids] for stream in streams])
+        finally:
+            engine.shutdown()
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3}])
+def test_speculation_steps_in_turn_with_the_same_tokens(pair, tiny, spec):
+    """A proposer's acceptance decides where the next step starts: these engines do not overlap steps."""
+    off = pair[0]
+    requests = {f"n{i}": ([5, 6, 7, 8] * 4, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+                for i in range(3)}
+    engine = make_engine(tiny, ENGINE, async_scheduling=True, **spec)
+    assert not isinstance(engine.scheduler, AsyncScheduler)
+    assert new_tokens(drive(engine, dict(requests))) == new_tokens(drive(off, dict(requests)))
+    assert engine.stats().spec_draft_tokens > 0
+    _clean(engine)
+    engine.close()
