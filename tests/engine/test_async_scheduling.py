@@ -3,6 +3,8 @@ stop strings, length limits, penalties and logprobs, grammars, preemption, cance
 server loop (AsyncEngine); speculation (n-gram, MTP) steps in turn with the same tokens; no block leaks."""
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 
 from backend_lib.core.async_scheduler import AsyncScheduler
@@ -10,6 +12,7 @@ from backend_lib.core.config import EngineConfig
 from backend_lib.core.outputs import SessionControl
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.async_engine import AsyncEngine
+from backend_lib.engine.faults import FaultConfig
 from backend_lib.structured_output.constraints import parse_constraint
 from backend_lib.tools.tiny import make_tiny
 from tests.helpers.engines import drive, final_outputs, full_texts, make_engine, new_tokens
@@ -150,3 +153,27 @@ def test_speculation_steps_in_turn_with_the_same_tokens(pair, tiny, spec):
     assert engine.stats().spec_draft_tokens > 0
     _clean(engine)
     engine.close()
+
+
+def test_a_failed_step_with_the_next_in_flight_ends_its_requests_and_the_engine_goes_on(tiny):
+    """Step 3 raises on the device thread while step 4 is already submitted behind it: both are dropped, every
+    request ends with the error, no block leaks, and the next request runs as on a fresh engine."""
+    engine = make_engine(tiny, ENGINE, async_scheduling=True,
+                         engine_type=partial(AsyncEngine, faults=FaultConfig(step=3, kind="transient")))
+    try:
+        streams = [engine.add_request(f"f{i}", [3 + i, 5, 7], SamplingParams(max_tokens=30, ignore_eos=True))
+                   for i in range(3)]
+        for stream in streams:
+            last = list(stream)[-1]
+            assert last.finish_reason == "error" and "fault injected at engine step 3" in last.error
+        assert engine.failure is None and engine.stats().kv_blocks_used == 0
+        after = list(engine.add_request("g", [3, 5, 7], SamplingParams(max_tokens=5, temperature=0.0,
+                                                                       ignore_eos=True)))
+        assert after[-1].finish_reason == "length"
+        plain = make_engine(tiny, ENGINE)
+        expected = new_tokens(drive(plain, {"g": ([3, 5, 7], SamplingParams(max_tokens=5, temperature=0.0,
+                                                                            ignore_eos=True))}))["g"]
+        plain.close()
+        assert [t for out in after for t in out.new_token_ids] == expected
+    finally:
+        engine.shutdown()
