@@ -96,11 +96,15 @@ class LLMEngine:
         self.rules = RequestRules(config.limits, self.vocab_size, config.model.max_model_len)
         num_blocks = self.executor.num_blocks
         # Zero-overhead scheduling (engine/overlap.py) for steps without drafts: with a proposer every step may
-        # verify drafts, whose acceptance decides where the next step starts, so those engines step in turn.
-        overlap = config.scheduler.async_scheduling and self.runner.spec_method == "none"
+        # verify drafts, whose acceptance decides where the next step starts. A hybrid cache's fixed state
+        # (DeepSeek-V4) would take the step after a request's end in place (a session keeps that state). Those
+        # engines step in turn.
+        why_not = (f"spec method {self.runner.spec_method!r} verifies drafts every step"
+                   if self.runner.spec_method != "none" else
+                   "the hybrid cache's fixed state advances in place" if self.executor.num_state_slots else None)
+        overlap = config.scheduler.async_scheduling and why_not is None
         if config.scheduler.async_scheduling and not overlap:
-            log.info("async_scheduling: spec method %r verifies drafts every step; steps run one after the other",
-                     self.runner.spec_method)
+            log.info("async_scheduling: %s; steps run one after the other", why_not)
         self.scheduler = (AsyncScheduler if overlap else Scheduler)(
             config.scheduler, config.cache, num_blocks, config.model.max_model_len,
             num_lookahead_slots=self.runner.num_lookahead_slots, num_state_slots=self.executor.num_state_slots)

@@ -177,3 +177,21 @@ def test_a_failed_step_with_the_next_in_flight_ends_its_requests_and_the_engine_
         assert [t for out in after for t in out.new_token_ids] == expected
     finally:
         engine.shutdown()
+
+
+@pytest.mark.slow
+def test_mtp_steps_in_turn_with_the_same_tokens(tmp_path):
+    """Tiny DeepSeek-V3 (MLA, MoE) with MTP drafts under async_scheduling (steps in turn) against the same model
+    overlapping its plain steps: greedy ids equal."""
+    path = make_tiny("deepseek_v3", tmp_path / "v3", seed=7, mtp_layers=1)
+    requests = {f"m{i}": ([5 + i, 6, 7, 8], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+                for i in range(3)}
+    got = []
+    for spec in ({"method": "mtp", "num_speculative_tokens": 2}, {}):
+        engine = make_engine(path, ENGINE, async_scheduling=True, **spec)
+        assert isinstance(engine.scheduler, AsyncScheduler) == (not spec)
+        got.append(new_tokens(drive(engine, dict(requests))))
+        assert (engine.stats().spec_draft_tokens > 0) == bool(spec)
+        _clean(engine)
+        engine.close()
+    assert got[0] == got[1]
