@@ -18,7 +18,7 @@ from backend_lib.tools.tiny import make_tiny
 from tests.helpers.engines import drive, final_outputs, full_texts, make_engine, new_tokens
 
 # A pool small enough that the mixed workload preempts.
-ENGINE = {"max_model_len": 256, "num_blocks": 40, "block_size": 4, "max_num_batched_tokens": 32, "max_num_seqs": 12}
+ENGINE = {"max_model_len": 256, "num_blocks": 30, "block_size": 4, "max_num_batched_tokens": 32, "max_num_seqs": 12}
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
                                            "ok": {"type": "boolean"}},
           "required": ["id", "ok"], "additionalProperties": False}
@@ -57,9 +57,9 @@ def _workload() -> dict[str, tuple[list[int], SamplingParams]]:
     json_schema = parse_constraint({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}})
     regex = parse_constraint({"guided_regex": r"[a-z]{2,6}-[0-9]{1,3}"})
     requests = {}
-    for i in range(16):
-        kind = i % 8
-        params = SamplingParams(max_tokens=6 + 3 * i, temperature=0.0 if i % 3 else 1.0, seed=i, ignore_eos=True)
+    for i in range(12):
+        kind = i % 7
+        params = SamplingParams(max_tokens=6 + 2 * i, temperature=0.0 if i % 3 else 1.0, seed=i, ignore_eos=True)
         if kind == 1:
             params = params.clone(stop=["e", "or"])
         elif kind == 2:
@@ -71,7 +71,7 @@ def _workload() -> dict[str, tuple[list[int], SamplingParams]]:
         elif kind == 5:
             params = params.clone(structured_outputs=json_schema, max_tokens=60, ignore_eos=False)
         elif kind == 6:
-            params = params.clone(structured_outputs=regex, max_tokens=30, ignore_eos=False)
+            params = params.clone(structured_outputs=regex, max_tokens=20, ignore_eos=False)
         requests[f"r{i}"] = ([5 + i, 9, 17, 30 + i] * (1 + i % 4), params)
     return requests
 
@@ -195,3 +195,19 @@ def test_mtp_steps_in_turn_with_the_same_tokens(tmp_path):
         _clean(engine)
         engine.close()
     assert got[0] == got[1]
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_give_one_ranks_tokens(pair, tiny):
+    """The placeholder rows are filled on the driver before the step goes to the worker rank (its forward pairs up
+    with the driver's, from the device thread), and prompt logprobs' head calls still pair up."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    requests = {f"p{i}": ([5 + i, 6, 7, 8 + i], params) for i in range(3)}
+    engine = make_engine(tiny, ENGINE, async_scheduling=True, tensor_parallel_size=2)
+    try:
+        assert isinstance(engine.scheduler, AsyncScheduler)
+        got = new_tokens(drive(engine, dict(requests)))
+        _clean(engine)
+    finally:
+        engine.close()
+    assert got == new_tokens(drive(pair[0], dict(requests)))
