@@ -301,8 +301,9 @@ class LLMEngine:
             self.scheduler.schedule_ahead(None if previous is None else previous.scheduler_output))
         current = None
         if not scheduler_output.is_empty:
-            inputs = self.runner.prepare(scheduler_output)
-            rows = continued_rows(scheduler_output, inputs, previous, self.device)
+            with torch.inference_mode():  # the tensors the runner would make in its step (compiled regions' guards)
+                inputs = self.runner.prepare(scheduler_output)
+                rows = continued_rows(scheduler_output, inputs, previous, self.device)
             current = device.submit(self.executor.execute, scheduler_output, inputs, rows)
         device.in_flight = current
         if previous is None:
@@ -325,7 +326,9 @@ class LLMEngine:
         if step is None:
             return
         try:
-            step.sampling.set_result(self.runner.sampling_metadata(step.scheduler_output.chunks, step.inputs))
+            with torch.inference_mode():
+                metadata = self.runner.sampling_metadata(step.scheduler_output.chunks, step.inputs)
+            step.sampling.set_result(metadata)
         except BaseException as exc:
             step.sampling.set_exception(exc)
             raise
