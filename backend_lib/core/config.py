@@ -123,7 +123,8 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
     priority_aging_s: float = 10.0
     # Zero-overhead scheduling (engine/overlap.py): step t+1 is scheduled and its inputs prepared while step t's
-    # forward runs; off by default, as measured on the 2-core host (benchmarks/results/async_scheduling.md).
+    # forward runs; off by default: on the 2-core host the overlap alone was within noise
+    # (benchmarks/results/async_scheduling.md).
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:
