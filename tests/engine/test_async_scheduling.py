@@ -3,12 +3,16 @@ stop strings, length limits, penalties and logprobs, grammars, preemption, cance
 server loop (AsyncEngine); speculation (n-gram, MTP) steps in turn with the same tokens; no block leaks."""
 from __future__ import annotations
 
+import random
 from functools import partial
 
 import pytest
 
 from backend_lib.core.async_scheduler import AsyncScheduler
-from backend_lib.core.config import EngineConfig
+from backend_lib.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from backend_lib.core.outputs import RunnerOutput
+from backend_lib.core.request import Request
+from backend_lib.core.scheduler import Scheduler
 from backend_lib.core.outputs import SessionControl
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.async_engine import AsyncEngine
@@ -16,6 +20,7 @@ from backend_lib.engine.faults import FaultConfig
 from backend_lib.structured_output.constraints import parse_constraint
 from backend_lib.tools.tiny import make_tiny
 from tests.helpers.engines import drive, final_outputs, full_texts, make_engine, new_tokens
+from tests.helpers.scheduler_model import EOS, VOCAB, FakeModel, next_token, req
 
 # A pool small enough that the mixed workload preempts.
 ENGINE = {"max_model_len": 256, "num_blocks": 30, "block_size": 4, "max_num_batched_tokens": 32, "max_num_seqs": 12}
@@ -211,3 +216,60 @@ def test_two_tensor_parallel_ranks_give_one_ranks_tokens(pair, tiny):
     finally:
         engine.close()
     assert got == new_tokens(drive(pair[0], dict(requests)))
+
+
+def _eos_sometimes(seq: list[int]) -> int:
+    token = next_token(seq)
+    return EOS if token % 11 == 0 else token
+
+
+def test_scheduling_ahead_gives_the_sequential_schedulers_tokens():
+    """The scheduler alone (FakeModel reads every token back from its KV slot, so a block given away while a step
+    still writes it, or a placeholder left in a sequence, shows up as a wrong token): random prompts, EOS found only
+    when sampled, length limits, aborts between steps and a pool small enough to preempt projected requests."""
+    rng = random.Random(3)
+    requests = [([rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 14))], rng.randint(1, 12),
+                 rng.random() < 0.5) for _ in range(40)]
+    aborts = {rng.randrange(40): rng.randint(1, 6) for _ in range(6)}  # request -> after how many of its tokens
+
+    def run(ahead: bool) -> dict[str, Request]:
+        config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24)
+        cache = CacheConfig(block_size=4, num_blocks=14, enable_prefix_caching=True)
+        scheduler = (AsyncScheduler if ahead else Scheduler)(config, cache, 14, 64)
+        model = FakeModel(4, _eos_sometimes)
+        live = {}
+        for i, (prompt, max_tokens, eos) in enumerate(requests):
+            live[str(i)] = req(str(i), prompt, max_tokens=max_tokens, ignore_eos=not eos)
+            scheduler.add_request(live[str(i)])
+        in_flight = None
+        for _ in range(5000):
+            if not scheduler.has_unfinished_requests() and in_flight is None:
+                break
+            # The device runs the step in flight (its KV written before the next step's) while the next is
+            # scheduled; then the step in flight is committed.
+            result = model.execute(in_flight) if ahead and in_flight is not None else None
+            out = scheduler.schedule_ahead(in_flight) if ahead else scheduler.schedule()
+            if result is not None:
+                scheduler.update_from_output(in_flight, result)
+            if not ahead:
+                scheduler.update_from_output(out, model.execute(out))
+            in_flight = out if ahead and out.chunks else None
+            if ahead and in_flight is None:
+                scheduler.update_from_output(out, RunnerOutput([]))
+            for rid, after in aborts.items():  # between calls: no projection is live
+                if live[str(rid)].num_output_tokens >= after and not live[str(rid)].is_finished:
+                    scheduler.abort_request(str(rid))
+            scheduler.check_integrity()
+        assert not scheduler.has_unfinished_requests() and scheduler.kv_cache.num_used_blocks == 0
+        assert scheduler.num_preemptions > 0
+        return live
+
+    sequential, ahead = run(False), run(True)
+    finished = [rid for rid, r in sequential.items() if int(rid) not in aborts]
+    assert any(sequential[rid].stop_reason == EOS for rid in finished)
+    for rid in finished:
+        assert (ahead[rid].output_token_ids, ahead[rid].status) == (sequential[rid].output_token_ids,
+                                                                    sequential[rid].status), rid
+    for rid in map(str, aborts):  # an abort lands after a step or two more on one side: the same tokens so far
+        shorter, longer = sorted((ahead[rid].output_token_ids, sequential[rid].output_token_ids), key=len)
+        assert longer[:len(shorter)] == shorter
