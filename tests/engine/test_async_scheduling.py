@@ -1,6 +1,8 @@
 """Zero-overhead scheduling (async_scheduling): the same streams as without it, token for token, through stop tokens,
 stop strings, length limits, penalties and logprobs, grammars, preemption, cancels mid-stream, session turns and the
-server loop (AsyncEngine); speculation (n-gram, MTP) steps in turn with the same tokens; no block leaks."""
+server loop (AsyncEngine), a failed step with the next in flight, two tensor-parallel ranks; speculation (n-gram,
+MTP) steps in turn with the same tokens; the scheduler alone scheduling ahead gives the sequential one's tokens; no
+block leaks."""
 from __future__ import annotations
 
 import random
@@ -184,7 +186,6 @@ def test_a_failed_step_with_the_next_in_flight_ends_its_requests_and_the_engine_
         engine.shutdown()
 
 
-@pytest.mark.slow
 def test_mtp_steps_in_turn_with_the_same_tokens(tmp_path):
     """Tiny DeepSeek-V3 (MLA, MoE) with MTP drafts under async_scheduling (steps in turn) against the same model
     overlapping its plain steps: greedy ids equal."""
