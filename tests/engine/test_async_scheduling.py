@@ -186,6 +186,7 @@ def test_a_failed_step_with_the_next_in_flight_ends_its_requests_and_the_engine_
         engine.shutdown()
 
 
+@pytest.mark.slow
 def test_mtp_steps_in_turn_with_the_same_tokens(tmp_path):
     """Tiny DeepSeek-V3 (MLA, MoE) with MTP drafts under async_scheduling (steps in turn) against the same model
     overlapping its plain steps: greedy ids equal."""
