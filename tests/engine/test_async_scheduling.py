@@ -19,6 +19,7 @@ from backend_lib.core.outputs import SessionControl
 from backend_lib.core.sampling_params import SamplingParams
 from backend_lib.engine.async_engine import AsyncEngine
 from backend_lib.engine.faults import FaultConfig
+from backend_lib.frontend.triton.parameters import engine_config_from_parameters
 from backend_lib.structured_output.constraints import parse_constraint
 from backend_lib.tools.tiny import make_tiny
 from tests.helpers.engines import drive, final_outputs, full_texts, make_engine, new_tokens
@@ -275,3 +276,9 @@ def test_scheduling_ahead_gives_the_sequential_schedulers_tokens():
     for rid in map(str, aborts):  # an abort lands after a step or two more on one side: the same tokens so far
         shorter, longer = sorted((ahead[rid].output_token_ids, sequential[rid].output_token_ids), key=len)
         assert longer[:len(shorter)] == shorter
+
+
+def test_the_setting_arrives_from_config_pbtxt_parameters():
+    assert engine_config_from_parameters({"async_scheduling": "true"}).scheduler.async_scheduling
+    assert not engine_config_from_parameters({"async_scheduling": ""}).scheduler.async_scheduling
+    assert not EngineConfig().scheduler.async_scheduling  # off by default (benchmarks/results/async_scheduling.md)
