@@ -122,6 +122,10 @@ class SchedulerConfig:
     # (core/priority.py), each request's value lowered by one per priority_aging_s seconds since it arrived.
     scheduling_policy: str = "fcfs"
     priority_aging_s: float = 10.0
+    # Zero-overhead scheduling (engine/overlap.py): step t+1 is scheduled and its inputs prepared while step t's
+    # forward runs; off by default: on the 2-core host the overlap alone was within noise
+    # (benchmarks/results/async_scheduling.md).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _require(1 <= self.max_num_seqs <= 1024, f"max_num_seqs must be in [1, 1024], got {self.max_num_seqs}")

@@ -26,12 +26,14 @@ from backend_lib.core.config import EngineConfig
 from backend_lib.core.errors import RequestError
 from backend_lib.core.grammar import RequestGrammar
 from backend_lib.core.outputs import (EngineStats, PromptLogprobs, RequestMetrics, RequestOutput, RunnerOutput,
-                                      SessionControl, TokenLogprob)
+                                      SchedulerOutput, SessionControl, TokenLogprob)
 from backend_lib.core.request import PromptImage, Request, RequestStatus, check_unused
 from backend_lib.core.sampling_params import SEED_LIMIT, SamplingParams
+from backend_lib.core.async_scheduler import AsyncScheduler
 from backend_lib.core.scheduler import Scheduler
 from backend_lib.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from backend_lib.engine.images import image_prompts_for
+from backend_lib.engine.overlap import DeviceThread, InFlight, continued_rows
 from backend_lib.engine.intake import (IntakeRequest, Prompt, RequestRules, check_context, check_ids,
                                        check_session_room, take_in)
 from backend_lib.engine.tokenizer import Tokenizer
@@ -97,9 +99,20 @@ class LLMEngine:
         self.rules = RequestRules(config.limits, self.vocab_size, config.model.max_model_len,
                                   images=self.image_prompts is not None)
         num_blocks = self.executor.num_blocks
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.model.max_model_len,
-                                   num_lookahead_slots=self.runner.num_lookahead_slots,
-                                   num_state_slots=self.executor.num_state_slots)
+        # Zero-overhead scheduling (engine/overlap.py) for steps without drafts: with a proposer every step may
+        # verify drafts, whose acceptance decides where the next step starts. A hybrid cache's fixed state
+        # (DeepSeek-V4) would take the step after a request's end in place (a session keeps that state). Those
+        # engines step in turn.
+        why_not = (f"spec method {self.runner.spec_method!r} verifies drafts every step"
+                   if self.runner.spec_method != "none" else
+                   "the hybrid cache's fixed state advances in place" if self.executor.num_state_slots else None)
+        overlap = config.scheduler.async_scheduling and why_not is None
+        if config.scheduler.async_scheduling and not overlap:
+            log.info("async_scheduling: %s; steps run one after the other", why_not)
+        self.scheduler = (AsyncScheduler if overlap else Scheduler)(
+            config.scheduler, config.cache, num_blocks, config.model.max_model_len,
+            num_lookahead_slots=self.runner.num_lookahead_slots, num_state_slots=self.executor.num_state_slots)
+        self._device = DeviceThread() if overlap else None
         if self.executor.num_state_slots and config.cache.enable_prefix_caching:
             log.info("prefix caching is off for this model: its hybrid KV cache keeps per-request state (sliding "
                      "window, open compressor windows) that is valid only at the position its request reached")
@@ -272,11 +285,23 @@ class LLMEngine:
         return self._finish_output(state, [], [])
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Also True while a step is in flight (async_scheduling): the loop steps on to commit it."""
+        in_flight = self._device is not None and self._device.in_flight is not None
+        return in_flight or self.scheduler.has_unfinished_requests()
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        scheduler_output = self.scheduler.schedule()
+        """One step's outputs; with async_scheduling, those of the step that was in flight (engine/overlap.py)."""
+        if self._device is not None:
+            return self._overlapped_step()
+        scheduler_output = self._scheduled(self.scheduler.schedule())
+        # Nothing to run (e.g. every request waits for blocks or its grammar, or errors found while scheduling).
+        runner_output = (RunnerOutput(sampled_token_ids=[]) if scheduler_output.is_empty
+                         else self.executor.execute(scheduler_output))
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return self._outputs(scheduler_output, runner_output, updated)
+
+    def _scheduled(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
         now = time.monotonic()
         for chunk in scheduler_output.chunks:
             metrics = self._states[chunk.request.request_id].metrics
@@ -286,10 +311,52 @@ class LLMEngine:
             pending = self.scheduler.pending_grammars()
             if pending and not self.scheduler.num_running:  # only compiles to wait for: no busy loop meanwhile
                 wait_futures(pending, timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
-        # Nothing to run (e.g. every request waits for blocks or its grammar, or errors found while scheduling).
-        runner_output = (RunnerOutput(sampled_token_ids=[]) if scheduler_output.is_empty
-                         else self.executor.execute(scheduler_output))
-        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return scheduler_output
+
+    def _overlapped_step(self) -> list[RequestOutput]:
+        """Schedule and prepare the next step, submit it behind the step in flight, then commit the step in flight
+        and stream it (engine/overlap.py)."""
+        device = self._device
+        previous = device.in_flight
+        scheduler_output = self._scheduled(
+            self.scheduler.schedule_ahead(None if previous is None else previous.scheduler_output))
+        current = None
+        if not scheduler_output.is_empty:
+            with torch.inference_mode():  # the tensors the runner would make in its step (compiled regions' guards)
+                inputs = self.runner.prepare(scheduler_output)
+                rows = continued_rows(scheduler_output, inputs, previous, self.device)
+            current = device.submit(self.executor.execute, scheduler_output, inputs, rows)
+        device.in_flight = current
+        if previous is None:
+            # Nothing was in flight: report what scheduling ended, and let the new step sample at once.
+            updated = self.scheduler.update_from_output(SchedulerOutput(chunks=[]), RunnerOutput([]))
+            self._hand_sampling(current)
+            return self._outputs(SchedulerOutput(chunks=[]), RunnerOutput([]), updated)
+        try:
+            runner_output = previous.result.result()
+            updated = self.scheduler.update_from_output(previous.scheduler_output, runner_output)
+        except BaseException as exc:
+            if current is not None:  # its forward waits for this: fail it too
+                current.sampling.set_exception(RuntimeError(f"the step before it failed: {exc}"))
+            raise
+        self._hand_sampling(current)
+        return self._outputs(previous.scheduler_output, runner_output, updated)
+
+    def _hand_sampling(self, step: InFlight | None) -> None:
+        """The step's sampling metadata, from the committed tokens (its forward may be running meanwhile)."""
+        if step is None:
+            return
+        try:
+            with torch.inference_mode():
+                metadata = self.runner.sampling_metadata(step.scheduler_output.chunks, step.inputs)
+            step.sampling.set_result(metadata)
+        except BaseException as exc:
+            step.sampling.set_exception(exc)
+            raise
+
+    def _outputs(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput,
+                 updated: list[Request]) -> list[RequestOutput]:
+        """A committed step's outputs: detokenized, stop strings checked, and what the scheduler ended."""
         logprobs_by_id = {}
         if runner_output.logprobs is not None:
             logprobs_by_id = {c.request.request_id: lp
@@ -385,6 +452,10 @@ class LLMEngine:
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every live request with finish_reason "error" (after an exception in a step); frees their blocks."""
+        if self._device is not None:  # a step still in flight behind the failed one: its results are not wanted
+            failure = self._device.drop()
+            if failure is not None:
+                log.warning("the step in flight when the requests were failed failed too: %s", failure)
         outputs = []
         for request_id, state in list(self._states.items()):
             self.scheduler.abort_request(request_id)
@@ -397,6 +468,8 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the worker ranks (tensor parallelism) and the grammar compiler; idempotent. The engine cannot step
         afterwards."""
+        if self._device is not None:
+            self._device.close()
         self.executor.close()
         with self._grammar_lock:
             if self._grammar_compiler is not None:

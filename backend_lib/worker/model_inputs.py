@@ -2,7 +2,9 @@
 attention metadata, and the host-side bookkeeping the runner needs to map rows back to requests."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -26,3 +28,14 @@ class ModelInputs:
     def forward_kwargs(self) -> dict:
         """The model's optional inputs this step has (a model without images is never passed embed_rows)."""
         return {} if self.embed_rows is None else {"embed_rows": self.embed_rows}
+
+
+@dataclass
+class StepOverlap:
+    """What a step scheduled while the previous one ran (zero-overhead scheduling) takes from that step: its rows
+    whose token is the previous step's sample, and its sampling metadata once the previous step's tokens are
+    committed (the engine builds it on its thread; the runner waits on ``sampling`` after the forward)."""
+
+    dst_rows: torch.Tensor  # [P] int64 rows of this step's input_ids holding a placeholder
+    src_rows: torch.Tensor  # [P] int64 their rows in the previous step's sampled ids
+    sampling: Callable[[], Any]  # -> the SamplingMetadata (or None: nothing samples), blocking until it is built

@@ -41,7 +41,7 @@ from backend_lib.worker.context_share import share_step
 from backend_lib.worker.kv_sizing import is_hybrid
 from backend_lib.worker.grammar_bitmask import StepBitmask
 from backend_lib.worker.image_rows import image_rows
-from backend_lib.worker.model_inputs import ModelInputs
+from backend_lib.worker.model_inputs import ModelInputs, StepOverlap
 from backend_lib.worker.prompt_logprobs import head_slices, prompt_rows
 from backend_lib.worker.prompt_logprobs import compute as compute_prompt_logprobs
 from backend_lib.worker.sampler import Sampler, SamplingMetadata, SamplingRow
@@ -118,6 +118,7 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=kind, device=device) for shape, kind in shapes]
         self.sampler = Sampler() if is_driver else None  # only the driver samples
         self.bitmask = StepBitmask(vocab_size)  # structured output's masks (filled on the driver only)
+        self.last_sampled: torch.Tensor | None = None  # [S] int64 the last plain step's tokens (the driver's)
         spec = spec or SpecConfig()
         k = spec.num_speculative_tokens
         self.spec_method = spec.method if k > 0 else "none"
@@ -272,9 +273,18 @@ class ModelRunner:
         return share_step(meta, positions, self.context, self.num_blocks, self.context_min_tokens)
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput, inputs: ModelInputs | None = None,
+                overlap: StepOverlap | None = None) -> RunnerOutput:
+        """One step. Zero-overhead scheduling (engine/overlap.py) passes the ``inputs`` it prepared while the
+        previous step ran and its ``overlap``: the rows whose token that step sampled (filled in here, on the
+        device, before the inputs go to the other ranks) and the sampling metadata, built once that step's tokens
+        were committed (penalties and grammar masks need them)."""
         chunks = scheduler_output.chunks
-        inputs = self.prepare(scheduler_output)
+        inputs = self.prepare(scheduler_output) if inputs is None else inputs
+        if overlap is not None and overlap.dst_rows.numel():
+            if self.last_sampled is None:
+                raise RuntimeError("a step continues the previous one, but that step sampled nothing here")
+            inputs.input_ids.index_copy_(0, overlap.dst_rows, self.last_sampled[overlap.src_rows])
         mtp_host = self._mtp_host_inputs(chunks, inputs)
         block_plan = self._block_plan(chunks, inputs, mtp_host)
         if self.link is not None:
@@ -286,28 +296,36 @@ class ModelRunner:
         if self.spec_method != "none" or any(c.draft_token_ids for c in chunks):
             output = self._execute_spec(chunks, inputs, hidden, mtp_host, block_plan)
         else:
-            output = self._execute_plain(chunks, inputs, hidden)
+            output = self._execute_plain(chunks, inputs, hidden, None if overlap is None else overlap.sampling)
         if inputs.prompt_rows is not None:
             output.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, inputs.prompt_rows)
         return output
 
-    def _execute_plain(self, chunks: list[ScheduledChunk], inputs: ModelInputs,
-                       hidden: torch.Tensor) -> RunnerOutput:  # hidden [T, hidden]
-        sampled: list[list[int]] = [[] for _ in chunks]
+    def sampling_metadata(self, chunks: list[ScheduledChunk], inputs: ModelInputs) -> SamplingMetadata | None:
+        """A plain step's sampling rows and grammar masks (None: it samples nothing). Reads each request's output
+        and matcher, so it runs on the engine's thread once the previous step's tokens are in."""
         if not inputs.sampling_chunks:
-            return RunnerOutput(sampled_token_ids=sampled)
+            return None
         requests = [chunks[i].request for i in inputs.sampling_chunks]
         rows = [SamplingRow(params=r.sampling_params, seed=r.seed, output_position=r.num_output_tokens,
                             prompt_token_ids=r.prompt_token_ids, output_token_ids=r.output_token_ids,
                             eos_token_ids=r.eos_token_ids)
                 for r in requests]
         bitmask, masked = self.bitmask.fill([(_matcher(r), ()) for r in requests])
-        meta = SamplingMetadata.build(rows, self.vocab_size, self.device, bitmask, masked)
+        return SamplingMetadata.build(rows, self.vocab_size, self.device, bitmask, masked)
+
+    def _execute_plain(self, chunks: list[ScheduledChunk], inputs: ModelInputs, hidden: torch.Tensor,  # [T, hidden]
+                       sampling: Callable[[], SamplingMetadata | None] | None = None) -> RunnerOutput:
+        sampled: list[list[int]] = [[] for _ in chunks]
+        if not inputs.sampling_chunks:
+            return RunnerOutput(sampled_token_ids=sampled)
+        meta = sampling() if sampling is not None else self.sampling_metadata(chunks, inputs)
         head_input = hidden[inputs.logits_indices]
         greedy = self._screened_greedy(head_input, meta)
         out = self.sampler(self.model.compute_logits(head_input), meta) if greedy is None else None
+        self.last_sampled = out.token_ids if out is not None else greedy  # [S] the next step may continue from it
         # The one host sync of the step.
-        token_ids = (out.token_ids if out is not None else greedy).tolist()
+        token_ids = self.last_sampled.tolist()
         for row, i in enumerate(inputs.sampling_chunks):
             sampled[i] = [token_ids[row]]
         if out is None or out.logprobs is None:

@@ -34,6 +34,7 @@ _ENGINE_PARAMETERS: dict[str, tuple[str, type]] = {
     "enable_chunked_prefill": ("enable_chunked_prefill", bool),
     "scheduling_policy": ("scheduling_policy", str),
     "priority_aging_s": ("priority_aging_s", float),
+    "async_scheduling": ("async_scheduling", bool),
     "session_idle_timeout_s": ("session_idle_timeout_s", float),
     "spec_method": ("method", str),
     "num_speculative_tokens": ("num_speculative_tokens", int),

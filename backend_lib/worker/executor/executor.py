@@ -20,6 +20,7 @@ from backend_lib.worker.eplb import ExpertLoadBalancer
 from backend_lib.worker.executor.process_group import host_rendezvous, init_group, leave_group, pin_rank_threads
 from backend_lib.worker.executor.rank import RankState, build_rank
 from backend_lib.worker.executor.workers import RankFailure, WorkerPool
+from backend_lib.worker.model_inputs import ModelInputs, StepOverlap
 from backend_lib.worker.model_runner import ModelRunner
 
 log = logging.getLogger("deepinfer.executor")
@@ -75,11 +76,14 @@ class Executor:
     def num_state_slots(self) -> int:
         return self.state.num_state_slots
 
-    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput, inputs: ModelInputs | None = None,
+                overlap: StepOverlap | None = None) -> RunnerOutput:
+        """One step (``inputs`` and ``overlap``: a step prepared while the previous one ran, ModelRunner.execute).
+        Zero-overhead scheduling calls it from its device thread, one step at a time, in order."""
         if self.failed:
             raise RankFailure(self.failed)
         try:
-            output = self.state.runner.execute(scheduler_output)
+            output = self.state.runner.execute(scheduler_output, inputs, overlap)
             if self.balancer is not None:  # between this step and the next: no step sees half-moved experts
                 self.balancer.after_step()
             return output
