@@ -61,10 +61,12 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2_dir(smollm2_path, request) -> Path:
+def hf_smollm2_dir(smollm2_path, request, tmp_path_factory) -> Path:
     """transformers' fp32 reading of the GGUF, converted once for all workers and runs (tests/helpers/hf_smollm2_copy.py)."""
     from tests.helpers.hf_smollm2_copy import hf_smollm2_directory
-    return hf_smollm2_directory(smollm2_path, Path(request.config.cache.mkdir("hf_smollm2")))
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider: a per-run directory
+    root = Path(cache.mkdir("hf_smollm2")) if cache is not None else tmp_path_factory.mktemp("hf_smollm2")
+    return hf_smollm2_directory(smollm2_path, root)
 
 
 @pytest.fixture(scope="session")
