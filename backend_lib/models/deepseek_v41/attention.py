@@ -37,8 +37,10 @@ from kernels.compressed_attention import (
     ChunkPages, TokenPages, entry_write_rows, gather_rows, indexer_scores, pool_window, sink_attention,
 )
 from kernels.csa2 import candidate_pool, fake_quant_fp4, fake_quant_fp8, select_in_order
+from kernels.csa2_records import Fp4Record
 from kernels.interleaved_rope import apply_tail_rope
 from kernels.state_ring import chunk_recent_rows, recent_rows, write_recent
+from kernels.v4_fp8 import entry_values, store_entries
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,9 @@ class V41Attention(nn.Module):
         }
         self.compressor = V41Compressor(d, role.ratio) if role.mode == FULL else None
         self.indexer = V41Indexer(d, role.mode == FULL) if role.scores else None
+        # kv_cache_dtype=fp8_e4m3 (the model's use_fp8_kv): the paged entries and index keys are fp4 records
+        # (kernels/csa2_records.py), None: values in the cache's dtype
+        self.records: tuple[Fp4Record, Fp4Record] | None = None
 
     def forward(self, x: torch.Tensor,  # [T, hidden] normed block input
                 step: V41Step, cache: LayerCache) -> torch.Tensor:  # [T, hidden]
@@ -186,8 +191,16 @@ class V41Attention(nn.Module):
             entries, keys = fake_quant_fp4(entries, 16, e4m3_scales=True), fake_quant_fp4(keys, 32)
         where = entry_write_rows(ctx.slot_mapping[rows], positions, ratio, ctx.pages.block_size,
                                  cache.entries.shape[0])
-        cache.entries[where] = entries.to(cache.entries.dtype)
-        cache.index_entries[where] = keys.to(cache.index_entries.dtype)
+        entry_rec, key_rec = self.records or (None, None)
+        store_entries(cache.entries, where, entries, entry_rec)
+        store_entries(cache.index_entries, where, keys, key_rec)
+
+    def _gather(self, paged: torch.Tensor,  # [E, C] the source's entries or keys (fp8 cache: records)
+                slots: torch.Tensor,  # [L or 1, E] rows
+                which: int,  # 0 entries, 1 index keys
+                dtype: torch.dtype) -> torch.Tensor:  # [L or 1, E, dim]
+        rows = gather_rows(paged, slots)
+        return rows if self.records is None else entry_values(rows, self.records[which], dtype)
 
     def _window(self, kv: torch.Tensor, ctx: StepContext, start: int, end: int, pages: TokenPages | ChunkPages,
                 ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # keys [L or 1, K, D], allowed [L, K]
@@ -208,7 +221,7 @@ class V41Attention(nn.Module):
                                                    lambda: entry_rows_visible(pages, self.role.ratio))
             picked = self._pick(index_q, step, start, end, cache, entry_slots, visible)
             entries = step.ctx.shared(("entry_keys", self.role.kv_source, start),
-                                      lambda: gather_rows(cache.entries, entry_slots))
+                                      lambda: self._gather(cache.entries, entry_slots, 0, q.dtype))
             keys = torch.cat([keys, entries.to(keys.dtype).expand(keys.shape[0], -1, -1)
                               if entries.shape[0] != keys.shape[0] else entries.to(keys.dtype)], dim=1)
             allowed = torch.cat([allowed, picked], dim=1)
@@ -225,7 +238,7 @@ class V41Attention(nn.Module):
             picked = visible
         else:
             q, head_weights = index_q[0][start:end], index_q[1][start:end]
-            keys = gather_rows(cache.index_entries, entry_slots).to(q.dtype)
+            keys = self._gather(cache.index_entries, entry_slots, 1, q.dtype).to(q.dtype)
             scores = indexer_scores(q, keys, head_weights, visible)  # [L, E], -inf where not visible
             if role.candidate_source:
                 counts = (step.ctx.pages.positions[start:end] + 1) // role.ratio

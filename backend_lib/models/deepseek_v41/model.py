@@ -10,9 +10,9 @@
   ratio-2 sources, the open pair's fp32 ``[kv | gate]`` projections ``[n2, S, 2 + drafts, 2D]`` (a verification
   may roll back ``drafts`` positions). Ratio 1 keeps no state.
 
-Ring state is valid only at the position its request reached, so prefix caching is off, as for V4. Not yet here:
-context parallelism, weight_format=packed, fp8 KV records, Engram tables sharded over ranks, DSpark (``mtp.*`` ignored,
-said in the load log), compiled regions.
+With ``kv_cache_dtype=fp8_e4m3`` the paged tensors hold fp4 records (``use_fp8_kv``). Ring state is valid only at
+the position its request reached, so prefix caching is off, as for V4. Not yet here: context parallelism, Engram
+tables sharded over ranks, DSpark (``mtp.*`` ignored, said in the load log), compiled regions.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from backend_lib.models.interfaces import ModelCapabilities, ServedModel
 from backend_lib.models.parallel import ParallelContext, Shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
 from kernels.compressed_attention import entry_rows_per_block
+from kernels.csa2_records import Fp4Record, entry_record, index_key_record
 from kernels.hyper_connections import HyperConnectionSpec, hc_collapse
 
 if TYPE_CHECKING:
@@ -55,18 +56,21 @@ def _whole(tensor: Any) -> torch.Tensor:
 
 
 class DeepseekV41ForCausalLM(ServedModel):
-    capabilities = ModelCapabilities(hybrid_cache=True, engram=True)
+    # fp8_kv: the paged entries and index keys as fp4 records; packed_weights: the fp8 projections in packed tiles
+    capabilities = ModelCapabilities(fp8_kv=True, hybrid_cache=True, engram=True, packed_weights=True)
     # the quantization-aware activations are the model's math (on); exact fp32 comparisons turn them off, since
     # summation-order noise flips their roundings
     qat_activations = True
 
     def __init__(self, config: DeepseekV41Config, dtype: torch.dtype = torch.float32,
                  par: ParallelContext = ParallelContext(), qat: bool | None = None,
-                 engram_hash: V41EngramHash | None = None) -> None:
+                 engram_hash: V41EngramHash | None = None, packed: bool = False) -> None:
         super().__init__()
         qat = self.qat_activations if qat is None else qat
         a = config.text
         self.config, self.args, self.dtype, self.par, self.qat = config, a, dtype, par, qat
+        self.packed = packed  # weight_format=packed: the fp8 projections as packed tiles (packed GEMMs)
+        self.records: tuple[Fp4Record, Fp4Record] | None = None  # kv_cache_dtype=fp8_e4m3 (use_fp8_kv)
         block = (config.quantization.weight_block_size if config.quantization else (32, 32))
         # fp4 routed experts stay packed (two codes a byte, a ue8m0 scale per 32 inputs), dequantized per expert
         # when it runs; fp8 projections stay fp8, dequantized block-wise inside the linear
@@ -117,7 +121,7 @@ class DeepseekV41ForCausalLM(ServedModel):
         engram = None
         if parsed.text.engram_layer_ids:
             engram = V41EngramHash.build(parsed.text, Path(getattr(options, "checkpoint_dir", "")) / "tokenizer.json")
-        return cls(parsed, dtype=dtype, par=par, engram_hash=engram)
+        return cls(parsed, dtype=dtype, par=par, engram_hash=engram, packed=bool(getattr(options, "packed", False)))
 
     # ---- the model-runner contract -------------------------------------------------------------------
     supports_context_parallel = False
@@ -129,10 +133,22 @@ class DeepseekV41ForCausalLM(ServedModel):
         d, di, n1, n2 = a.head_dim, a.index_head_dim, len(self.sources[1]), len(self.sources[2])
         rows1 = num_blocks * entry_rows_per_block(block_size, 1)
         rows2 = num_blocks * entry_rows_per_block(block_size, 2)
-        paged = [(n2, rows2, d), (n2, rows2, di), (n1, rows1, d), (n1, rows1, di)]
+        ed, id_ = (d, di) if self.records is None else (r.num_bytes for r in self.records)  # fp8: record bytes
+        paged = [(n2, rows2, ed), (n2, rows2, id_), (n1, rows1, ed), (n1, rows1, id_)]
         state = [(a.num_hidden_layers, num_state_slots, a.sliding_window + max_drafts, d),
                  (n2, num_state_slots, 2 + max_drafts, 2 * d)]
         return paged, state
+
+    def use_fp8_kv(self, fp8_max: float) -> str:
+        """Compressed entries and index keys as fp4 records (kernels/csa2_records.py: NVFP4 / 16 and MXFP4 / 32,
+        the QAT's own grids, so with QAT on the logits do not change); the rings keep the model dtype. ``fp8_max``
+        does not apply: the records' only fp8 bytes are e4m3 scales of amax / 6."""
+        a = self.args
+        self.records = (entry_record(a.head_dim), index_key_record(a.index_head_dim))
+        for layer in self.layers:
+            layer.attn.records = self.records
+        return (f"compressed entries {self.records[0].num_bytes} B (NVFP4), index keys {self.records[1].num_bytes} "
+                f"B (MXFP4) a record; the sliding-window rings keep the model dtype")
 
     def _layer_cache(self, index: int, caches: list) -> LayerCache:
         entries_r2, keys_r2, entries_r1, keys_r1, window, state_r2 = caches[:6]
@@ -247,7 +263,9 @@ class DeepseekV41ForCausalLM(ServedModel):
                                  f"scale blocks; choose a tensor_parallel_size that keeps shards block-aligned")
             weight = shard.take(weight)
             scale = Shard(shard.dim, shard.start // block, -(-shard.size // block)).take(scale)
-        target.set_weight(_whole(weight), _whole(scale).float(), self.dtype, False)
+        # weight_format=packed: packed tiles, but wo_a, read whole (dense_weight) by the grouped product every step
+        packed = self.packed and not base.endswith("wo_a")
+        target.set_weight(_whole(weight), _whole(scale).float(), self.dtype, False, packed)
 
     def _set(self, name: str, raw_name: str, value: torch.Tensor) -> None:
         owner, _, leaf = name.rpartition(".")
