@@ -11,8 +11,9 @@
   may roll back ``drafts`` positions). Ratio 1 keeps no state.
 
 With ``kv_cache_dtype=fp8_e4m3`` the paged tensors hold fp4 records (``use_fp8_kv``). Ring state is valid only at
-the position its request reached, so prefix caching is off, as for V4. Not yet here: context parallelism, Engram
-tables sharded over ranks, DSpark (``mtp.*`` ignored, said in the load log), compiled regions.
+the position its request reached, so prefix caching is off, as for V4. Context parallelism splits the paged entries
+by block (attention.py); every rank keeps every row and ring. Not yet here: Engram tables sharded over ranks, Engram
+with context ranks, DSpark (``mtp.*`` ignored, said in the load log), compiled regions.
 """
 from __future__ import annotations
 
@@ -57,7 +58,9 @@ def _whole(tensor: Any) -> torch.Tensor:
 
 class DeepseekV41ForCausalLM(ServedModel):
     # fp8_kv: the paged entries and index keys as fp4 records; packed_weights: the fp8 projections in packed tiles
-    capabilities = ModelCapabilities(fp8_kv=True, hybrid_cache=True, engram=True, packed_weights=True)
+    # context_parallel / splits_context_rows: the entries split by block, every row on every rank (compressors)
+    capabilities = ModelCapabilities(fp8_kv=True, hybrid_cache=True, engram=True, packed_weights=True,
+                                     context_parallel=True, splits_context_rows=False)
     # the quantization-aware activations are the model's math (on); exact fp32 comparisons turn them off, since
     # summation-order noise flips their roundings
     qat_activations = True
@@ -124,8 +127,10 @@ class DeepseekV41ForCausalLM(ServedModel):
         return cls(parsed, dtype=dtype, par=par, engram_hash=engram, packed=bool(getattr(options, "packed", False)))
 
     # ---- the model-runner contract -------------------------------------------------------------------
-    supports_context_parallel = False
-    splits_context_rows = False
+    @property
+    def supports_context_parallel(self) -> bool:
+        # Engram with context ranks is not checked against the oracle yet: refused by the runner, naming the model
+        return not self.args.engram_layer_ids
 
     def hybrid_cache_shapes(self, num_blocks: int, block_size: int, num_state_slots: int,
                             max_drafts: int = 0) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
@@ -169,7 +174,7 @@ class DeepseekV41ForCausalLM(ServedModel):
         chunks = ([meta.decode_query_len] if meta.num_decodes else []) + list(meta.prefill_query_lens)
         return StepContext(pages, meta.slot_mapping, meta.state, self.main_rope.at(positions, dtype),
                            self.compress_rope.at(positions, dtype), chunk_groups(pages, meta),
-                           meta.decode_query_len, max(chunks, default=None))
+                           meta.decode_query_len, max(chunks, default=None), context=meta.context)
 
     def forward(self, input_ids: torch.Tensor,  # [T] int64
                 positions: torch.Tensor,  # [T] int64
