@@ -95,7 +95,8 @@ def main() -> None:
             print(f"{name} batch {batch}, context {args.context}: {ms:.1f} ms per decode step (median of {n})",
                   flush=True)
             rows.append((name, params, per_token, batch, ms))
-    write_report(rows, args, machine, load_before, load_average(), Path(args.out))
+            # after every row: a long run cut short still leaves what it measured
+            write_report(rows, args, machine, load_before, load_average(), Path(args.out))
 
 
 def write_report(rows: list, args: argparse.Namespace, machine: str, load_before: str, load_after: str,
@@ -119,7 +120,6 @@ def write_report(rows: list, args: argparse.Namespace, machine: str, load_before
     for name, params, per_token, batch, ms in rows:
         lines.append(f"| {name} | {params / 1e6:.1f} M | {per_token:.0f} | {batch} | {ms:.1f} | {ms / batch:.1f} |")
     text = "\n".join(lines) + "\n"
-    print(text)
     out.mkdir(parents=True, exist_ok=True)
     (out / "deepseek_v41_decode.md").write_text(text)
     plot(rows, args.context, out)
@@ -130,13 +130,13 @@ def plot(rows: list, context: int, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     batches = sorted({r[3] for r in rows})
-    names = list(MODELS)
+    names = [n for n in MODELS if any(r[0] == n for r in rows)]
     fig, ax = plt.subplots(figsize=(6, 3.6))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         ms = {r[3]: r[4] for r in rows if r[0] == name}
         bars = ax.bar([x + (i - (len(names) - 1) / 2) * width for x in range(len(batches))],
-                      [ms[b] for b in batches], width, label=name)
+                      [ms.get(b, 0.0) for b in batches], width, label=name)
         ax.bar_label(bars, fmt="%.0f", fontsize=7)
     ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
     ax.set_ylabel(f"decode step, ms ({context} tokens of context)")
