@@ -109,7 +109,9 @@ def write_report(rows: list, args: argparse.Namespace, machine: str, load_before
         f"index sources {V41_OVERRIDES['index_source_layer_ids']}, candidate source "
         f"{V41_OVERRIDES['candidate_source_layer_id']}); both hidden 512, 6 layers, 8 heads of 128, 16 experts top "
         f"4, window 128, top-64. Each batch: requests of {args.context} prompt tokens, prefilled, then the median "
-        f"engine step over {args.steps} decode steps.",
+        f"engine step over {args.steps - 1} decode steps (the first after the prefill dropped). The paged bytes are "
+        "the tiny schedules': this V4.1's ratio-1 source keeps one entry per token, so it holds more than this V4.0 "
+        "does; at the released dimensions V4.1 holds about half of V4.0 (docs/MODELS.md).",
         "",
         f"Machine: {machine}. **Loaded**: 2 cores shared with other jobs (load average 1/5/15 min before "
         f"{load_before}, after {load_after}); compare within the table, not with other runs.",
