@@ -1,5 +1,5 @@
-"""Tiny DeepSeek-V3, DeepSeek-V4 and DeepSeek-V4.1 models served through a real tritonserver (the same model.py, no per-arch code)
-stream the same tokens as the offline engine, over gRPC streaming and HTTP."""
+"""Tiny DeepSeek-V3, DeepSeek-V4 and DeepSeek-V4.1 models served through a real tritonserver (the same model.py, no
+per-arch code) stream the same tokens as the offline engine, over gRPC streaming and HTTP, and in two-turn sessions."""
 from __future__ import annotations
 
 import json

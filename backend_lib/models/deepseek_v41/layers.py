@@ -3,7 +3,8 @@
 Router (transformers main ``DeepseekV41TopKRouter``; vLLM ``dsv4_topk``): ``s = sqrt(softplus(logits / gate_temp))``,
 experts chosen by the top-k of ``s + bias`` (``bias_vl`` for image tokens: loaded, not used while only text is
 served; exact ties to the lower expert id, our rule: no implementation defines one), weights the unbiased ``s`` of
-the chosen experts normalised by their sum + 1e-20 and scaled by ``routed_scaling_factor``; no hash-routed layers. The experts and the shared expert are V4's (clamped SwiGLU).
+the chosen experts normalised by their sum + 1e-20 and scaled by ``routed_scaling_factor``; no hash-routed layers.
+The experts and the shared expert are V4's (clamped SwiGLU).
 
 Single-pass mHC (``DeepseekV41DecoderLayer.forward``; NeMo ``DeepseekV41Block.forward``): each site computes its
 (pre, post, comb) from its own input streams as V4 does, but collapses its input with the *previous* site's ``pre``:
