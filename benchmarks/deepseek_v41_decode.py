@@ -106,7 +106,8 @@ def write_report(rows: list, args: argparse.Namespace, machine: str, load_before
         "",
         "Tiny random models (fp32, eager; `benchmarks/deepseek_v41_decode.py`): V4.0 layers sliding / CSA / HCA / "
         f"CSA / HCA / CSA, V4.1 ratios `{V41_OVERRIDES['compress_ratios']}` (KV sources "
-        f"{V41_OVERRIDES['kv_source_layer_ids']}, index sources {V41_OVERRIDES['index_source_layer_ids']}, candidate source "
+        f"{V41_OVERRIDES['kv_source_layer_ids']}, index sources {V41_OVERRIDES['index_source_layer_ids']}, "
+        "candidate source "
         f"{V41_OVERRIDES['candidate_source_layer_id']}); both hidden 512, 6 layers, 8 heads of 128, 16 experts top "
         f"4, window 128, top-64. Each batch: requests of {args.context} prompt tokens, prefilled, then the median "
         f"engine step over {args.steps - 1} decode steps (the first after the prefill dropped). The paged bytes are "
