@@ -39,6 +39,7 @@ Three departures from the stored transformers file, on purpose:
 - **ties in entry order**: ``torch.topk`` orders equal scores by memory layout, and the indexer's quantized, ReLU'd
   scores tie exactly and often; here the larger score comes first and equal scores the earlier entry (block) first,
   the engine's rule (``kernels/compressed_attention.py: top_k_in_order``), written independently with a stable sort;
+  the router's ``scores + bias`` likewise (an exact tie goes to the lower expert id);
 - ``qat`` is a switch (transformers always applies it).
 - Engram [``DeepseekV41NgramHashState``, ``DeepseekV41Engram``]: the compressed ids of the checkpoint's
   ``tokenizer.json`` (raw decode of each id, the normaliser sequence, first-seen numbering), primes searched upward
@@ -495,7 +496,7 @@ class ReferenceV41:
         a, w, p = self.args, self.w, f"layers.{i}.ffn."
         scores = F.softplus((x @ w[p + "gate.weight"].T) / a.gate_temp).sqrt()
         bias = torch.where(self._image[:, None], w[p + "gate.bias_vl"], w[p + "gate.bias"])
-        ids = (scores + bias).topk(a.n_activated, dim=-1).indices
+        ids = top_k_mask(scores + bias, a.n_activated).nonzero()[:, 1].view(-1, a.n_activated)
         weights = scores.gather(1, ids)
         if a.norm_topk_prob and a.n_activated > 1:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

@@ -2,8 +2,10 @@
 
 Router (transformers main ``DeepseekV41TopKRouter``; vLLM ``dsv4_topk``): ``s = sqrt(softplus(logits / gate_temp))``,
 experts chosen by the top-k of ``s + bias`` (``bias_vl`` for image tokens: every image-span position carries
-``image_token_id``, vLLM ``vl_model.py``'s ``requires_raw_input_tokens``), weights the unbiased ``s`` of the chosen
-experts normalised by their sum + 1e-20 and scaled by ``routed_scaling_factor``; no hash-routed layers. The experts and the shared expert are V4's (clamped SwiGLU).
+``image_token_id``, vLLM ``vl_model.py``'s ``requires_raw_input_tokens``; exact ties to the lower expert id, our
+rule: no implementation defines one), weights the unbiased ``s`` of the chosen experts normalised by their sum +
+1e-20 and scaled by ``routed_scaling_factor``; no hash-routed layers. The experts and the shared expert are V4's
+(clamped SwiGLU).
 
 Single-pass mHC (``DeepseekV41DecoderLayer.forward``; NeMo ``DeepseekV41Block.forward``): each site computes its
 (pre, post, comb) from its own input streams as V4 does, but collapses its input with the *previous* site's ``pre``:
@@ -22,6 +24,7 @@ from backend_lib.models.deepseek_v41.attention import V41Attention, V41Step
 from backend_lib.models.deepseek_v4.attention import LayerCache
 from backend_lib.models.deepseek_v4.layers import V4MoE, V4MoEDims, expert_scores
 from backend_lib.models.parallel import ParallelContext
+from kernels.compressed_attention import top_k_in_order
 from kernels.hyper_connections import HyperConnectionSpec, hc_collapse, hc_mixes, hc_post
 
 
@@ -42,7 +45,10 @@ class V41MoE(V4MoE):
         scores = expert_scores(logits, self.d.scoring_func)
         image = (input_ids == self.image_token_id).unsqueeze(-1)
         bias = torch.where(image, self.gate.bias_vl.float(), self.gate.bias.float())
-        ids = torch.topk(scores + bias, self.d.top_k, dim=-1, sorted=False).indices
+        # exact ties (the fp32 sum s + bias can tie: a tiny checkpoint met one) go to the lower expert id, so the
+        # choice depends on the values alone (torch.topk's order among equals is unspecified); ids ascending
+        chosen = top_k_in_order(scores + bias, self.d.top_k)  # [T, E] bool, k a row
+        ids = torch.arange(chosen.shape[-1], device=x.device).expand_as(chosen)[chosen].view(-1, self.d.top_k)
         weights = scores.gather(1, ids)
         if self.norm_topk_prob and self.d.top_k > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

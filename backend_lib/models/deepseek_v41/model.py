@@ -11,9 +11,11 @@ also loads its vision encoder (``vision/``), whose image spans enter ``forward``
   ratio-2 sources, the open pair's fp32 ``[kv | gate]`` projections ``[n2, S, 2 + drafts, 2D]`` (a verification
   may roll back ``drafts`` positions). Ratio 1 keeps no state.
 
-Ring state is valid only at the position its request reached, so prefix caching is off, as for V4. Not yet here:
-context parallelism, weight_format=packed, fp8 KV records, Engram tables sharded over ranks, compiled regions. The
-``mtp.*`` tensors (skipped here, said in the load log) are the DSpark drafter's: models/dspark/deepseek_v41.py.
+With ``kv_cache_dtype=fp8_e4m3`` the paged tensors hold fp4 records (``use_fp8_kv``). Ring state is valid only at
+the position its request reached, so prefix caching is off, as for V4. Context parallelism splits the paged entries
+by block (attention.py); every rank keeps every row and ring. Not yet here: Engram tables sharded over ranks, Engram
+with context ranks, compiled regions. The ``mtp.*`` tensors (skipped here, said in the load log) are the DSpark
+drafter's: models/dspark/deepseek_v41.py.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from backend_lib.models.interfaces import InputEmbeddingRows, ModelCapabilities,
 from backend_lib.models.parallel import ParallelContext, Shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
 from kernels.compressed_attention import entry_rows_per_block
+from kernels.csa2_records import Fp4Record, entry_record, index_key_record
 from kernels.hyper_connections import HyperConnectionSpec, hc_collapse
 
 if TYPE_CHECKING:
@@ -58,7 +61,10 @@ def _whole(tensor: Any) -> torch.Tensor:
 
 
 class DeepseekV41ForCausalLM(ServedModel):
-    capabilities = ModelCapabilities(hybrid_cache=True, engram=True, captures_hidden=True,
+    # fp8_kv: the paged entries and index keys as fp4 records; packed_weights: the fp8 projections in packed tiles
+    # context_parallel / splits_context_rows: the entries split by block, every row on every rank (compressors)
+    capabilities = ModelCapabilities(fp8_kv=True, hybrid_cache=True, engram=True, packed_weights=True,
+                                     context_parallel=True, splits_context_rows=False, captures_hidden=True,
                                      checkpoint_drafter=True, images=True)
     # the quantization-aware activations are the model's math (on); exact fp32 comparisons turn them off, since
     # summation-order noise flips their roundings
@@ -66,7 +72,7 @@ class DeepseekV41ForCausalLM(ServedModel):
 
     def __init__(self, config: DeepseekV41Config, dtype: torch.dtype = torch.float32,
                  par: ParallelContext = ParallelContext(), qat: bool | None = None,
-                 engram_hash: V41EngramHash | None = None) -> None:
+                 engram_hash: V41EngramHash | None = None, packed: bool = False) -> None:
         super().__init__()
         qat = self.qat_activations if qat is None else qat
         a = config.text
@@ -74,6 +80,8 @@ class DeepseekV41ForCausalLM(ServedModel):
         # built by load_weights when the checkpoint has vision.*; kept off the module tree, so that moving the model
         # to a device (Neuron) leaves the tower in host memory and only its output goes to the device
         self._host_modules: dict[str, V41VisionEncoder] = {}
+        self.packed = packed  # weight_format=packed: the fp8 projections as packed tiles (packed GEMMs)
+        self.records: tuple[Fp4Record, Fp4Record] | None = None  # kv_cache_dtype=fp8_e4m3 (use_fp8_kv)
         block = (config.quantization.weight_block_size if config.quantization else (32, 32))
         # fp4 routed experts stay packed (two codes a byte, a ue8m0 scale per 32 inputs), dequantized per expert
         # when it runs; fp8 projections stay fp8, dequantized block-wise inside the linear
@@ -131,11 +139,13 @@ class DeepseekV41ForCausalLM(ServedModel):
         if parsed.text.engram_layer_ids:
             engram = V41EngramHash.build(parsed.text, Path(getattr(options, "checkpoint_dir", "")) / "tokenizer.json",
                                          parsed.image_token_id)
-        return cls(parsed, dtype=dtype, par=par, engram_hash=engram)
+        return cls(parsed, dtype=dtype, par=par, engram_hash=engram, packed=bool(getattr(options, "packed", False)))
 
     # ---- the model-runner contract -------------------------------------------------------------------
-    supports_context_parallel = False
-    splits_context_rows = False
+    @property
+    def supports_context_parallel(self) -> bool:
+        # Engram with context ranks is not checked against the oracle yet: refused by the runner, naming the model
+        return not self.args.engram_layer_ids
 
     def hybrid_cache_shapes(self, num_blocks: int, block_size: int, num_state_slots: int,
                             max_drafts: int = 0) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
@@ -143,10 +153,22 @@ class DeepseekV41ForCausalLM(ServedModel):
         d, di, n1, n2 = a.head_dim, a.index_head_dim, len(self.sources[1]), len(self.sources[2])
         rows1 = num_blocks * entry_rows_per_block(block_size, 1)
         rows2 = num_blocks * entry_rows_per_block(block_size, 2)
-        paged = [(n2, rows2, d), (n2, rows2, di), (n1, rows1, d), (n1, rows1, di)]
+        ed, id_ = (d, di) if self.records is None else (r.num_bytes for r in self.records)  # fp8: record bytes
+        paged = [(n2, rows2, ed), (n2, rows2, id_), (n1, rows1, ed), (n1, rows1, id_)]
         state = [(a.num_hidden_layers, num_state_slots, a.sliding_window + max_drafts, d),
                  (n2, num_state_slots, 2 + max_drafts, 2 * d)]
         return paged, state
+
+    def use_fp8_kv(self, fp8_max: float) -> str:
+        """Compressed entries and index keys as fp4 records (kernels/csa2_records.py: NVFP4 / 16 and MXFP4 / 32,
+        the QAT's own grids, so with QAT on the logits do not change); the rings keep the model dtype. ``fp8_max``
+        does not apply: the records' only fp8 bytes are e4m3 scales of amax / 6."""
+        a = self.args
+        self.records = (entry_record(a.head_dim), index_key_record(a.index_head_dim))
+        for layer in self.layers:
+            layer.attn.records = self.records
+        return (f"compressed entries {self.records[0].num_bytes} B (NVFP4), index keys {self.records[1].num_bytes} "
+                f"B (MXFP4) a record; the sliding-window rings keep the model dtype")
 
     def _layer_cache(self, index: int, caches: list) -> LayerCache:
         entries_r2, keys_r2, entries_r1, keys_r1, window, state_r2 = caches[:6]
@@ -167,7 +189,7 @@ class DeepseekV41ForCausalLM(ServedModel):
         chunks = ([meta.decode_query_len] if meta.num_decodes else []) + list(meta.prefill_query_lens)
         return StepContext(pages, meta.slot_mapping, meta.state, self.main_rope.at(positions, dtype),
                            self.compress_rope.at(positions, dtype), chunk_groups(pages, meta),
-                           meta.decode_query_len, max(chunks, default=None))
+                           meta.decode_query_len, max(chunks, default=None), context=meta.context)
 
     def forward(self, input_ids: torch.Tensor,  # [T] int64
                 positions: torch.Tensor,  # [T] int64
@@ -287,7 +309,9 @@ class DeepseekV41ForCausalLM(ServedModel):
                                  f"scale blocks; choose a tensor_parallel_size that keeps shards block-aligned")
             weight = shard.take(weight)
             scale = Shard(shard.dim, shard.start // block, -(-shard.size // block)).take(scale)
-        target.set_weight(_whole(weight), _whole(scale).float(), self.dtype, False)
+        # weight_format=packed: packed tiles, but wo_a, read whole (dense_weight) by the grouped product every step
+        packed = self.packed and not base.endswith("wo_a")
+        target.set_weight(_whole(weight), _whole(scale).float(), self.dtype, False, packed)
 
     def _set(self, name: str, raw_name: str, value: torch.Tensor) -> None:
         owner, _, leaf = name.rpartition(".")
