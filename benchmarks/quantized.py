@@ -5,7 +5,9 @@ at 32 streams (all 32 prompts) and 1 stream (the first ``--single`` prompts one 
 greedy, EOS ignored. Formats: the bundled Q4_1 and a Q8_0 converted from it with the ``gguf`` package's own
 quantizer (``--formats``). Tokens/s count generated tokens over the whole run, prefill included (as
 benchmarks/offline_throughput.py and the anchors' run.sh do). Also states the resident bytes per weight of each
-engine and how many greedy continuations of each packed mode equal dequantize's.
+engine and how many greedy continuations of each packed mode equal dequantize's, and each mode's teacher-forced
+perplexity beside llama.cpp's ``llama-perplexity`` on the same text, file and windows where the anchors built it
+(benchmarks/perplexity.py says how the two are made comparable; ``--perplexity-only`` skips the speed runs).
 
 Targets (issue 37): packed Q4_1 >= 1.2x llama.cpp Q4_1 at one stream, >= 1.3x at 32 streams. Not covered yet: the
 tiny DeepSeek-V3 fp8 / V4 fp8 + fp4 rows (weight_format=packed is not wired into the DeepSeek models).
@@ -33,8 +35,9 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.offline_throughput import load_workload, run_engine  # noqa: E402
 from benchmarks.peers import ANCHORS, PEERS_KIT, PeerRun, run_llama_cpp  # noqa: E402
-from benchmarks.perplexity import (LICENSE_TEXTS, WINDOW, corpus_text, engine_perplexity,  # noqa: E402
-                                   llama_cpp_perplexity, token_windows)
+from benchmarks.perplexity import (FIRST_SCORED, LICENSE_TEXTS, WINDOW, Perplexity,  # noqa: E402
+                                   WindowScores, corpus_ids, corpus_text, engine_perplexity,
+                                   llama_cpp_perplexity, llama_cpp_tokens, token_windows, write_text)
 from backend_lib.core.config import EngineConfig  # noqa: E402
 from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
 from backend_lib.engine.offline import LLM  # noqa: E402
@@ -89,8 +92,9 @@ def model_path(quant: str) -> Path:
     return path
 
 
-def our_runs(path: Path, quant: str, prompts, new_tokens: int, single: int, ppl_windows: int):
-    """(runs, resident bytes per weight by mode, greedy ids at 32 streams by mode, perplexity by mode)."""
+def our_runs(path: Path, quant: str, prompts, new_tokens: int, single: int, ppl_windows: int, speed: bool):
+    """(runs, resident bytes per weight by mode, greedy ids at 32 streams by mode, perplexity by mode, the text's
+    token ids); no runs and no greedy ids without ``speed``."""
     runs, bytes_per_weight, ids, ppl = [], {}, {}, {}
     for label, settings in MODES.items():
         llm = LLM(config=EngineConfig.from_flat({"model": str(path), "max_num_seqs": 32,
@@ -98,28 +102,47 @@ def our_runs(path: Path, quant: str, prompts, new_tokens: int, single: int, ppl_
                                                  **settings}))
         weights, resident = resident_weight_bytes(llm.engine.model)
         bytes_per_weight[label] = resident / weights
-        llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-        tokens, seconds, ids[label] = run_engine(llm, prompts, new_tokens)
-        runs.append(PeerRun(f"deepinfer {quant} {label}", len(prompts), tokens, seconds))
-        one = [run_engine(llm, [p], new_tokens)[:2] for p in prompts[:single]]
-        runs.append(PeerRun(f"deepinfer {quant} {label}", 1, sum(t for t, _ in one), sum(s for _, s in one)))
-        print("\n".join(map(str, runs[-2:])), flush=True)
-        ppl[label] = engine_perplexity(llm, token_windows(llm, corpus_text(), ppl_windows))
-        print(f"{label}: perplexity {ppl[label].value:.4f} over {ppl[label].tokens} tokens", flush=True)
+        if speed:
+            llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+            tokens, seconds, ids[label] = run_engine(llm, prompts, new_tokens)
+            runs.append(PeerRun(f"deepinfer {quant} {label}", len(prompts), tokens, seconds))
+            one = [run_engine(llm, [p], new_tokens)[:2] for p in prompts[:single]]
+            runs.append(PeerRun(f"deepinfer {quant} {label}", 1, sum(t for t, _ in one), sum(s for _, s in one)))
+            print("\n".join(map(str, runs[-2:])), flush=True)
+        text_ids = corpus_ids(llm, corpus_text())
+        ppl[label] = engine_perplexity(llm, token_windows(text_ids, ppl_windows))
+        print(f"{label}: perplexity {ppl[label].every.value:.4f} over {ppl[label].every.tokens} tokens, second "
+              f"halves {ppl[label].second_half.value:.4f} over {ppl[label].second_half.tokens}", flush=True)
         llm.close()
-    return runs, bytes_per_weight, ids, ppl
+    return runs, bytes_per_weight, ids, ppl, text_ids
 
 
-def llama_cpp_ppl(quant: str, windows: int) -> tuple[float | None, list[str]]:
-    binary = ANCHORS / "llama.cpp/build/bin/llama-perplexity"
-    if not binary.exists():
-        return None, [f"llama.cpp {quant} perplexity skipped: {binary} is missing (run "
+def llama_cpp_ppl(quant: str, windows: int, our_ids: list[int]) -> tuple[Perplexity | None, list[str]]:
+    """llama-perplexity on the same file and windows, and (llama-tokenize, where built) whether its tokens of the
+    text are ours over those windows: the notes say."""
+    binaries = ANCHORS / "llama.cpp/build/bin"
+    if not (binaries / "llama-perplexity").exists():
+        return None, [f"llama.cpp {quant} perplexity skipped: {binaries / 'llama-perplexity'} is missing (run "
                       f"{PEERS_KIT}/anchors/setup.sh 3)"]
+    text_file, notes = write_text(corpus_text(), ANCHORS), []
+    scored = windows * WINDOW
+    if (binaries / "llama-tokenize").exists():
+        try:
+            theirs = llama_cpp_tokens(binaries / "llama-tokenize", model_path(quant), text_file)
+            differ = next((i for i, (a, b) in enumerate(zip(theirs[:scored], our_ids[:scored])) if a != b), None)
+            notes.append(f"llama.cpp {quant} tokenization: {len(theirs)} tokens of the text against our "
+                         f"{len(our_ids)}; " + ("the same ids in the scored windows" if differ is None else
+                                               f"the first differing id at token {differ}"))
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            notes.append(f"llama.cpp {quant} tokenization not compared: {str(exc).strip()[:300]}")
+    else:
+        notes.append(f"llama.cpp {quant} tokenization not compared: {binaries / 'llama-tokenize'} is missing (cmake "
+                     "--build build --target llama-tokenize in /tmp/anchors/llama.cpp)")
     try:
-        return llama_cpp_perplexity(binary, model_path(quant), corpus_text(), windows, torch.get_num_threads(),
-                                    ANCHORS), []
+        return llama_cpp_perplexity(binaries / "llama-perplexity", model_path(quant), text_file, windows,
+                                    torch.get_num_threads()), notes
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
-        return None, [f"llama.cpp {quant} perplexity failed: {str(exc).strip()[:300]}"]
+        return None, [*notes, f"llama.cpp {quant} perplexity failed: {str(exc).strip()[:300]}"]
 
 
 def llama_cpp_runs(quant: str, new_tokens: int) -> tuple[list[PeerRun], list[str]]:
@@ -136,48 +159,66 @@ def llama_cpp_runs(quant: str, new_tokens: int) -> tuple[list[PeerRun], list[str
     return runs, failures
 
 
+def perplexity_table(quant: str, runs: list[PeerRun], peers: list[PeerRun], ppl: dict[str, WindowScores],
+                     peer_ppl: Perplexity | None) -> list[str]:
+    """One row per run (a row per mode without speed runs), llama.cpp's perplexity in its rows (or its own)."""
+    some = next(iter(ppl.values()))
+    lines = [f"| engine | streams | tokens/s | vs llama.cpp | perplexity ({some.every.tokens} tokens) | "
+             f"second halves ({some.second_half.tokens} tokens, llama-perplexity's scoring) |",
+             "|---|---|---|---|---|---|"]
+    anchor = {r.streams: r.tokens / r.seconds for r in peers}
+    peer_cell = "skipped" if peer_ppl is None else f"{peer_ppl.value:.4f} ({peer_ppl.tokens} tokens)"
+    rows = runs + peers or [PeerRun(f"deepinfer {quant} {label}", 0, 0, 0.0) for label in ppl]
+    for run in rows:
+        mode = run.name.removeprefix(f"deepinfer {quant} ")
+        speed = ("- | - | -" if not run.seconds else f"{run.streams} | {run.tokens / run.seconds:.1f} | " + (
+            f"{run.tokens / run.seconds / anchor[run.streams]:.2f}x" if run.streams in anchor else "n/a"))
+        scores = (f"{ppl[mode].every.value:.4f} | {ppl[mode].second_half.value:.4f}" if mode in ppl
+                  else f"- | {peer_cell}")
+        lines.append(f"| {run.name} | {speed} | {scores} |")
+    if not peers:
+        lines.append(f"| llama.cpp {quant} (llama-perplexity) | - | - | - | - | {peer_cell} |")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default=str(WORKLOAD_FILE))
     parser.add_argument("--formats", default="Q4_1,Q8_0")
     parser.add_argument("--single", type=int, default=4, help="prompts for the one-stream runs")
     parser.add_argument("--ppl-windows", type=int, default=8, help=f"perplexity windows of {WINDOW} tokens")
+    parser.add_argument("--perplexity-only", action="store_true", help="no tokens/s runs: the perplexity columns")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quantized.md"))
     args = parser.parse_args()
     prompts, new_tokens = load_workload(Path(args.workload))
     machine = describe()
+    workload = ("Workload: none (--perplexity-only: no tokens/s runs)." if args.perplexity_only else
+                f"Workload: {len(prompts)} prompts at 32 streams, the first {args.single} one at a time at 1 stream, "
+                f"{new_tokens} new tokens each, greedy; tokens/s over the whole run, prefill included.")
     lines = ["# Quantized SmolLM2: weight_format=packed vs dequantize vs llama.cpp", "", f"Machine: {machine.line()}",
-             "", f"Workload: {len(prompts)} prompts at 32 streams, the first {args.single} one at a time at 1 stream, "
-             f"{new_tokens} new tokens each, greedy; tokens/s over the whole run, prefill included.", ""]
+             "", workload, ""]
     started = time.time()
     for quant in args.formats.split(","):
-        runs, bytes_per_weight, ids, ppl = our_runs(model_path(quant), quant, prompts, new_tokens, args.single,
-                                                    args.ppl_windows)
-        peers, failures = llama_cpp_runs(quant, new_tokens)
-        peer_ppl, ppl_failures = llama_cpp_ppl(quant, args.ppl_windows)
-        failures += ppl_failures
-        anchor = {r.streams: r.tokens / r.seconds for r in peers}
-        scored = next(iter(ppl.values())).tokens
-        lines += [f"## {quant}", "", f"| engine | streams | tokens/s | vs llama.cpp | perplexity ({scored} tokens) |",
-                  "|---|---|---|---|---|"]
-        for run in runs + peers:
-            tok_s = run.tokens / run.seconds
-            ratio = f"{tok_s / anchor[run.streams]:.2f}x" if run.streams in anchor else "n/a"
-            mode = run.name.removeprefix(f"deepinfer {quant} ")
-            perplexity = (f"{ppl[mode].value:.4f}" if mode in ppl
-                          else f"{peer_ppl:.4f} (llama-perplexity)" if peer_ppl is not None else "skipped")
-            lines.append(f"| {run.name} | {run.streams} | {tok_s:.1f} | {ratio} | {perplexity} |")
-        if not peers and peer_ppl is not None:
-            lines.append(f"| llama.cpp {quant} | - | - | - | {peer_ppl:.4f} (llama-perplexity) |")
-        reference_ppl = ppl[next(iter(MODES))].value
-        lines += ["", "Perplexity: teacher-forced through prompt_logprobs over "
-                  f"{' + '.join(p.name for p in LICENSE_TEXTS)} in {WINDOW}-token windows "
-                  "(benchmarks/perplexity.py); vs dequantize: " + ", ".join(
-                      f"{label} {100 * (value.value / reference_ppl - 1):+.2f}%" for label, value in ppl.items())]
-        reference = ids[next(iter(MODES))]
-        lines += [""] + [f"- {label}: {bytes_per_weight[label]:.3f} resident bytes per weight; "
-                         f"{sum(a == b for a, b in zip(ids[label], reference))}/{len(reference)} greedy "
-                         f"continuations equal dequantize's" for label in MODES] + [f"- {f}" for f in failures] + [""]
+        runs, bytes_per_weight, ids, ppl, text_ids = our_runs(model_path(quant), quant, prompts, new_tokens,
+                                                              args.single, args.ppl_windows, not args.perplexity_only)
+        peers, failures = llama_cpp_runs(quant, new_tokens) if not args.perplexity_only else ([], [])
+        peer_ppl, ppl_notes = llama_cpp_ppl(quant, args.ppl_windows, text_ids)
+        lines += [f"## {quant}", "", *perplexity_table(quant, runs, peers, ppl, peer_ppl), ""]
+        reference_ppl = ppl[next(iter(MODES))]
+        texts = " + ".join(p.name for p in LICENSE_TEXTS)
+        lines += [f"Perplexity: teacher-forced through prompt_logprobs over {texts} in consecutive {WINDOW}-token "
+                  "windows (benchmarks/perplexity.py), every token after a window's first, and (second halves) "
+                  f"only its tokens {FIRST_SCORED + 1}-{WINDOW - 1}, which is what llama-perplexity scores (-c {WINDOW}, the same windows, no BOS: the file's add_bos_token is "
+                  "false; its KV cache set to f32 like ours); vs dequantize: " + ", ".join(
+                      f"{label} {100 * (value.every.value / reference_ppl.every.value - 1):+.2f}% / "
+                      f"{100 * (value.second_half.value / reference_ppl.second_half.value - 1):+.2f}%"
+                      for label, value in ppl.items()) + (
+                      "" if peer_ppl is None else f", llama.cpp second halves "
+                      f"{100 * (peer_ppl.value / reference_ppl.second_half.value - 1):+.2f}%")]
+        lines += [""] + [f"- {label}: {bytes_per_weight[label]:.3f} resident bytes per weight" + (
+                         f"; {sum(a == b for a, b in zip(ids[label], ids[next(iter(MODES))]))}/{len(prompts)} "
+                         "greedy continuations equal dequantize's" if ids else "") for label in MODES]
+        lines += [f"- {f}" for f in failures + ppl_notes] + [""]
     lines.append(f"Load average at the end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}; "
                  f"run took {time.time() - started:.0f} s.")
     text = "\n".join(lines) + "\n"
