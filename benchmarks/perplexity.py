@@ -9,7 +9,11 @@ prompt. Two scores from the same windows: every token after the window's first (
 ``llama-perplexity`` scores: it tokenizes the same file without a BOS (the GGUF's ``add_bos_token`` is false), cuts
 the same consecutive ``-c WINDOW`` chunks and scores from ``first = n_ctx / 2`` on. With its KV cache in f32 (as
 ours) the two second-half numbers differ only by the arithmetic (its Q4_1 x Q8_1 dot products, our GEMMs), as long
-as the two tokenizers agree on the text: ``llama_cpp_tokens`` (``llama-tokenize``) lets the caller check that.
+as the two tokenizers agree on the text. They do not on SmolLM2 (llama.cpp 0.3.36's vendored build): its ``smollm``
+pre-tokenizer keeps a run of spaces before a digit or word whole ("\\n\\n  0" -> "\\n\\n  ", "0"), where the
+tokenizer.json's (ours, transformers') leaves the last space to the next piece ("\\n\\n ", " ", "0"); 15,055 tokens
+against 15,095, the first difference at token 795. So ``second_half_theirs`` runs our engine on llama.cpp's own ids
+(``llama_cpp_tokens``, from ``llama-tokenize``) in the same windows: the same tokens, positions and scored set.
 """
 from __future__ import annotations
 
@@ -37,6 +41,8 @@ class Perplexity:
 class WindowScores:
     every: Perplexity  # every token after its window's first
     second_half: Perplexity  # tokens FIRST_SCORED + 1 .. WINDOW - 1 of each window (llama-perplexity's)
+    # the same, over the windows of llama.cpp's own tokens of the text (llama_cpp_tokens), where given
+    second_half_theirs: Perplexity | None = None
 
 
 def _perplexity(logprobs: list[float]) -> Perplexity:
@@ -58,12 +64,23 @@ def token_windows(ids: list[int], max_windows: int) -> list[list[int]]:
     return [ids[start:start + WINDOW] for start in range(0, len(ids) - WINDOW + 1, WINDOW)][:max_windows]
 
 
-def engine_perplexity(llm: LLM, windows: list[list[int]]) -> WindowScores:
+def _window_logprobs(llm: LLM, windows: list[list[int]]) -> list[list[float]]:
     results = llm.generate(windows, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))
     # entry k of a window is its token k + 1 (nothing predicts the first)
-    per_window = [[entry.logprob for entry in result.prompt_logprobs.entries] for result in results]
-    return WindowScores(_perplexity([lp for window in per_window for lp in window]),
-                        _perplexity([lp for window in per_window for lp in window[FIRST_SCORED:]]))
+    return [[entry.logprob for entry in result.prompt_logprobs.entries] for result in results]
+
+
+def _second_halves(per_window: list[list[float]]) -> Perplexity:
+    return _perplexity([lp for window in per_window for lp in window[FIRST_SCORED:]])
+
+
+def engine_perplexity(llm: LLM, windows: list[list[int]],
+                      their_windows: list[list[int]] | None = None) -> WindowScores:
+    """Ours over ``windows`` (our tokens), and the second halves over ``their_windows`` (llama.cpp's) if given."""
+    per_window = _window_logprobs(llm, windows)
+    theirs = None if their_windows is None else _second_halves(_window_logprobs(llm, their_windows))
+    return WindowScores(_perplexity([lp for window in per_window for lp in window]), _second_halves(per_window),
+                        theirs)
 
 
 def write_text(text: str, scratch: Path) -> Path:

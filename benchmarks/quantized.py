@@ -92,7 +92,8 @@ def model_path(quant: str) -> Path:
     return path
 
 
-def our_runs(path: Path, quant: str, prompts, new_tokens: int, single: int, ppl_windows: int, speed: bool):
+def our_runs(path: Path, quant: str, prompts, new_tokens: int, single: int, ppl_windows: int, speed: bool,
+             their_ids: list[int] | None):
     """(runs, resident bytes per weight by mode, greedy ids at 32 streams by mode, perplexity by mode, the text's
     token ids); no runs and no greedy ids without ``speed``."""
     runs, bytes_per_weight, ids, ppl = [], {}, {}, {}
@@ -110,39 +111,43 @@ def our_runs(path: Path, quant: str, prompts, new_tokens: int, single: int, ppl_
             runs.append(PeerRun(f"deepinfer {quant} {label}", 1, sum(t for t, _ in one), sum(s for _, s in one)))
             print("\n".join(map(str, runs[-2:])), flush=True)
         text_ids = corpus_ids(llm, corpus_text())
-        ppl[label] = engine_perplexity(llm, token_windows(text_ids, ppl_windows))
+        ppl[label] = engine_perplexity(llm, token_windows(text_ids, ppl_windows),
+                                       None if their_ids is None else token_windows(their_ids, ppl_windows))
         print(f"{label}: perplexity {ppl[label].every.value:.4f} over {ppl[label].every.tokens} tokens, second "
               f"halves {ppl[label].second_half.value:.4f} over {ppl[label].second_half.tokens}", flush=True)
         llm.close()
     return runs, bytes_per_weight, ids, ppl, text_ids
 
 
-def llama_cpp_ppl(quant: str, windows: int, our_ids: list[int]) -> tuple[Perplexity | None, list[str]]:
-    """llama-perplexity on the same file and windows, and (llama-tokenize, where built) whether its tokens of the
-    text are ours over those windows: the notes say."""
-    binaries = ANCHORS / "llama.cpp/build/bin"
-    if not (binaries / "llama-perplexity").exists():
-        return None, [f"llama.cpp {quant} perplexity skipped: {binaries / 'llama-perplexity'} is missing (run "
-                      f"{PEERS_KIT}/anchors/setup.sh 3)"]
-    text_file, notes = write_text(corpus_text(), ANCHORS), []
-    scored = windows * WINDOW
-    if (binaries / "llama-tokenize").exists():
-        try:
-            theirs = llama_cpp_tokens(binaries / "llama-tokenize", model_path(quant), text_file)
-            differ = next((i for i, (a, b) in enumerate(zip(theirs[:scored], our_ids[:scored])) if a != b), None)
-            notes.append(f"llama.cpp {quant} tokenization: {len(theirs)} tokens of the text against our "
-                         f"{len(our_ids)}; " + ("the same ids in the scored windows" if differ is None else
-                                               f"the first differing id at token {differ}"))
-        except (RuntimeError, subprocess.TimeoutExpired) as exc:
-            notes.append(f"llama.cpp {quant} tokenization not compared: {str(exc).strip()[:300]}")
-    else:
-        notes.append(f"llama.cpp {quant} tokenization not compared: {binaries / 'llama-tokenize'} is missing (cmake "
-                     "--build build --target llama-tokenize in /tmp/anchors/llama.cpp)")
+def llama_cpp_ids(quant: str) -> tuple[list[int] | None, list[str]]:
+    """llama-tokenize's ids of the text (llama-perplexity's tokens), where built."""
+    binary = ANCHORS / "llama.cpp/build/bin/llama-tokenize"
+    if not binary.exists():
+        return None, [f"llama.cpp {quant} tokens not compared: {binary} is missing (cmake --build build --target "
+                      "llama-tokenize in /tmp/anchors/llama.cpp)"]
     try:
-        return llama_cpp_perplexity(binaries / "llama-perplexity", model_path(quant), text_file, windows,
-                                    torch.get_num_threads()), notes
+        return llama_cpp_tokens(binary, model_path(quant), write_text(corpus_text(), ANCHORS)), []
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
-        return None, [*notes, f"llama.cpp {quant} perplexity failed: {str(exc).strip()[:300]}"]
+        return None, [f"llama.cpp {quant} tokens not compared: {str(exc).strip()[:300]}"]
+
+
+def tokens_note(quant: str, theirs: list[int], ours: list[int], scored: int) -> str:
+    differ = next((i for i, (a, b) in enumerate(zip(theirs[:scored], ours[:scored])) if a != b), None)
+    return (f"llama.cpp {quant} tokenization: {len(theirs)} tokens of the text against our {len(ours)}; " +
+            ("the same ids in the scored windows" if differ is None else
+             f"the first differing id at token {differ}, so the last column runs ours on llama.cpp's ids"))
+
+
+def llama_cpp_ppl(quant: str, windows: int) -> tuple[Perplexity | None, list[str]]:
+    binary = ANCHORS / "llama.cpp/build/bin/llama-perplexity"
+    if not binary.exists():
+        return None, [f"llama.cpp {quant} perplexity skipped: {binary} is missing (run "
+                      f"{PEERS_KIT}/anchors/setup.sh 3)"]
+    try:
+        return llama_cpp_perplexity(binary, model_path(quant), write_text(corpus_text(), ANCHORS), windows,
+                                    torch.get_num_threads()), []
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        return None, [f"llama.cpp {quant} perplexity failed: {str(exc).strip()[:300]}"]
 
 
 def llama_cpp_runs(quant: str, new_tokens: int) -> tuple[list[PeerRun], list[str]]:
@@ -161,24 +166,47 @@ def llama_cpp_runs(quant: str, new_tokens: int) -> tuple[list[PeerRun], list[str
 
 def perplexity_table(quant: str, runs: list[PeerRun], peers: list[PeerRun], ppl: dict[str, WindowScores],
                      peer_ppl: Perplexity | None) -> list[str]:
-    """One row per run (a row per mode without speed runs), llama.cpp's perplexity in its rows (or its own)."""
+    """One row per run (a row per mode without speed runs); llama.cpp's perplexity in the column of its own tokens."""
     some = next(iter(ppl.values()))
+    theirs = some.second_half_theirs
     lines = [f"| engine | streams | tokens/s | vs llama.cpp | perplexity ({some.every.tokens} tokens) | "
-             f"second halves ({some.second_half.tokens} tokens, llama-perplexity's scoring) |",
-             "|---|---|---|---|---|---|"]
+             f"second halves ({some.second_half.tokens} tokens, llama-perplexity's scoring) | second halves on "
+             f"llama.cpp's tokens ({'-' if theirs is None else theirs.tokens} tokens, the same windows) |",
+             "|---|---|---|---|---|---|---|"]
     anchor = {r.streams: r.tokens / r.seconds for r in peers}
-    peer_cell = "skipped" if peer_ppl is None else f"{peer_ppl.value:.4f} ({peer_ppl.tokens} tokens)"
+    peer_cell = "skipped" if peer_ppl is None else f"{peer_ppl.value:.4f}"
     rows = runs + peers or [PeerRun(f"deepinfer {quant} {label}", 0, 0, 0.0) for label in ppl]
     for run in rows:
         mode = run.name.removeprefix(f"deepinfer {quant} ")
         speed = ("- | - | -" if not run.seconds else f"{run.streams} | {run.tokens / run.seconds:.1f} | " + (
             f"{run.tokens / run.seconds / anchor[run.streams]:.2f}x" if run.streams in anchor else "n/a"))
-        scores = (f"{ppl[mode].every.value:.4f} | {ppl[mode].second_half.value:.4f}" if mode in ppl
-                  else f"- | {peer_cell}")
+        if mode in ppl:
+            on_theirs = ppl[mode].second_half_theirs
+            scores = (f"{ppl[mode].every.value:.4f} | {ppl[mode].second_half.value:.4f} | "
+                      f"{'not run' if on_theirs is None else f'{on_theirs.value:.4f}'}")
+        else:
+            scores = f"- | - | {peer_cell}"
         lines.append(f"| {run.name} | {speed} | {scores} |")
     if not peers:
-        lines.append(f"| llama.cpp {quant} (llama-perplexity) | - | - | - | - | {peer_cell} |")
+        lines.append(f"| llama.cpp {quant} (llama-perplexity, -ctk / -ctv f32) | - | - | - | - | - | {peer_cell} |")
     return lines
+
+
+def perplexity_note(ppl: dict[str, WindowScores], peer_ppl: Perplexity | None) -> str:
+    reference = ppl[next(iter(MODES))]
+    texts = " + ".join(p.name for p in LICENSE_TEXTS)
+    note = (f"Perplexity: teacher-forced through prompt_logprobs over {texts} in consecutive {WINDOW}-token windows "
+            "(benchmarks/perplexity.py), every token after a window's first, and (second halves) only its tokens "
+            f"{FIRST_SCORED + 1}-{WINDOW - 1}, which is what llama-perplexity scores (-c {WINDOW}, the same "
+            "consecutive windows, no BOS: the file's add_bos_token is false; its KV cache set to f32 like ours); "
+            "vs dequantize (every token / second halves): " + ", ".join(
+                f"{label} {100 * (value.every.value / reference.every.value - 1):+.2f}% / "
+                f"{100 * (value.second_half.value / reference.second_half.value - 1):+.2f}%"
+                for label, value in ppl.items()))
+    if peer_ppl is None or reference.second_half_theirs is None:
+        return note
+    return note + "; on llama.cpp's tokens, llama.cpp against each of ours: " + ", ".join(
+        f"{label} {100 * (peer_ppl.value / value.second_half_theirs.value - 1):+.2f}%" for label, value in ppl.items())
 
 
 def main() -> int:
@@ -199,22 +227,17 @@ def main() -> int:
              "", workload, ""]
     started = time.time()
     for quant in args.formats.split(","):
+        their_ids, ppl_notes = llama_cpp_ids(quant)
         runs, bytes_per_weight, ids, ppl, text_ids = our_runs(model_path(quant), quant, prompts, new_tokens,
-                                                              args.single, args.ppl_windows, not args.perplexity_only)
+                                                              args.single, args.ppl_windows, not args.perplexity_only,
+                                                              their_ids)
         peers, failures = llama_cpp_runs(quant, new_tokens) if not args.perplexity_only else ([], [])
-        peer_ppl, ppl_notes = llama_cpp_ppl(quant, args.ppl_windows, text_ids)
+        peer_ppl, peer_notes = llama_cpp_ppl(quant, args.ppl_windows)
+        ppl_notes += peer_notes
+        if their_ids is not None:
+            ppl_notes.append(tokens_note(quant, their_ids, text_ids, args.ppl_windows * WINDOW))
         lines += [f"## {quant}", "", *perplexity_table(quant, runs, peers, ppl, peer_ppl), ""]
-        reference_ppl = ppl[next(iter(MODES))]
-        texts = " + ".join(p.name for p in LICENSE_TEXTS)
-        lines += [f"Perplexity: teacher-forced through prompt_logprobs over {texts} in consecutive {WINDOW}-token "
-                  "windows (benchmarks/perplexity.py), every token after a window's first, and (second halves) "
-                  f"only its tokens {FIRST_SCORED + 1}-{WINDOW - 1}, which is what llama-perplexity scores (-c {WINDOW}, the same windows, no BOS: the file's add_bos_token is "
-                  "false; its KV cache set to f32 like ours); vs dequantize: " + ", ".join(
-                      f"{label} {100 * (value.every.value / reference_ppl.every.value - 1):+.2f}% / "
-                      f"{100 * (value.second_half.value / reference_ppl.second_half.value - 1):+.2f}%"
-                      for label, value in ppl.items()) + (
-                      "" if peer_ppl is None else f", llama.cpp second halves "
-                      f"{100 * (peer_ppl.value / reference_ppl.second_half.value - 1):+.2f}%")]
+        lines += [perplexity_note(ppl, peer_ppl)]
         lines += [""] + [f"- {label}: {bytes_per_weight[label]:.3f} resident bytes per weight" + (
                          f"; {sum(a == b for a, b in zip(ids[label], ids[next(iter(MODES))]))}/{len(prompts)} "
                          "greedy continuations equal dequantize's" if ids else "") for label in MODES]
