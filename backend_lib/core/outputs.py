@@ -128,6 +128,18 @@ class EplbStats:
         return max(self.layer_imbalance, default=1.0)
 
 
+@dataclass(frozen=True)
+class SpecScheduleStats:
+    """Block drafters (DSpark / DFlash): the verify schedule's choices and DSpark's survival calibration
+    (cumulative, worker/spec_decode/block_stats.py)."""
+
+    verify_lengths: list[int]  # index L in [0, k]: request-steps given L drafts (0: drafting off, or cut to none)
+    # Per draft position j, over the drafts verified there (DSpark; empty for DFlash, which has no head, and until
+    # the first verification): the mean survival the confidence head predicted, and the share accepted.
+    predicted_survival: list[float]
+    observed_survival: list[float]
+
+
 @dataclass
 class EngineStats:
     num_running: int
@@ -151,6 +163,7 @@ class EngineStats:
     num_refused_waiting: int = 0
     num_refused_sessions: int = 0
     eplb: EplbStats | None = None  # None: enable_eplb off
+    spec_schedule: SpecScheduleStats | None = None  # None: no block drafter (spec_method dspark / dflash)
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -30,6 +30,7 @@ from backend_lib.core.outputs import ScheduledChunk
 from backend_lib.models.dspark.heads import confidence_logits, draft_sequentially
 from backend_lib.models.dspark.model import load_drafter
 from backend_lib.models.interfaces import capabilities_of
+from backend_lib.worker.spec_decode.block_stats import BlockDraftCounters
 from backend_lib.worker.spec_decode.rejection import num_accepted
 from backend_lib.worker.spec_decode.verify_schedule import VerifyLengthSchedule
 
@@ -71,6 +72,7 @@ class BlockDraftProposer:
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.last_survival: dict[str, list[float]] = {}  # request id -> survival of the drafts it proposed
+        self.counters = BlockDraftCounters(self.k)  # /metrics: chosen lengths, survival calibration
         model.capture_layer_ids = config.target_layer_ids
 
     def write_context(self, positions: torch.Tensor,  # [T] int64: the rows the target ran this step
@@ -132,8 +134,11 @@ class BlockDraftProposer:
             predicted = self.last_survival.get(chunk.request.request_id)
             if predicted is not None and chunk.num_draft_tokens:
                 self.schedule.calibration.observe(predicted[:chunk.num_draft_tokens], len(tokens) - 1)
+                if self.confidence is not None:
+                    self.counters.observe(predicted[:chunk.num_draft_tokens], len(tokens) - 1)
         self.last_survival = {}
         if block is None:
+            self.counters.given(0 for c in chunks if c.request.sampling_params.speculative)
             return [[] for _ in chunks]
         width = block.token_ids.shape[1]
         drafts = [flat_drafts[b * width:(b + 1) * width] for b in range(len(chunks))]
@@ -158,6 +163,7 @@ class BlockDraftProposer:
             out[b] = drafts[b][:n]
             self.last_survival[chunks[b].request.request_id] = (survival[b][:n] if survival is not None
                                                                  else [1.0] * n)
+        self.counters.given(len(out[b]) for b in speculating)
         return out
 
 
