@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -70,12 +71,15 @@ def main() -> int:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--prompts", type=int, default=0, help="prompts of the workload to run (0 = all 32)")
     parser.add_argument("--batch1-prompts", type=int, default=4, help="prompts of the one-stream runs")
+    parser.add_argument("--groups", type=int, default=0, help="groups of B prompts a B-stream run takes (0 = all)")
     parser.add_argument("--new-tokens", type=int, default=0, help="0 = the workload's")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--weight-format", default="dequantize", choices=("dequantize", "packed"))
     parser.add_argument("--workload", default=str(WORKLOAD_FILE))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "spec_decode_block"))
+    parser.add_argument("--merge", default="", help="rows of an earlier run of the same setup (its .json) to report "
+                        "beside this run's (e.g. n-gram measured while the drafter trained)")
     args = parser.parse_args()
     prompts, new_tokens = load_workload(Path(args.workload))
     prompts = prompts[:args.prompts or len(prompts)]
@@ -83,9 +87,12 @@ def main() -> int:
     flat = {"model": default_model_path(), "dtype": args.dtype, "weight_format": args.weight_format,
             "num_blocks": 2048, "max_num_seqs": 32, "enable_prefix_caching": False,
             "num_speculative_tokens": args.k, "speculative_model": args.drafter}
-    rows = []
+    rows: list = []
+    if args.merge:
+        for row in json.loads(Path(args.merge).read_text()):
+            rows.append((row["method"], row["batch"], row["schedule"], Result(**row["base"]), Result(**row["spec"])))
     for batch in (int(b) for b in args.batches.split(",")):
-        group = prompts[:args.batch1_prompts] if batch == 1 else prompts
+        group = prompts[:args.batch1_prompts] if batch == 1 else prompts[:batch * args.groups or len(prompts)]
         for method in args.methods.split(","):
             rows += [(method, batch, *row) for row in run_method(flat, method, METHODS[method], group, params, batch)]
     write_results(rows, params, args)
@@ -93,6 +100,7 @@ def main() -> int:
 
 
 def write_results(rows: list[tuple[str, int, str, Result, Result]], params: SamplingParams, args) -> None:
+    rows = sorted(rows, key=lambda r: (r[1], list(METHODS).index(r[0]), r[2]))
     machine = describe()
     lines = ["# Speculation on the shared workload: n-gram, DFlash, DSpark", "",
              f"Machine: {machine.cpu}, {machine.cores} cores, load average at the end {_load()}. SmolLM2-135M "
@@ -113,6 +121,9 @@ def write_results(rows: list[tuple[str, int, str, Result, Result]], params: Samp
     stem = Path(args.out)
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps([
+        {"method": m, "batch": b, "schedule": s, "base": {**dataclasses.asdict(base), "token_ids": []},
+         "spec": {**dataclasses.asdict(spec), "token_ids": []}} for m, b, s, base, spec in rows], indent=1))
 
     import matplotlib
     matplotlib.use("Agg")

@@ -114,7 +114,7 @@ def _workload(engine: LLMEngine) -> dict[str, list[int]]:
 @pytest.mark.slow
 def test_preemption_grammar_penalties_and_sessions_equal_plain(smollm2_path, drafter_dir, plain):
     expected = _workload(plain.engine)
-    spec = _engine(smollm2_path, **{**_spec(drafter_dir, "dspark"), "spec_schedule": "confidence"}, num_blocks=12)
+    spec = _engine(smollm2_path, **{**_spec(drafter_dir, "dspark"), "spec_schedule": "confidence"}, num_blocks=8)
     got = _workload(spec.engine)
     assert got == expected
     text = spec.engine.tokenizer.decode(got["grammar"])
