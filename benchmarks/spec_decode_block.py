@@ -30,7 +30,7 @@ from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
 from backend_lib.engine.llm_engine import LLMEngine  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.offline_throughput import load_workload  # noqa: E402
-from benchmarks.spec_decode import Result, _load, run_interleaved  # noqa: E402
+from benchmarks.spec_decode import Result, _load, run, run_interleaved  # noqa: E402
 from benchmarks.workload import WORKLOAD_FILE  # noqa: E402
 
 # method -> the schedules its engine runs in turn (n-gram has no schedule: its drafts are its matches)
@@ -40,6 +40,8 @@ METHODS = {"ngram": ("fixed",), "dflash": ("fixed",), "dspark": ("fixed", "confi
 def run_method(flat: dict, method: str, schedules: tuple[str, ...], prompts: list, params: SamplingParams,
                batch: int) -> list[tuple[str, Result, Result]]:
     engine = LLMEngine(EngineConfig.from_flat({**flat, "method": method}))
+    # a first step pays one-off costs (allocations, kernel caches): not in the first group's plain run
+    run(engine, "warm", prompts[:1], dataclasses.replace(params, max_tokens=4), 1)
     drafter = engine.runner.block_drafter
     names = [f"{method}-{s}" for s in schedules]
     runs = [("plain", dataclasses.replace(params, speculative=False))] + [(n, params) for n in names]
