@@ -5,7 +5,9 @@ at 32 streams (all 32 prompts) and 1 stream (the first ``--single`` prompts one 
 greedy, EOS ignored. Formats: the bundled Q4_1 and a Q8_0 converted from it with the ``gguf`` package's own
 quantizer (``--formats``). Tokens/s count generated tokens over the whole run, prefill included (as
 benchmarks/offline_throughput.py and the anchors' run.sh do). Also states the resident bytes per weight of each
-engine and how many greedy continuations of each packed mode equal dequantize's.
+engine and how many greedy continuations of each packed mode equal dequantize's, and each mode's teacher-forced
+perplexity beside llama.cpp's ``llama-perplexity`` on the same text, file and windows where the anchors built it
+(benchmarks/perplexity.py says how the two are made comparable; ``--perplexity-only`` skips the speed runs).
 
 Targets (issue 37): packed Q4_1 >= 1.2x llama.cpp Q4_1 at one stream, >= 1.3x at 32 streams. Not covered yet: the
 tiny DeepSeek-V3 fp8 / V4 fp8 + fp4 rows (weight_format=packed is not wired into the DeepSeek models).
@@ -33,8 +35,9 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.offline_throughput import load_workload, run_engine  # noqa: E402
 from benchmarks.peers import ANCHORS, PEERS_KIT, PeerRun, run_llama_cpp  # noqa: E402
-from benchmarks.perplexity import (LICENSE_TEXTS, WINDOW, corpus_text, engine_perplexity,  # noqa: E402
-                                   llama_cpp_perplexity, token_windows)
+from benchmarks.perplexity import (FIRST_SCORED, LICENSE_TEXTS, WINDOW, Perplexity,  # noqa: E402
+                                   WindowScores, corpus_ids, corpus_text, engine_perplexity,
+                                   llama_cpp_perplexity, llama_cpp_tokens, token_windows, write_text)
 from backend_lib.core.config import EngineConfig  # noqa: E402
 from backend_lib.core.sampling_params import SamplingParams  # noqa: E402
 from backend_lib.engine.offline import LLM  # noqa: E402
@@ -89,8 +92,10 @@ def model_path(quant: str) -> Path:
     return path
 
 
-def our_runs(path: Path, quant: str, prompts, new_tokens: int, single: int, ppl_windows: int):
-    """(runs, resident bytes per weight by mode, greedy ids at 32 streams by mode, perplexity by mode)."""
+def our_runs(path: Path, quant: str, prompts, new_tokens: int, single: int, ppl_windows: int, speed: bool,
+             their_ids: list[int] | None):
+    """(runs, resident bytes per weight by mode, greedy ids at 32 streams by mode, perplexity by mode, the text's
+    token ids); no runs and no greedy ids without ``speed``."""
     runs, bytes_per_weight, ids, ppl = [], {}, {}, {}
     for label, settings in MODES.items():
         llm = LLM(config=EngineConfig.from_flat({"model": str(path), "max_num_seqs": 32,
@@ -98,26 +103,49 @@ def our_runs(path: Path, quant: str, prompts, new_tokens: int, single: int, ppl_
                                                  **settings}))
         weights, resident = resident_weight_bytes(llm.engine.model)
         bytes_per_weight[label] = resident / weights
-        llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-        tokens, seconds, ids[label] = run_engine(llm, prompts, new_tokens)
-        runs.append(PeerRun(f"deepinfer {quant} {label}", len(prompts), tokens, seconds))
-        one = [run_engine(llm, [p], new_tokens)[:2] for p in prompts[:single]]
-        runs.append(PeerRun(f"deepinfer {quant} {label}", 1, sum(t for t, _ in one), sum(s for _, s in one)))
-        print("\n".join(map(str, runs[-2:])), flush=True)
-        ppl[label] = engine_perplexity(llm, token_windows(llm, corpus_text(), ppl_windows))
-        print(f"{label}: perplexity {ppl[label].value:.4f} over {ppl[label].tokens} tokens", flush=True)
+        if speed:
+            llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+            tokens, seconds, ids[label] = run_engine(llm, prompts, new_tokens)
+            runs.append(PeerRun(f"deepinfer {quant} {label}", len(prompts), tokens, seconds))
+            one = [run_engine(llm, [p], new_tokens)[:2] for p in prompts[:single]]
+            runs.append(PeerRun(f"deepinfer {quant} {label}", 1, sum(t for t, _ in one), sum(s for _, s in one)))
+            print("\n".join(map(str, runs[-2:])), flush=True)
+        text_ids = corpus_ids(llm, corpus_text())
+        ppl[label] = engine_perplexity(llm, token_windows(text_ids, ppl_windows),
+                                       None if their_ids is None else token_windows(their_ids, ppl_windows))
+        print(f"{label}: perplexity {ppl[label].every.value:.4f} over {ppl[label].every.tokens} tokens, second "
+              f"halves {ppl[label].second_half.value:.4f} over {ppl[label].second_half.tokens}", flush=True)
         llm.close()
-    return runs, bytes_per_weight, ids, ppl
+    return runs, bytes_per_weight, ids, ppl, text_ids
 
 
-def llama_cpp_ppl(quant: str, windows: int) -> tuple[float | None, list[str]]:
+def llama_cpp_ids(quant: str) -> tuple[list[int] | None, list[str]]:
+    """llama-tokenize's ids of the text (llama-perplexity's tokens), where built."""
+    binary = ANCHORS / "llama.cpp/build/bin/llama-tokenize"
+    if not binary.exists():
+        return None, [f"llama.cpp {quant} tokens not compared: {binary} is missing (cmake --build build --target "
+                      "llama-tokenize in /tmp/anchors/llama.cpp)"]
+    try:
+        return llama_cpp_tokens(binary, model_path(quant), write_text(corpus_text(), ANCHORS)), []
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        return None, [f"llama.cpp {quant} tokens not compared: {str(exc).strip()[:300]}"]
+
+
+def tokens_note(quant: str, theirs: list[int], ours: list[int], scored: int) -> str:
+    differ = next((i for i, (a, b) in enumerate(zip(theirs[:scored], ours[:scored])) if a != b), None)
+    return (f"llama.cpp {quant} tokenization: {len(theirs)} tokens of the text against our {len(ours)}; " +
+            ("the same ids in the scored windows" if differ is None else
+             f"the first differing id at token {differ}, so the last column runs ours on llama.cpp's ids"))
+
+
+def llama_cpp_ppl(quant: str, windows: int) -> tuple[Perplexity | None, list[str]]:
     binary = ANCHORS / "llama.cpp/build/bin/llama-perplexity"
     if not binary.exists():
         return None, [f"llama.cpp {quant} perplexity skipped: {binary} is missing (run "
                       f"{PEERS_KIT}/anchors/setup.sh 3)"]
     try:
-        return llama_cpp_perplexity(binary, model_path(quant), corpus_text(), windows, torch.get_num_threads(),
-                                    ANCHORS), []
+        return llama_cpp_perplexity(binary, model_path(quant), write_text(corpus_text(), ANCHORS), windows,
+                                    torch.get_num_threads()), []
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         return None, [f"llama.cpp {quant} perplexity failed: {str(exc).strip()[:300]}"]
 
@@ -136,48 +164,84 @@ def llama_cpp_runs(quant: str, new_tokens: int) -> tuple[list[PeerRun], list[str
     return runs, failures
 
 
+def perplexity_table(quant: str, runs: list[PeerRun], peers: list[PeerRun], ppl: dict[str, WindowScores],
+                     peer_ppl: Perplexity | None) -> list[str]:
+    """One row per run (a row per mode without speed runs); llama.cpp's perplexity in the column of its own tokens."""
+    some = next(iter(ppl.values()))
+    theirs = some.second_half_theirs
+    lines = [f"| engine | streams | tokens/s | vs llama.cpp | perplexity ({some.every.tokens} tokens) | "
+             f"second halves ({some.second_half.tokens} tokens, llama-perplexity's scoring) | second halves on "
+             f"llama.cpp's tokens ({'-' if theirs is None else theirs.tokens} tokens, the same windows) |",
+             "|---|---|---|---|---|---|---|"]
+    anchor = {r.streams: r.tokens / r.seconds for r in peers}
+    peer_cell = "skipped" if peer_ppl is None else f"{peer_ppl.value:.4f}"
+    rows = runs + peers or [PeerRun(f"deepinfer {quant} {label}", 0, 0, 0.0) for label in ppl]
+    for run in rows:
+        mode = run.name.removeprefix(f"deepinfer {quant} ")
+        speed = ("- | - | -" if not run.seconds else f"{run.streams} | {run.tokens / run.seconds:.1f} | " + (
+            f"{run.tokens / run.seconds / anchor[run.streams]:.2f}x" if run.streams in anchor else "n/a"))
+        if mode in ppl:
+            on_theirs = ppl[mode].second_half_theirs
+            scores = (f"{ppl[mode].every.value:.4f} | {ppl[mode].second_half.value:.4f} | "
+                      f"{'not run' if on_theirs is None else f'{on_theirs.value:.4f}'}")
+        else:
+            scores = f"- | - | {peer_cell}"
+        lines.append(f"| {run.name} | {speed} | {scores} |")
+    if not peers:
+        lines.append(f"| llama.cpp {quant} (llama-perplexity, -ctk / -ctv f32) | - | - | - | - | - | {peer_cell} |")
+    return lines
+
+
+def perplexity_note(ppl: dict[str, WindowScores], peer_ppl: Perplexity | None) -> str:
+    reference = ppl[next(iter(MODES))]
+    texts = " + ".join(p.name for p in LICENSE_TEXTS)
+    note = (f"Perplexity: teacher-forced through prompt_logprobs over {texts} in consecutive {WINDOW}-token windows "
+            "(benchmarks/perplexity.py), every token after a window's first, and (second halves) only its tokens "
+            f"{FIRST_SCORED + 1}-{WINDOW - 1}, which is what llama-perplexity scores (-c {WINDOW}, the same "
+            "consecutive windows, no BOS: the file's add_bos_token is false; its KV cache set to f32 like ours); "
+            "vs dequantize (every token / second halves): " + ", ".join(
+                f"{label} {100 * (value.every.value / reference.every.value - 1):+.2f}% / "
+                f"{100 * (value.second_half.value / reference.second_half.value - 1):+.2f}%"
+                for label, value in ppl.items()))
+    if peer_ppl is None or reference.second_half_theirs is None:
+        return note
+    return note + "; on llama.cpp's tokens, llama.cpp against each of ours: " + ", ".join(
+        f"{label} {100 * (peer_ppl.value / value.second_half_theirs.value - 1):+.2f}%" for label, value in ppl.items())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default=str(WORKLOAD_FILE))
     parser.add_argument("--formats", default="Q4_1,Q8_0")
     parser.add_argument("--single", type=int, default=4, help="prompts for the one-stream runs")
     parser.add_argument("--ppl-windows", type=int, default=8, help=f"perplexity windows of {WINDOW} tokens")
+    parser.add_argument("--perplexity-only", action="store_true", help="no tokens/s runs: the perplexity columns")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quantized.md"))
     args = parser.parse_args()
     prompts, new_tokens = load_workload(Path(args.workload))
     machine = describe()
+    workload = ("Workload: none (--perplexity-only: no tokens/s runs)." if args.perplexity_only else
+                f"Workload: {len(prompts)} prompts at 32 streams, the first {args.single} one at a time at 1 stream, "
+                f"{new_tokens} new tokens each, greedy; tokens/s over the whole run, prefill included.")
     lines = ["# Quantized SmolLM2: weight_format=packed vs dequantize vs llama.cpp", "", f"Machine: {machine.line()}",
-             "", f"Workload: {len(prompts)} prompts at 32 streams, the first {args.single} one at a time at 1 stream, "
-             f"{new_tokens} new tokens each, greedy; tokens/s over the whole run, prefill included.", ""]
+             "", workload, ""]
     started = time.time()
     for quant in args.formats.split(","):
-        runs, bytes_per_weight, ids, ppl = our_runs(model_path(quant), quant, prompts, new_tokens, args.single,
-                                                    args.ppl_windows)
-        peers, failures = llama_cpp_runs(quant, new_tokens)
-        peer_ppl, ppl_failures = llama_cpp_ppl(quant, args.ppl_windows)
-        failures += ppl_failures
-        anchor = {r.streams: r.tokens / r.seconds for r in peers}
-        scored = next(iter(ppl.values())).tokens
-        lines += [f"## {quant}", "", f"| engine | streams | tokens/s | vs llama.cpp | perplexity ({scored} tokens) |",
-                  "|---|---|---|---|---|"]
-        for run in runs + peers:
-            tok_s = run.tokens / run.seconds
-            ratio = f"{tok_s / anchor[run.streams]:.2f}x" if run.streams in anchor else "n/a"
-            mode = run.name.removeprefix(f"deepinfer {quant} ")
-            perplexity = (f"{ppl[mode].value:.4f}" if mode in ppl
-                          else f"{peer_ppl:.4f} (llama-perplexity)" if peer_ppl is not None else "skipped")
-            lines.append(f"| {run.name} | {run.streams} | {tok_s:.1f} | {ratio} | {perplexity} |")
-        if not peers and peer_ppl is not None:
-            lines.append(f"| llama.cpp {quant} | - | - | - | {peer_ppl:.4f} (llama-perplexity) |")
-        reference_ppl = ppl[next(iter(MODES))].value
-        lines += ["", "Perplexity: teacher-forced through prompt_logprobs over "
-                  f"{' + '.join(p.name for p in LICENSE_TEXTS)} in {WINDOW}-token windows "
-                  "(benchmarks/perplexity.py); vs dequantize: " + ", ".join(
-                      f"{label} {100 * (value.value / reference_ppl - 1):+.2f}%" for label, value in ppl.items())]
-        reference = ids[next(iter(MODES))]
-        lines += [""] + [f"- {label}: {bytes_per_weight[label]:.3f} resident bytes per weight; "
-                         f"{sum(a == b for a, b in zip(ids[label], reference))}/{len(reference)} greedy "
-                         f"continuations equal dequantize's" for label in MODES] + [f"- {f}" for f in failures] + [""]
+        their_ids, ppl_notes = llama_cpp_ids(quant)
+        runs, bytes_per_weight, ids, ppl, text_ids = our_runs(model_path(quant), quant, prompts, new_tokens,
+                                                              args.single, args.ppl_windows, not args.perplexity_only,
+                                                              their_ids)
+        peers, failures = llama_cpp_runs(quant, new_tokens) if not args.perplexity_only else ([], [])
+        peer_ppl, peer_notes = llama_cpp_ppl(quant, args.ppl_windows)
+        ppl_notes += peer_notes
+        if their_ids is not None:
+            ppl_notes.append(tokens_note(quant, their_ids, text_ids, args.ppl_windows * WINDOW))
+        lines += [f"## {quant}", "", *perplexity_table(quant, runs, peers, ppl, peer_ppl), ""]
+        lines += [perplexity_note(ppl, peer_ppl)]
+        lines += [""] + [f"- {label}: {bytes_per_weight[label]:.3f} resident bytes per weight" + (
+                         f"; {sum(a == b for a, b in zip(ids[label], ids[next(iter(MODES))]))}/{len(prompts)} "
+                         "greedy continuations equal dequantize's" if ids else "") for label in MODES]
+        lines += [f"- {f}" for f in failures + ppl_notes] + [""]
     lines.append(f"Load average at the end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}; "
                  f"run took {time.time() - started:.0f} s.")
     text = "\n".join(lines) + "\n"

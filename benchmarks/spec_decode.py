@@ -69,7 +69,7 @@ class Result:
     accepted_per_step: float = 0.0  # mean emitted tokens per verification (1 + accepted / verifications)
     acceptance_per_position: list[float] | None = None
     acceptance_rate: float = 0.0
-    chosen_lengths: list[int] | None = None  # block drafters: request-steps given L drafts (index L)
+    chosen_lengths: list[int] | None = None  # request-steps whose proposer chose L drafts (index L)
 
     @property
     def tok_s(self) -> float:
@@ -150,11 +150,10 @@ class _SpecCounts:
             mine += [0] * (len(a) - len(mine))
             for j, value in enumerate(a):
                 mine[j] += value - (b[j] if j < len(b) else 0)
-        if after.spec_schedule is not None:
-            a, b = after.spec_schedule.verify_lengths, before.spec_schedule.verify_lengths
-            self.chosen_lengths += [0] * (len(a) - len(self.chosen_lengths))
-            for n, value in enumerate(a):
-                self.chosen_lengths[n] += value - b[n]
+        a, b = after.spec_chosen_lengths, before.spec_chosen_lengths
+        self.chosen_lengths += [0] * (len(a) - len(self.chosen_lengths))
+        for n, value in enumerate(a):
+            self.chosen_lengths[n] += value - (b[n] if n < len(b) else 0)
 
 
 def run(engine: LLMEngine, name: str, prompts: list, params: SamplingParams, batch: int) -> Result:

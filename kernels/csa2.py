@@ -39,14 +39,32 @@ def fake_quant_fp8(x: torch.Tensor,  # [..., C]
     return (q * scale).flatten(-2).to(x.dtype)
 
 
-def round_e2m1(q: torch.Tensor) -> torch.Tensor:  # |q| <= 6, float32
-    """Round to the nearest e2m1 value, a midpoint to the even code (0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 5 -> 4)."""
+def e2m1_magnitude_codes(q: torch.Tensor) -> torch.Tensor:  # [...] float32, |q| <= 6 -> [...] int64 in 0..7
+    """The nearest e2m1 magnitude's index in (0, 0.5, 1, 1.5, 2, 3, 4, 6), a midpoint to the even index
+    (0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 5 -> 4)."""
     grid = torch.tensor(_E2M1, device=q.device)
     mids = (grid[1:] + grid[:-1]) / 2
     up_at_tie = torch.arange(1, len(_E2M1), device=q.device) % 2 == 0
     mag = q.abs()[..., None]
-    code = torch.where(up_at_tie, mag >= mids, mag > mids).sum(-1)
-    return torch.copysign(grid[code], q)
+    return torch.where(up_at_tie, mag >= mids, mag > mids).sum(-1)
+
+
+def e2m1_grid(device: torch.device) -> torch.Tensor:  # [8] float32 the e2m1 magnitudes
+    return torch.tensor(_E2M1, device=device)
+
+
+def round_e2m1(q: torch.Tensor) -> torch.Tensor:  # |q| <= 6, float32
+    """Round to the nearest e2m1 value, a midpoint to the even code."""
+    return torch.copysign(e2m1_grid(q.device)[e2m1_magnitude_codes(q)], q)
+
+
+def fp4_block_scales(blocks: torch.Tensor,  # [..., G, block] float32
+                     e4m3_scales: bool) -> torch.Tensor:  # [..., G, 1] float32
+    """Each block's scale: amax / 6 rounded to e4m3 (NVFP4, 16-blocks) or up to a power of two (MXFP4, ue8m0)."""
+    amax = blocks.abs().amax(-1, keepdim=True)
+    if e4m3_scales:
+        return (amax.clamp_min(FP4_MAX * 2.0 ** -9) / FP4_MAX).to(torch.float8_e4m3fn).float()
+    return _pow2_ceil(amax.clamp_min(FP4_MAX * 2.0 ** -126) / FP4_MAX)
 
 
 def fake_quant_fp4(x: torch.Tensor,  # [..., C]
@@ -54,11 +72,7 @@ def fake_quant_fp4(x: torch.Tensor,  # [..., C]
     if x.shape[-1] % block:
         return x
     b = x.float().unflatten(-1, (-1, block))
-    amax = b.abs().amax(-1, keepdim=True)
-    if e4m3_scales:
-        scale = (amax.clamp_min(FP4_MAX * 2.0 ** -9) / FP4_MAX).to(torch.float8_e4m3fn).float()
-    else:
-        scale = _pow2_ceil(amax.clamp_min(FP4_MAX * 2.0 ** -126) / FP4_MAX)
+    scale = fp4_block_scales(b, e4m3_scales)
     return (round_e2m1((b / scale).clamp(-FP4_MAX, FP4_MAX)) * scale).flatten(-2).to(x.dtype)
 
 

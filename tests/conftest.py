@@ -61,19 +61,26 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2_tokenizer(smollm2_path):
-    """transformers' tokenizer from the GGUF file (its conversion takes ~7 s: once per pytest worker)."""
-    from transformers import AutoTokenizer
-    directory, name = os.path.split(smollm2_path)
-    return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+def hf_smollm2_dir(smollm2_path, request, tmp_path_factory) -> Path:
+    """transformers' fp32 reading of the GGUF, converted once for all workers and runs (tests/helpers/hf_smollm2_copy.py)."""
+    from tests.helpers.hf_smollm2_copy import hf_smollm2_directory
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider: a per-run directory
+    root = Path(cache.mkdir("hf_smollm2")) if cache is not None else tmp_path_factory.mktemp("hf_smollm2")
+    return hf_smollm2_directory(smollm2_path, root)
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2(smollm2_path, hf_smollm2_tokenizer):
-    """(model, tokenizer) from transformers, loading the same GGUF file in fp32."""
+def hf_smollm2_tokenizer(hf_smollm2_dir):
+    """transformers' tokenizer from the GGUF file."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(hf_smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(hf_smollm2_dir, hf_smollm2_tokenizer):
+    """(model, tokenizer) from transformers, the same GGUF file dequantized to fp32."""
     from transformers import AutoModelForCausalLM
-    directory, name = os.path.split(smollm2_path)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_smollm2_dir, dtype=torch.float32).eval()
     return model, hf_smollm2_tokenizer
 
 

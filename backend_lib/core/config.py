@@ -122,6 +122,10 @@ class SchedulerConfig:
     # (core/priority.py), each request's value lowered by one per priority_aging_s seconds since it arrived.
     scheduling_policy: str = "fcfs"
     priority_aging_s: float = 10.0
+    # Zero-overhead scheduling (engine/overlap.py): step t+1 is scheduled and its inputs prepared while step t's
+    # forward runs; off by default: on the 2-core host the overlap alone was within noise
+    # (benchmarks/results/async_scheduling.md).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _require(1 <= self.max_num_seqs <= 1024, f"max_num_seqs must be in [1, 1024], got {self.max_num_seqs}")
@@ -309,6 +313,11 @@ class RequestLimits:
     max_stop_token_ids: int = 64
     max_logit_bias: int = 1024  # logit_bias entries (each step scatters them into a [rows, vocab] bias)
     max_logprobs: int = 20  # top-n alternatives per token (vLLM's default max_logprobs)
+    # Images (a model with a vision tower): images in one request, encoded bytes of one, its decoded width x height
+    # (checked from the header, before the pixels are decoded)
+    max_images_per_request: int = 8
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 32 * 1024 * 1024
     # Structured output (structured_outputs / guided_*; StructuredOutputLimits says what each bounds): characters of
     # a schema, regex or grammar (or of all choices), a schema's JSON nesting, strings in a choice list, and the
     # seconds a grammar may take to compile.

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-if TYPE_CHECKING:  # runtime-free: the manager only reads request_id, num_tokens, all_token_ids, block_ids
+if TYPE_CHECKING:  # runtime-free: the manager only reads request_id, num_tokens, all_token_ids, block_ids, images
     from backend_lib.core.request import Request
 
 
@@ -35,9 +35,17 @@ class BlockHash(NamedTuple):
     token_ids: tuple[int, ...]
 
 
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    tokens = tuple(token_ids)
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: tuple = ()) -> BlockHash:
+    """``extra``: what the ids do not say about the block (the image spans in it: their digests and starts)."""
+    tokens = tuple(token_ids) + extra
     return BlockHash(hash((parent.value if parent is not None else None, tokens)), tokens)
+
+
+def _image_keys(request: Request, start: int, end: int) -> tuple:
+    """The image spans overlapping positions [start, end): every span position carries the same id, so two
+    different images must not share a block (nor the same image at another place)."""
+    return tuple((image.digest, image.start) for image in request.images
+                 if image.start < end and start < image.start + image.num_tokens)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -245,7 +253,8 @@ class KVCacheManager:
             tokens = request.all_token_ids
             while len(chain) < num_full_blocks:
                 i = len(chain)
-                chain.append(hash_block(chain[-1] if chain else None, tokens[i * bs:(i + 1) * bs]))
+                chain.append(hash_block(chain[-1] if chain else None, tokens[i * bs:(i + 1) * bs],
+                                        _image_keys(request, i * bs, (i + 1) * bs)))
         return chain
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:

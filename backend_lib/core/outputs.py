@@ -129,15 +129,13 @@ class EplbStats:
 
 
 @dataclass(frozen=True)
-class SpecScheduleStats:
-    """Block drafters (DSpark / DFlash): the verify schedule's choices and DSpark's survival calibration
-    (cumulative, worker/spec_decode/block_stats.py)."""
+class SpecSurvivalStats:
+    """DSpark's survival calibration (cumulative, worker/spec_decode/block_stats.py): per draft position j, over the
+    drafts verified there, the mean survival the confidence head predicted and the share accepted (empty until the
+    first verification)."""
 
-    verify_lengths: list[int]  # index L in [0, k]: request-steps given L drafts (0: drafting off, or cut to none)
-    # Per draft position j, over the drafts verified there (DSpark; empty for DFlash, which has no head, and until
-    # the first verification): the mean survival the confidence head predicted, and the share accepted.
-    predicted_survival: list[float]
-    observed_survival: list[float]
+    predicted: list[float]
+    observed: list[float]
 
 
 @dataclass
@@ -159,11 +157,13 @@ class EngineStats:
     # Per draft position j (0-based): drafts verified there, and accepted there (cumulative).
     spec_drafts_per_position: list[int] = field(default_factory=list)
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    # Index L: request-steps whose proposer chose L drafts for the next step, 0 included (cumulative).
+    spec_chosen_lengths: list[int] = field(default_factory=list)
     # Admission refusals (AsyncEngine, cumulative): past max_waiting_requests, and session STARTs past max_sessions.
     num_refused_waiting: int = 0
     num_refused_sessions: int = 0
     eplb: EplbStats | None = None  # None: enable_eplb off
-    spec_schedule: SpecScheduleStats | None = None  # None: no block drafter (spec_method dspark / dflash)
+    spec_survival: SpecSurvivalStats | None = None  # None: no block drafter (DFlash: empty, it has no head)
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -11,6 +11,7 @@ import enum
 import time
 from collections.abc import Container
 from dataclasses import dataclass, field
+from typing import Any
 
 from backend_lib.core.errors import RequestError
 from backend_lib.core.grammar import RequestGrammar
@@ -37,6 +38,18 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self.value in ("stop", "length", "abort", "error")
+
+
+@dataclass(frozen=True)
+class PromptImage:
+    """An image's span in a prompt: positions [start, start + num_tokens) carry the model's image token id and take
+    their input embeddings from ``embeddings`` (the encoder's output, computed once before the request is queued:
+    a chunk may cut the span, a preemption recomputes from it, and it is freed with the request)."""
+
+    start: int
+    num_tokens: int
+    digest: str  # sha256 of the image bytes and the preprocessing settings
+    embeddings: Any  # [num_tokens, hidden] tensor (core holds it, never reads it)
 
 
 @dataclass
@@ -69,6 +82,7 @@ class Request:
     num_prompt_logprobs: int = 0
     # Structured output (backend_lib/core/grammar.py): the grammar's compile, then its matcher while running.
     grammar: RequestGrammar | None = None
+    images: tuple[PromptImage, ...] = ()  # image spans of the prompt, in order
 
     @property
     def all_token_ids(self) -> list[int]:

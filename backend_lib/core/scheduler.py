@@ -217,6 +217,8 @@ class Scheduler:
             request.num_computed_tokens = min(end, request.num_tokens - 1) if sampled else end
             self.kv_cache.cache_blocks(request, request.num_computed_tokens)
             request.draft_token_ids = list(proposals[i]) if proposals is not None and sampled else []
+            if proposals is not None and sampled and request.sampling_params.speculative:
+                self.spec.record_choice(len(request.draft_token_ids))
             if request.is_finished:
                 self._remove_from_queues(request)
                 self._release(request)
@@ -418,6 +420,7 @@ class Scheduler:
             slot, request.state_slot = request.state_slot, None
             blocks = self.kv_cache.detach(request)
             session.token_ids = request.all_token_ids
+            session.images = request.images  # the history's image spans, with it
             self.sessions.store_kv(session, blocks, request.num_computed_tokens, slot)
         elif session.block_ids:  # aborted before admission: the session still has its previous state
             self.kv_cache.free(request)
@@ -479,7 +482,8 @@ class Scheduler:
                     spec_draft_tokens=self.spec.draft_tokens,
                     spec_accepted_tokens=self.spec.accepted_tokens,
                     spec_drafts_per_position=list(self.spec.drafts_per_position),
-                    spec_accepted_per_position=list(self.spec.accepted_per_position))
+                    spec_accepted_per_position=list(self.spec.accepted_per_position),
+                    spec_chosen_lengths=list(self.spec.chosen_lengths))
 
     def check_integrity(self) -> None:
         """Every block is held exactly as often as its ref count says (running requests and sessions are

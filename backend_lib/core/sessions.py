@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from backend_lib.core.errors import RequestError
 from backend_lib.core.hybrid_kv import HybridKVManager
 from backend_lib.core.kv_cache import KVCacheManager
-from backend_lib.core.request import Request
+from backend_lib.core.request import PromptImage, Request
 
 
 @dataclass
@@ -35,6 +35,10 @@ class Session:
     # A session driven by chat messages: the conversation so far (the engine renders it whole each turn; the prefix
     # cache supplies the history's KV, so such a turn's request is not tied to the session here).
     messages: list[dict] = field(default_factory=list)
+    # Images: the history's image spans (a recompute of it needs their embeddings; text turns), and a chat session's
+    # images in its messages' placeholder order (the conversation is rendered, and so expanded, whole each turn).
+    images: tuple[PromptImage, ...] = ()
+    image_data: tuple[bytes, ...] = ()
 
 
 class SessionTable:

@@ -13,6 +13,13 @@ class SpecCounters:
     accepted_tokens: int = 0
     drafts_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    # index L: request-steps whose proposer chose L drafts for the next step (0: the schedule kept drafting off)
+    chosen_lengths: list[int] = field(default_factory=list)
+
+    def record_choice(self, length: int) -> None:
+        if length >= len(self.chosen_lengths):
+            self.chosen_lengths += [0] * (length + 1 - len(self.chosen_lengths))
+        self.chosen_lengths[length] += 1
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         if num_drafts == 0:

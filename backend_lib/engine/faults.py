@@ -50,12 +50,12 @@ class FaultConfig:
         run = engine.runner.execute
         runs = 0  # model runs so far; a failed step is not counted by engine.num_steps, so count here: fire once
 
-        def run_with_fault(scheduler_output):
+        def run_with_fault(scheduler_output, *overlapped):  # async_scheduling: the prepared inputs and overlap
             nonlocal runs
             runs += 1
             if runs == self.step:
                 message = f"fault injected at engine step {runs} ({FAULT_STEP_ENV})"
                 raise FatalEngineError(message) if self.kind == "fatal" else InjectedFault(message)
-            return run(scheduler_output)
+            return run(scheduler_output, *overlapped)
 
         engine.runner.execute = run_with_fault

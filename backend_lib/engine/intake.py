@@ -15,6 +15,8 @@ every refusal is a ``RequestError`` (core/errors.py) naming the request field:
   (``parse_session``) and the scheduling priority (``parse_priority``);
 - what the server allows one request (``check_prompt``, ``check_params``: ``RequestLimits``), token ids within the
   vocabulary (``check_ids``), the context room (``check_context``);
+- images (``check_images``): the model takes them, their count and encoded size (``RequestLimits``); decoding,
+  the pixel limit and the placeholders are the engine's (``engine/images.py``), which needs the model's settings;
 - the fields a session turn cannot have (``check_turn_fields``); the room for a new session (``check_session_room``).
 
 Two rules live in core because the scheduler holds them as its own contract too, and core cannot import the engine:
@@ -68,6 +70,7 @@ class RequestRules:
     limits: RequestLimits = field(default_factory=RequestLimits)
     vocab_size: int = _NO_MODEL_SIZE
     max_model_len: int = _NO_MODEL_SIZE
+    images: bool = False  # the model takes images (a vision tower loaded)
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class IntakeRequest:
     rules: RequestRules
     session: SessionControl | None = None
     priority: int | None = None  # None: not given (0, or a session's own: LLMEngine.submit)
+    images: tuple[bytes, ...] = ()  # encoded images (PNG / JPEG / WebP), one per placeholder of the prompt
 
     @property
     def is_chat(self) -> bool:
@@ -91,14 +95,15 @@ class IntakeRequest:
 
 def take_in(rules: RequestRules, prompt: Any, sampling: Mapping[str, Any] | SamplingParams | None = None,
             session: SessionControl | None = None, prompt_field: str | None = None,
-            priority: Any = None) -> IntakeRequest:
+            priority: Any = None, images: Any = None) -> IntakeRequest:
     """A request's raw values -> an ``IntakeRequest``, or a RequestError naming the field.
 
     ``prompt``: text, a list of token ids or chat messages (a list of objects, or their JSON text when
     ``prompt_field`` is "messages"); ``prompt_field`` is the name the front's client gave it (the Triton inputs'
     names), else "prompt" for text. ``sampling``: the sampling and structured-output fields as plain values
     (strings allowed for typed fields; ``priority`` among them), or a ``SamplingParams`` a Python caller built
-    (validated when built) with ``priority`` apart."""
+    (validated when built) with ``priority`` apart. ``images``: encoded images (bytes), in the order of the
+    prompt's image placeholders."""
     prompt = parse_prompt(prompt, prompt_field)
     if isinstance(sampling, SamplingParams):
         params = sampling
@@ -109,12 +114,37 @@ def take_in(rules: RequestRules, prompt: Any, sampling: Mapping[str, Any] | Samp
     priority = parse_priority(priority)
     check_params(rules.limits, params, rules.vocab_size)
     check_prompt(rules.limits, prompt, rules.max_model_len)
-    request = IntakeRequest(prompt, params, rules, session, priority)
+    images = check_images(rules, images)
+    request = IntakeRequest(prompt, params, rules, session, priority, images)
     if request.is_token_ids:
         check_ids("input_ids", prompt, rules.vocab_size)
     if session is not None:
         check_turn_fields(params)
     return request
+
+
+def check_images(rules: RequestRules, images: Any) -> tuple[bytes, ...]:
+    """Encoded images: bytes each, only for a model that takes images, within max_images_per_request and
+    max_image_bytes."""
+    if images is None:
+        return ()
+    if isinstance(images, (bytes, bytearray)) or not isinstance(images, (list, tuple)):
+        raise RequestError("image", f"image must be a list of encoded images, got {type(images).__name__}")
+    if not images:
+        return ()
+    if not rules.images:
+        raise RequestError("image", "this model does not take images (no vision tower loaded)")
+    limits = rules.limits
+    if len(images) > limits.max_images_per_request:
+        raise _over("image", f"image has {len(images)} images; the limit (max_images_per_request) is "
+                    f"{limits.max_images_per_request}", "max_images_per_request")
+    for k, data in enumerate(images):
+        if not isinstance(data, (bytes, bytearray)):
+            raise RequestError(f"image[{k}]", f"image[{k}] must be bytes, got {type(data).__name__}")
+        if len(data) > limits.max_image_bytes:
+            raise _over(f"image[{k}]", f"image[{k}] has {len(data)} bytes; the limit (max_image_bytes) is "
+                        f"{limits.max_image_bytes}", "max_image_bytes")
+    return tuple(bytes(data) for data in images)
 
 
 # ---------------------------------------------------------------------------------------------- values

@@ -26,11 +26,14 @@ from backend_lib.core.config import EngineConfig
 from backend_lib.core.errors import RequestError
 from backend_lib.core.grammar import RequestGrammar
 from backend_lib.core.outputs import (EngineStats, PromptLogprobs, RequestMetrics, RequestOutput, RunnerOutput,
-                                      SessionControl, TokenLogprob)
-from backend_lib.core.request import Request, RequestStatus, check_unused
+                                      SchedulerOutput, SessionControl, TokenLogprob)
+from backend_lib.core.request import PromptImage, Request, RequestStatus, check_unused
 from backend_lib.core.sampling_params import SEED_LIMIT, SamplingParams
+from backend_lib.core.async_scheduler import AsyncScheduler
 from backend_lib.core.scheduler import Scheduler
 from backend_lib.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from backend_lib.engine.images import image_prompts_for
+from backend_lib.engine.overlap import DeviceThread, InFlight, continued_rows
 from backend_lib.engine.intake import (IntakeRequest, Prompt, RequestRules, check_context, check_ids,
                                        check_session_room, take_in)
 from backend_lib.engine.tokenizer import Tokenizer
@@ -78,6 +81,7 @@ class PreparedRequest:
     arrival_time: float = field(default_factory=time.monotonic)  # when it came in, not when a step took it
     priority: int = 0  # scheduling_policy "priority": lower runs earlier
     grammar: RequestGrammar | None = None  # structured output: its grammar, compiling since preparation
+    images: tuple[PromptImage, ...] = ()  # image spans, encoded (engine/images.py)
 
 
 class LLMEngine:
@@ -91,11 +95,24 @@ class LLMEngine:
         self.executor = Executor(config)
         self.model, self.runner = self.executor.model, self.executor.runner
         self.vocab_size = self.model.arch.vocab_size
-        self.rules = RequestRules(config.limits, self.vocab_size, config.model.max_model_len)
+        self.image_prompts = image_prompts_for(self.model, config)  # None: no images
+        self.rules = RequestRules(config.limits, self.vocab_size, config.model.max_model_len,
+                                  images=self.image_prompts is not None)
         num_blocks = self.executor.num_blocks
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.model.max_model_len,
-                                   num_lookahead_slots=self.runner.num_lookahead_slots,
-                                   num_state_slots=self.executor.num_state_slots)
+        # Zero-overhead scheduling (engine/overlap.py) for steps without drafts: with a proposer every step may
+        # verify drafts, whose acceptance decides where the next step starts. A hybrid cache's fixed state
+        # (DeepSeek-V4) would take the step after a request's end in place (a session keeps that state). Those
+        # engines step in turn.
+        why_not = (f"spec method {self.runner.spec_method!r} verifies drafts every step"
+                   if self.runner.spec_method != "none" else
+                   "the hybrid cache's fixed state advances in place" if self.executor.num_state_slots else None)
+        overlap = config.scheduler.async_scheduling and why_not is None
+        if config.scheduler.async_scheduling and not overlap:
+            log.info("async_scheduling: %s; steps run one after the other", why_not)
+        self.scheduler = (AsyncScheduler if overlap else Scheduler)(
+            config.scheduler, config.cache, num_blocks, config.model.max_model_len,
+            num_lookahead_slots=self.runner.num_lookahead_slots, num_state_slots=self.executor.num_state_slots)
+        self._device = DeviceThread() if overlap else None
         if self.executor.num_state_slots and config.cache.enable_prefix_caching:
             log.info("prefix caching is off for this model: its hybrid KV cache keeps per-request state (sliding "
                      "window, open compressor windows) that is valid only at the position its request reached")
@@ -108,10 +125,11 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def take_in(self, prompt: Prompt, params: SamplingParams | None = None, session: SessionControl | None = None,
-                priority: int | None = None) -> IntakeRequest:
+                priority: int | None = None, images: list[bytes] | None = None) -> IntakeRequest:
         """The intake (engine/intake.py) for callers in Python: a prompt and SamplingParams under this engine's
         rules; raises RequestError naming the field."""
-        return take_in(self.rules, prompt, params or SamplingParams(), session=session, priority=priority)
+        return take_in(self.rules, prompt, params or SamplingParams(), session=session, priority=priority,
+                       images=images)
 
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         """The ids of a prompt the intake checked; text and chat prompts' ids must fit the model's vocabulary too (a
@@ -132,10 +150,16 @@ class LLMEngine:
         runs: AsyncEngine does, so that a new request never waits for the step in flight."""
         assert request.rules == self.rules, "the request was taken in under another engine's rules"
         assert request.session is None, "a session turn is tokenized against its history (submit)"
-        prompt_ids = self.tokenize(request.prompt)
+        images: tuple[PromptImage, ...] = ()
+        if self.image_prompts is None:
+            prompt_ids = self.tokenize(request.prompt)
+        else:  # placeholders -> image spans, the images encoded here (off the step loop)
+            ids = self.image_prompts.tokenize(self.tokenizer, request.prompt)
+            prompt_ids, images = self.image_prompts.expand(ids, request.images)
+            check_ids("input_ids", prompt_ids, self.vocab_size)
         check_context(len(prompt_ids), request.params, self.config.model.max_model_len)
         return PreparedRequest(request_id, prompt_ids, request.params, priority=request.priority or 0,
-                               grammar=self._submit_grammar(request.params))
+                               grammar=self._submit_grammar(request.params), images=images)
 
     def add_prepared(self, prepared: PreparedRequest) -> None:
         """Queue a request from ``prepare_request``; raises RequestError (nothing queued) if its id is in use."""
@@ -146,7 +170,7 @@ class LLMEngine:
                 prepared.grammar.release()
             raise
         self._queue(prepared.request_id, prepared.prompt_ids, prepared.params, arrival_time=prepared.arrival_time,
-                    grammar=prepared.grammar, priority=prepared.priority)
+                    grammar=prepared.grammar, priority=prepared.priority, images=prepared.images)
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -168,10 +192,11 @@ class LLMEngine:
                               partial(GrammarMatcher, max_rollback_tokens=drafts))
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    session: SessionControl | None = None, priority: int | None = None) -> None:
+                    session: SessionControl | None = None, priority: int | None = None,
+                    images: list[bytes] | None = None) -> None:
         """Take in and queue a request; raises RequestError (nothing queued, no session opened) for bad input, a
-        session protocol error or max_sessions."""
-        self.submit(request_id, self.take_in(prompt, params, session, priority))
+        session protocol error or max_sessions. ``images``: encoded images, one per placeholder of the prompt."""
+        self.submit(request_id, self.take_in(prompt, params, session, priority, images))
 
     def submit(self, request_id: str, request: IntakeRequest) -> None:
         """Queue a request the intake took in; raises RequestError as add_request."""
@@ -192,7 +217,14 @@ class LLMEngine:
             prompt = (previous.messages if previous is not None else []) + list(prompt)
         elif previous is not None:
             history = sessions.history(sid)
-        prompt_ids = history + self.tokenize(prompt, add_special_tokens=not history)
+        images: tuple[PromptImage, ...] = ()
+        image_data = (previous.image_data if previous is not None and chat else ()) + request.images
+        if self.image_prompts is None:
+            prompt_ids = history + self.tokenize(prompt, add_special_tokens=not history)
+        else:  # the earlier turns' spans ride along: a recompute of the history needs them (engine/images.py)
+            kept = previous.images if previous is not None and not chat else ()
+            prompt_ids, images = self.image_prompts.turn(self.tokenizer, prompt, history, kept, image_data)
+            check_ids("input_ids", prompt_ids, self.vocab_size)
         check_context(len(prompt_ids), params, self.config.model.max_model_len, " (session history included)")
         if session.start:
             if sessions.get(sid) is not None:  # START again, no turn running (check_turn): a new conversation
@@ -204,19 +236,21 @@ class LLMEngine:
         # The constraint applies to this turn only: the next turn's params carry their own (or none).
         self._queue(request_id, prompt_ids, params, session=session, num_history_tokens=len(history),
                     text_turn=not chat, grammar=self._submit_grammar(params),  # a text turn: marked in flight
-                    priority=priority)
+                    priority=priority, images=images)
         if chat:
-            sessions.begin_turn(sid, request_id).messages = list(prompt)
+            turn = sessions.begin_turn(sid, request_id)
+            turn.messages, turn.image_data = list(prompt), image_data
 
     def _queue(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                session: SessionControl | None = None, num_history_tokens: int = 0, text_turn: bool = True,
-               arrival_time: float | None = None, grammar: RequestGrammar | None = None, priority: int = 0) -> None:
+               arrival_time: float | None = None, grammar: RequestGrammar | None = None, priority: int = 0,
+               images: tuple[PromptImage, ...] = ()) -> None:
         seed = params.seed if params.seed is not None else self._seeds.randrange(SEED_LIMIT)
         request = Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params, seed=seed,
                           arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                           eos_token_ids=self.tokenizer.eos_token_ids,
                           session_id=session.session_id if session is not None and text_turn else None,
-                          num_history_tokens=num_history_tokens, grammar=grammar, priority=priority)
+                          num_history_tokens=num_history_tokens, grammar=grammar, priority=priority, images=images)
         try:
             self.scheduler.add_request(request)  # first: a refusal there leaves no text state behind
         except Exception:  # released, then raised on
@@ -251,11 +285,23 @@ class LLMEngine:
         return self._finish_output(state, [], [])
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Also True while a step is in flight (async_scheduling): the loop steps on to commit it."""
+        in_flight = self._device is not None and self._device.in_flight is not None
+        return in_flight or self.scheduler.has_unfinished_requests()
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        scheduler_output = self.scheduler.schedule()
+        """One step's outputs; with async_scheduling, those of the step that was in flight (engine/overlap.py)."""
+        if self._device is not None:
+            return self._overlapped_step()
+        scheduler_output = self._scheduled(self.scheduler.schedule())
+        # Nothing to run (e.g. every request waits for blocks or its grammar, or errors found while scheduling).
+        runner_output = (RunnerOutput(sampled_token_ids=[]) if scheduler_output.is_empty
+                         else self.executor.execute(scheduler_output))
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return self._outputs(scheduler_output, runner_output, updated)
+
+    def _scheduled(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
         now = time.monotonic()
         for chunk in scheduler_output.chunks:
             metrics = self._states[chunk.request.request_id].metrics
@@ -265,10 +311,52 @@ class LLMEngine:
             pending = self.scheduler.pending_grammars()
             if pending and not self.scheduler.num_running:  # only compiles to wait for: no busy loop meanwhile
                 wait_futures(pending, timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
-        # Nothing to run (e.g. every request waits for blocks or its grammar, or errors found while scheduling).
-        runner_output = (RunnerOutput(sampled_token_ids=[]) if scheduler_output.is_empty
-                         else self.executor.execute(scheduler_output))
-        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return scheduler_output
+
+    def _overlapped_step(self) -> list[RequestOutput]:
+        """Schedule and prepare the next step, submit it behind the step in flight, then commit the step in flight
+        and stream it (engine/overlap.py)."""
+        device = self._device
+        previous = device.in_flight
+        scheduler_output = self._scheduled(
+            self.scheduler.schedule_ahead(None if previous is None else previous.scheduler_output))
+        current = None
+        if not scheduler_output.is_empty:
+            with torch.inference_mode():  # the tensors the runner would make in its step (compiled regions' guards)
+                inputs = self.runner.prepare(scheduler_output)
+                rows = continued_rows(scheduler_output, inputs, previous, self.device)
+            current = device.submit(self.executor.execute, scheduler_output, inputs, rows)
+        device.in_flight = current
+        if previous is None:
+            # Nothing was in flight: report what scheduling ended, and let the new step sample at once.
+            updated = self.scheduler.update_from_output(SchedulerOutput(chunks=[]), RunnerOutput([]))
+            self._hand_sampling(current)
+            return self._outputs(SchedulerOutput(chunks=[]), RunnerOutput([]), updated)
+        try:
+            runner_output = previous.result.result()
+            updated = self.scheduler.update_from_output(previous.scheduler_output, runner_output)
+        except BaseException as exc:
+            if current is not None:  # its forward waits for this: fail it too
+                current.sampling.set_exception(RuntimeError(f"the step before it failed: {exc}"))
+            raise
+        self._hand_sampling(current)
+        return self._outputs(previous.scheduler_output, runner_output, updated)
+
+    def _hand_sampling(self, step: InFlight | None) -> None:
+        """The step's sampling metadata, from the committed tokens (its forward may be running meanwhile)."""
+        if step is None:
+            return
+        try:
+            with torch.inference_mode():
+                metadata = self.runner.sampling_metadata(step.scheduler_output.chunks, step.inputs)
+            step.sampling.set_result(metadata)
+        except BaseException as exc:
+            step.sampling.set_exception(exc)
+            raise
+
+    def _outputs(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput,
+                 updated: list[Request]) -> list[RequestOutput]:
+        """A committed step's outputs: detokenized, stop strings checked, and what the scheduler ended."""
         logprobs_by_id = {}
         if runner_output.logprobs is not None:
             logprobs_by_id = {c.request.request_id: lp
@@ -364,6 +452,10 @@ class LLMEngine:
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every live request with finish_reason "error" (after an exception in a step); frees their blocks."""
+        if self._device is not None:  # a step still in flight behind the failed one: its results are not wanted
+            failure = self._device.drop()
+            if failure is not None:
+                log.warning("the step in flight when the requests were failed failed too: %s", failure)
         outputs = []
         for request_id, state in list(self._states.items()):
             self.scheduler.abort_request(request_id)
@@ -376,6 +468,8 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the worker ranks (tensor parallelism) and the grammar compiler; idempotent. The engine cannot step
         afterwards."""
+        if self._device is not None:
+            self._device.close()
         self.executor.close()
         with self._grammar_lock:
             if self._grammar_compiler is not None:
@@ -385,5 +479,5 @@ class LLMEngine:
         counters = self.scheduler.stats_counters()
         return EngineStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
                            kv_blocks_total=self.num_blocks, num_sessions=self.scheduler.num_sessions,
-                           eplb=self.executor.eplb_stats(), spec_schedule=self.executor.spec_schedule_stats(),
+                           eplb=self.executor.eplb_stats(), spec_survival=self.executor.spec_survival_stats(),
                            **counters)

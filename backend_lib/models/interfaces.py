@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
 from torch import nn
 
 MTP_KINDS = ("", "latent", "ring")
@@ -38,10 +39,24 @@ class ModelCapabilities:
     # spec_method=dspark / dflash: capture_layer_ids (set by the proposer) makes forward keep those layers' outputs
     # in captured_hidden [T, len(ids) * hidden] for a block drafter
     captures_hidden: bool = False
+    # spec_method=dspark / dflash drafts with the checkpoint's own drafter (DeepSeek-V4.1's mtp.*, read from
+    # speculative_model) instead of a DeepSpec drafter directory (worker/spec_decode/dspark_v41.py)
+    checkpoint_drafter: bool = False
+    # images in, text out: image_encoder (None when the checkpoint has no tower) turns a preprocessed image into its
+    # span's input embeddings, and forward(..., embed_rows=InputEmbeddingRows) takes them in place of the ids' rows
+    images: bool = False
 
     def __post_init__(self) -> None:
         if self.mtp not in MTP_KINDS:
             raise ValueError(f"ModelCapabilities.mtp must be one of {MTP_KINDS}, got {self.mtp!r}")
+
+
+@dataclass(frozen=True)
+class InputEmbeddingRows:
+    """A step's rows whose input embedding is given (an image span's), not looked up from their ids."""
+
+    rows: torch.Tensor  # [K] int64 row indices into the step's tokens
+    embeddings: torch.Tensor  # [K, hidden]
 
 
 class ServedModel(nn.Module):

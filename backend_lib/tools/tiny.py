@@ -26,7 +26,8 @@ import torch
 from safetensors.torch import save_file
 
 from backend_lib.tools.tiny_engram import add_engram
-from backend_lib.tools.tiny_v41 import add_engram_v41, quantize_v41, v41_config, v41_tensors
+from backend_lib.tools.tiny_dspark_v41 import add_dspark_v41, quantize_dspark_v41
+from backend_lib.tools.tiny_v41 import add_engram_v41, add_vision_v41, quantize_v41, v41_config, v41_tensors
 from kernels.quant import DEFAULT_BLOCK, quantize_block_fp8
 
 ARCHS = ("deepseek_v3", "deepseek_v4", "deepseek_v41", "llama")
@@ -59,6 +60,9 @@ DEEPSEEK_V4_DEFAULTS: dict[str, Any] = dict(
     compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
     sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=8, index_head_dim=16, index_topk=3,
     swiglu_limit=2.0, max_position_embeddings=1024, rope_theta=10000.0, compress_rope_theta=160000.0,
+    # 4 Sinkhorn steps, not the release's 20: the same ops (compiled regions unroll the loop, so a quarter of
+    # the graph), which is all a tiny model checks
+    hc_sinkhorn_iters=4,
 )
 LLAMA_DEFAULTS: dict[str, Any] = dict(
     vocab_size=TOKENIZER_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -276,9 +280,12 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
               scale_fmt: str = "float", num_shards: int = 2, initializer_range: float = 0.2,
               overrides: dict[str, Any] | None = None, fp4_experts: bool = False,
               engram_layers: Sequence[int] = (), engram: dict[str, Any] | None = None,
-              engram_fp8_table: bool = False) -> Path:
+              engram_fp8_table: bool = False, dspark: bool = False, vision: bool = False,
+              vision_overrides: dict[str, Any] | None = None) -> Path:
     """Write a tiny random ``arch`` model to ``out_dir``; ``overrides`` replaces config fields. ``engram_layers``:
-    Engram modules on those layers (``engram``: EngramConfig fields replacing the tiny defaults)."""
+    Engram modules on those layers (``engram``: EngramConfig fields replacing the tiny defaults). ``dspark``
+    (deepseek_v41): the DSpark drafter ``mtp.{0,1,2}`` too (tools/tiny_dspark_v41.py). ``vision`` (deepseek_v41): a
+    tiny vision tower, aligner and image delimiters (``vision_overrides``: vision_config fields)."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     if fp4_experts and arch not in ("deepseek_v4", "deepseek_v41"):
@@ -287,8 +294,12 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
         raise ValueError("fp8 is only supported for the DeepSeek archs")
     if mtp_layers < 0 or (mtp_layers and arch == "llama"):
         raise ValueError(f"mtp_layers must be >= 0 and only set for the DeepSeek archs, got {mtp_layers} for {arch}")
+    if dspark and arch != "deepseek_v41":
+        raise ValueError(f"dspark: the DSpark drafter is written for arch 'deepseek_v41' only, got {arch!r}")
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if (vision or vision_overrides) and arch != "deepseek_v41":
+        raise ValueError("vision: a vision tower is written for arch 'deepseek_v41' only")
     if engram_layers and arch == "llama":
         raise ValueError("engram_layers: Engram is defined for the DeepSeek archs only")
     import transformers
@@ -308,10 +319,17 @@ def make_tiny(arch: str, out_dir: str | Path, fp8: bool = False, mtp_layers: int
             raise ValueError("deepseek_v41: mtp_layers (DSpark) are not written yet")
         config = v41_config(overrides)
         tensors = v41_tensors(config, gen)
+        if dspark:
+            add_dspark_v41(config, tensors, gen)
+            v41_config(config["text_config"])  # the drafter's fields parse
+        if vision or vision_overrides:
+            add_vision_v41(config, tensors, gen, vision_overrides)
         if engram_layers:
             add_engram_v41(config, tensors, out / "tokenizer.json", list(engram_layers), gen, engram_fp8_table)
         if fp8 or fp4_experts:
             quantize_v41(config, tensors, fp8, fp4_experts)
+        if fp8 and dspark:
+            quantize_dspark_v41(tensors)
         (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         _write_shards(tensors, out, num_shards)
         return out
@@ -362,11 +380,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="deepseek_v4: e2m1 routed experts with ue8m0 scales per 32 inputs")
     parser.add_argument("--mtp-layers", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dspark", action="store_true", help="deepseek_v41: also the DSpark drafter (mtp.{0,1,2})")
     parser.add_argument("--engram-layers", default="", help="DeepSeek archs: comma-separated layers with Engram")
+    parser.add_argument("--vision", action="store_true",
+                        help="deepseek_v41: a tiny vision tower + aligner (vision.*, aligner.*, image_*)")
     args = parser.parse_args(argv)
     engram_layers = [int(v) for v in args.engram_layers.split(",") if v.strip()]
     path = make_tiny(args.arch, args.out, fp8=args.fp8, mtp_layers=args.mtp_layers, seed=args.seed,
-                     scale_fmt=args.scale_fmt, fp4_experts=args.fp4_experts, engram_layers=engram_layers)
+                     scale_fmt=args.scale_fmt, fp4_experts=args.fp4_experts, engram_layers=engram_layers,
+                     dspark=args.dspark, vision=args.vision)
     print(f"wrote a tiny {args.arch} model to {path}")
     return 0
 

@@ -158,3 +158,45 @@ def add_engram_v41(config: dict[str, Any], tensors: dict[str, torch.Tensor], tok
         tensors[p + "wkv.weight"] = _linear((hc + 1) * h, cols * a.engram_head_dim, 2.0, gen)
         tensors[p + "q_weight"] = 1 + 0.1 * torch.randn(hc, h, generator=gen)
         tensors[p + "k_weight"] = 1 + 0.1 * torch.randn(hc, h, generator=gen)
+
+
+TINY_VISION: dict[str, Any] = dict(  # --vision: a tower small enough for tests, the release's fields
+    hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
+    downsample_ratio=3, rope_theta=10000.0, max_image_tokens=40, min_pixels=42 * 42, max_wh_ratio=4.0,
+)
+
+
+def add_vision_v41(config: dict[str, Any], tensors: dict[str, torch.Tensor], gen: torch.Generator,
+                   overrides: dict[str, Any] | None = None) -> None:
+    """In place: a tiny ``vision_config`` and the tower / aligner / delimiter tensors in the release's names
+    (``vision.patch_embed.proj``, ``vision.blocks.{i}.{norm1, attn.wqkv, attn.wo, norm2, mlp.w1, mlp.w2}``,
+    ``vision.norm``, ``aligner.w1`` / ``w2``, ``image_start`` / ``image_newline`` / ``image_end`` / ``image_pad``;
+    vLLM's ``deepseek_v4/common/vision.py`` says weight names match the HF checkpoint), all fp32, unquantized as
+    released."""
+    from backend_lib.models.deepseek_v41.vision.config import VisionArgs
+
+    config["vision_config"] = {**TINY_VISION, **(overrides or {})}
+    h = config["text_config"]["hidden_size"]
+    v = VisionArgs.from_dict(config["vision_config"], h)
+    d, r2 = v.hidden_size, v.downsample_ratio ** 2
+
+    def norm(dim: int) -> torch.Tensor:
+        return 1 + 0.1 * torch.randn(dim, generator=gen)
+
+    def bias(dim: int) -> torch.Tensor:
+        return 0.1 * torch.randn(dim, generator=gen)
+
+    t = {"vision.patch_embed.proj.weight": _linear(d, v.patch_dim, 1.0, gen),
+         "vision.patch_embed.proj.bias": bias(d), "vision.norm.weight": norm(d)}
+    for i in range(v.num_hidden_layers):
+        p = f"vision.blocks.{i}."
+        t[p + "norm1.weight"], t[p + "norm2.weight"] = norm(d), norm(d)
+        t[p + "attn.wqkv.weight"], t[p + "attn.wqkv.bias"] = _linear(3 * d, d, 2.0, gen), bias(3 * d)
+        t[p + "attn.wo.weight"], t[p + "attn.wo.bias"] = _linear(d, d, 1.0, gen), bias(d)
+        t[p + "mlp.w1.weight"] = _linear(2 * v.intermediate_size, d, 1.0, gen)
+        t[p + "mlp.w2.weight"] = _linear(d, v.intermediate_size, 1.0, gen)
+    t["aligner.w1.weight"], t["aligner.w1.bias"] = _linear(h, d * r2, 1.0, gen), bias(h)
+    t["aligner.w2.weight"], t["aligner.w2.bias"] = _linear(h, h, 1.0, gen), bias(h)
+    for name in ("image_start", "image_newline", "image_end", "image_pad"):
+        t[name] = torch.randn(h, generator=gen)
+    tensors.update(t)

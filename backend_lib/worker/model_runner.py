@@ -40,12 +40,13 @@ from backend_lib.worker.compiled_sampler import build_regions
 from backend_lib.worker.context_share import share_step
 from backend_lib.worker.kv_sizing import is_hybrid
 from backend_lib.worker.grammar_bitmask import StepBitmask
-from backend_lib.worker.model_inputs import ModelInputs
+from backend_lib.worker.image_rows import image_rows
+from backend_lib.worker.model_inputs import ModelInputs, StepOverlap
 from backend_lib.worker.prompt_logprobs import head_slices, prompt_rows
 from backend_lib.worker.prompt_logprobs import compute as compute_prompt_logprobs
 from backend_lib.worker.sampler import Sampler, SamplingMetadata, SamplingRow
-from backend_lib.worker.spec_decode import make_mtp_proposer
-from backend_lib.worker.spec_decode.dspark import BlockDraftProposer
+from backend_lib.worker.spec_decode import make_block_drafter, make_mtp_proposer
+from backend_lib.worker.spec_decode.dspark import BlockPlan
 from backend_lib.worker.spec_decode.ngram import NgramProposer
 from backend_lib.worker.spec_decode.rejection import DraftLayout, greedy_verify, num_accepted, rejection_sample
 from backend_lib.worker.step_messages import StepLink
@@ -117,6 +118,7 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=kind, device=device) for shape, kind in shapes]
         self.sampler = Sampler() if is_driver else None  # only the driver samples
         self.bitmask = StepBitmask(vocab_size)  # structured output's masks (filled on the driver only)
+        self.last_sampled: torch.Tensor | None = None  # [S] int64 the last plain step's tokens (the driver's)
         spec = spec or SpecConfig()
         k = spec.num_speculative_tokens
         self.spec_method = spec.method if k > 0 else "none"
@@ -124,7 +126,7 @@ class ModelRunner:
         self.mtp = (make_mtp_proposer(model, self.kv_caches, num_slots, k, device, kv_dtype or dtype,
                                       self._share_meta if context.size > 1 else None)
                     if self.spec_method == "mtp" else None)
-        self.block_drafter = (BlockDraftProposer(model, spec, num_slots, max_model_len or num_slots, device, dtype)
+        self.block_drafter = (make_block_drafter(model, spec, num_slots, max_model_len or num_slots, device, dtype)
                               if self.spec_method in ("dspark", "dflash") else None)
         if context.size > 1 and self.block_drafter is not None:
             raise ValueError(f"spec_method {self.spec_method!r} runs without context parallelism: set "
@@ -232,6 +234,7 @@ class ModelRunner:
             sampling_chunks=sampling_chunks,
             row_starts=row_starts,
             prompt_rows=prompt_rows(chunks, row_starts),
+            embed_rows=image_rows(chunks, row_starts, self.device),
         )
 
     @torch.inference_mode()
@@ -241,7 +244,9 @@ class ModelRunner:
         the same forward, the head calls the driver makes, and MTP's passes (``next_verified``: the driver's
         verified tokens, which it sends after sampling)."""
         self._share(inputs)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, **inputs.forward_kwargs())
+        if self.block_drafter is not None:
+            self.block_drafter.write_context(inputs.positions, inputs.meta.slot_mapping)
         # Context ranks past the first: their tensor-parallel group does not compute the sampled logits (the first
         # one's does), but runs the MTP passes (their attention spans every context rank).
         if inputs.logits_indices.numel() and not self.context.rank:
@@ -251,6 +256,9 @@ class ModelRunner:
                              next_verified())
         elif "mtp_next_ids" in extra:
             self.mtp.first_pass(extra["mtp_next_ids"], hidden, inputs.positions, inputs.meta)
+        if "block_last" in extra:  # the driver's block draft pass (its collectives pair with ours)
+            plan = BlockPlan(extra["block_last"], int(extra["block_bound"][0]))
+            self.block_drafter.draft(next_verified(), plan, extra["block_tables"], self.block_size)
         if "prompt_logits_indices" in extra and not self.context.rank:  # the driver's prompt logprobs' head calls
             for _ in head_slices(self.model, hidden, extra["prompt_logits_indices"]):
                 pass
@@ -265,41 +273,59 @@ class ModelRunner:
         return share_step(meta, positions, self.context, self.num_blocks, self.context_min_tokens)
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput, inputs: ModelInputs | None = None,
+                overlap: StepOverlap | None = None) -> RunnerOutput:
+        """One step. Zero-overhead scheduling (engine/overlap.py) passes the ``inputs`` it prepared while the
+        previous step ran and its ``overlap``: the rows whose token that step sampled (filled in here, on the
+        device, before the inputs go to the other ranks) and the sampling metadata, built once that step's tokens
+        were committed (penalties and grammar masks need them)."""
         chunks = scheduler_output.chunks
-        inputs = self.prepare(scheduler_output)
+        inputs = self.prepare(scheduler_output) if inputs is None else inputs
+        if overlap is not None and overlap.dst_rows.numel():
+            if self.last_sampled is None:
+                raise RuntimeError("a step continues the previous one, but that step sampled nothing here")
+            inputs.input_ids.index_copy_(0, overlap.dst_rows, self.last_sampled[overlap.src_rows])
         mtp_host = self._mtp_host_inputs(chunks, inputs)
+        block_plan = self._block_plan(chunks, inputs, mtp_host)
         if self.link is not None:
             self.link.send_step(inputs, mtp_host)
         self._share(inputs)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, **inputs.forward_kwargs())
         if self.block_drafter is not None:
             self.block_drafter.write_context(inputs.positions, inputs.meta.slot_mapping)
         if self.spec_method != "none" or any(c.draft_token_ids for c in chunks):
-            output = self._execute_spec(chunks, inputs, hidden, mtp_host)
+            output = self._execute_spec(chunks, inputs, hidden, mtp_host, block_plan)
         else:
-            output = self._execute_plain(chunks, inputs, hidden)
+            output = self._execute_plain(chunks, inputs, hidden, None if overlap is None else overlap.sampling)
         if inputs.prompt_rows is not None:
             output.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, inputs.prompt_rows)
         return output
 
-    def _execute_plain(self, chunks: list[ScheduledChunk], inputs: ModelInputs,
-                       hidden: torch.Tensor) -> RunnerOutput:  # hidden [T, hidden]
-        sampled: list[list[int]] = [[] for _ in chunks]
+    def sampling_metadata(self, chunks: list[ScheduledChunk], inputs: ModelInputs) -> SamplingMetadata | None:
+        """A plain step's sampling rows and grammar masks (None: it samples nothing). Reads each request's output
+        and matcher, so it runs on the engine's thread once the previous step's tokens are in."""
         if not inputs.sampling_chunks:
-            return RunnerOutput(sampled_token_ids=sampled)
+            return None
         requests = [chunks[i].request for i in inputs.sampling_chunks]
         rows = [SamplingRow(params=r.sampling_params, seed=r.seed, output_position=r.num_output_tokens,
                             prompt_token_ids=r.prompt_token_ids, output_token_ids=r.output_token_ids,
                             eos_token_ids=r.eos_token_ids)
                 for r in requests]
         bitmask, masked = self.bitmask.fill([(_matcher(r), ()) for r in requests])
-        meta = SamplingMetadata.build(rows, self.vocab_size, self.device, bitmask, masked)
+        return SamplingMetadata.build(rows, self.vocab_size, self.device, bitmask, masked)
+
+    def _execute_plain(self, chunks: list[ScheduledChunk], inputs: ModelInputs, hidden: torch.Tensor,  # [T, hidden]
+                       sampling: Callable[[], SamplingMetadata | None] | None = None) -> RunnerOutput:
+        sampled: list[list[int]] = [[] for _ in chunks]
+        if not inputs.sampling_chunks:
+            return RunnerOutput(sampled_token_ids=sampled)
+        meta = sampling() if sampling is not None else self.sampling_metadata(chunks, inputs)
         head_input = hidden[inputs.logits_indices]
         greedy = self._screened_greedy(head_input, meta)
         out = self.sampler(self.model.compute_logits(head_input), meta) if greedy is None else None
+        self.last_sampled = out.token_ids if out is not None else greedy  # [S] the next step may continue from it
         # The one host sync of the step.
-        token_ids = (out.token_ids if out is not None else greedy).tolist()
+        token_ids = self.last_sampled.tolist()
         for row, i in enumerate(inputs.sampling_chunks):
             sampled[i] = [token_ids[row]]
         if out is None or out.logprobs is None:
@@ -343,7 +369,7 @@ class ModelRunner:
         return rows
 
     def _execute_spec(self, chunks: list[ScheduledChunk], inputs: ModelInputs, hidden: torch.Tensor,
-                      mtp_host: dict[str, torch.Tensor]) -> RunnerOutput:
+                      mtp_host: dict[str, torch.Tensor], block_plan: BlockPlan | None = None) -> RunnerOutput:
         sampled: list[list[int]] = [[] for _ in chunks]
         proposals: list[list[int]] = [[] for _ in chunks]
         sampling = inputs.sampling_chunks
@@ -369,10 +395,11 @@ class ModelRunner:
                                       mtp_host["mtp_tables"], verified.token_ids)
             to_read.append(drafts.flatten())
         block = None
-        if self.block_drafter is not None:
-            block = self.block_drafter.draft_for([chunks[i] for i in sampling], verified.token_ids,
-                                                 self._block_table([chunks[i].block_ids for i in sampling]),
-                                                 self.block_size)
+        if block_plan is not None:
+            if self.link is not None:  # the other tensor-parallel ranks run the same draft pass
+                self.link.send_verified(verified.token_ids)
+            block = self.block_drafter.draft(verified.token_ids, block_plan, mtp_host["block_tables"],
+                                             self.block_size)
         if block is not None:
             to_read.append(block.token_ids.flatten())
         # The one host sync of the step: verified tokens (and MTP drafts) together.
@@ -438,6 +465,20 @@ class ModelRunner:
             row = inputs.row_starts[i]
             next_ids[row:row + known_end - chunk.start] = tokens[chunk.start + 1:known_end + 1]
         return next_ids
+
+    def _block_plan(self, chunks: list[ScheduledChunk], inputs: ModelInputs,
+                    host: dict[str, torch.Tensor]) -> BlockPlan | None:
+        """The block drafter's pass of this step, fixed before it runs, and its inputs added to ``host`` (what the
+        driver sends the other ranks)."""
+        sampling = inputs.sampling_chunks
+        if self.block_drafter is None or not sampling:
+            return None
+        plan = self.block_drafter.plan([chunks[i] for i in sampling], self.device)
+        if plan is not None:
+            host["block_last"] = plan.last_positions
+            host["block_bound"] = torch.tensor([plan.context_bound], dtype=torch.int64, device=self.device)
+            host["block_tables"] = self._block_table([chunks[i].block_ids for i in sampling])
+        return plan
 
     def _mtp_host_inputs(self, chunks: list[ScheduledChunk], inputs: ModelInputs) -> dict[str, torch.Tensor]:
         """What the MTP passes need from the host: the known next token of every row and, when the step

@@ -26,7 +26,7 @@ class StepOp(IntEnum):
 FIELDS = ("input_ids", "positions", "slot_mapping", "decode_block_tables", "decode_seq_lens", "prefill_block_tables",
           "prefill_query_lens", "prefill_seq_lens", "logits_indices", "scalars", "mtp_next_ids", "mtp_first_rows",
           "mtp_tables", "verified", "state_slots", "chunk_starts", "chunk_ends", "prompt_logits_indices",
-          "token_history", "placement")
+          "token_history", "placement", "block_last", "block_bound", "block_tables", "embed_rows", "embed_values")
 _DTYPES = (torch.int64, torch.int32, torch.bool)
 _HEADER_LEN = 128
 _MAX_DIMS = 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from backend_lib.models.interfaces import InputEmbeddingRows
 from backend_lib.worker.model_inputs import ModelInputs
 from backend_lib.worker.step_channel import StepChannel, StepOp
 from kernels.attention_metadata import AttentionMetadata, StateRows
@@ -25,7 +26,11 @@ def step_tensors(inputs: ModelInputs, extra: dict[str, torch.Tensor]) -> dict[st
            {"prompt_logits_indices": torch.tensor(inputs.prompt_rows.indices, dtype=torch.int64)}),
         **({} if meta.state is None else {"state_slots": meta.state.slots, "chunk_starts": meta.state.chunk_starts,
                                           "chunk_ends": meta.state.chunk_ends}),
-        **({} if meta.token_history is None else {"token_history": meta.token_history})}
+        **({} if meta.token_history is None else {"token_history": meta.token_history}),
+        # image spans' input embeddings: fp32 bits as int32 (the channel carries integers; bf16 widens exactly)
+        **({} if inputs.embed_rows is None else
+           {"embed_rows": inputs.embed_rows.rows,
+            "embed_values": inputs.embed_rows.embeddings.float().contiguous().view(torch.int32)})}
 
 
 def received_inputs(t: dict[str, torch.Tensor], block_size: int) -> ModelInputs:
@@ -40,8 +45,11 @@ def received_inputs(t: dict[str, torch.Tensor], block_size: int) -> ModelInputs:
         prefill_block_tables=t["prefill_block_tables"],
         state=StateRows(t["state_slots"], t["chunk_starts"], t["chunk_ends"]) if "state_slots" in t else None,
         token_history=t.get("token_history"))
+    embed_rows = (InputEmbeddingRows(t["embed_rows"], t["embed_values"].view(torch.float32))
+                  if "embed_rows" in t else None)
     return ModelInputs(input_ids=t["input_ids"], positions=t["positions"], meta=meta,
-                       logits_indices=t["logits_indices"], order=[], sampling_chunks=[], row_starts=[])
+                       logits_indices=t["logits_indices"], order=[], sampling_chunks=[], row_starts=[],
+                       embed_rows=embed_rows)
 
 
 class StepLink:

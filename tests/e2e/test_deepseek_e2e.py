@@ -1,5 +1,5 @@
-"""Tiny DeepSeek-V3 and DeepSeek-V4 models served through a real tritonserver (the same model.py, no per-arch code)
-stream the same tokens as the offline engine, over gRPC streaming and HTTP."""
+"""Tiny DeepSeek-V3, DeepSeek-V4 and DeepSeek-V4.1 models served through a real tritonserver (the same model.py, no
+per-arch code) stream the same tokens as the offline engine, over gRPC streaming and HTTP, and in two-turn sessions."""
 from __future__ import annotations
 
 import json
@@ -24,7 +24,7 @@ TEXT_PROMPTS = ("The quick brown fox", "Mixture of experts routes every token")
 ID_PROMPT = [5, 17, 42, 99, 150, 7, 211, 64]
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v4", "deepseek_v4_engram"])
+@pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v4", "deepseek_v4_engram", "deepseek_v41"])
 def deepseek_dir(request, tmp_path_factory) -> Path:
     if request.param == "deepseek_v4_engram":  # Engram on layers 1 and 3 (host tables, conv state per session)
         return make_tiny("deepseek_v4", tmp_path_factory.mktemp("tiny_engram"), engram_layers=[1, 3])

@@ -197,7 +197,7 @@ def test_prompt_sources():
     ({"messages": _bytes("[]")}, "messages must be a non-empty JSON list"),
     ({"messages": _bytes('[{"role": "user"}]')}, "messages[0] must be an object with string fields role and content"),
     ({"text_input": _bytes("a"), "stream": np.array([1], dtype=np.int32)}, "input stream must be BOOL"),
-    ({"text_input": _bytes("a"), "image": _bytes("x")}, "unknown input 'image'"),
+    ({"text_input": _bytes("a"), "image": _bytes("eA==")}, "this model does not take images"),  # a text model
 ])
 def test_bad_prompts_name_the_problem(inputs, needle):
     with pytest.raises(RequestError) as info:

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from backend_lib.core.outputs import EngineStats, RequestMetrics, RequestOutput, SpecScheduleStats
+from backend_lib.core.outputs import EngineStats, RequestMetrics, RequestOutput, SpecSurvivalStats
 from backend_lib.frontend.triton.metrics import TritonMetrics
 
 LABELS = {"model": "deepinfer", "version": "1"}
@@ -105,6 +105,12 @@ def test_spec_counters_and_gauges_follow_engine_stats(pb):
     family = "deepinfer_spec_decode_acceptance_rate_per_position"
     assert pb.kind(family) == "gauge"
     assert [pb.value(family, position=str(j)) for j in range(3)] == pytest.approx([1.0, 0.5, 0.25])
+    # the lengths the proposer chose: twice none (drafting off), four times 3
+    metrics.refresh(_stats(spec_draft_tokens=12, spec_chosen_lengths=[2, 0, 0, 4]))
+    metrics.refresh(_stats(spec_draft_tokens=12, spec_chosen_lengths=[2, 0, 0, 4]))
+    family = "deepinfer_spec_decode_chosen_length_total"
+    assert pb.kind(family) == "counter"
+    assert [pb.value(family, length=str(n)) for n in range(4)] == [2, 0, 0, 4]
 
     # Same snapshot again: counters do not double count.
     metrics.refresh(stats)
@@ -138,19 +144,16 @@ def test_per_position_gauges_grow_with_the_positions_reported(pb):
     assert pb.value(family, position="1") == 0.0
 
 
-def test_block_drafter_lengths_and_survival_calibration(pb):
+def test_dspark_survival_calibration_gauges(pb):
     metrics = TritonMetrics(pb, LABELS)
     metrics.refresh(_stats())  # no block drafter: no series
-    assert not [f for f in pb.MetricFamily.created
-                if f.name.startswith("deepinfer_spec_decode_verify_length") and f.metrics]
-    metrics.refresh(_stats(spec_schedule=SpecScheduleStats([2, 0, 5], [0.9, 0.6], [0.8, 0.5])))
-    metrics.refresh(_stats(spec_schedule=SpecScheduleStats([4, 1, 5], [0.9, 0.5], [0.75, 0.5])))
-    lengths = "deepinfer_spec_decode_verify_length_total"
-    assert pb.kind(lengths) == "counter"
-    assert [pb.value(lengths, length=str(n)) for n in range(3)] == [4, 1, 5]
+    assert not [f for f in pb.MetricFamily.created if f.name.endswith("_survival_per_position") and f.metrics]
+    metrics.refresh(_stats(spec_survival=SpecSurvivalStats([0.9], [0.8])))
+    metrics.refresh(_stats(spec_survival=SpecSurvivalStats([0.9, 0.5], [0.75, 0.5])))
     predicted, observed = ("deepinfer_spec_decode_predicted_survival_per_position",
                            "deepinfer_spec_decode_observed_survival_per_position")
     assert pb.kind(predicted) == pb.kind(observed) == "gauge"
+    assert len(pb.series(predicted)) == 2  # one series per position, created once
     assert [pb.value(predicted, position=str(j)) for j in range(2)] == pytest.approx([0.9, 0.5])
     assert [pb.value(observed, position=str(j)) for j in range(2)] == pytest.approx([0.75, 0.5])
 

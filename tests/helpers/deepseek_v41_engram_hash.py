@@ -50,10 +50,18 @@ class EngramHash:
                                                                                 dtype=np.int64) * 2 + 1)
                      for layer in self.layers]
 
-    def __call__(self, ids: list[int]) -> torch.Tensor:  # [S, L_e, cols]
+    def __call__(self, ids: list[int], dead_id: int | None = None) -> torch.Tensor:  # [S, L_e, cols]
+        """``dead_id``: image tokens, DEAD as released (vLLM ``common/engram.py``): slot k of token t is padding
+        once any of the k tokens before t is one."""
         c = self.lookup[torch.tensor(ids)]
         s = c.shape[0]
         grams = torch.stack([torch.cat([torch.full((k,), self.pad), c[:s - k]]) for k in range(self.n)], -1)
+        if dead_id is not None:
+            dead = torch.tensor(ids) == dead_id
+            for k in range(1, self.n):
+                before = torch.stack([torch.cat([torch.zeros(j, dtype=torch.bool), dead[:s - j]])
+                                      for j in range(1, k + 1)]).any(0)
+                grams[:, k] = torch.where(before, torch.full_like(grams[:, k], self.pad), grams[:, k])
         out = []
         for layer, orders in enumerate(self.primes):
             prod = grams * self.mult[layer]

@@ -39,13 +39,18 @@ Three departures from the stored transformers file, on purpose:
 - **ties in entry order**: ``torch.topk`` orders equal scores by memory layout, and the indexer's quantized, ReLU'd
   scores tie exactly and often; here the larger score comes first and equal scores the earlier entry (block) first,
   the engine's rule (``kernels/compressed_attention.py: top_k_in_order``), written independently with a stable sort;
+  the router's ``scores + bias`` likewise (an exact tie goes to the lower expert id);
 - ``qat`` is a switch (transformers always applies it).
 - Engram [``DeepseekV41NgramHashState``, ``DeepseekV41Engram``]: the compressed ids of the checkpoint's
   ``tokenizer.json`` (raw decode of each id, the normaliser sequence, first-seen numbering), primes searched upward
   from ``engram_vocab_size`` per (layer, order) and never reused, multipliers from ``default_rng(10007 * layer)``,
   the XOR-rolled hash ``% prime + offset`` with the compressed pad id before the start; rows through ``wkv`` into
   per-stream keys and a value, the signed-sqrt sigmoid gate, ``h + gate * value`` before the layer's mHC mixes.
-Image tokens (``bias_vl``, DEAD n-gram slots), DSpark ``mtp.*`` and vision are not in this oracle.
+- image tokens (vLLM ``deepseek_v41/nvidia/vl_model.py``): ``forward(..., embeds=)`` replaces the embedding rows
+  where given (an image span's, from tests/helpers/deepseek_v41_vision_reference.py) before the hc expansion, and
+  the router biases positions whose id is ``image_token_id`` with ``bias_vl`` instead of ``bias``.
+  Engram treats image tokens as DEAD: a look-back slot from one on is padding, and their gate is zero.
+DSpark ``mtp.*`` is not in this oracle.
 """
 from __future__ import annotations
 
@@ -301,7 +306,9 @@ class ReferenceV41:
         a = self.args
         self.main_freqs = inv_freq(a.rope_dim, a.rope_theta, None)
         self.compress_freqs = inv_freq(a.rope_dim, a.compress_rope_theta, a.yarn)
-        text = json.loads((path / "config.json").read_text())["text_config"]
+        config = json.loads((path / "config.json").read_text())
+        self.image_token_id = int(config.get("image_token_id", 129264))
+        text = config["text_config"]
         self.engram = EngramHash(text, path / "tokenizer.json") if text.get("engram_layer_ids") else None
 
     def new_cache(self) -> RefCache:
@@ -311,7 +318,9 @@ class ReferenceV41:
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor,  # [S] int64
-                cache: RefCache | None = None) -> torch.Tensor:  # [S, vocab] fp32 logits
+                cache: RefCache | None = None,
+                embeds: dict[int, torch.Tensor] | None = None,  # row -> [hidden] input embedding given
+                ) -> torch.Tensor:  # [S, vocab] fp32 logits
         """Uncached (``cache`` None): the sequence from position 0. Cached: continues at ``cache.length``."""
         a = self.args
         start = 0 if cache is None else cache.length
@@ -319,8 +328,13 @@ class ReferenceV41:
         history = ids.tolist() if cache is None else cache.ids + ids.tolist()
         if cache is not None:
             cache.ids = history
-        hashes = None if self.engram is None else self.engram(history)[start:]  # [S, L_e, cols]
+        hashes = None if self.engram is None else self.engram(history, self.image_token_id)[start:]  # [S, L_e, cols]
         x = self.w["embed.weight"][ids]
+        if embeds:
+            x = x.clone()
+            for row, value in embeds.items():
+                x[row] = value.float()
+        self._image = ids == self.image_token_id
         streams = x[:, None, :].expand(-1, a.hc, -1).clone()
         pre = torch.zeros(ids.shape[0], a.hc)
         pre[:, 0] = 1.0
@@ -335,11 +349,11 @@ class ReferenceV41:
         h = rms_norm((pre[..., None] * streams).sum(1), self.w["norm.weight"], a.eps)
         return h @ self.w["head.weight"].T
 
-    def greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
+    def greedy(self, prompt: list[int], new_tokens: int, embeds: dict[int, torch.Tensor] | None = None) -> list[int]:
         """Greedy continuation through the cache (equal to uncached forwards: tests/models/
         test_deepseek_v41_reference.py)."""
         cache = self.new_cache()
-        logits, out = self.forward(torch.tensor(prompt), cache), []
+        logits, out = self.forward(torch.tensor(prompt), cache, embeds), []
         for _ in range(new_tokens):
             out.append(int(logits[-1].argmax()))
             logits = self.forward(torch.tensor(out[-1:]), cache)
@@ -467,6 +481,7 @@ class ReferenceV41:
         rstd = torch.rsqrt(streams.square().mean(-1) + a.eps) * torch.rsqrt(key.square().mean(-1) + a.eps)
         dot = (streams * w[p + "q_weight"] * w[p + "k_weight"] * key).sum(-1) * rstd * a.dim ** -0.5
         gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        gate = gate * ~self._image[:, None]  # image tokens are DEAD: no memory added
         return streams + gate[..., None] * value[:, None, :]
 
     # ---- MoE -------------------------------------------------------------------------------------------
@@ -480,7 +495,8 @@ class ReferenceV41:
     def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
         a, w, p = self.args, self.w, f"layers.{i}.ffn."
         scores = F.softplus((x @ w[p + "gate.weight"].T) / a.gate_temp).sqrt()
-        ids = (scores + w[p + "gate.bias"]).topk(a.n_activated, dim=-1).indices
+        bias = torch.where(self._image[:, None], w[p + "gate.bias_vl"], w[p + "gate.bias"])
+        ids = top_k_mask(scores + bias, a.n_activated).nonzero()[:, 1].view(-1, a.n_activated)
         weights = scores.gather(1, ids)
         if a.norm_topk_prob and a.n_activated > 1:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

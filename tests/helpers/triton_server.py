@@ -70,7 +70,9 @@ def make_inputs(values: dict[str, Any], dtypes: dict[str, str] | None = None) ->
         dtype = (dtypes or {}).get(name)
         if dtype is None:
             dtype = "BYTES" if isinstance(value, str) else "BOOL" if isinstance(value, bool) else "INT32"
-        if dtype == "BYTES":
+        if dtype == "BYTES" and isinstance(value, list):  # several elements (the image input)
+            array = np.array([v.encode("utf-8") if isinstance(v, str) else v for v in value], dtype=np.object_)
+        elif dtype == "BYTES":
             array = np.array([value.encode("utf-8")], dtype=np.object_)
         elif isinstance(value, list):
             array = np.array(value, dtype=_DTYPES[dtype])

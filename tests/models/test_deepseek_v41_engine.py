@@ -55,8 +55,8 @@ def test_teacher_forced_logits_equal_the_oracle_at_every_position(case):
 
 
 def test_fp8_fp4_checkpoint_equals_the_oracle_over_dequantized_weights(tmp_path):
-    """fp8 e4m3 projections (32x32 ue8m0 blocks, kept fp8) and fp4 routed experts (kept packed) against the oracle
-    over the same weights dequantized."""
+    """fp8 e4m3 projections (32x32 ue8m0 blocks; weight_format auto runs them as packed tiles) and fp4 routed
+    experts (kept packed) against the oracle over the same weights dequantized."""
     path = make_tiny("deepseek_v41", tmp_path, seed=7, fp8=True, fp4_experts=True)
     ids = tokens(120, 3)
     expected = ReferenceV41(path, qat=False).forward(torch.tensor(ids))
@@ -154,10 +154,13 @@ def test_preemption_sessions_and_drafts_keep_the_oracle_greedy_ids(default_tiny,
 
 
 @pytest.mark.parametrize("settings", [{"tensor_parallel_size": 2},
-                                      {"tensor_parallel_size": 2, "enable_expert_parallel": True}])
+                                      {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+                                      {"context_parallel_size": 2, "context_parallel_min_tokens": 32}])
 def test_two_ranks_keep_the_oracle_greedy_ids(default_tiny, settings):
-    """Two ranks (query heads and output groups split, experts' intermediate units or whole experts split; the
-    compressor and the indexer whole on each, so every rank picks the same entries), QAT on: the oracle's ids."""
+    """Two ranks, QAT on: the oracle's ids. Tensor parallel: query heads and output groups split, experts'
+    intermediate units or whole experts split; the compressor and the indexer whole on each, so every rank picks the
+    same entries. Context parallel: every other block's entries and index keys on each rank, the picks and the
+    candidate pool made over both ranks' scores, the window and sinks on rank 0, merged by log-sum-exp."""
     from backend_lib.core.sampling_params import SamplingParams
     from backend_lib.engine.offline import LLM
     ref = ReferenceV41(default_tiny, qat=True)

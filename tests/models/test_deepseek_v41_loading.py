@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from backend_lib.models.loading.loader import load_model
-from backend_lib.tools.tiny import main
+from backend_lib.tools.tiny import main, make_tiny
 from tests.helpers.deepseek_v41_cases import tokens
 from tests.helpers.paged_runner import HybridPagedRunner
 
@@ -65,18 +65,51 @@ def test_transformers_renamed_form_loads_the_same(tiny, tmp_path):
     assert torch.equal(got, expected)
 
 
-def test_a_source_without_its_compressor_fails_naming_it(tiny, tmp_path):
+@pytest.fixture(scope="module")
+def tiny_engram(tmp_path_factory):
+    return make_tiny("deepseek_v41", tmp_path_factory.mktemp("v41_engram"), seed=7, engram_layers=[0])
+
+
+def _reuse_before_any_source(config, tensors):
+    # layer 0 becomes a compressed (ratio 2) layer ahead of the first KV source: it would reuse nothing
+    config["text_config"]["compress_ratios"][0] = 2
+
+
+def _no_compressor(config, tensors):
+    del tensors["layers.4.attn.compressor.wkv.weight"]
+
+
+def _source_not_scoring(config, tensors):
+    config["text_config"]["index_source_layer_ids"] = [4, 6]  # the ratio-2 KV source no longer scores
+
+
+def _rows_below_the_primes(config, tensors):
+    config["text_config"]["engram_num_embeddings"][0] -= 20  # the tiny table is a few rows past its primes
+
+
+def _table_rows_disagree(config, tensors):
+    table = tensors["layers.0.engram.embed.weight"]
+    tensors["layers.0.engram.embed.weight"] = table[:-1]  # one row short of engram_num_embeddings
+
+
+@pytest.mark.parametrize("engram, edit, message", [
+    (False, _reuse_before_any_source, r"text_config\.kv_source_layer_ids: compressed layer 0 has no KV source"),
+    (False, _no_compressor, r"missing weights for: \['layers\.4\.attn\.compressor\.wkv\.weight'\]"),
+    (False, _source_not_scoring, r"text_config\.index_source_layer_ids must include every KV source; missing \[1\]"),
+    (True, _rows_below_the_primes,
+     r"text_config\.engram_num_embeddings\[0\] \(\d+ rows, layer 0\) is below the sum of its primes"),
+    (True, _table_rows_disagree, r"layers\.0\.engram\.embed\.weight: shape \(\d+, 32\) != expected"),
+], ids=["reuse_before_any_source", "no_compressor", "source_not_scoring", "rows_below_the_primes",
+        "table_rows_disagree"])
+def test_bad_checkpoints_fail_the_load_naming_what_is_wrong(tiny, tiny_engram, tmp_path, engram, edit, message):
+    source = tiny_engram if engram else tiny
     bad = tmp_path / "bad"
     bad.mkdir()
-    for file in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        (bad / file).write_text((tiny / file).read_text())
-    tensors = _tensors(tiny)
-    del tensors["layers.4.attn.compressor.wkv.weight"]
-    _rewrite(bad, tensors)
-    with pytest.raises(ValueError, match=r"missing weights for: \['layers\.4\.attn\.compressor\.wkv\.weight'\]"):
-        load_model(str(bad), torch.float32, progress=False)
-    config = json.loads((tiny / "config.json").read_text())
-    config["text_config"]["index_source_layer_ids"] = [4, 6]  # the ratio-2 source no longer scores
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        (bad / file).write_text((source / file).read_text())
+    config, tensors = json.loads((source / "config.json").read_text()), _tensors(source)
+    edit(config, tensors)
     (bad / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"text_config\.index_source_layer_ids must include every KV source"):
+    _rewrite(bad, tensors)
+    with pytest.raises(ValueError, match=message):
         load_model(str(bad), torch.float32, progress=False)

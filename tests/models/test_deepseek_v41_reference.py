@@ -76,6 +76,21 @@ def test_ties_in_entry_order_and_the_pool():
     assert pool.tolist() == [[True, True, False, False, True, True]]
 
 
+def test_router_ties_go_to_the_lower_expert_id():
+    """Our rule where scores + bias tie exactly (no implementation defines one; torch.topk's order among equals is
+    unspecified): the lower expert id first, in the engine's router and in the oracle alike."""
+    from backend_lib.models.deepseek_v41.layers import V41MoE
+    from backend_lib.models.deepseek_v4.layers import V4MoEDims
+    from backend_lib.models.parallel import ParallelContext
+    moe = V41MoE(V4MoEDims(8, 4, 8, 2, 16, 1.5, "sqrtsoftplus", 10.0, False), ParallelContext(), (32, 32), 1.0, True)
+    moe.gate.bias = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0])  # zero logits: experts 1, 3, 6, 7 tie
+    weights, ids = moe.route(torch.randn(3, 8), torch.zeros(3, dtype=torch.long))
+    assert ids.tolist() == [[1, 3]] * 3
+    assert torch.allclose(weights, torch.full((3, 2), 0.75))  # equal scores, normalised, times 1.5
+    scores = torch.full((3, 8), float(torch.nn.functional.softplus(torch.tensor(0.0)).sqrt())) + moe.gate.bias
+    assert top_k_mask(scores, 2).nonzero()[:, 1].view(-1, 2).tolist() == ids.tolist()
+
+
 def test_fp4_rounds_to_nearest_even():
     x = torch.tensor([[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75, 6.0, 0.1, 0.3, 4.9, 0.0, 1.0, 2.0, 3.0]])
     got = fake_quant_fp4(x, 16, e4m3_scales=False)  # amax 6 -> scale 1

@@ -69,13 +69,12 @@ def test_greedy_equals_plain_alone_and_batched(plain, dspark, dflash):
         before = spec.engine.stats().spec_draft_tokens
         assert _ids(spec.generate(PROMPTS, params)) == expected
         assert spec.engine.stats().spec_draft_tokens - before > 3 * 12  # 3 drafts verified nearly every step
-    # /metrics' view: every request-step given 3 drafts (fixed length); DSpark's head predicted each position
-    schedule = dspark.engine.stats().spec_schedule
-    assert schedule.verify_lengths[3] > 12 and sum(schedule.verify_lengths[:3]) == 0
-    assert len(schedule.predicted_survival) == len(schedule.observed_survival) == 3
-    assert all(0 <= p <= 1 for p in schedule.predicted_survival + schedule.observed_survival)
-    assert dflash.engine.stats().spec_schedule.predicted_survival == []  # no head, nothing to calibrate
-    assert plain.engine.stats().spec_schedule is None
+    # /metrics' survival calibration: DSpark's head predicted every position (fixed length 3); DFlash has no head
+    survival = dspark.engine.stats().spec_survival
+    assert len(survival.predicted) == len(survival.observed) == 3
+    assert all(0 <= p <= 1 for p in survival.predicted + survival.observed)
+    assert dflash.engine.stats().spec_survival.predicted == []
+    assert plain.engine.stats().spec_survival is None
     # the confidence schedule chooses lengths in [0, 3] per step: still the same tokens
     drafter = dspark.engine.runner.block_drafter
     drafter.fixed_length = False

@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=None,
                         help="the chat template for tools requests (.gguf or HF directory); default: the Triton "
                              "model's config parameter \"model\"")
+    parser.add_argument("--allow-remote-images", action="store_true",
+                        help="fetch chat image_url parts with http(s) URLs (default: refused; send data: URLs)")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process exits")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
@@ -37,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = create_app(FrontSettings(grpc_url=args.grpc_url, triton_model=args.triton_model,
                                    served_model_name=args.served_model_name,
-                                   tokenizer=args.tokenizer))
+                                   tokenizer=args.tokenizer, allow_remote_images=args.allow_remote_images))
     # One worker: the front is I/O bound and its CPU is taken from the engine's cores.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=5)

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend_lib.frontend.openai import fan_out, tools, translate
 from backend_lib.frontend.openai.errors import OpenAIError, body_error
+from backend_lib.frontend.openai.images import checkpoint_takes_images, fetch_remote
 from backend_lib.frontend.openai.schema import (ChatCompletionChunk, ChatCompletionRequest, Completion,
                                                 CompletionRequest, ModelCard, ModelList)
 from backend_lib.frontend.openai.translate import ModelDelta, ModelRequest, Totals
@@ -46,6 +47,7 @@ class FrontSettings:
     # The tokenizer (chat template) of tools requests: a .gguf file or a Hugging Face directory; None = the model
     # path of the Triton model's config (its "model" parameter), read on the first tools request.
     tokenizer: str | None = None
+    allow_remote_images: bool = False  # chat image_url parts with http(s) URLs fetched (images.py), else refused
 
 
 def _sse(payload: BaseModel | dict) -> bytes:
@@ -62,6 +64,7 @@ class OpenAIFront:
         self.client: TritonStreamClient | None = None
         self._renderer: tools.ChatRenderer | None = None
         self._renderer_lock = asyncio.Lock()
+        self._modalities: list[str] | None = None
 
     async def renderer(self) -> tools.ChatRenderer:
         """The served model's chat template, loaded on the first request that needs it (tools.py)."""
@@ -78,6 +81,19 @@ class OpenAIFront:
                                       "server_error") from exc
                 logger.info("chat template loaded from %r; tool-call parser %s", path, self._renderer.parser.name)
             return self._renderer
+
+    async def input_modalities(self) -> list[str]:
+        """What the served model takes, read once from its checkpoint (the Triton model's "model" parameter)."""
+        if self._modalities is None:
+            assert self.client is not None, "the front is not started"
+            try:
+                path = await self.client.model_parameter("model")
+            except OpenAIError as exc:  # Triton not up yet: text for now, asked again next time
+                logger.info("model inputs unknown until Triton answers: %s", exc)
+                return ["text"]
+            takes = bool(path) and await asyncio.to_thread(checkpoint_takes_images, path)
+            self._modalities = ["text", "image"] if takes else ["text"]
+        return self._modalities
 
     async def start(self) -> None:
         self.client = TritonStreamClient(self.settings.grpc_url, self.settings.triton_model)
@@ -254,12 +270,14 @@ def create_app(settings: FrontSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=settings.served_model_name, created=front.created)])
+        return ModelList(data=[ModelCard(id=settings.served_model_name, created=front.created,
+                                         input_modalities=await front.input_modalities())])
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> ModelCard:
         front.check_model(model)
-        return ModelCard(id=settings.served_model_name, created=front.created)
+        return ModelCard(id=settings.served_model_name, created=front.created,
+                         input_modalities=await front.input_modalities())
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -271,6 +289,8 @@ def create_app(settings: FrontSettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         front.check_model(body.model)
+        if settings.allow_remote_images:
+            await fetch_remote(body.messages)
         renderer = await front.renderer() if tools.needs_renderer(body) else None
         choices = translate.chat_requests(body, translate.session_from_headers(request.headers), renderer)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

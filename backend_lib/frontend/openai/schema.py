@@ -63,9 +63,15 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
 
+class ImageUrl(_Request):
+    url: str  # data:image/png;base64,... (remote URLs are refused: frontend/openai/images.py)
+    detail: str | None = None  # accepted, not used: the model's preprocessing decides the resolution
+
+
 class ContentPart(_Request):
     type: str
     text: str | None = None
+    image_url: ImageUrl | None = None
 
 
 class FunctionCall(_Request):
@@ -225,6 +231,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "deepinfer"
+    input_modalities: list[str] = ["text"]  # "image" too when the served checkpoint has a vision tower
 
 
 class ModelList(BaseModel):

@@ -18,6 +18,7 @@ from backend_lib.core.sampling_params import SEED_LIMIT
 from backend_lib.engine.intake import parse_bool
 from backend_lib.frontend.openai import tools
 from backend_lib.frontend.openai.errors import OpenAIError, bad_request
+from backend_lib.frontend.openai.images import part_text
 from backend_lib.frontend.openai.schema import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                                                 ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChatLogprobs,
                                                 CompletionChoice, Completion, CompletionLogprobs, CompletionRequest,
@@ -63,6 +64,7 @@ class ModelRequest:
     echo: bool = False  # completions: the prompt before the completion (its logprobs too, when asked)
     prompt_index: int = 0  # which of the call's prompts (choices of one prompt count its tokens once)
     tool_mode: tools.ToolMode | None = None  # chat with tools: how the answer becomes tool_calls
+    images: list[str] = field(default_factory=list)  # chat image_url parts: base64, one per placeholder in order
 
 
 @dataclass
@@ -189,19 +191,13 @@ def completion_requests(request: CompletionRequest, session: Session | None) -> 
     return _choices(prompts, request.n)
 
 
-def _message_text(index: int, content: Any) -> str:
+def _message_text(index: int, content: Any, images: list[str]) -> str:
     if content is None:
         raise bad_request(f"messages[{index}].content must be a string or text parts, got null",
                           param=f"messages[{index}].content")
     if isinstance(content, str):
         return content
-    texts = []
-    for part in content:
-        if part.type != "text" or part.text is None:
-            raise bad_request(f"messages[{index}].content: only text parts are supported, got a {part.type!r} part",
-                              param=f"messages[{index}].content")
-        texts.append(part.text)
-    return "".join(texts)
+    return "".join(part_text(index, k, part, images) for k, part in enumerate(content))
 
 
 def _response_format(request: ChatCompletionRequest) -> tuple[dict[str, Any], dict[str, str]]:
@@ -226,13 +222,13 @@ def _response_format(request: ChatCompletionRequest) -> tuple[dict[str, Any], di
             {"structured_outputs": "response_format.json_schema.schema"})
 
 
-def _messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
+def _messages(request: ChatCompletionRequest, images: list[str]) -> list[dict[str, Any]]:
     messages = []
     for index, message in enumerate(request.messages):
         # "developer" is the newer name OpenAI gives the system role; chat templates know "system".
         role = "system" if message.role == "developer" else message.role
         content = None if message.content is None and (message.tool_calls or role == "tool") else \
-            _message_text(index, message.content)
+            _message_text(index, message.content, images)
         messages.append(tools.template_message(index, role, content, message))
     return messages
 
@@ -243,7 +239,8 @@ def chat_requests(request: ChatCompletionRequest, session: Session | None,
     served model's template: tools.py) and sent as input_ids; the others go as the model's messages input."""
     if not request.messages:
         raise bad_request("messages must not be empty", param="messages")
-    messages = _messages(request)
+    images: list[str] = []
+    messages = _messages(request, images)
     if None not in (request.max_completion_tokens, request.max_tokens) and \
             request.max_completion_tokens != request.max_tokens:
         raise bad_request(f"max_tokens ({request.max_tokens}) and max_completion_tokens "
@@ -263,7 +260,8 @@ def chat_requests(request: ChatCompletionRequest, session: Session | None,
     sampling.update(constraint)
     names.update(constraint_names)
     prompt = ModelRequest(prompt_input="messages", prompt=json.dumps(messages), sampling=sampling,
-                          stream=request.stream, logprobs=bool(request.logprobs), session=session, field_names=names)
+                          stream=request.stream, logprobs=bool(request.logprobs), session=session, field_names=names,
+                          images=images)
     if tools.needs_renderer(request):
         if session is not None:
             raise bad_request("tools and tool messages cannot be a session turn (X-Session-Id): send the whole "

@@ -43,6 +43,9 @@ def build_infer_request(model: str, request_id: str, request: ModelRequest) -> s
             str(request.prompt).encode("utf-8"))
     infer.inputs.add(name="sampling_parameters", datatype="BYTES", shape=[1]).contents.bytes_contents.append(
         json.dumps(request.sampling).encode("utf-8"))
+    if request.images:  # base64 text each, as the model's image input takes them
+        infer.inputs.add(name="image", datatype="BYTES", shape=[len(request.images)]).contents.bytes_contents.extend(
+            image.encode("utf-8") for image in request.images)
     # Echo, not streamed: the model puts the prompt's text (an input_ids prompt decoded) before the completion.
     flags = {"stream": request.stream, "exclude_input_in_output": not (request.echo and not request.stream),
              **{name: True for name in _RETURN_FLAGS}}

@@ -11,9 +11,14 @@ The tensor API follows Triton's vLLM backend (text_input, stream, sampling_param
 exclude_input_in_output, return_* flags; text_output, finish_reason, cumulative_logprob, logprobs,
 num_input_tokens, num_output_tokens) so its clients and ``genai-perf --backend vllm`` work unchanged.
 Ours besides: input_ids (INT32) or messages (BYTES, JSON chat) instead of text, output_ids, and prompt_logprobs
-(the prompt_logprobs sampling field's answer, with the first response that carries tokens).
+(the prompt_logprobs sampling field's answer, with the first response that carries tokens). ``image`` (BYTES, one
+base64-encoded PNG / JPEG / WebP per element, as the vLLM backend takes it) goes with any prompt input, one image
+per placeholder of the prompt (engine/images.py).
 """
 from __future__ import annotations
+
+import base64
+import binascii
 
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -33,7 +38,8 @@ FLAG_SEQUENCE_END = 2
 PROMPT_INPUTS = ("text_input", "input_ids", "messages")
 BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob",
                "return_logprobs", "return_num_input_tokens", "return_num_output_tokens")
-INPUT_NAMES = PROMPT_INPUTS + ("sampling_parameters",) + BOOL_INPUTS
+IMAGE_INPUT = "image"
+INPUT_NAMES = PROMPT_INPUTS + ("sampling_parameters", IMAGE_INPUT) + BOOL_INPUTS
 
 
 @dataclass
@@ -119,6 +125,19 @@ def _prompt_input(inputs: Mapping[str, np.ndarray]) -> tuple[str, str | list[Any
     return name, ids.reshape(-1).tolist()
 
 
+def _images(array: np.ndarray) -> list[bytes]:
+    """The ``image`` input: each element base64 text (the vLLM backend's form), decoded to the image's bytes."""
+    images = []
+    for k, value in enumerate(np.asarray(array).reshape(-1).tolist()):
+        if not isinstance(value, (bytes, str)):
+            raise RequestError(f"image[{k}]", f"input image must be BYTES (base64 text), got {type(value).__name__}")
+        try:
+            images.append(base64.b64decode(value, validate=True))
+        except (binascii.Error, ValueError) as exc:
+            raise RequestError(f"image[{k}]", f"image[{k}] is not base64: {exc}") from None
+    return images
+
+
 def decode_request(inputs: Mapping[str, np.ndarray], parameters_json: str = "{}",
                    correlation_id: int | str = 0, flags: int = 0,
                    requested_outputs: Iterable[str] = (), rules: RequestRules | None = None) -> DecodedRequest:
@@ -150,7 +169,9 @@ def decode_request(inputs: Mapping[str, np.ndarray], parameters_json: str = "{}"
         sampling.update({k: v for k, v in from_json.items() if v is not None or k == "max_tokens"})
     session = parse_session(session_values, correlation_id, bool(flags & FLAG_SEQUENCE_START),
                             bool(flags & FLAG_SEQUENCE_END))
-    request = take_in(rules or RequestRules(), raw_prompt, sampling, session=session, prompt_field=prompt_field)
+    images = _images(inputs[IMAGE_INPUT]) if IMAGE_INPUT in inputs else None
+    request = take_in(rules or RequestRules(), raw_prompt, sampling, session=session, prompt_field=prompt_field,
+                      images=images)
     prompt = request.prompt
 
     bools = {name: _bool_input(name, inputs[name]) for name in BOOL_INPUTS if name in inputs}

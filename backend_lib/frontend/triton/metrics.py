@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from backend_lib.core.outputs import EngineStats, EplbStats, RequestOutput, SpecScheduleStats
+from backend_lib.core.outputs import EngineStats, EplbStats, RequestOutput, SpecSurvivalStats
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # The priority label's values: a request's priority, clamped into this range so the label set stays bounded.
@@ -115,18 +115,19 @@ class TritonMetrics:
         self._families.append(self._position_family)
         # One gauge per draft position, created when the engine first reports that position.
         self.spec_acceptance_per_position: list[Any] = []
-        # Block drafters (dspark / dflash): the verify schedule's chosen lengths, DSpark's survival calibration.
-        self._length_family = family(name="deepinfer_spec_decode_verify_length_total", kind=counter,
-                                     description="Request-steps given this many drafts to verify (0: drafting "
-                                                 "off or cut to none)")
+        self._length_family = family(name="deepinfer_spec_decode_chosen_length_total",
+                                     description="Request-steps whose proposer chose this many drafts for the next "
+                                                 "step (0: drafting off), by length", kind=counter)
+        self._families.append(self._length_family)
+        self.spec_chosen_lengths: list[_CumulativeCounter] = []  # one per length, created when first reported
+        # DSpark's survival calibration: the confidence head's prediction next to what verification accepted.
         self._predicted_family = family(name="deepinfer_spec_decode_predicted_survival_per_position", kind=gauge,
                                         description="DSpark: mean survival the confidence head predicted at draft "
                                                     "position (0-based), over the drafts verified there")
         self._observed_family = family(name="deepinfer_spec_decode_observed_survival_per_position", kind=gauge,
                                        description="DSpark: share of those drafts accepted with every draft before "
                                                    "them (the calibration's truth)")
-        self._families += [self._length_family, self._predicted_family, self._observed_family]
-        self.spec_verify_lengths: list[_CumulativeCounter] = []
+        self._families += [self._predicted_family, self._observed_family]
         self.spec_predicted_survival: list[Any] = []
         self.spec_observed_survival: list[Any] = []
         # EPLB (enable_eplb): the window's busiest expert-parallel rank's tokens / the mean, per MoE layer (label
@@ -194,28 +195,23 @@ class TritonMetrics:
                 self._position_family.Metric(labels={**self._labels, "position": str(position)}))
         for gauge, rate in zip(self.spec_acceptance_per_position, rates):
             gauge.set(rate)
-        if stats.spec_schedule is not None:
-            self._refresh_spec_schedule(stats.spec_schedule)
+        while len(self.spec_chosen_lengths) < len(stats.spec_chosen_lengths):
+            length = len(self.spec_chosen_lengths)
+            self.spec_chosen_lengths.append(_CumulativeCounter(
+                self._length_family.Metric(labels={**self._labels, "length": str(length)})))
+        for counter, total in zip(self.spec_chosen_lengths, stats.spec_chosen_lengths):
+            counter.advance_to(total)
+        if stats.spec_survival is not None:
+            self._refresh_spec_survival(stats.spec_survival)
         if stats.eplb is not None:
             self._refresh_eplb(stats.eplb)
 
-    def _labelled(self, family: Any, label: str, metrics: list[Any], count: int, wrap: Any = None) -> list[Any]:
-        """``metrics`` grown to ``count``, one labelled metric of ``family`` per index."""
-        while len(metrics) < count:
-            metric = family.Metric(labels={**self._labels, label: str(len(metrics))})
-            metrics.append(wrap(metric) if wrap else metric)
-        return metrics
-
-    def _refresh_spec_schedule(self, schedule: SpecScheduleStats) -> None:
-        lengths = self._labelled(self._length_family, "length", self.spec_verify_lengths,
-                                 len(schedule.verify_lengths), _CumulativeCounter)
-        for counter, total in zip(lengths, schedule.verify_lengths):
-            counter.advance_to(total)
-        for family, metrics, values in ((self._predicted_family, self.spec_predicted_survival,
-                                         schedule.predicted_survival),
-                                        (self._observed_family, self.spec_observed_survival,
-                                         schedule.observed_survival)):
-            for gauge, value in zip(self._labelled(family, "position", metrics, len(values)), values):
+    def _refresh_spec_survival(self, survival: SpecSurvivalStats) -> None:
+        for family, metrics, values in ((self._predicted_family, self.spec_predicted_survival, survival.predicted),
+                                        (self._observed_family, self.spec_observed_survival, survival.observed)):
+            while len(metrics) < len(values):
+                metrics.append(family.Metric(labels={**self._labels, "position": str(len(metrics))}))
+            for gauge, value in zip(metrics, values):
                 gauge.set(value)
 
     def _refresh_eplb(self, eplb: EplbStats) -> None:

@@ -34,11 +34,14 @@ from backend_lib.models.deepseek_v4.attention import (
     LayerCache, StepContext, V4Rope, entry_rows_visible, ring_write_index,
 )
 from kernels.compressed_attention import (
-    ChunkPages, TokenPages, entry_write_rows, gather_rows, indexer_scores, pool_window, sink_attention,
+    ChunkPages, TokenPages, entry_write_rows, gather_rows, held_entries, indexer_scores, pool_window, sink_attention,
 )
+from kernels.context_attention import merge_partials, partial_sink_attention
 from kernels.csa2 import candidate_pool, fake_quant_fp4, fake_quant_fp8, select_in_order
+from kernels.csa2_records import Fp4Record
 from kernels.interleaved_rope import apply_tail_rope
 from kernels.state_ring import chunk_recent_rows, recent_rows, write_recent
+from kernels.v4_fp8 import entry_values, store_entries
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,9 @@ class V41Attention(nn.Module):
         }
         self.compressor = V41Compressor(d, role.ratio) if role.mode == FULL else None
         self.indexer = V41Indexer(d, role.mode == FULL) if role.scores else None
+        # kv_cache_dtype=fp8_e4m3 (the model's use_fp8_kv): the paged entries and index keys are fp4 records
+        # (kernels/csa2_records.py), None: values in the cache's dtype
+        self.records: tuple[Fp4Record, Fp4Record] | None = None
 
     def forward(self, x: torch.Tensor,  # [T, hidden] normed block input
                 step: V41Step, cache: LayerCache) -> torch.Tensor:  # [T, hidden]
@@ -166,7 +172,12 @@ class V41Attention(nn.Module):
         parts = [self._attend(q[start:end], index_q, kv, step, start, end, pages, cache)
                  for start, end, pages in ctx.groups]
         write_recent(cache.window, kv, ctx.rows, ctx.pages.positions, ring_write_index(ctx, cache.window))
-        out = apply_tail_rope(torch.cat(parts) if len(parts) > 1 else parts[0], cos, -sin)
+        return self.project_output(torch.cat(parts) if len(parts) > 1 else parts[0], cos, sin)
+
+    def project_output(self, out: torch.Tensor,  # [T, H, D] attended values (post-RoPE)
+                       cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        """RoPE undone, then the grouped ``wo_a`` and ``wo_b`` (also the DSpark drafter's, models/dspark/)."""
+        out = apply_tail_rope(out, cos, -sin)
         groups = out.reshape(out.shape[0], self.o_groups, -1).transpose(0, 1)  # [G, T, H * D / G]
         weight = self.wo_a.dense_weight(out.dtype)
         weight = weight.view(self.o_groups, -1, weight.shape[-1]).transpose(1, 2)  # block-diagonal [G, H D / G, R]
@@ -186,8 +197,16 @@ class V41Attention(nn.Module):
             entries, keys = fake_quant_fp4(entries, 16, e4m3_scales=True), fake_quant_fp4(keys, 32)
         where = entry_write_rows(ctx.slot_mapping[rows], positions, ratio, ctx.pages.block_size,
                                  cache.entries.shape[0])
-        cache.entries[where] = entries.to(cache.entries.dtype)
-        cache.index_entries[where] = keys.to(cache.index_entries.dtype)
+        entry_rec, key_rec = self.records or (None, None)
+        store_entries(cache.entries, where, entries, entry_rec)
+        store_entries(cache.index_entries, where, keys, key_rec)
+
+    def _gather(self, paged: torch.Tensor,  # [E, C] the source's entries or keys (fp8 cache: records)
+                slots: torch.Tensor,  # [L or 1, E] rows
+                which: int,  # 0 entries, 1 index keys
+                dtype: torch.dtype) -> torch.Tensor:  # [L or 1, E, dim]
+        rows = gather_rows(paged, slots)
+        return rows if self.records is None else entry_values(rows, self.records[which], dtype)
 
     def _window(self, kv: torch.Tensor, ctx: StepContext, start: int, end: int, pages: TokenPages | ChunkPages,
                 ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # keys [L or 1, K, D], allowed [L, K]
@@ -202,22 +221,43 @@ class V41Attention(nn.Module):
                 index_q: tuple[torch.Tensor, torch.Tensor] | None,  # the step's index queries and weights
                 kv: torch.Tensor, step: V41Step, start: int, end: int, pages: TokenPages | ChunkPages,
                 cache: LayerCache) -> torch.Tensor:  # [L, H, D]
-        keys, allowed = self._window(kv, step.ctx, start, end, pages, cache.window)
-        if self.role.ratio:
-            entry_slots, visible = step.ctx.shared(("entries", start, self.role.ratio),
-                                                   lambda: entry_rows_visible(pages, self.role.ratio))
-            picked = self._pick(index_q, step, start, end, cache, entry_slots, visible)
-            entries = step.ctx.shared(("entry_keys", self.role.kv_source, start),
-                                      lambda: gather_rows(cache.entries, entry_slots))
-            keys = torch.cat([keys, entries.to(keys.dtype).expand(keys.shape[0], -1, -1)
-                              if entries.shape[0] != keys.shape[0] else entries.to(keys.dtype)], dim=1)
-            allowed = torch.cat([allowed, picked], dim=1)
-        return sink_attention(q, keys.to(q.dtype), allowed, self.attn_sink, self.scale)
+        """Window plus the picked entries. Context parallelism (``ctx.context``): each rank holds some blocks'
+        entries; picks are made over every rank's scores (so each rank keeps its share of the one-rank picks), rank
+        0 adds the window (every rank's rings hold it) and the sinks, and the parts merge by log-sum-exp. Window
+        layers need no split: every rank has every row and ring."""
+        ctx, ratio = step.ctx, self.role.ratio
+        share = ctx.context if ratio else None
+        keys, allowed = self._window(kv, ctx, start, end, pages, cache.window)
+        if not ratio:
+            return sink_attention(q, keys.to(q.dtype), allowed, self.attn_sink, self.scale)
+        entry_slots, visible = ctx.shared(("entries", start, ratio), lambda: entry_rows_visible(pages, ratio))
+        held = None if share is None else ctx.shared(
+            ("held", start, ratio), lambda: held_entries(pages, ratio, share.scratch_block))  # [L or 1, E]
+        picked = self._pick(index_q, step, start, end, cache, entry_slots, visible, held)
+        entries = ctx.shared(("entry_keys", self.role.kv_source, start),
+                             lambda: self._gather(cache.entries, entry_slots, 0, q.dtype)).to(keys.dtype)
+        if share is None:
+            keys = torch.cat([keys, entries.expand(keys.shape[0], -1, -1)
+                              if entries.shape[0] != keys.shape[0] else entries], dim=1)
+            return sink_attention(q, keys.to(q.dtype), torch.cat([allowed, picked], dim=1), self.attn_sink,
+                                  self.scale)
+        picked = picked & held
+        if share.rank == 0:
+            entries = torch.cat([keys, entries.expand(keys.shape[0], -1, -1)
+                                 if entries.shape[0] != keys.shape[0] else entries], dim=1)
+            picked = torch.cat([allowed, picked], dim=1)
+        out, lse = partial_sink_attention(q, entries.to(q.dtype), picked,
+                                          self.attn_sink if share.rank == 0 else None, self.scale)
+        parts = self.par.context.all_gather(torch.cat([out.flatten(1), lse], dim=1))  # [R, L, H * D + H]
+        heads, dim = out.shape[1:]
+        return merge_partials(parts[..., :heads * dim].unflatten(-1, (heads, dim)),
+                              parts[..., heads * dim:]).to(q.dtype)
 
     def _pick(self, index_q: tuple[torch.Tensor, torch.Tensor] | None, step: V41Step, start: int, end: int,
               cache: LayerCache, entry_slots: torch.Tensor,  # [L or 1, E]
               visible: torch.Tensor,  # [L, E] bool
-              ) -> torch.Tensor:  # [L, E] bool: the entries this group's queries attend
+              held: torch.Tensor | None,  # [L or 1, E] bool: context parallelism, the entries this rank holds
+              ) -> torch.Tensor:  # [L, E] bool: the entries this group's queries attend (over every rank)
         role, d = self.role, self.d
         if role.mode == REUSE:
             return step.picks[start]
@@ -225,8 +265,10 @@ class V41Attention(nn.Module):
             picked = visible
         else:
             q, head_weights = index_q[0][start:end], index_q[1][start:end]
-            keys = gather_rows(cache.index_entries, entry_slots).to(q.dtype)
-            scores = indexer_scores(q, keys, head_weights, visible)  # [L, E], -inf where not visible
+            keys = self._gather(cache.index_entries, entry_slots, 1, q.dtype).to(q.dtype)
+            scores = indexer_scores(q, keys, head_weights, visible if held is None else visible & held)
+            if held is not None:  # each entry is scored on the one rank that holds it (-inf elsewhere)
+                scores = self.par.context.all_gather(scores).max(dim=0).values
             if role.candidate_source:
                 counts = (step.ctx.pages.positions[start:end] + 1) // role.ratio
                 step.pool[start] = candidate_pool(scores, counts, d.candidate_topk_blocks, d.candidate_block_size)

@@ -15,7 +15,8 @@
   value; the gate of stream s is ``sigmoid(signed sqrt(<h_s, w_s * key_s> * rstd(h_s) * rstd(key_s) / sqrt(D)))``
   with ``w = q_weight * k_weight``; the output is ``h + gate * value`` (no ShortConv), on the 4-stream residual
   before the layer's attention mHC coefficients.
-Not here yet: image tokens (DEAD: zero gate, pad look-back), tables sharded over ranks or in host memory.
+Image tokens (``image_token_id``) are DEAD: from a look-back slot holding one, it and every older slot are padding,
+and an image token's gate is zero. Not here yet: tables sharded over ranks or in host memory.
 """
 from __future__ import annotations
 
@@ -60,9 +61,10 @@ class V41EngramHash:
     multipliers: torch.Tensor  # [L, N] int64
     primes: torch.Tensor  # [L, N - 1, heads] int64
     offsets: torch.Tensor  # [L, cols] int64
+    dead_id: int = -1  # image_token_id: a DEAD look-back
 
     @classmethod
-    def build(cls, a: DeepseekV41TextArgs, tokenizer_file: str | Path) -> "V41EngramHash":
+    def build(cls, a: DeepseekV41TextArgs, tokenizer_file: str | Path, dead_id: int = -1) -> "V41EngramHash":
         lookup = compressed_vocabulary(tokenizer_file)
         size = int(lookup.max()) + 1
         if size != a.engram_compressed_vocab_size:
@@ -82,15 +84,15 @@ class V41EngramHash:
         offsets = [np.concatenate([[0], np.cumsum(p[:-1])]) for p in primes]
         return cls(torch.from_numpy(lookup), int(lookup[a.engram_pad_id]), torch.from_numpy(np.stack(mult)),
                    torch.tensor(primes).view(len(primes), a.engram_max_ngram_size - 1, a.engram_n_heads),
-                   torch.from_numpy(np.stack(offsets).astype(np.int64)))
+                   torch.from_numpy(np.stack(offsets).astype(np.int64)), dead_id)
 
     def __call__(self, input_ids: torch.Tensor,  # [T] int64
                  history: torch.Tensor,  # [T, N - 1] int64 the ids before each token, oldest first, -1: none
                  ) -> torch.Tensor:  # [T, L, cols] int64 table rows of each Engram layer
         ids = torch.cat([input_ids[:, None], history.flip(-1)], dim=1)  # slot k: k tokens back
         compressed = self.token_map.to(ids.device)[ids.clamp(min=0)]
-        # once a look-back is before the start, it and every older slot are padding
-        blocked = torch.cumsum((ids < 0).long(), dim=1) > 0
+        # once a look-back is before the start or DEAD, it and every older slot are padding
+        blocked = torch.cumsum(((ids < 0) | (ids == self.dead_id)).long(), dim=1) > 0
         tokens = torch.where(blocked, torch.full_like(compressed, self.pad_id), compressed)
         products = tokens[:, None, :] * self.multipliers[None]  # [T, L, N]
         rolling, hashes = products[..., 0], []
@@ -103,9 +105,9 @@ class V41EngramHash:
 class V41Engram(nn.Module):
     """``layers.{i}.engram.{embed.weight, embed.scale, wkv.weight, q_weight, k_weight}``."""
 
-    def __init__(self, a: DeepseekV41TextArgs, rows: int, block_size: tuple[int, int]) -> None:
+    def __init__(self, a: DeepseekV41TextArgs, rows: int, block_size: tuple[int, int], dead_id: int = -1) -> None:
         super().__init__()
-        self.hidden, self.hc, self.eps = a.hidden_size, a.hc_mult, a.rms_norm_eps
+        self.hidden, self.hc, self.eps, self.dead_id = a.hidden_size, a.hc_mult, a.rms_norm_eps, dead_id
         cols = (a.engram_max_ngram_size - 1) * a.engram_n_heads
         self.embed = nn.Module()
         self.embed.register_buffer("weight", torch.zeros(rows, a.engram_head_dim))
@@ -122,7 +124,8 @@ class V41Engram(nn.Module):
         return values.flatten(1)
 
     def forward(self, streams: torch.Tensor,  # [T, hc, D]
-                hash_ids: torch.Tensor) -> torch.Tensor:  # [T, cols] -> [T, hc, D]
+                hash_ids: torch.Tensor,  # [T, cols]
+                input_ids: torch.Tensor | None = None) -> torch.Tensor:  # [T] int64 -> [T, hc, D]
         kv = self.wkv(self.rows(hash_ids).to(streams.dtype))
         key = kv[:, :self.hc * self.hidden].float().view(-1, self.hc, self.hidden)
         value = kv[:, self.hc * self.hidden:].float()
@@ -130,4 +133,6 @@ class V41Engram(nn.Module):
         rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
         dot = (h * (self.q_weight.float() * self.k_weight.float()) * key).sum(-1) * rstd * self.hidden ** -0.5
         gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))  # [T, hc]
+        if input_ids is not None:  # image tokens are DEAD: no memory added
+            gate = gate * (input_ids != self.dead_id).unsqueeze(-1)
         return (h + gate[..., None] * value[:, None, :]).to(streams.dtype)

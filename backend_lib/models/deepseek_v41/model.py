@@ -1,4 +1,5 @@
-"""DeepSeek-V4.1 causal LM (``DeepseekV41ForCausalLM``, text only) over the hybrid KV cache.
+"""DeepSeek-V4.1 causal LM (``DeepseekV41ForCausalLM``) over the hybrid KV cache; a checkpoint with ``vision.*``
+also loads its vision encoder (``vision/``), whose image spans enter ``forward`` as ``embed_rows``.
 
 ``hybrid_cache_shapes`` (``backend_lib/core/hybrid_kv.py`` keeps the books):
 
@@ -10,9 +11,11 @@
   ratio-2 sources, the open pair's fp32 ``[kv | gate]`` projections ``[n2, S, 2 + drafts, 2D]`` (a verification
   may roll back ``drafts`` positions). Ratio 1 keeps no state.
 
-Ring state is valid only at the position its request reached, so prefix caching is off, as for V4. Not yet here:
-context parallelism, weight_format=packed, fp8 KV records, Engram tables sharded over ranks, DSpark (``mtp.*`` ignored,
-said in the load log), compiled regions.
+With ``kv_cache_dtype=fp8_e4m3`` the paged tensors hold fp4 records (``use_fp8_kv``). Ring state is valid only at
+the position its request reached, so prefix caching is off, as for V4. Context parallelism splits the paged entries
+by block (attention.py); every rank keeps every row and ring. Not yet here: Engram tables sharded over ranks, Engram
+with context ranks, compiled regions. The ``mtp.*`` tensors (skipped here, said in the load log) are the DSpark
+drafter's: models/dspark/deepseek_v41.py.
 """
 from __future__ import annotations
 
@@ -30,13 +33,16 @@ from backend_lib.models.deepseek_v41.attention import V41Attention, V41Dims, V41
 from backend_lib.models.deepseek_v41.config import FULL, DeepseekV41Config, DeepseekV41TextArgs
 from backend_lib.models.deepseek_v41.engram import V41Engram, V41EngramHash
 from backend_lib.models.deepseek_v41.layers import V41DecoderLayer, V41MoE
+from backend_lib.models.deepseek_v41.vision.config import VisionArgs
+from backend_lib.models.deepseek_v41.vision.encoder import V41VisionEncoder, is_vision_tensor
 from backend_lib.models.deepseek_v4.attention import LayerCache, StepContext, V4Rope
 from backend_lib.models.deepseek_v4.layers import V4MoEDims
 from backend_lib.models.deepseek_v4.step_pages import chunk_groups, token_pages
-from backend_lib.models.interfaces import ModelCapabilities, ServedModel
+from backend_lib.models.interfaces import InputEmbeddingRows, ModelCapabilities, ServedModel
 from backend_lib.models.parallel import ParallelContext, Shard, vocab_parallel_embedding
 from kernels.attention_metadata import AttentionMetadata
 from kernels.compressed_attention import entry_rows_per_block
+from kernels.csa2_records import Fp4Record, entry_record, index_key_record
 from kernels.hyper_connections import HyperConnectionSpec, hc_collapse
 
 if TYPE_CHECKING:
@@ -44,7 +50,7 @@ if TYPE_CHECKING:
 
 _LOG = logging.getLogger(__name__)
 _EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
-_IGNORED = re.compile(r"^(mtp\.|vision\.|aligner\.|image_(start|end|newline|pad)$)")
+_IGNORED = re.compile(r"^mtp\.")
 _QUANTIZED = (torch.float8_e4m3fn, torch.int8, torch.uint8)
 _KEEP_FP32 = re.compile(r"(hc_\w+|attn_sink|ffn\.gate\.\w+|norm\.weight)$")
 
@@ -55,18 +61,27 @@ def _whole(tensor: Any) -> torch.Tensor:
 
 
 class DeepseekV41ForCausalLM(ServedModel):
-    capabilities = ModelCapabilities(hybrid_cache=True, engram=True)
+    # fp8_kv: the paged entries and index keys as fp4 records; packed_weights: the fp8 projections in packed tiles
+    # context_parallel / splits_context_rows: the entries split by block, every row on every rank (compressors)
+    capabilities = ModelCapabilities(fp8_kv=True, hybrid_cache=True, engram=True, packed_weights=True,
+                                     context_parallel=True, splits_context_rows=False, captures_hidden=True,
+                                     checkpoint_drafter=True, images=True)
     # the quantization-aware activations are the model's math (on); exact fp32 comparisons turn them off, since
     # summation-order noise flips their roundings
     qat_activations = True
 
     def __init__(self, config: DeepseekV41Config, dtype: torch.dtype = torch.float32,
                  par: ParallelContext = ParallelContext(), qat: bool | None = None,
-                 engram_hash: V41EngramHash | None = None) -> None:
+                 engram_hash: V41EngramHash | None = None, packed: bool = False) -> None:
         super().__init__()
         qat = self.qat_activations if qat is None else qat
         a = config.text
         self.config, self.args, self.dtype, self.par, self.qat = config, a, dtype, par, qat
+        # built by load_weights when the checkpoint has vision.*; kept off the module tree, so that moving the model
+        # to a device (Neuron) leaves the tower in host memory and only its output goes to the device
+        self._host_modules: dict[str, V41VisionEncoder] = {}
+        self.packed = packed  # weight_format=packed: the fp8 projections as packed tiles (packed GEMMs)
+        self.records: tuple[Fp4Record, Fp4Record] | None = None  # kv_cache_dtype=fp8_e4m3 (use_fp8_kv)
         block = (config.quantization.weight_block_size if config.quantization else (32, 32))
         # fp4 routed experts stay packed (two codes a byte, a ue8m0 scale per 32 inputs), dequantized per expert
         # when it runs; fp8 projections stay fp8, dequantized block-wise inside the linear
@@ -87,7 +102,8 @@ class DeepseekV41ForCausalLM(ServedModel):
         self.embed.weight = nn.Parameter(torch.zeros(vocab_local, a.hidden_size), requires_grad=False)
         self.layers = nn.ModuleList(
             V41DecoderLayer(V41Attention(dims, role, self.main_rope, self.compress_rope, par),
-                            V41MoE(moe, par, block, a.gate_temp, a.norm_topk_prob, packed_fp4=self.packed_fp4),
+                            V41MoE(moe, par, block, a.gate_temp, a.norm_topk_prob, packed_fp4=self.packed_fp4,
+                                   image_token_id=config.image_token_id),
                             a.hidden_size, a.rms_norm_eps,
                             self.hc)
             for role in a.roles)
@@ -99,11 +115,16 @@ class DeepseekV41ForCausalLM(ServedModel):
         self.sources = {r: [role.layer for role in a.roles if role.mode == FULL and role.ratio == r] for r in (1, 2)}
         # Engram: the runner sends the N - 1 ids before each token (AttentionMetadata.token_history)
         self.engram_hash = engram_hash
+        # Set by the DSpark proposer (worker/spec_decode/dspark_v41.py): forward then keeps the hc-mean of the streams
+        # entering these layers (before their Engram; vLLM's ``previous_post.mean``), concatenated, in
+        # ``captured_hidden`` [T, len(ids) * hidden].
+        self.capture_layer_ids: tuple[int, ...] = ()
+        self.captured_hidden: torch.Tensor | None = None
         self.token_history = a.engram_max_ngram_size - 1 if a.engram_layer_ids else 0
         if a.engram_layer_ids and engram_hash is None:
             raise ValueError("DeepSeek-V4.1 with Engram needs the checkpoint's tokenizer.json (its hash)")
         for k, (layer, rows) in enumerate(zip(a.engram_layer_ids, a.engram_num_embeddings)):
-            self.layers[layer].engram = V41Engram(a, rows, block)
+            self.layers[layer].engram = V41Engram(a, rows, block, config.image_token_id)
         self.to(dtype)
         for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
             if _KEEP_FP32.search(name) and tensor.is_floating_point():
@@ -116,12 +137,15 @@ class DeepseekV41ForCausalLM(ServedModel):
         parsed = DeepseekV41Config.from_hf_config(config)
         engram = None
         if parsed.text.engram_layer_ids:
-            engram = V41EngramHash.build(parsed.text, Path(getattr(options, "checkpoint_dir", "")) / "tokenizer.json")
-        return cls(parsed, dtype=dtype, par=par, engram_hash=engram)
+            engram = V41EngramHash.build(parsed.text, Path(getattr(options, "checkpoint_dir", "")) / "tokenizer.json",
+                                         parsed.image_token_id)
+        return cls(parsed, dtype=dtype, par=par, engram_hash=engram, packed=bool(getattr(options, "packed", False)))
 
     # ---- the model-runner contract -------------------------------------------------------------------
-    supports_context_parallel = False
-    splits_context_rows = False
+    @property
+    def supports_context_parallel(self) -> bool:
+        # Engram with context ranks is not checked against the oracle yet: refused by the runner, naming the model
+        return not self.args.engram_layer_ids
 
     def hybrid_cache_shapes(self, num_blocks: int, block_size: int, num_state_slots: int,
                             max_drafts: int = 0) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
@@ -129,10 +153,22 @@ class DeepseekV41ForCausalLM(ServedModel):
         d, di, n1, n2 = a.head_dim, a.index_head_dim, len(self.sources[1]), len(self.sources[2])
         rows1 = num_blocks * entry_rows_per_block(block_size, 1)
         rows2 = num_blocks * entry_rows_per_block(block_size, 2)
-        paged = [(n2, rows2, d), (n2, rows2, di), (n1, rows1, d), (n1, rows1, di)]
+        ed, id_ = (d, di) if self.records is None else (r.num_bytes for r in self.records)  # fp8: record bytes
+        paged = [(n2, rows2, ed), (n2, rows2, id_), (n1, rows1, ed), (n1, rows1, id_)]
         state = [(a.num_hidden_layers, num_state_slots, a.sliding_window + max_drafts, d),
                  (n2, num_state_slots, 2 + max_drafts, 2 * d)]
         return paged, state
+
+    def use_fp8_kv(self, fp8_max: float) -> str:
+        """Compressed entries and index keys as fp4 records (kernels/csa2_records.py: NVFP4 / 16 and MXFP4 / 32,
+        the QAT's own grids, so with QAT on the logits do not change); the rings keep the model dtype. ``fp8_max``
+        does not apply: the records' only fp8 bytes are e4m3 scales of amax / 6."""
+        a = self.args
+        self.records = (entry_record(a.head_dim), index_key_record(a.index_head_dim))
+        for layer in self.layers:
+            layer.attn.records = self.records
+        return (f"compressed entries {self.records[0].num_bytes} B (NVFP4), index keys {self.records[1].num_bytes} "
+                f"B (MXFP4) a record; the sliding-window rings keep the model dtype")
 
     def _layer_cache(self, index: int, caches: list) -> LayerCache:
         entries_r2, keys_r2, entries_r1, keys_r1, window, state_r2 = caches[:6]
@@ -153,13 +189,17 @@ class DeepseekV41ForCausalLM(ServedModel):
         chunks = ([meta.decode_query_len] if meta.num_decodes else []) + list(meta.prefill_query_lens)
         return StepContext(pages, meta.slot_mapping, meta.state, self.main_rope.at(positions, dtype),
                            self.compress_rope.at(positions, dtype), chunk_groups(pages, meta),
-                           meta.decode_query_len, max(chunks, default=None))
+                           meta.decode_query_len, max(chunks, default=None), context=meta.context)
 
     def forward(self, input_ids: torch.Tensor,  # [T] int64
                 positions: torch.Tensor,  # [T] int64
                 kv_caches: list,  # hybrid_cache_shapes' tensors, paged then fixed
-                meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden] final-normed hidden states
+                meta: AttentionMetadata,
+                embed_rows: InputEmbeddingRows | None = None,  # image spans' rows: they enter before the hc expansion
+                ) -> torch.Tensor:  # [T, hidden] final-normed hidden states
         h = vocab_parallel_embedding(input_ids, self.embed.weight, self.vocab_start, self.par)
+        if embed_rows is not None:
+            h = h.index_copy(0, embed_rows.rows, embed_rows.embeddings.to(h.dtype))
         step = V41Step(self.step_context(positions, meta, h.dtype), self.qat)
         streams = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
         pre = torch.zeros(h.shape[0], self.args.hc_mult, device=h.device)
@@ -170,9 +210,14 @@ class DeepseekV41ForCausalLM(ServedModel):
                 raise ValueError("DeepSeek-V4.1 with Engram needs meta.token_history (model.token_history ids)")
             hashes = self.engram_hash(input_ids, meta.token_history)
         engram_index = {layer: k for k, layer in enumerate(self.args.engram_layer_ids)}
+        kept = []
         for i, layer in enumerate(self.layers):
+            if i in self.capture_layer_ids:
+                kept.append(streams.mean(1))
             rows = hashes[:, engram_index[i]] if i in engram_index else None
             streams, pre = layer(streams, pre, input_ids, step, self._layer_cache(i, kv_caches), rows)
+        if kept:
+            self.captured_hidden = torch.cat(kept, dim=-1)
         return self.norm(hc_collapse(streams, pre))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
@@ -181,14 +226,19 @@ class DeepseekV41ForCausalLM(ServedModel):
     # ---- weights -------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Release-layout tensors (``layers.N.attn.wq_a.weight``; transformers main's ``model.`` and ``lm_head``
-        accepted). ``mtp.*``, ``vision.*``, ``aligner.*`` and the image embeddings are skipped (logged)."""
+        accepted). ``mtp.*`` is skipped (logged); ``vision.*``, ``aligner.*`` and ``image_*`` go to the vision encoder,
+        built only when the checkpoint has them (vision/encoder.py)."""
         shards = {f"{prefix}.{key}" if prefix else key: shard for prefix, module in self.named_modules()
                   for key, shard in getattr(module, "shards", {}).items()}
         loaded: set[str] = set()
         skipped = 0
         pending: dict[str, dict[str, Any]] = {}  # quantized module -> {"weight", "scale"} until both arrived
+        vision: list[tuple[str, Any]] = []
         for raw_name, tensor in weights:
             name = raw_name.removeprefix("model.").replace("lm_head.", "head.")
+            if is_vision_tensor(name):
+                vision.append((name, tensor))
+                continue
             if _IGNORED.match(name):
                 skipped += 1
                 continue
@@ -210,11 +260,23 @@ class DeepseekV41ForCausalLM(ServedModel):
         if pending:
             raise ValueError(f"quantized weights without their scale (or scales without weights): {sorted(pending)}")
         if skipped:
-            _LOG.info("DeepSeek-V4.1: %d tensors of mtp.* (DSpark) / vision.* / aligner.* / image_* skipped: only "
-                      "the text model is served", skipped)
+            _LOG.info("DeepSeek-V4.1: %d tensors of mtp.* (DSpark) skipped", skipped)
         missing = sorted(self._expected_names() - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        if vision:
+            self._load_vision(vision)
+
+    def _load_vision(self, tensors: list[tuple[str, Any]]) -> None:
+        if self.config.vision is None:
+            raise ValueError("checkpoint has vision.* tensors but config.json has no vision_config")
+        # replicated on every rank (tensor parallelism splits only the text model); only the driver runs it
+        encoder = V41VisionEncoder(VisionArgs.from_dict(self.config.vision, self.args.hidden_size), self.dtype,
+                                   self.config.image_token_id)
+        encoder.load_weights(tensors)
+        self._host_modules["image_encoder"] = encoder
+        _LOG.info("DeepSeek-V4.1: vision tower loaded (%d layers of width %d): images in, text out",
+                  encoder.args.num_hidden_layers, encoder.args.hidden_size)
 
     def _set_expert(self, expert: re.Match, weight: Any, scale: Any) -> None:
         moe = self.layers[int(expert.group(1))].ffn
@@ -247,7 +309,9 @@ class DeepseekV41ForCausalLM(ServedModel):
                                  f"scale blocks; choose a tensor_parallel_size that keeps shards block-aligned")
             weight = shard.take(weight)
             scale = Shard(shard.dim, shard.start // block, -(-shard.size // block)).take(scale)
-        target.set_weight(_whole(weight), _whole(scale).float(), self.dtype, False)
+        # weight_format=packed: packed tiles, but wo_a, read whole (dense_weight) by the grouped product every step
+        packed = self.packed and not base.endswith("wo_a")
+        target.set_weight(_whole(weight), _whole(scale).float(), self.dtype, False, packed)
 
     def _set(self, name: str, raw_name: str, value: torch.Tensor) -> None:
         owner, _, leaf = name.rpartition(".")
@@ -275,6 +339,10 @@ class DeepseekV41ForCausalLM(ServedModel):
             names |= {f"layers.{i}.ffn.experts.{e}.{w}.weight" for e in layer.ffn.held_experts()
                       for w in ("w1", "w2", "w3")}
         return names
+
+    @property
+    def image_encoder(self) -> V41VisionEncoder | None:
+        return self._host_modules.get("image_encoder")
 
     @property
     def arch(self) -> DeepseekV41TextArgs:

@@ -8,19 +8,29 @@ from backend_lib.tools.lint.ranks import lint_with_ranks
 from backend_lib.tools.lint.regions import lint_all_regions
 
 
+ARCHS = ("llama", "llama_fp8", "deepseek_v3", "deepseek_v3_fp8", "deepseek_v4", "deepseek_v4_fp8")
+
+
+def _archs(value: str) -> list[str]:
+    archs = list(ARCHS) if value == "all" else value.split(",")
+    unknown = [a for a in archs if a not in ARCHS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown arch {unknown[0]!r}: 'all' or a comma-separated list of "
+                                         f"{', '.join(ARCHS)}")
+    return archs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deepinfer lint-graphs",
                                      description="Lint every compiled region of a tiny Llama, a tiny "
                                                  "DeepSeek-V3 and a tiny DeepSeek-V4 (each also with an fp8 KV cache) "
                                                  "for what neuronx-cc rejects or runs slowly.")
-    parser.add_argument("--arch", default="all",
-                        choices=["llama", "llama_fp8", "deepseek_v3", "deepseek_v3_fp8", "deepseek_v4",
-                                 "deepseek_v4_fp8", "all"])
+    parser.add_argument("--arch", default="all", type=_archs,
+                        help=f"'all' or a comma-separated list of {', '.join(ARCHS)}")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="lint each rank's shard with the collectives in its graphs (gloo ranks on this host)")
     args = parser.parse_args(argv)
-    archs = (["llama", "llama_fp8", "deepseek_v3", "deepseek_v3_fp8", "deepseek_v4", "deepseek_v4_fp8"]
-             if args.arch == "all" else [args.arch])
+    archs = args.arch
     if args.tensor_parallel_size > 1:
         results = [(f"rank {r.rank}: {r.region}", r.error)
                    for r in lint_with_ranks(archs, args.tensor_parallel_size)]

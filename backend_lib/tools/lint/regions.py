@@ -37,7 +37,12 @@ LINT_BUCKETS = BucketSpec(batch_sizes=(1, 4), block_table_widths=(4,), prefill_l
 def _tiny_model(arch: str, directory: str, par: ParallelContext | None = None) -> torch.nn.Module:
     fp8_kv = arch.endswith("_fp8")
     arch = arch.removesuffix("_fp8")
-    path = make_tiny(arch, directory, fp8=arch == "deepseek_v3", seed=0)
+    # V4: one layer of each attention kind (window, CSA, HCA) and of each MoE kind (hash, routed): the ops of
+    # the 4-layer tiny model, a quarter less to trace
+    small_v4 = dict(num_hidden_layers=3, mlp_layer_types=["hash_moe", "moe", "moe"],
+                    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"])
+    path = make_tiny(arch, directory, fp8=arch == "deepseek_v3", seed=0,
+                     overrides=small_v4 if arch == "deepseek_v4" else None)
     model = load_model(str(path), torch.float32, progress=False, par=par).eval()
     if fp8_kv:
         model.use_fp8_kv(KV_FP8_MAX_NEURON)

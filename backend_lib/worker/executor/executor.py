@@ -14,12 +14,13 @@ import logging
 import torch
 
 from backend_lib.core.config import EngineConfig, config_to_flat
-from backend_lib.core.outputs import EplbStats, RunnerOutput, SchedulerOutput, SpecScheduleStats
+from backend_lib.core.outputs import EplbStats, RunnerOutput, SchedulerOutput, SpecSurvivalStats
 from backend_lib.models.parallel import ParallelContext
 from backend_lib.worker.eplb import ExpertLoadBalancer
 from backend_lib.worker.executor.process_group import host_rendezvous, init_group, leave_group, pin_rank_threads
 from backend_lib.worker.executor.rank import RankState, build_rank
 from backend_lib.worker.executor.workers import RankFailure, WorkerPool
+from backend_lib.worker.model_inputs import ModelInputs, StepOverlap
 from backend_lib.worker.model_runner import ModelRunner
 
 log = logging.getLogger("deepinfer.executor")
@@ -75,11 +76,14 @@ class Executor:
     def num_state_slots(self) -> int:
         return self.state.num_state_slots
 
-    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput, inputs: ModelInputs | None = None,
+                overlap: StepOverlap | None = None) -> RunnerOutput:
+        """One step (``inputs`` and ``overlap``: a step prepared while the previous one ran, ModelRunner.execute).
+        Zero-overhead scheduling calls it from its device thread, one step at a time, in order."""
         if self.failed:
             raise RankFailure(self.failed)
         try:
-            output = self.state.runner.execute(scheduler_output)
+            output = self.state.runner.execute(scheduler_output, inputs, overlap)
             if self.balancer is not None:  # between this step and the next: no step sees half-moved experts
                 self.balancer.after_step()
             return output
@@ -93,9 +97,9 @@ class Executor:
     def eplb_stats(self) -> EplbStats | None:
         return None if self.balancer is None else self.balancer.stats()
 
-    def spec_schedule_stats(self) -> SpecScheduleStats | None:
+    def spec_survival_stats(self) -> SpecSurvivalStats | None:
         drafter = self.state.runner.block_drafter
-        return None if drafter is None else drafter.counters.snapshot()
+        return None if drafter is None else drafter.calibration.snapshot()
 
     def close(self) -> None:
         """Stop every worker (idempotent). After a failure the survivors are killed rather than told."""

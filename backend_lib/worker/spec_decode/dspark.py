@@ -30,9 +30,18 @@ from backend_lib.core.outputs import ScheduledChunk
 from backend_lib.models.dspark.heads import confidence_logits, draft_sequentially
 from backend_lib.models.dspark.model import load_drafter
 from backend_lib.models.interfaces import capabilities_of
-from backend_lib.worker.spec_decode.block_stats import BlockDraftCounters
+from backend_lib.worker.spec_decode.block_stats import SurvivalCalibration
 from backend_lib.worker.spec_decode.rejection import num_accepted
 from backend_lib.worker.spec_decode.verify_schedule import VerifyLengthSchedule
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """What a step's draft pass reads from the host, fixed before the step runs (the driver sends it to the other
+    tensor-parallel ranks, which run the same pass)."""
+
+    last_positions: torch.Tensor  # [S] int64 per sampling chunk: the position of its last token before its drafts
+    context_bound: int  # host bound on every anchor position (the longest context read)
 
 
 @dataclass
@@ -63,17 +72,22 @@ class BlockDraftProposer:
         # DFlash is the same backbone without the heads (a DSpark drafter with its heads off is DFlash's baseline)
         self.markov = drafter.markov_head if method == "dspark" else None
         self.confidence = drafter.confidence_head if method == "dspark" else None
-        self.k, self.block_size = spec.num_speculative_tokens, config.block_size
-        self.fixed_length = spec.spec_schedule == "fixed"
-        self.threshold = spec.dspark_confidence_threshold
-        self.schedule = VerifyLengthSchedule(self.k, self.block_size)
+        self._init_schedule(spec, config.block_size)
         arch = config.arch
         shape = (arch.num_layers, num_slots, arch.num_kv_heads, arch.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.last_survival: dict[str, list[float]] = {}  # request id -> survival of the drafts it proposed
-        self.counters = BlockDraftCounters(self.k)  # /metrics: chosen lengths, survival calibration
         model.capture_layer_ids = config.target_layer_ids
+
+    def _init_schedule(self, spec: SpecConfig, block_size: int) -> None:
+        """What ``plan`` / ``proposals`` read, the same for every drafter family."""
+        self.k, self.block_size = spec.num_speculative_tokens, block_size
+        self.fixed_length = spec.spec_schedule == "fixed"
+        self.threshold = spec.dspark_confidence_threshold
+        self.schedule = VerifyLengthSchedule(self.k, self.block_size)
+        self.last_survival: dict[str, list[float]] = {}  # request id -> survival of the drafts it proposed
+        self.calibration = SurvivalCalibration(self.k)  # /metrics: DSpark's predicted against observed survival
+        self.head_survival = False  # whether last_survival came from a confidence head (DFlash: none, all 1.0)
 
     def write_context(self, positions: torch.Tensor,  # [T] int64: the rows the target ran this step
                       slot_mapping: torch.Tensor) -> None:  # [T] int64: their slots (padding rows: the scratch block)
@@ -83,14 +97,14 @@ class BlockDraftProposer:
             self.v_cache[layer].index_copy_(0, slot_mapping, v.to(self.v_cache.dtype))
 
     def draft(self, verified: torch.Tensor,  # [S, W] rejection output (-1 padded)
-              last_positions: list[int],  # per request: the position of its last token before its drafts
-              context_bound: int,  # host bound on every anchor position (the longest context read)
+              plan: BlockPlan,
               block_tables: torch.Tensor,  # [S, Wb] int32
               block_size: int) -> BlockDrafts:
         accepted = num_accepted(verified)
         anchors = verified.gather(1, accepted[:, None]).squeeze(1)
         device = verified.device
-        anchor_pos = torch.tensor(last_positions, dtype=torch.int64, device=device) + accepted + 1
+        anchor_pos = plan.last_positions + accepted + 1
+        context_bound = plan.context_bound
         positions = torch.arange(context_bound, dtype=torch.int64, device=device)
         valid = positions[None, :] < anchor_pos[:, None]
         column = (positions // block_size).clamp(max=block_tables.shape[1] - 1)
@@ -113,32 +127,30 @@ class BlockDraftProposer:
             confidence = torch.sigmoid(confidence_logits(self.confidence, self.markov, with_markov, hidden, prev))
         return BlockDrafts(drafts, confidence)
 
-    def draft_for(self, chunks: list[ScheduledChunk],  # the step's sampling chunks, in order
-                  verified: torch.Tensor,  # [S, W] their rejection output
-                  block_tables: torch.Tensor,  # [S, Wb] int32
-                  block_size: int) -> BlockDrafts | None:
-        """``draft`` from each chunk's emitted anchor, unless the schedule keeps drafting off this step."""
+    def plan(self, chunks: list[ScheduledChunk],  # the step's sampling chunks, in order
+             device: torch.device) -> BlockPlan | None:
+        """Before the step (once: it advances the schedule): whether the drafter runs after verification, and
+        from where; None while the schedule keeps drafting off."""
         speculating = sum(c.request.sampling_params.speculative for c in chunks)
         if not (self.fixed_length or self.schedule.wants_drafts(len(chunks), speculating)):
             return None
         last = [c.start + c.num_tokens - c.num_draft_tokens - 1 for c in chunks]
         bound = max(p + c.num_draft_tokens + 1 for p, c in zip(last, chunks))
-        return self.draft(verified, last, bound, block_tables, block_size)
+        return BlockPlan(torch.tensor(last, dtype=torch.int64, device=device), bound)
 
     def proposals(self, chunks: list[ScheduledChunk],  # the step's sampling chunks, in order
                   emitted: list[list[int]],  # the tokens each emitted this step
-                  block: BlockDrafts | None,  # draft_for's (None: the drafter did not run)
+                  block: BlockDrafts | None,  # draft's (None: the drafter did not run)
                   flat_drafts: list[int],  # block.token_ids as read with the step's one sync
                   ) -> list[list[int]]:  # each request's drafts for the next step
         for chunk, tokens in zip(chunks, emitted):  # calibrate on what this step verified
             predicted = self.last_survival.get(chunk.request.request_id)
             if predicted is not None and chunk.num_draft_tokens:
                 self.schedule.calibration.observe(predicted[:chunk.num_draft_tokens], len(tokens) - 1)
-                if self.confidence is not None:
-                    self.counters.observe(predicted[:chunk.num_draft_tokens], len(tokens) - 1)
+                if self.head_survival:
+                    self.calibration.observe(predicted[:chunk.num_draft_tokens], len(tokens) - 1)
         self.last_survival = {}
         if block is None:
-            self.counters.given(0 for c in chunks if c.request.sampling_params.speculative)
             return [[] for _ in chunks]
         width = block.token_ids.shape[1]
         drafts = [flat_drafts[b * width:(b + 1) * width] for b in range(len(chunks))]
@@ -148,6 +160,7 @@ class BlockDraftProposer:
         survival = None
         if confidence is not None:
             survival = [_running_product(row[:self.k]) for row in confidence]
+        self.head_survival = survival is not None
         if self.fixed_length:
             length = self.k
         else:
@@ -163,7 +176,6 @@ class BlockDraftProposer:
             out[b] = drafts[b][:n]
             self.last_survival[chunks[b].request.request_id] = (survival[b][:n] if survival is not None
                                                                  else [1.0] * n)
-        self.counters.given(len(out[b]) for b in speculating)
         return out
 
 
