@@ -95,8 +95,8 @@ COLOURS = r"(red|green|blue)(, (red|green|blue)){2,6}"
 def _workload(engine: LLMEngine) -> dict[str, list[int]]:
     """Four concurrent requests (chunked prefill; a small pool preempts): greedy, a grammar, seeded sampling with
     penalties (its token history rolls back too); then a two-turn session."""
-    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=7, repetition_penalty=1.3, frequency_penalty=0.2,
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=7, repetition_penalty=1.3, frequency_penalty=0.2,
                              ignore_eos=True)
     grammar = SamplingParams(max_tokens=24, temperature=0.0,
                              structured_outputs=parse_constraint({"guided_regex": COLOURS}))
