@@ -109,7 +109,8 @@ def write_results(rows: list[tuple[str, int, str, Result, Result]], params: Samp
              f"{args.dtype} ({args.weight_format} weights), greedy, {params.max_tokens} tokens a request, k={args.k} "
              f"for every method, drafter {Path(args.drafter).name}. One engine per method; plain = that engine's "
              "requests opting out, run group by group in turn with the method (same-engine ratios); outputs "
-             "identical (checked). Chosen lengths: request-steps whose proposer chose 0..k drafts for the next step.", "",
+             "identical (checked). Chosen lengths: request-steps whose proposer chose 0..k drafts for the next "
+             "step.", "",
              "| method | schedule | streams | plain tok/s | spec tok/s | tokens / step | tokens / verification "
              "| acceptance by position | chosen lengths 0..k (mean) | speedup |",
              "|---|---|---|---|---|---|---|---|---|---|"]
