@@ -21,6 +21,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,6 +69,7 @@ class Result:
     accepted_per_step: float = 0.0  # mean emitted tokens per verification (1 + accepted / verifications)
     acceptance_per_position: list[float] | None = None
     acceptance_rate: float = 0.0
+    chosen_lengths: list[int] | None = None  # request-steps whose proposer chose L drafts (index L)
 
     @property
     def tok_s(self) -> float:
@@ -124,6 +126,7 @@ class _Run:
                                                                             c.drafts_per_position)] or None
         res.accepted_per_step = 1 + c.accepted / c.verifications if c.verifications else 1.0
         res.acceptance_rate = c.accepted / c.drafted if c.drafted else 0.0
+        res.chosen_lengths = c.chosen_lengths or None
         return res
 
 
@@ -135,6 +138,7 @@ class _SpecCounts:
     drafted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafts_per_position: list[int] = field(default_factory=list)
+    chosen_lengths: list[int] = field(default_factory=list)
 
     def add(self, before, after) -> None:
         self.verifications += after.spec_num_drafts - before.spec_num_drafts
@@ -146,6 +150,10 @@ class _SpecCounts:
             mine += [0] * (len(a) - len(mine))
             for j, value in enumerate(a):
                 mine[j] += value - (b[j] if j < len(b) else 0)
+        a, b = after.spec_chosen_lengths, before.spec_chosen_lengths
+        self.chosen_lengths += [0] * (len(a) - len(self.chosen_lengths))
+        for n, value in enumerate(a):
+            self.chosen_lengths[n] += value - (b[n] if n < len(b) else 0)
 
 
 def run(engine: LLMEngine, name: str, prompts: list, params: SamplingParams, batch: int) -> Result:
@@ -154,17 +162,19 @@ def run(engine: LLMEngine, name: str, prompts: list, params: SamplingParams, bat
 
 
 def run_interleaved(engine: LLMEngine, runs: list[tuple[str, SamplingParams]], prompts: list,
-                    batch: int) -> list[Result]:
+                    batch: int, prepare: Callable[[int], None] | None = None) -> list[Result]:
     """Each group of ``batch`` prompts under every run's parameters in turn, on one engine.
 
     One engine for the runs with and without speculation (``SamplingParams.speculative=False`` opts out), not two:
     on the shared host two engines built in one process streamed their weights at different speeds (the first
     engine's blocked GEMM ran 1.7-2.8x slower than the second's on identical weights, and than a clone of its own
     weights), which a two-engine ratio would have credited to speculation. Interleaving by group spreads load drift
-    over both runs."""
+    over both runs. ``prepare(i)`` runs before run ``i`` takes its turn (to switch an engine-wide setting)."""
     states = [_Run(engine, name, batch) for name, _ in runs]
     for first in range(0, len(prompts), batch):
-        for state, (_, params) in zip(states, runs):
+        for i, (state, (_, params)) in enumerate(zip(states, runs)):
+            if prepare is not None:
+                prepare(i)
             state.add(prompts[first:first + batch], params, first)
             while engine.has_unfinished_requests():
                 state.step()

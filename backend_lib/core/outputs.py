@@ -128,6 +128,16 @@ class EplbStats:
         return max(self.layer_imbalance, default=1.0)
 
 
+@dataclass(frozen=True)
+class SpecSurvivalStats:
+    """DSpark's survival calibration (cumulative, worker/spec_decode/block_stats.py): per draft position j, over the
+    drafts verified there, the mean survival the confidence head predicted and the share accepted (empty until the
+    first verification)."""
+
+    predicted: list[float]
+    observed: list[float]
+
+
 @dataclass
 class EngineStats:
     num_running: int
@@ -153,6 +163,7 @@ class EngineStats:
     num_refused_waiting: int = 0
     num_refused_sessions: int = 0
     eplb: EplbStats | None = None  # None: enable_eplb off
+    spec_survival: SpecSurvivalStats | None = None  # None: no block drafter (DFlash: empty, it has no head)
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -479,4 +479,5 @@ class LLMEngine:
         counters = self.scheduler.stats_counters()
         return EngineStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
                            kv_blocks_total=self.num_blocks, num_sessions=self.scheduler.num_sessions,
-                           eplb=self.executor.eplb_stats(), **counters)
+                           eplb=self.executor.eplb_stats(), spec_survival=self.executor.spec_survival_stats(),
+                           **counters)

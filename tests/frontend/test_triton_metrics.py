@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from backend_lib.core.outputs import EngineStats, RequestMetrics, RequestOutput
+from backend_lib.core.outputs import EngineStats, RequestMetrics, RequestOutput, SpecSurvivalStats
 from backend_lib.frontend.triton.metrics import TritonMetrics
 
 LABELS = {"model": "deepinfer", "version": "1"}
@@ -142,6 +142,20 @@ def test_per_position_gauges_grow_with_the_positions_reported(pb):
     assert len(pb.series(family)) == 2  # one series per position, created once
     assert pb.value(family, position="0") == pytest.approx(0.75)
     assert pb.value(family, position="1") == 0.0
+
+
+def test_dspark_survival_calibration_gauges(pb):
+    metrics = TritonMetrics(pb, LABELS)
+    metrics.refresh(_stats())  # no block drafter: no series
+    assert not [f for f in pb.MetricFamily.created if f.name.endswith("_survival_per_position") and f.metrics]
+    metrics.refresh(_stats(spec_survival=SpecSurvivalStats([0.9], [0.8])))
+    metrics.refresh(_stats(spec_survival=SpecSurvivalStats([0.9, 0.5], [0.75, 0.5])))
+    predicted, observed = ("deepinfer_spec_decode_predicted_survival_per_position",
+                           "deepinfer_spec_decode_observed_survival_per_position")
+    assert pb.kind(predicted) == pb.kind(observed) == "gauge"
+    assert len(pb.series(predicted)) == 2  # one series per position, created once
+    assert [pb.value(predicted, position=str(j)) for j in range(2)] == pytest.approx([0.9, 0.5])
+    assert [pb.value(observed, position=str(j)) for j in range(2)] == pytest.approx([0.75, 0.5])
 
 
 def test_admission_refusal_counters_follow_engine_stats(pb):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from backend_lib.core.outputs import EngineStats, EplbStats, RequestOutput
+from backend_lib.core.outputs import EngineStats, EplbStats, RequestOutput, SpecSurvivalStats
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # The priority label's values: a request's priority, clamped into this range so the label set stays bounded.
@@ -120,6 +120,16 @@ class TritonMetrics:
                                                  "step (0: drafting off), by length", kind=counter)
         self._families.append(self._length_family)
         self.spec_chosen_lengths: list[_CumulativeCounter] = []  # one per length, created when first reported
+        # DSpark's survival calibration: the confidence head's prediction next to what verification accepted.
+        self._predicted_family = family(name="deepinfer_spec_decode_predicted_survival_per_position", kind=gauge,
+                                        description="DSpark: mean survival the confidence head predicted at draft "
+                                                    "position (0-based), over the drafts verified there")
+        self._observed_family = family(name="deepinfer_spec_decode_observed_survival_per_position", kind=gauge,
+                                       description="DSpark: share of those drafts accepted with every draft before "
+                                                   "them (the calibration's truth)")
+        self._families += [self._predicted_family, self._observed_family]
+        self.spec_predicted_survival: list[Any] = []
+        self.spec_observed_survival: list[Any] = []
         # EPLB (enable_eplb): the window's busiest expert-parallel rank's tokens / the mean, per MoE layer (label
         # "layer": its index among the EPLB layers, created when first reported) and of the worst layer.
         self._imbalance_family = family(name="deepinfer_expert_load_imbalance",
@@ -191,8 +201,18 @@ class TritonMetrics:
                 self._length_family.Metric(labels={**self._labels, "length": str(length)})))
         for counter, total in zip(self.spec_chosen_lengths, stats.spec_chosen_lengths):
             counter.advance_to(total)
+        if stats.spec_survival is not None:
+            self._refresh_spec_survival(stats.spec_survival)
         if stats.eplb is not None:
             self._refresh_eplb(stats.eplb)
+
+    def _refresh_spec_survival(self, survival: SpecSurvivalStats) -> None:
+        for family, metrics, values in ((self._predicted_family, self.spec_predicted_survival, survival.predicted),
+                                        (self._observed_family, self.spec_observed_survival, survival.observed)):
+            while len(metrics) < len(values):
+                metrics.append(family.Metric(labels={**self._labels, "position": str(len(metrics))}))
+            for gauge, value in zip(metrics, values):
+                gauge.set(value)
 
     def _refresh_eplb(self, eplb: EplbStats) -> None:
         while len(self.expert_imbalance_per_layer) < len(eplb.layer_imbalance):

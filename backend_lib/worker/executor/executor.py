@@ -14,7 +14,7 @@ import logging
 import torch
 
 from backend_lib.core.config import EngineConfig, config_to_flat
-from backend_lib.core.outputs import EplbStats, RunnerOutput, SchedulerOutput
+from backend_lib.core.outputs import EplbStats, RunnerOutput, SchedulerOutput, SpecSurvivalStats
 from backend_lib.models.parallel import ParallelContext
 from backend_lib.worker.eplb import ExpertLoadBalancer
 from backend_lib.worker.executor.process_group import host_rendezvous, init_group, leave_group, pin_rank_threads
@@ -96,6 +96,10 @@ class Executor:
 
     def eplb_stats(self) -> EplbStats | None:
         return None if self.balancer is None else self.balancer.stats()
+
+    def spec_survival_stats(self) -> SpecSurvivalStats | None:
+        drafter = self.state.runner.block_drafter
+        return None if drafter is None else drafter.calibration.snapshot()
 
     def close(self) -> None:
         """Stop every worker (idempotent). After a failure the survivors are killed rather than told."""

@@ -30,6 +30,7 @@ from backend_lib.core.outputs import ScheduledChunk
 from backend_lib.models.dspark.heads import confidence_logits, draft_sequentially
 from backend_lib.models.dspark.model import load_drafter
 from backend_lib.models.interfaces import capabilities_of
+from backend_lib.worker.spec_decode.block_stats import SurvivalCalibration
 from backend_lib.worker.spec_decode.rejection import num_accepted
 from backend_lib.worker.spec_decode.verify_schedule import VerifyLengthSchedule
 
@@ -85,6 +86,8 @@ class BlockDraftProposer:
         self.threshold = spec.dspark_confidence_threshold
         self.schedule = VerifyLengthSchedule(self.k, self.block_size)
         self.last_survival: dict[str, list[float]] = {}  # request id -> survival of the drafts it proposed
+        self.calibration = SurvivalCalibration(self.k)  # /metrics: DSpark's predicted against observed survival
+        self.head_survival = False  # whether last_survival came from a confidence head (DFlash: none, all 1.0)
 
     def write_context(self, positions: torch.Tensor,  # [T] int64: the rows the target ran this step
                       slot_mapping: torch.Tensor) -> None:  # [T] int64: their slots (padding rows: the scratch block)
@@ -144,6 +147,8 @@ class BlockDraftProposer:
             predicted = self.last_survival.get(chunk.request.request_id)
             if predicted is not None and chunk.num_draft_tokens:
                 self.schedule.calibration.observe(predicted[:chunk.num_draft_tokens], len(tokens) - 1)
+                if self.head_survival:
+                    self.calibration.observe(predicted[:chunk.num_draft_tokens], len(tokens) - 1)
         self.last_survival = {}
         if block is None:
             return [[] for _ in chunks]
@@ -155,6 +160,7 @@ class BlockDraftProposer:
         survival = None
         if confidence is not None:
             survival = [_running_product(row[:self.k]) for row in confidence]
+        self.head_survival = survival is not None
         if self.fixed_length:
             length = self.k
         else:
