@@ -322,7 +322,7 @@ def test_stats_counters_fill_engine_stats():
     owned = {f.name for f in fields(EngineStats)} - {"num_running", "num_waiting", "kv_blocks_total",
                                                      "num_sessions",  # spec_* counters are the scheduler's
                                                      "num_refused_waiting", "num_refused_sessions",  # AsyncEngine's
-                                                     "eplb"}  # the executor's balancer
+                                                     "eplb", "spec_survival"}  # the executor's
     assert set(counters) == owned
 
 
