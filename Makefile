@@ -35,8 +35,9 @@ serve: install
 # are built once: much of the suite waits on one core (gcc under inductor, server starts, transformers' loads).
 # Each worker keeps torch's 2 threads (tests/conftest.py); OMP_WAIT_POLICY=PASSIVE keeps an idle OpenMP thread
 # from spinning on the core the other worker needs. tests/conftest.py hands the heaviest files out first (HEAVY_FILES).
-# Suite time on 2 cores (aim: `make test` <= 15 min, `make test-fast` <= 5 min): `make test` 20.6 min for 1,543
-# tests (AMD EPYC Zen 5, 2026-12-04, quiet, warm kernel cache): over the aim; `make test-fast` 2.6 min for 1,283.
+# Suite time on 2 cores (aim: `make test` <= 15 min, `make test-fast` <= 5 min): `make test` 18.6 min for 1,606
+# tests (AMD EPYC Zen 5, 2026-12-04, quiet, warm compile caches, cold oracle copy): over the aim; `make test-fast`
+# 5.4 min for 1,327 with one other job running beside it.
 TEST_WORKERS ?= 2
 PYTEST := OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile
 
