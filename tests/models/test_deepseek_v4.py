@@ -19,7 +19,7 @@ from tests.helpers.paged_runner import HybridPagedRunner
 from tests.helpers.engines import drive, make_engine, new_tokens
 
 # `make test` only (not test-fast): the tiny V4 against transformers per config, through the model and the engine.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 NEW_TOKENS = 24
 CONFIGS = {
@@ -35,16 +35,6 @@ CONFIGS = {
                                    "sliding_attention", "compressed_sparse_attention"],
                       mlp_layer_types=["hash_moe", "moe", "hash_moe", "moe"]),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: every op is latency bound, and on a busy 2-core machine a 2-thread OpenMP pool waits
-    for a descheduled worker on each parallel op (softmax, index_add_: ~5 ms each), which made this file 3x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _tokens(n: int, seed: int) -> list[int]:

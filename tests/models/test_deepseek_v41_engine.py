@@ -12,16 +12,10 @@ from tests.helpers.deepseek_v41_cases import CONFIGS, tokens
 from tests.helpers.deepseek_v41_reference import ReferenceV41
 from tests.helpers.paged_runner import HybridPagedRunner
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/models/conftest.py
+
 # (context length, tokens prefilled before the teacher-forced decode steps); default runs past 1,000 positions
 LENGTHS = {"default": (1040, 900), "two_groups": (300, 180), "reindex_r2": (300, 180), "wide": (300, 180)}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: a second OpenMP thread only waits on a busy 2-core machine
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

@@ -19,15 +19,10 @@ from backend_lib.models.deepseek_v41.vision.span import span_roles
 from backend_lib.tools.tiny import make_tiny
 from tests.helpers import deepseek_v41_vision_reference as ref
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/models/conftest.py
+
 LIMITS = ImageLimits(max_image_bytes=1 << 20, max_image_pixels=1 << 20)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: a second OpenMP thread only waits on a busy 2-core machine
-    yield
-    torch.set_num_threads(threads)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

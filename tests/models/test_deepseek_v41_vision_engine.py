@@ -23,6 +23,8 @@ from tests.helpers.deepseek_v41_cases import tokens
 from tests.helpers.deepseek_v41_reference import ReferenceV41
 from tests.helpers.engines import drive, new_tokens
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/models/conftest.py
+
 NEW = 8
 
 
@@ -33,13 +35,6 @@ def _image(width: int, height: int, seed: int) -> bytes:
     Image.fromarray(pixels).save(buf, format="PNG")
     return buf.getvalue()
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: a second OpenMP thread only waits on a busy 2-core machine
-    yield
-    torch.set_num_threads(threads)
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):

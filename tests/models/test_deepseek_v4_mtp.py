@@ -23,16 +23,10 @@ from backend_lib.tools.tiny import make_tiny
 from kernels.attention_metadata import AttentionMetadata, StateRows
 from tests.helpers.engines import drive, make_engine, new_tokens
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/models/conftest.py
+
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 BLOCK = 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Oracle:

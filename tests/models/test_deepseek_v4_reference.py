@@ -15,16 +15,10 @@ from tests.helpers.paged_runner import HybridPagedRunner
 from tests.helpers.v4_reference import REFERENCE_CONFIGS, RELEASE_SMALL, ReferenceV4
 from tests.helpers.engines import drive, make_engine
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/models/conftest.py
+
 # (context length, tokens prefilled before teacher-forced decode); release_small runs past 1,000 positions
 LENGTHS = {"release_small": (1100, 900), "odd_rates": (320, 200), "top1": (320, 200), "top_wide": (320, 200)}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: a second OpenMP thread only waits on a busy 2-core machine
-    yield
-    torch.set_num_threads(threads)
 
 
 def _tokens(n: int, seed: int) -> list[int]:

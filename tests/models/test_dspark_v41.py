@@ -17,15 +17,9 @@ from tests.helpers.deepseek_v41_cases import tokens
 from tests.helpers.dspark_v41_reference import ReferenceV41DSpark
 from tests.helpers.paged_runner import HybridPagedRunner
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/models/conftest.py
+
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: a second OpenMP thread only waits on a busy 2-core machine
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

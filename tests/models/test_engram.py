@@ -21,6 +21,8 @@ from tests.helpers.engram_reference import EngramReferenceV4, EngramTransformers
 from tests.helpers.v4_reference import ReferenceV4
 from tests.helpers.engines import drive, make_engine
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/models/conftest.py
+
 # head counts, n-gram orders, conv widths, stream counts and layer placements (first, last, consecutive)
 CONFIGS = {
     "trigram": dict(layers=(1, 3), engram={}, model={}),
@@ -30,14 +32,6 @@ CONFIGS = {
                                                              n_head_per_ngram=3, n_embed_per_ngram=24, kernel_size=3,
                                                              seed=5), model=dict(hc_mult=2)),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _tokens(n: int, seed: int) -> list[int]:
